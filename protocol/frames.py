@@ -1,0 +1,235 @@
+"""Typed frames of the wire protocol.
+
+Every frame is a frozen dataclass. Integer and float arrays are numpy arrays with a fixed dtype
+(see ARRAY_DTYPES): the codec sends them as raw little-endian buffers in extra ZeroMQ frame parts
+and decodes them zero-copy, so they are read-only on the receiving side.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+# Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
+# one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
+LAYOUT_VERSION = 1
+SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    PREPARE = 3
+    READY = 4
+    REJECT = 5
+    GO = 6
+    ABORT = 7
+    RESULT = 8
+    DONE = 9
+    HEARTBEAT = 10
+    SHUTDOWN = 11
+
+
+class KVDtype(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8_E4M3 = "fp8-e4m3"
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What every rank agrees on at the handshake; PREPARE frames are validated against it."""
+
+    num_pages: int
+    page_size: int
+    num_layers: int
+    num_kv_heads: int  # total over all ranks
+    head_dim: int
+    kv_dtype: str  # a KVDtype value
+    vocab_size: int
+    max_context: int  # positions must be < max_context
+    max_seqs: int  # sequences per step
+    max_tokens_per_step: int  # new tokens per step, summed over sequences
+    host_slots: int = 0  # pages of host offload buffer
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_context // self.page_size)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Executor -> scheduler, once, before anything else."""
+
+    rank: int
+    world_size: int
+    versions: tuple[int, ...]
+    layout: int
+    model_fingerprint: str
+    geometry: CacheGeometry
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Scheduler -> executor: the negotiated version and the geometry every rank uses."""
+
+    version: int
+    layout: int
+    world_size: int
+    geometry: CacheGeometry
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Scheduler -> every executor: one step.
+
+    Sequence i contributes query_lens[i] new tokens, whose ids and positions are the slice
+    token_ids[q0:q0+query_lens[i]] (q0 = sum of earlier query_lens); after the step it is
+    context_lens[i] tokens long. Its page table is page_table[p0:p0+page_table_lens[i]].
+    sample[i] says whether the logits of its last new token are sampled this step (a prefill chunk
+    that does not reach the prompt's end is not sampled).
+
+    Before the forward, in this order: offload_pages -> host offload_slots; poison_pages filled with
+    0xFF (debug fault injection); host restore_slots -> restore_pages; cleared_pages zeroed.
+    """
+
+    seq_ids: np.ndarray  # int64[n]
+    query_lens: np.ndarray  # int32[n]
+    context_lens: np.ndarray  # int32[n]
+    token_ids: np.ndarray  # int32[T]
+    positions: np.ndarray  # int32[T]
+    page_table_lens: np.ndarray  # int32[n]
+    page_table: np.ndarray  # int32[sum(page_table_lens)]
+    sample: np.ndarray  # uint8[n]
+    temperature: np.ndarray  # float32[n]; 0 means greedy
+    top_p: np.ndarray  # float32[n]; 1 means off
+    top_k: np.ndarray  # int32[n]; 0 means off
+    seeds: np.ndarray  # int64[n]; -1 means unseeded
+    cleared_pages: np.ndarray  # int32[], sorted, unique
+    restore_pages: np.ndarray  # int32[r]
+    restore_slots: np.ndarray  # int32[r]
+    offload_pages: np.ndarray  # int32[o]
+    offload_slots: np.ndarray  # int32[o]
+    poison_pages: np.ndarray  # int32[], debug: pages that returned to the free pool
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+
+
+@dataclass(frozen=True)
+class Reject:
+    rank: int
+    code: int  # a protocol.errors.RejectCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Go:
+    pass
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """Rank 0 -> scheduler after the forward: one row per sequence with sample[i] set."""
+
+    seq_ids: np.ndarray  # int64[m]
+    token_ids: np.ndarray  # int32[m]
+    logprobs: np.ndarray  # float32[m]
+    finite: np.ndarray  # uint8[m]; 0: the logits row had a NaN or inf, token_ids[i] is meaningless
+    step_time_us: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    """Ranks other than 0 -> scheduler after the forward."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    rank: int  # -1 for the scheduler
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str
+
+
+Body = Hello | Welcome | Prepare | Ready | Reject | Go | Abort | Result | Done | Heartbeat | Shutdown
+
+BODY_TYPES: dict[FrameType, type] = {
+    FrameType.HELLO: Hello,
+    FrameType.WELCOME: Welcome,
+    FrameType.PREPARE: Prepare,
+    FrameType.READY: Ready,
+    FrameType.REJECT: Reject,
+    FrameType.GO: Go,
+    FrameType.ABORT: Abort,
+    FrameType.RESULT: Result,
+    FrameType.DONE: Done,
+    FrameType.HEARTBEAT: Heartbeat,
+    FrameType.SHUTDOWN: Shutdown,
+}
+FRAME_TYPE_OF: dict[type, FrameType] = {cls: t for t, cls in BODY_TYPES.items()}
+
+# The dtype of every array field, by frame class and field name. Anything else is a scalar.
+ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
+    Prepare: {
+        "seq_ids": np.dtype("<i8"),
+        "query_lens": np.dtype("<i4"),
+        "context_lens": np.dtype("<i4"),
+        "token_ids": np.dtype("<i4"),
+        "positions": np.dtype("<i4"),
+        "page_table_lens": np.dtype("<i4"),
+        "page_table": np.dtype("<i4"),
+        "sample": np.dtype("u1"),
+        "temperature": np.dtype("<f4"),
+        "top_p": np.dtype("<f4"),
+        "top_k": np.dtype("<i4"),
+        "seeds": np.dtype("<i8"),
+        "cleared_pages": np.dtype("<i4"),
+        "restore_pages": np.dtype("<i4"),
+        "restore_slots": np.dtype("<i4"),
+        "offload_pages": np.dtype("<i4"),
+        "offload_slots": np.dtype("<i4"),
+        "poison_pages": np.dtype("<i4"),
+    },
+    Result: {
+        "seq_ids": np.dtype("<i8"),
+        "token_ids": np.dtype("<i4"),
+        "logprobs": np.dtype("<f4"),
+        "finite": np.dtype("u1"),
+    },
+}
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A whole frame: the envelope fields and one body.
+
+    `seq` is the sender's frame counter, strictly increasing per sender and connection: the receiver
+    rejects a frame whose seq is not above the last one it accepted from that sender (replay).
+    """
+
+    version: int
+    layout: int
+    run_id: str
+    step: int
+    seq: int
+    body: Body
+
+    @property
+    def type(self) -> FrameType:
+        return FRAME_TYPE_OF[type(self.body)]
