@@ -1,0 +1,58 @@
+"""Bad options get one clear sentence and exit code 2 before any rank starts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import write_tiny_llama
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tp_runtime", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny"), num_heads=4, num_kv_heads=2))
+
+
+def assert_usage_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("tp-runtime: error: "), result.stderr
+    for needle in needles:
+        assert needle in message, message
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_model_file() -> None:
+    assert_usage_error(run_cli("generate", "hi", "--model", "/nonexistent/model.gguf"), "/nonexistent/model.gguf", "does not exist")
+
+
+def test_tensor_parallel_size_the_model_cannot_be_split_into(tiny: str) -> None:
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "--tensor-parallel-size", "8"), "--tensor-parallel-size 8")
+
+
+def test_port_in_use(tiny: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert_usage_error(run_cli("serve", "--model", tiny, "--port", str(port)), f"port {port}", "in use")
+
+
+def test_bad_numbers(tiny: str) -> None:
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "--max-tokens", "0"), "--max-tokens")
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "--max-model-len", "100000"), "--max-model-len")
+    assert_usage_error(run_cli("serve", "--model", tiny, "--kv-cache-memory", "lots"), "lots")
+    assert_usage_error(run_cli("serve", "--model", tiny, "--num-kv-pages", "2", "--max-model-len", "256"), "pages")
+
+
+def test_corrupt_model_file(tmp_path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    assert_usage_error(run_cli("generate", "hi", "--model", str(bad)), "broken.gguf")

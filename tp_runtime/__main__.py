@@ -1,0 +1,5 @@
+import sys
+
+from tp_runtime.cli import main
+
+sys.exit(main())

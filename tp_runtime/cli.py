@@ -1,0 +1,207 @@
+"""The `tp-runtime` command: serve, generate, soak, bench.
+
+Outside torchrun, `serve` and `generate` validate every option, then re-enter themselves through
+torch.distributed's launcher; inside torchrun they become one rank. Options follow vLLM's names.
+Bad options get one sentence on stderr and exit code 2, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from tp_runtime.config import DTYPES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: one sentence, exit 2
+        sys.stderr.write(f"tp-runtime: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _add_runtime_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and parallelism")
+    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of ranks (default 1)")
+    g.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight and activation dtype (default bf16)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g = p.add_argument_group("KV cache and batching")
+    g.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
+    g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16)
+    g.add_argument("--num-kv-pages", type=int, default=0, help="pages in the KV pool (default: from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"), help="KV pool size per rank (default 1GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=0, help="default: the model's context length")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--swap-space", type=parse_size, default=0, help="host buffer for preempted pages (0: recompute)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g = p.add_argument_group("fault injection (debug)")
+    g.add_argument("--debug-poison-kv-cache", action="store_true", help="fill the cache with 0xFF (NaN) at allocation")
+    g.add_argument("--debug-poison-freed-pages", action="store_true", help="fill every page freed to the pool with 0xFF")
+    g.add_argument("--debug-skip-clears", action="store_true", help="skip clearing pages (proves the poison is detected)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tp-runtime", description="Tensor-parallel LLM inference that never reads unwritten KV bytes.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    _add_runtime_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    gen = sub.add_parser("generate", help="generate a completion of one prompt and exit")
+    gen.add_argument("prompt")
+    _add_runtime_options(gen)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
+    for name, help_text in (("soak", "soak run under KV pressure with fault injection"), ("bench", "serving benchmark")):
+        tool = sub.add_parser(name, help=help_text, add_help=False)
+        tool.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    from executor.model import default_model_path
+
+    return RuntimeConfig(
+        model=args.model or default_model_path(),
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        page_size=args.page_size,
+        num_kv_pages=args.num_kv_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        swap_space=args.swap_space,
+        enable_prefix_caching=args.enable_prefix_caching,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 8000),
+        debug_poison_kv_cache=args.debug_poison_kv_cache,
+        debug_poison_freed_pages=args.debug_poison_freed_pages,
+        debug_skip_clears=args.debug_skip_clears,
+        log_level=args.log_level,
+    )
+
+
+def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
+    """Everything that can be checked before a rank starts; raises ConfigError with one sentence."""
+    from executor.model import ModelLoadError
+    from tp_runtime.launch import resolve
+
+    if config.tensor_parallel_size < 1:
+        raise ConfigError("--tensor-parallel-size must be at least 1")
+    if config.page_size < 1 or config.page_size & (config.page_size - 1):
+        raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
+    if not os.path.exists(config.model):
+        raise ConfigError(f"the model path {config.model} does not exist")
+    if config.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < config.tensor_parallel_size:
+            raise ConfigError(
+                f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs; this machine has {torch.cuda.device_count()}"
+            )
+    if args.command == "generate":
+        if args.max_tokens < 1:
+            raise ConfigError("--max-tokens must be at least 1")
+        if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+            raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
+    if args.command == "serve":
+        _check_port_free(config.host, config.port)
+    try:
+        return resolve(config)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {host} is already in use") from None
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def run_generate_job(engine, tokenizer, argv: Sequence[str]) -> int:  # noqa: ANN001 (frontend types)
+    """The frontend side of `generate`: one request, text to stdout as it comes."""
+    from scheduler.request import SamplingParams
+    from tp_runtime.chat import render_chat
+    from tp_runtime.tokenizer import IncrementalDetokenizer
+
+    args = build_parser().parse_args(list(argv))
+    engine.wait_ready()
+    prompt = args.prompt if args.raw else render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+    ids = tokenizer.encode(prompt)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=tuple(tokenizer.eos_token_ids),
+    )
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces: list[str] = []
+    for event in engine.submit(ids, params):
+        if event.error:
+            sys.stdout.flush()
+            sys.stderr.write(f"tp-runtime: generation failed: {event.error}\n")
+            return 1
+        for token in event.token_ids:
+            delta = detok.add(token)
+            pieces.append(delta)
+            if args.stream:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    tail = detok.flush()
+    pieces.append(tail)
+    sys.stdout.write(tail if args.stream else "".join(pieces))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command in ("soak", "bench"):
+        script = {"soak": "soak", "bench": "bench_serving"}[args.command]
+        from tp_runtime.tools import run_script
+
+        return run_script(script, args.args)
+    from executor.model import ModelLoadError
+    from tp_runtime.launch import launch, run_worker, under_torchrun
+
+    try:
+        config = config_from_args(args)
+        if under_torchrun():
+            return run_worker(config, args.command, argv)
+        config = validate(config, args)
+    except (ConfigError, ModelLoadError) as exc:
+        sys.stderr.write(f"tp-runtime: error: {exc}\n")
+        return EXIT_USAGE
+    return launch(config, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

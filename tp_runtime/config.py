@@ -1,0 +1,72 @@
+"""Runtime configuration: one dataclass built from the command line and handed to every process.
+
+The launcher validates it before any rank starts; the frontend process receives it as JSON (it is
+not secret, and JSON keeps pickle off every channel).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+
+DTYPES = ("bf16", "fp32", "fp16")
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8-e4m3")
+
+
+class ConfigError(ValueError):
+    """An option that cannot work; the CLI prints it as one sentence and exits with code 2."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "bf16"
+    kv_cache_dtype: str = "auto"
+    page_size: int = 16
+    num_kv_pages: int = 0  # 0: derived from kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes per rank for the KV pool, when num_kv_pages is 0
+    max_num_seqs: int = 64
+    max_model_len: int = 0  # 0: the model's context length
+    max_num_batched_tokens: int = 512
+    swap_space: int = 0  # bytes of host offload buffer per rank; 0 preempts by recompute
+    num_host_pages: int = 0  # derived from swap_space by the launcher
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    enforce_eager: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    debug_poison_kv_cache: bool = False
+    debug_poison_freed_pages: bool = False
+    debug_skip_clears: bool = False
+    log_level: str = "info"
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RuntimeConfig:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {sorted(unknown)}")
+        return cls(**data)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '512M', '2.5G' or a plain byte count -> bytes (binary units, as vLLM's flags read)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"'{text}' is not a size: write a number of bytes or e.g. 512MiB, 1GiB")
+    unit = (match.group(2) or "").upper()[:1]
+    return int(float(match.group(1)) * _UNITS[unit])
