@@ -1,0 +1,284 @@
+"""The tokenizer built from the embedded SmolLM2 GGUF, incremental detokenization, chat templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from server.fake_engine import default_model_path
+
+from tp_runtime.chat import ChatMessage, ChatTemplateError, render_chat
+from tp_runtime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+
+SAMPLES = [
+    "What is 2+2?",
+    "Hello world 12345 3.14159 1,000,000",
+    "  leading spaces\t\ttabs\n\n\nnewlines  ",
+    "naïve café — 日本語のテキスト 🎉👨‍👩‍👧 emoji",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "don't I'll we've <|endoftext|>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def test_ids_equal_transformers(tokenizer, reference):
+    for text in SAMPLES:
+        assert tokenizer.encode(text) == reference(text)["input_ids"], text
+
+
+def test_special_tokens_from_metadata(tokenizer):
+    assert tokenizer.bos_token_id == 1 and tokenizer.bos_token == "<|im_start|>"
+    assert tokenizer.eos_token_ids == (2,) and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.vocab_size == 49152
+    # Control tokens stay whole, and add_bos is false in this file.
+    assert tokenizer.encode("<|im_start|>") == [1]
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_decode_skips_special_tokens(tokenizer):
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>user\nhi<|im_end|>")) == "user\nhi"
+
+
+def incremental(tokenizer, ids, prompt=()):
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detokenizer.add(token) for token in ids]
+    return deltas, detokenizer.flush()
+
+
+@pytest.mark.parametrize("text", ["日本語のテキスト", "🎉👨‍👩‍👧 ok", "naïve € 😀😀 中文"])
+def test_incremental_never_emits_broken_characters(tokenizer, text):
+    ids = tokenizer.encode(text)
+    # The premise: some of these tokens end inside a character when decoded alone.
+    assert any("\ufffd" in tokenizer.decode([token]) for token in ids)
+    deltas, tail = incremental(tokenizer, ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert "".join(deltas) + tail == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
+def test_incremental_equals_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    # Characters whose bytes the vocabulary lacks (e.g. unassigned planes) cannot round-trip at all.
+    assume(tokenizer.decode(ids) == text)
+    deltas, tail = incremental(tokenizer, ids)
+    assert "".join(deltas) + tail == text
+    assert not any("\ufffd" in delta for delta in deltas) or "\ufffd" in text
+
+
+def test_incremental_after_prompt_context(tokenizer):
+    prompt = tokenizer.encode("<|im_start|>assistant\n")
+    ids = tokenizer.encode("The answer is 4.")
+    deltas, tail = incremental(tokenizer, ids, prompt)
+    assert "".join(deltas) + tail == "The answer is 4."
+
+
+def test_flush_drops_an_unfinished_character(tokenizer):
+    ids = tokenizer.encode("ok 🎉")
+    cut = next(i for i in range(1, len(ids) + 1) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    deltas, tail = incremental(tokenizer, ids[:cut])
+    assert "".join(deltas) + tail == "ok "
+
+
+def test_chat_template_is_chatml_with_default_system_prompt(tokenizer):
+    prompt = render_chat(tokenizer, [{"role": "user", "content": "What is 2+2?"}])
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    own_system = render_chat(tokenizer, [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")])
+    assert own_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and "SmolLM" not in own_system
+
+
+def test_chat_template_matches_transformers(tokenizer, reference):
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Sure?"},
+    ]
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_chat(tokenizer, messages) == expected
+
+
+@pytest.mark.parametrize(
+    "messages, fragment",
+    [
+        ([], "empty"),
+        ("hi", "must be a list"),
+        ([42], "messages[0] must be an object"),
+        ([{"role": "robot", "content": "x"}], "'robot'"),
+        ([{"role": "user"}], "messages[0].content is missing"),
+        ([{"role": "user", "content": 3}], "must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content"),
+    ],
+)
+def test_malformed_messages(tokenizer, messages, fragment):
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(tokenizer, messages)
+    assert fragment in str(info.value)
+
+
+class _TemplateOnly:
+    """Just what render_chat reads from a tokenizer."""
+
+    def __init__(self, template):
+        self.chat_template = template
+        self.bos_token = "<s>"
+        self.eos_token = "</s>"
+
+
+def test_template_runs_sandboxed():
+    escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ChatTemplateError, match="failed"):
+        render_chat(_TemplateOnly(escape), [{"role": "user", "content": "x"}])
+
+
+def test_template_raise_exception_is_a_chat_error():
+    template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+    with pytest.raises(ChatTemplateError, match="system first"):
+        render_chat(_TemplateOnly(template), [{"role": "user", "content": "x"}])
+
+
+def test_no_template_is_a_chat_error():
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(_TemplateOnly(None), [{"role": "user", "content": "x"}])
+
+
+def test_hugging_face_directory(tokenizer, tmp_path: Path):
+    # A tokenizer.json written from the GGUF-built tokenizer, plus the config files of a HF repo.
+    tokenizer._backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": {"content": "<|im_end|>"},
+                "chat_template": tokenizer.chat_template,
+            }
+        )
+    )
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    loaded = Tokenizer.from_model_path(tmp_path)
+    assert loaded.bos_token_id == 1
+    assert loaded.eos_token_ids == (2, 0)
+    assert loaded.chat_template == tokenizer.chat_template
+    for text in SAMPLES:
+        assert loaded.encode(text) == tokenizer.encode(text)
+
+
+def test_unusable_model_files(tmp_path: Path):
+    with pytest.raises(TokenizerError, match="no model"):
+        Tokenizer.from_model_path(tmp_path / "missing.gguf")
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        Tokenizer.from_model_path(tmp_path)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(TokenizerError, match="not a GGUF file"):
+        Tokenizer.from_model_path(bad)
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_model_path(), "rb") as f:
+        truncated.write_bytes(f.read(4096))
+    with pytest.raises(TokenizerError, match="truncated"):
+        Tokenizer.from_model_path(truncated)
+
+
+def write_sentencepiece_gguf(path: Path) -> None:
+    """A tiny Llama 2-style vocabulary: <unk> <s> </s>, 256 byte-fallback tokens, scored pieces."""
+    import gguf
+    import numpy as np
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "lo", "llo", "▁he", "hello", "▁hello"]
+    pieces += ["▁w", "or", "▁wor", "ld", "▁world", "é"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens + pieces)
+    writer.add_token_types(types + [1] * len(pieces))
+    writer.add_token_scores([0.0] * len(tokens) + [-float(i) for i in range(len(pieces))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("unused", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+SPM_SAMPLES = ["hello world", "Hello  world é ñ", "hello\nworld", " hello", "</s>hello<s>", "ñ日本", ""]
+
+
+def test_sentencepiece_gguf(tmp_path: Path):
+    write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    spm = Tokenizer.from_model_path(tmp_path / "spm.gguf")
+    assert (spm.bos_token_id, spm.eos_token_ids) == (1, (2,))
+    ids = spm.encode("hello world")
+    assert ids[0] == 1 and spm.decode(ids) == "hello world"  # BOS by default for this tokenizer type
+    # Characters outside the vocabulary fall back to byte tokens, and come back whole.
+    assert spm.decode(spm.encode("ñ日本")) == "ñ日本"
+    detokenizer = IncrementalDetokenizer(spm, spm.encode("hello"))
+    deltas = [detokenizer.add(t) for t in spm.encode(" world ñ", add_special_tokens=False)]
+    assert "".join(deltas) + detokenizer.flush() == " world ñ"
+    assert not any("\ufffd" in d for d in deltas)
+
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in SPM_SAMPLES:
+        assert spm.encode(text) == reference(text)["input_ids"], text
+
+
+def write_byte_level_gguf(path: Path, pre: str) -> None:
+    """A tiny byte-level BPE vocabulary: ChatML control tokens, the 256 byte symbols, a few merges."""
+    import gguf
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    controls = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "' s"]
+    merged = [m.replace(" ", "") for m in merges]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(controls + symbols + merged)
+    writer.add_token_types([3] * len(controls) + [1] * (len(symbols) + len(merged)))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(pre == "llama-bpe")
+    writer.add_tensor("unused", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe"])
+def test_byte_level_gguf_pre_tokenizers_match_transformers(tmp_path: Path, pre):
+    write_byte_level_gguf(tmp_path / "bpe.gguf", pre)
+    ours = Tokenizer.from_model_path(tmp_path / "bpe.gguf")
+    # "12341234" and "IT'S" split differently under the two pre-tokenizers (digit runs of at most
+    # three, case-insensitive contractions), so a wrong split shows in the ids.
+    texts = ["the 12341234 IT'S it's\n\n  x", "<|im_start|>user\nthe<|im_end|>", "ünïcödé 日本 🎉"]
+    for text in texts:
+        assert ours.decode(ours.encode(text)) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert (ours.encode("x")[0] == 1) == (pre == "llama-bpe")
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="bpe.gguf")
+    for text in texts:
+        assert ours.encode(text) == reference(text)["input_ids"], text

@@ -1,0 +1,414 @@
+"""The tokenizer, built from the model's own files, and incremental detokenization.
+
+Two sources: a GGUF file (llama.cpp's `tokenizer.ggml.*` metadata: a byte-level BPE vocabulary with
+its merges, as SmolLM2 and Llama 3 ship, or a sentencepiece BPE vocabulary with scores, as Llama 2
+and Mistral ship) or a Hugging Face directory (`tokenizer.json` with `tokenizer_config.json`). Both
+end up as a `tokenizers.Tokenizer` built the way transformers builds it from the same files, so the
+ids match and encoding and decoding run in Rust. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+_REPLACEMENT = "\ufffd"
+# How many prompt tokens the detokenizer decodes as context in front of the first generated token:
+# decoders that drop a leading space at the start of a text (Metaspace) need a token before it.
+_DETOKENIZE_CONTEXT = 5
+
+# llama.cpp token types (gguf.TokenType).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# Pre-tokenizer splits by llama.cpp's `tokenizer.ggml.pre`; any other value (gpt2, smollm, ...) uses
+# the GPT-2 byte-level split, which is what transformers builds for those files too.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS_BY_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+
+
+class TokenizerError(ValueError):
+    """The model files do not describe a tokenizer that this runtime can build."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, in which byte-level vocabularies are spelled."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+@dataclass(frozen=True)
+class _GGUFTokenizerData:
+    tokens: list[str]
+    token_types: list[int]
+    scores: list[float]
+    merges: list[str]
+    model: str
+    pre: str
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unknown_token_id: int | None
+    add_bos: bool
+    chat_template: str | None
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format of a scalar.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+_GGUF_MAGIC = b"GGUF"
+
+
+class _GGUFMetadata:
+    """Reads the key/value header of a GGUF file, and nothing after it.
+
+    gguf.GGUFReader maps and indexes every tensor too, which takes seconds for a vocabulary of
+    50k strings; the tokenizer needs only the header, which this reads in a fraction of that.
+    """
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            self._f = f
+            if f.read(4) != _GGUF_MAGIC:
+                raise TokenizerError(f"{path} is not a GGUF file (bad magic)")
+            (version,) = self._unpack("<I")
+            if version < 2:
+                raise TokenizerError(f"{path} is GGUF version {version}; versions 2 and 3 are read")
+            _, count = self._unpack("<QQ")
+            self.values: dict[str, object] = {}
+            for _ in range(count):
+                key = self._string()
+                (kind,) = self._unpack("<I")
+                self.values[key] = self._value(kind)
+
+    def _unpack(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        data = self._f.read(size)
+        if len(data) != size:
+            raise TokenizerError("the GGUF header ends early: the file is truncated")
+        return struct.unpack(fmt, data)
+
+    def _string(self) -> str:
+        (length,) = self._unpack("<Q")
+        data = self._f.read(length)
+        if len(data) != length:
+            raise TokenizerError("the GGUF header ends early: the file is truncated")
+        return data.decode("utf-8", errors="replace")
+
+    def _value(self, kind: int) -> object:
+        if kind == _GGUF_STRING:
+            return self._string()
+        if kind in _GGUF_SCALARS:
+            return self._unpack("<" + _GGUF_SCALARS[kind])[0]
+        if kind == _GGUF_ARRAY:
+            item_kind, length = self._unpack("<IQ")
+            if item_kind in _GGUF_SCALARS:
+                return list(self._unpack(f"<{length}{_GGUF_SCALARS[item_kind]}")) if length else []
+            return [self._value(item_kind) for _ in range(length)]
+        raise TokenizerError(f"unknown GGUF metadata value type {kind}")
+
+
+def _read_gguf_tokenizer(path: Path) -> _GGUFTokenizerData:
+    try:
+        values = _GGUFMetadata(path).values
+    except OSError as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    model = values.get("tokenizer.ggml.model")
+    tokens = values.get("tokenizer.ggml.tokens")
+    if not isinstance(model, str) or not isinstance(tokens, list):
+        raise TokenizerError(f"{path} holds no tokenizer (no tokenizer.ggml.model/.tokens metadata)")
+    return _GGUFTokenizerData(
+        tokens=tokens,
+        token_types=list(values.get("tokenizer.ggml.token_type", [])),
+        scores=list(values.get("tokenizer.ggml.scores", [])),
+        merges=list(values.get("tokenizer.ggml.merges", [])),
+        model=model,
+        pre=str(values.get("tokenizer.ggml.pre", "default")),
+        bos_token_id=values.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=values.get("tokenizer.ggml.eos_token_id"),
+        unknown_token_id=values.get("tokenizer.ggml.unknown_token_id"),
+        # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
+        add_bos=bool(values.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        chat_template=values.get("tokenizer.chat_template"),
+    )
+
+
+def _byte_level_bpe(data: _GGUFTokenizerData) -> _HFTokenizer:
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Byte-level vocabularies spell every token in the GPT-2 byte alphabet; a token written in plain
+    # UTF-8 (some converters do that for added tokens) is respelled so BPE can reach it.
+    vocab = {
+        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode()): index
+        for index, token in enumerate(data.tokens)
+    }
+    merges = []
+    for line in data.merges:
+        left, sep, right = line.partition(" ")
+        if not sep:
+            raise TokenizerError(f"malformed BPE merge {line!r} in the GGUF metadata")
+        merges.append((left, right))
+    tokenizer = _HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = _SPLITS_BY_PRE.get(data.pre)
+    if split is not None:
+        byte_level = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+
+    # A control token spelled outside the byte alphabet is a converter's mislabel: adding it would
+    # grow the vocabulary past the model's.
+    return _add_special_tokens(tokenizer, data, is_control_spelling=lambda token: set(token) <= alphabet)
+
+
+def _sentencepiece_bpe(data: _GGUFTokenizerData) -> _HFTokenizer:
+    """Llama 2-style sentencepiece BPE: `▁` for spaces, byte-fallback tokens, merges that the file
+    does not store but that its token scores imply (the higher the merged token's score, the earlier
+    the merge), as transformers rebuilds them."""
+    if len(data.scores) != len(data.tokens):
+        raise TokenizerError("the GGUF sentencepiece vocabulary has no score per token (tokenizer.ggml.scores)")
+    vocab = {token: index for index, token in enumerate(data.tokens)}
+    merges: list[tuple[str, str, float]] = []
+    for merged, score in zip(data.tokens, data.scores):
+        pieces = [
+            (merged[:cut], merged[cut:], score)
+            for cut in range(1, len(merged))
+            if merged[:cut] in vocab and merged[cut:] in vocab
+        ]
+        merges.extend(sorted(pieces, key=lambda piece: (vocab[piece[0]], vocab[piece[1]])))
+    merges.sort(key=lambda piece: (piece[2], len(piece[0]), len(piece[1])), reverse=True)
+    unknown = None if data.unknown_token_id is None else data.tokens[data.unknown_token_id]
+    tokenizer = _HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for left, right, _ in merges],
+            unk_token=unknown,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1, right=0),
+        ]
+    )
+    return _add_special_tokens(tokenizer, data, is_control_spelling=lambda token: True)
+
+
+def _add_special_tokens(tokenizer: _HFTokenizer, data: _GGUFTokenizerData, is_control_spelling) -> _HFTokenizer:
+    types = data.token_types or [0] * len(data.tokens)
+    # Control tokens (<|im_start|>, </s>, ...) must stay whole in text and vanish on decode;
+    # user-defined ones stay whole but are ordinary text.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(data.tokens, types)
+            if kind == _TOKEN_CONTROL and is_control_spelling(token)
+        ]
+    )
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in zip(data.tokens, types)
+            if kind == _TOKEN_USER_DEFINED and token in vocab
+        ]
+    )
+    if data.add_bos and data.bos_token_id is not None:
+        bos = data.tokens[data.bos_token_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, data.bos_token_id)]
+        )
+    return tokenizer
+
+
+# tokenizer.ggml.model -> builder: "gpt2" is byte-level BPE (SmolLM2, Llama 3), "llama" is
+# sentencepiece BPE (Llama 2, Mistral).
+_GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+
+
+def _token_name(entry: object) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+        return entry["content"]
+    return None
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus what the frontend needs around them."""
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None,
+    ):
+        self._backend = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_model_path(cls, path: str | Path) -> Tokenizer:
+        """A `.gguf` file, or a directory holding `tokenizer.json`."""
+        path = Path(path)
+        if path.is_dir():
+            return cls._from_hf_dir(path)
+        if path.is_file():
+            return cls._from_gguf(path)
+        raise TokenizerError(f"no model at {path}: expected a .gguf file or a directory")
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> Tokenizer:
+        data = _read_gguf_tokenizer(path)
+        builder = _GGUF_BUILDERS.get(data.model)
+        if builder is None:
+            raise TokenizerError(
+                f"{path} describes a {data.model!r} tokenizer; GGUF tokenizers of type "
+                f"{', '.join(sorted(_GGUF_BUILDERS))} are built. Use a Hugging Face directory with "
+                "tokenizer.json instead."
+            )
+        backend = builder(data)
+        eos = () if data.eos_token_id is None else (data.eos_token_id,)
+        return cls(
+            backend,
+            bos_token_id=data.bos_token_id,
+            eos_token_ids=eos,
+            chat_template=data.chat_template,
+        )
+
+    @classmethod
+    def _from_hf_dir(cls, path: Path) -> Tokenizer:
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"{path} has no tokenizer.json")
+        backend = _HFTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(path / "tokenizer_config.json")
+        chat_template = config.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        if chat_template is None and template_file.is_file():
+            chat_template = template_file.read_text()
+        if isinstance(chat_template, list):
+            # A list of named templates: the plain chat one is called "default".
+            named = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
+            chat_template = named.get("default")
+
+        def token_id(entry: object) -> int | None:
+            name = _token_name(entry)
+            return None if name is None else backend.token_to_id(name)
+
+        eos_ids: list[int] = []
+        first_eos = token_id(config.get("eos_token"))
+        if first_eos is not None:
+            eos_ids.append(first_eos)
+        # Llama 3 ends a chat turn with <|eot_id|> but names <|end_of_text|> as its eos token: the
+        # generation config lists both.
+        generation_eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        for extra in generation_eos if isinstance(generation_eos, list) else [generation_eos]:
+            if isinstance(extra, int) and extra not in eos_ids:
+                eos_ids.append(extra)
+        return cls(
+            backend,
+            bos_token_id=token_id(config.get("bos_token")),
+            eos_token_ids=tuple(eos_ids),
+            chat_template=chat_template if isinstance(chat_template, str) else None,
+        )
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if not self.eos_token_ids else self._backend.id_to_token(self.eos_token_ids[0])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens adds what the model's files ask for (a BOS, if any); a prompt
+        rendered by a chat template already carries its special tokens, so pass False."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} must hold a JSON object")
+    return data
+
+
+class IncrementalDetokenizer:
+    """Turns generated tokens, one step at a time, into text deltas that are always whole characters.
+
+    A byte-level token may end inside a multi-byte UTF-8 character; decoding it then ends in U+FFFD.
+    Such text is held back until a later token completes the character. Each step decodes only a
+    short window (from `prefix_offset`), so the cost per token stays constant.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | tuple[int, ...] = ()):
+        context = list(prompt_token_ids[-_DETOKENIZE_CONTEXT:])
+        self._tokenizer = tokenizer
+        self._ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+
+    def add(self, token_id: int) -> str:
+        """Appends one token and returns the text it completes ("" while a character is open)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset])
+        text = decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """What is still held back at the end: the text of the pending tokens, without a trailing
+        incomplete character (generation stopped inside it; its bytes can never form text)."""
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix) :].rstrip(_REPLACEMENT)
