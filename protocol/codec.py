@@ -1,0 +1,396 @@
+"""Frame <-> ZeroMQ parts, with no socket in sight (sans-IO).
+
+Parts: [envelope, array_0, ..., array_k-1, mac].
+- envelope: a msgpack map {version, layout, type, run_id, step, seq, body, arrays}; `body` maps the
+  body's scalar fields (nested dataclasses as maps) and `arrays` lists [name, length] pairs, length in
+  elements, in the order of the array parts.
+- array parts: raw little-endian buffers, dtypes from frames.ARRAY_DTYPES.
+- mac: HMAC-SHA256 over a header of the part count and every part's byte length, then every earlier
+  part: with the lengths under the MAC, bytes cannot be moved between parts.
+
+Decoding checks the part count and total size (both cheap and they bound the hashing work), then the
+MAC, then everything else; every failure is a ProtocolError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import hmac
+import struct
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from protocol import frames
+from protocol.errors import ProtocolError, RejectCode
+from protocol.frames import ARRAY_DTYPES, BODY_TYPES, FRAME_TYPE_OF, Frame, FrameType
+
+MAC_BYTES = 32
+_SHA256_BLOCK = 64
+
+_ENVELOPE_KEYS = frozenset(("version", "layout", "type", "run_id", "step", "seq", "body", "arrays"))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a decoder enforces before trusting a frame's contents."""
+
+    max_frame_bytes: int = 64 << 20  # all parts together
+    max_envelope_bytes: int = 1 << 20
+    max_parts: int = 40  # envelope + arrays + mac
+    max_array_len: int = 1024  # msgpack arrays inside the envelope
+    max_map_len: int = 64
+    max_str_len: int = 64 << 10
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# Field specs, computed once per class so that encode/decode do no per-call introspection.
+_INT, _FLOAT, _STR, _INT_TUPLE = "int", "float", "str", "int_tuple"
+
+
+@dataclass(frozen=True)
+class _Spec:
+    cls: type
+    scalars: tuple[tuple[str, object], ...]  # (name, kind); kind is one of the above or a _Spec
+    arrays: tuple[tuple[str, np.dtype], ...]
+    scalar_names: frozenset[str]
+    array_dtypes: dict[str, np.dtype]
+    fill_dict: bool  # build by filling __dict__: no __post_init__ to run, no __slots__
+
+
+def _kind_of(hint: object) -> object:
+    if hint is int:
+        return _INT
+    if hint is float:
+        return _FLOAT
+    if hint is str:
+        return _STR
+    if typing.get_origin(hint) is tuple and typing.get_args(hint) == (int, Ellipsis):
+        return _INT_TUPLE
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _spec_of(hint)
+    raise TypeError(f"the codec cannot carry a field of type {hint!r}")
+
+
+def _spec_of(cls: type) -> _Spec:
+    hints = typing.get_type_hints(cls, vars(frames))
+    dtypes = ARRAY_DTYPES.get(cls, {})
+    scalars = []
+    arrays = []
+    for f in dataclasses.fields(cls):
+        if f.name in dtypes:
+            arrays.append((f.name, dtypes[f.name]))
+        else:
+            scalars.append((f.name, _kind_of(hints[f.name])))
+    return _Spec(
+        cls=cls,
+        scalars=tuple(scalars),
+        arrays=tuple(arrays),
+        scalar_names=frozenset(n for n, _ in scalars),
+        array_dtypes=dict(arrays),
+        fill_dict=not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__"),
+    )
+
+
+_SPECS: dict[type, _Spec] = {cls: _spec_of(cls) for cls in BODY_TYPES.values()}
+_FRAME_TYPES_BY_VALUE: dict[int, FrameType] = {int(t): t for t in FrameType}
+
+
+@functools.lru_cache(maxsize=16)
+def _hmac_pads(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
+    # RFC 2104 by hand on hashlib objects: the inner and outer states are keyed once per key and
+    # copied per frame, and every update is a C call (hmac.HMAC wraps each in Python).
+    if not isinstance(key, bytes) or len(key) < 16:
+        raise ProtocolError(RejectCode.INTERNAL, "the frame key must be bytes, at least 16 of them")
+    block = key if len(key) <= _SHA256_BLOCK else hashlib.sha256(key).digest()
+    block = block.ljust(_SHA256_BLOCK, b"\0")
+    inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+    outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
+    return inner, outer
+
+
+def frame_mac(key: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
+    """HMAC-SHA256 over a header of the part count and every part's byte length (8-byte
+    little-endian unsigned integers), then the parts themselves (bytes or byte-format views)."""
+    inner_pad, outer_pad = _hmac_pads(key)
+    inner = inner_pad.copy()
+    inner.update(struct.pack(f"<{len(parts) + 1}Q", len(parts), *map(len, parts)))
+    for p in parts:
+        inner.update(p)
+    outer = outer_pad.copy()
+    outer.update(inner.digest())
+    return outer.digest()
+
+
+def _pack_default(obj: object) -> object:
+    # numpy scalars sneak into scalar fields (e.g. a step counter taken from an array).
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    raise TypeError(f"cannot encode a {type(obj).__name__} in a frame field")
+
+
+def _scalars_to_map(spec: _Spec, obj: object) -> dict[str, object]:
+    out = {}
+    for name, kind in spec.scalars:
+        value = getattr(obj, name)
+        out[name] = _scalars_to_map(kind, value) if isinstance(kind, _Spec) else value
+    return out
+
+
+def _array_bytes(cls_name: str, name: str, value: object, dtype: np.dtype) -> bytes:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"{cls_name}.{name} must be one-dimensional, got shape {arr.shape}"
+        )
+    if arr.dtype != dtype:
+        if arr.size == 0:
+            arr = arr.astype(dtype)
+        else:
+            cast = arr.astype(dtype)
+            if not np.array_equal(cast, arr):
+                raise ProtocolError(
+                    RejectCode.MALFORMED,
+                    f"{cls_name}.{name} does not fit {dtype.name} without loss (got {arr.dtype.name})",
+                )
+            arr = cast
+    return arr.tobytes()
+
+
+def encode(frame: Frame, key: bytes) -> list[bytes]:
+    """Encode a frame into ZeroMQ parts, the last one its MAC."""
+    body = frame.body
+    spec = _SPECS.get(type(body))
+    if spec is None:
+        raise ProtocolError(RejectCode.MALFORMED, f"{type(body).__name__} is not a frame body")
+    cls_name = spec.cls.__name__
+    array_parts = [
+        _array_bytes(cls_name, name, getattr(body, name), dtype) for name, dtype in spec.arrays
+    ]
+    envelope = {
+        "version": frame.version,
+        "layout": frame.layout,
+        "type": int(FRAME_TYPE_OF[spec.cls]),
+        "run_id": frame.run_id,
+        "step": frame.step,
+        "seq": frame.seq,
+        "body": _scalars_to_map(spec, body),
+        "arrays": [
+            [name, len(part) // dtype.itemsize]
+            for (name, dtype), part in zip(spec.arrays, array_parts)
+        ],
+    }
+    try:
+        packed = msgpack.packb(envelope, default=_pack_default, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(RejectCode.MALFORMED, f"cannot encode {cls_name}: {exc}") from exc
+    parts = [packed, *array_parts]
+    parts.append(frame_mac(key, parts))
+    return parts
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise ProtocolError(RejectCode.MALFORMED, f"msgpack extension type {code} is not allowed")
+
+
+def _byte_views(parts: Sequence[object]) -> list[memoryview]:
+    """One read-only, flat byte view per part. Read-only views make numpy.frombuffer return
+    read-only arrays without a flags update (which costs more than the view); zmq.Frame buffers
+    are writable. Bytes and zmq frames are flat already: the cast is the rare path."""
+    try:
+        views = [memoryview(p) for p in parts]
+    except TypeError as exc:
+        raise ProtocolError(RejectCode.MALFORMED, "every part must be a byte buffer") from exc
+    for i, view in enumerate(views):
+        if view.format != "B" or view.ndim != 1:
+            try:
+                views[i] = view.cast("B")
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(
+                    RejectCode.MALFORMED, f"part {i} is not a contiguous byte buffer"
+                ) from exc
+    return [v if v.readonly else v.toreadonly() for v in views]
+
+
+def _unpack_envelope(data: memoryview, limits: Limits) -> object:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_str_len=limits.max_str_len,
+            max_bin_len=0,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except ValueError as exc:
+        # max_ext_len=0 stops every extension type, the timestamp too (which bypasses ext_hook);
+        # max_bin_len=0 every binary value: no field is binary, raw data travels in array parts.
+        for kind in ("ext", "bin"):
+            if f"max_{kind}_len" in str(exc):
+                raise ProtocolError(RejectCode.MALFORMED, f"msgpack {kind} values are not allowed") from exc
+        code = RejectCode.TOO_LARGE if "exceeds max_" in str(exc) else RejectCode.MALFORMED
+        raise ProtocolError(code, f"the envelope is not valid msgpack: {exc}") from exc
+    except Exception as exc:  # msgpack raises several unrelated types for corrupt input
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"the envelope is not valid msgpack: {type(exc).__name__} {exc}"
+        ) from exc
+
+
+def _build(spec: _Spec, fields: dict[str, object]) -> object:
+    """The dataclass from fields the decoder has already checked one by one. A frozen dataclass's
+    __init__ pays an object.__setattr__ per field (5 us for a PREPARE); filling __dict__ is what it
+    would store anyway. Classes with a __post_init__ or __slots__ go through their constructor."""
+    if not spec.fill_dict:
+        return spec.cls(**fields)
+    obj = object.__new__(spec.cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def _mistyped(where: str, expected: str, value: object) -> ProtocolError:
+    return ProtocolError(RejectCode.MALFORMED, f"{where} must be {expected}, got {type(value).__name__}")
+
+
+def _check_int(where: str, value: object) -> int:
+    if type(value) is not int:
+        raise _mistyped(where, "an integer", value)
+    return value
+
+
+def _scalars_from_map(spec: _Spec, data: object, where: str) -> dict[str, object]:
+    if type(data) is not dict:
+        raise ProtocolError(RejectCode.MALFORMED, f"{where} must be a map, got {type(data).__name__}")
+    if data.keys() != spec.scalar_names:
+        missing = sorted(spec.scalar_names - data.keys())
+        extra = sorted(str(k) for k in data.keys() - spec.scalar_names)
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"{where} fields wrong: missing {missing}, unexpected {extra}"
+        )
+    out = {}
+    for name, kind in spec.scalars:
+        value = data[name]
+        here = f"{where}.{name}"
+        if kind is _INT:
+            out[name] = _check_int(here, value)
+        elif kind is _STR:
+            if type(value) is not str:
+                raise _mistyped(here, "a string", value)
+            out[name] = value
+        elif kind is _FLOAT:
+            if type(value) is not float and type(value) is not int:
+                raise _mistyped(here, "a number", value)
+            out[name] = float(value)
+        elif kind is _INT_TUPLE:
+            if type(value) is not list:
+                raise _mistyped(here, "an array", value)
+            out[name] = tuple(_check_int(here, v) for v in value)
+        else:
+            out[name] = _build(kind, _scalars_from_map(kind, value, here))
+    return out
+
+
+def _arrays_from_parts(
+    spec: _Spec, listing: object, parts: list[memoryview]
+) -> dict[str, np.ndarray]:
+    cls_name = spec.cls.__name__
+    if type(listing) is not list or len(listing) != len(spec.arrays):
+        raise ProtocolError(
+            RejectCode.MALFORMED,
+            f"{cls_name} carries {len(spec.arrays)} arrays; the envelope must list each once",
+        )
+    if len(parts) != len(listing):
+        raise ProtocolError(
+            RejectCode.MALFORMED,
+            f"{cls_name} lists {len(listing)} arrays but the frame has {len(parts)} array parts",
+        )
+    dtypes = spec.array_dtypes
+    out: dict[str, np.ndarray] = {}
+    for entry, part in zip(listing, parts):
+        if type(entry) is not list or len(entry) != 2:
+            raise ProtocolError(RejectCode.MALFORMED, f"{cls_name}: an array entry must be [name, length]")
+        name, length = entry
+        dtype = dtypes.get(name) if type(name) is str else None
+        if dtype is None or name in out:
+            raise ProtocolError(
+                RejectCode.MALFORMED, f"{cls_name}: unexpected or repeated array name {name!r}"
+            )
+        if type(length) is not int or length < 0:
+            raise ProtocolError(
+                RejectCode.MALFORMED, f"{cls_name}.{name}: the length must be a non-negative integer"
+            )
+        if part.nbytes != length * dtype.itemsize:
+            raise ProtocolError(
+                RejectCode.LENGTH_MISMATCH,
+                f"{cls_name}.{name}: {length} elements of {dtype.name} need "
+                f"{length * dtype.itemsize} bytes, the part has {part.nbytes}",
+            )
+        out[name] = np.frombuffer(part, dtype=dtype)
+    return out
+
+
+def decode(
+    parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS
+) -> Frame:
+    """Decode and authenticate ZeroMQ parts (bytes, memoryviews or zmq.Frame objects) into a Frame.
+
+    Arrays are read-only views into the parts, which they keep alive.
+    """
+    try:
+        count = len(parts)
+    except TypeError as exc:
+        raise ProtocolError(RejectCode.MALFORMED, "a frame must be a sequence of parts") from exc
+    if count < 2:
+        raise ProtocolError(RejectCode.MALFORMED, f"a frame has at least 2 parts, got {count}")
+    if count > limits.max_parts:
+        raise ProtocolError(RejectCode.TOO_LARGE, f"{count} parts exceed the limit of {limits.max_parts}")
+    views = _byte_views(parts)
+    total = sum(v.nbytes for v in views)
+    if total > limits.max_frame_bytes:
+        raise ProtocolError(
+            RejectCode.TOO_LARGE, f"{total} bytes exceed the frame limit of {limits.max_frame_bytes}"
+        )
+    if views[-1].nbytes != MAC_BYTES or not hmac.compare_digest(frame_mac(key, views[:-1]), views[-1]):
+        raise ProtocolError(RejectCode.BAD_MAC, "the frame's HMAC does not match this launch's key")
+    if views[0].nbytes > limits.max_envelope_bytes:
+        raise ProtocolError(
+            RejectCode.TOO_LARGE,
+            f"a {views[0].nbytes}-byte envelope exceeds the limit of {limits.max_envelope_bytes}",
+        )
+
+    env = _unpack_envelope(views[0], limits)
+    if type(env) is not dict or env.keys() != _ENVELOPE_KEYS:
+        keys = sorted(str(k) for k in env) if type(env) is dict else type(env).__name__
+        raise ProtocolError(
+            RejectCode.MALFORMED, f"the envelope must be a map of {sorted(_ENVELOPE_KEYS)}, got {keys}"
+        )
+    frame_type = _FRAME_TYPES_BY_VALUE.get(env["type"]) if type(env["type"]) is int else None
+    if frame_type is None:
+        raise ProtocolError(RejectCode.MALFORMED, f"unknown frame type {env['type']!r}")
+    run_id = env["run_id"]
+    if type(run_id) is not str:
+        raise ProtocolError(RejectCode.MALFORMED, "envelope.run_id must be a string")
+    spec = _SPECS[BODY_TYPES[frame_type]]
+    fields = _scalars_from_map(spec, env["body"], spec.cls.__name__)
+    fields.update(_arrays_from_parts(spec, env["arrays"], views[1:-1]))
+    return Frame(
+        version=_check_int("envelope.version", env["version"]),
+        layout=_check_int("envelope.layout", env["layout"]),
+        run_id=run_id,
+        step=_check_int("envelope.step", env["step"]),
+        seq=_check_int("envelope.seq", env["seq"]),
+        body=_build(spec, fields),
+    )

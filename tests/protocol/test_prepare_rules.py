@@ -1,0 +1,205 @@
+"""Each validation rule rejects a frame that breaks it, with its own code; a good frame passes."""
+
+from __future__ import annotations
+
+import dataclasses
+import numpy as np
+import pytest
+
+from protocol.errors import ProtocolError, RejectCode
+from protocol.frames import Frame, Go, Prepare
+from protocol.validate import check_envelope, check_geometry, negotiate_version, validate_prepare
+from tests.protocol.wire_samples import GEOMETRY, valid_prepare, with_arrays
+
+G = GEOMETRY
+
+
+def test_a_valid_prepare_passes() -> None:
+    validate_prepare(valid_prepare(), G)
+
+
+def test_an_empty_step_passes() -> None:
+    validate_prepare(valid_prepare((), (), cleared_pages=(), restore=(), offload=(), poison_pages=()), G)
+
+
+def test_a_step_at_every_limit_passes() -> None:
+    n = G.max_seqs
+    q = G.max_tokens_per_step // n
+    prepare = valid_prepare((q,) * n, (G.max_context,) * n, cleared_pages=(0, G.num_pages - 1))
+    validate_prepare(prepare, G)
+
+
+P = valid_prepare((3, 1, 1, 2), (3, 20, 33, 50))  # a mixed prefill/decode step, valid
+LAST_PAGES = G.max_pages_per_seq + 1
+MANY = G.max_seqs + 1
+
+RULES: list[tuple[str, Prepare, RejectCode]] = [
+    # array lengths agree
+    ("per-sequence array short", with_arrays(P, top_k=P.top_k[:-1]), RejectCode.LENGTH_MISMATCH),
+    ("sample array long", with_arrays(P, sample=np.append(P.sample, 1)), RejectCode.LENGTH_MISMATCH),
+    ("token_ids != sum(query_lens)", with_arrays(P, token_ids=P.token_ids[:-1]), RejectCode.LENGTH_MISMATCH),
+    ("positions != sum(query_lens)", with_arrays(P, positions=np.append(P.positions, 0)), RejectCode.LENGTH_MISMATCH),
+    ("page_table != sum(lens)", with_arrays(P, page_table=P.page_table[:-1]), RejectCode.LENGTH_MISMATCH),
+    ("restore pairs unequal", with_arrays(P, restore_slots=P.restore_slots[:-1]), RejectCode.LENGTH_MISMATCH),
+    ("offload pairs unequal", with_arrays(P, offload_pages=[]), RejectCode.LENGTH_MISMATCH),
+    ("negative page_table_lens", with_arrays(P, page_table_lens=[-1, 2, 3, 4]), RejectCode.LENGTH_MISMATCH),
+    # sizes under the limits
+    ("too many sequences", valid_prepare((1,) * MANY, (5,) * MANY), RejectCode.LIMIT_EXCEEDED),
+    (
+        "too many tokens",
+        valid_prepare((G.max_tokens_per_step + 1,), (G.max_tokens_per_step + 1,)),
+        RejectCode.LIMIT_EXCEEDED,
+    ),
+    (
+        "page table longer than max context",
+        with_arrays(P, page_table_lens=[1, 2, 3, LAST_PAGES], page_table=np.zeros(6 + LAST_PAGES)),
+        RejectCode.LIMIT_EXCEEDED,
+    ),
+    # per-sequence lengths
+    (
+        "query_lens 0",
+        with_arrays(P, query_lens=[3, 0, 1, 2], token_ids=P.token_ids[:-1], positions=P.positions[:-1]),
+        RejectCode.BAD_QUERY_LEN,
+    ),
+    ("context shorter than query", with_arrays(P, context_lens=[2, 20, 33, 50]), RejectCode.BAD_CONTEXT_LEN),
+    (
+        "context beyond max_context",
+        with_arrays(P, context_lens=[3, 20, 33, G.max_context + 1]),
+        RejectCode.BAD_CONTEXT_LEN,
+    ),
+    (
+        "page table too short",
+        with_arrays(P, context_lens=[3, 20, 33, 65], positions=[0, 1, 2, 19, 32, 63, 64]),
+        RejectCode.PAGE_TABLE_TOO_SHORT,
+    ),
+    ("duplicate seq id", with_arrays(P, seq_ids=[1, 2, 3, 2]), RejectCode.DUPLICATE_SEQ_ID),
+    # page ids in [0, num_pages)
+    (
+        "page table id too big",
+        with_arrays(P, page_table=np.append(P.page_table[:-1], G.num_pages)),
+        RejectCode.PAGE_OUT_OF_RANGE,
+    ),
+    ("page table id negative", with_arrays(P, page_table=np.append(-1, P.page_table[1:])), RejectCode.PAGE_OUT_OF_RANGE),
+    ("cleared page outside", with_arrays(P, cleared_pages=[7, 8, G.num_pages]), RejectCode.PAGE_OUT_OF_RANGE),
+    ("cleared page negative", with_arrays(P, cleared_pages=[-1, 7]), RejectCode.PAGE_OUT_OF_RANGE),
+    ("restore page outside", with_arrays(P, restore_pages=[100, G.num_pages + 5]), RejectCode.PAGE_OUT_OF_RANGE),
+    ("offload page outside", with_arrays(P, offload_pages=[-3]), RejectCode.PAGE_OUT_OF_RANGE),
+    ("poison page outside", with_arrays(P, poison_pages=[G.num_pages]), RejectCode.PAGE_OUT_OF_RANGE),
+    # host slots in [0, host_slots)
+    ("restore slot outside", with_arrays(P, restore_slots=[1, G.host_slots]), RejectCode.SLOT_OUT_OF_RANGE),
+    ("offload slot negative", with_arrays(P, offload_slots=[-1]), RejectCode.SLOT_OUT_OF_RANGE),
+    # cleared pages sorted, unique, disjoint from restore targets
+    ("cleared not sorted", with_arrays(P, cleared_pages=[8, 7, 40]), RejectCode.CLEARED_NOT_SORTED_UNIQUE),
+    ("cleared repeated", with_arrays(P, cleared_pages=[7, 8, 8, 40]), RejectCode.CLEARED_NOT_SORTED_UNIQUE),
+    ("cleared page restored", with_arrays(P, cleared_pages=[7, 8, 101]), RejectCode.CLEARED_RESTORE_OVERLAP),
+    # tokens and positions
+    (
+        "token id = vocab",
+        with_arrays(P, token_ids=np.append(P.token_ids[:-1], G.vocab_size)),
+        RejectCode.TOKEN_OUT_OF_RANGE,
+    ),
+    ("token id negative", with_arrays(P, token_ids=np.append(-1, P.token_ids[1:])), RejectCode.TOKEN_OUT_OF_RANGE),
+    ("position negative", with_arrays(P, positions=np.append(-1, P.positions[1:])), RejectCode.POSITION_OUT_OF_RANGE),
+    (
+        "position = max_context",
+        with_arrays(P, positions=np.append(P.positions[:-1], G.max_context)),
+        RejectCode.POSITION_OUT_OF_RANGE,
+    ),
+    (
+        "position not at the context's end",
+        with_arrays(P, positions=np.append(P.positions[:-1], 40)),
+        RejectCode.POSITION_MISMATCH,
+    ),
+    # sampling parameters
+    ("negative temperature", with_arrays(P, temperature=[0, -0.5, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("NaN temperature", with_arrays(P, temperature=[0, np.nan, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("infinite temperature", with_arrays(P, temperature=[0, np.inf, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("top_p 0", with_arrays(P, top_p=[1, 0, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("top_p above 1", with_arrays(P, top_p=[1, 1.5, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("negative top_k", with_arrays(P, top_k=[0, -1, 0, 0]), RejectCode.BAD_SAMPLING),
+]
+
+
+@pytest.mark.parametrize("bad, code", [(b, c) for _, b, c in RULES], ids=[name for name, _, _ in RULES])
+def test_each_rule_rejects_with_its_code(bad: Prepare, code: RejectCode) -> None:
+    with pytest.raises(ProtocolError) as info:
+        validate_prepare(bad, G)
+    assert info.value.code == code, str(info.value)
+    assert str(info.value).startswith(code.name + ": ")
+
+
+def test_every_validation_code_has_a_rule_test() -> None:
+    validation_codes = {
+        RejectCode.LENGTH_MISMATCH,
+        RejectCode.LIMIT_EXCEEDED,
+        RejectCode.BAD_QUERY_LEN,
+        RejectCode.BAD_CONTEXT_LEN,
+        RejectCode.PAGE_TABLE_TOO_SHORT,
+        RejectCode.DUPLICATE_SEQ_ID,
+        RejectCode.PAGE_OUT_OF_RANGE,
+        RejectCode.SLOT_OUT_OF_RANGE,
+        RejectCode.CLEARED_NOT_SORTED_UNIQUE,
+        RejectCode.CLEARED_RESTORE_OVERLAP,
+        RejectCode.TOKEN_OUT_OF_RANGE,
+        RejectCode.POSITION_OUT_OF_RANGE,
+        RejectCode.POSITION_MISMATCH,
+        RejectCode.BAD_SAMPLING,
+    }
+    assert validation_codes <= {code for _, _, code in RULES}
+
+
+def test_messages_name_the_offending_entry() -> None:
+    bad = with_arrays(P, cleared_pages=[7, 8, G.num_pages])
+    with pytest.raises(ProtocolError, match=rf"cleared_pages\[2\] = {G.num_pages} is outside \[0, {G.num_pages}\)"):
+        validate_prepare(bad, G)
+
+
+def test_validation_does_not_need_writable_arrays() -> None:
+    p = valid_prepare()
+    for f in dataclasses.fields(p):
+        getattr(p, f.name).flags.writeable = False
+    validate_prepare(p, G)
+
+
+# -- envelope, negotiation, geometry ---------------------------------------------------------
+
+
+def frame(**changes: object) -> Frame:
+    return dataclasses.replace(Frame(1, 1, "run-a", 5, 1, Go()), **changes)
+
+
+def test_check_envelope_accepts_its_own_run() -> None:
+    check_envelope(frame(), version=1, layout=1, run_id="run-a", expected_step=5)
+
+
+@pytest.mark.parametrize(
+    "changes, code, both",
+    [
+        ({"version": 2}, RejectCode.BAD_VERSION, ("version 2", "negotiated 1")),
+        ({"layout": 7}, RejectCode.BAD_LAYOUT, ("layout version 7", "negotiated 1")),
+        ({"run_id": "run-b"}, RejectCode.BAD_RUN_ID, ("'run-b'", "'run-a'")),
+        ({"step": 4}, RejectCode.BAD_STEP, ("step 4", "expected step 5")),
+    ],
+)
+def test_check_envelope_names_what_it_got_and_expected(
+    changes: dict, code: RejectCode, both: tuple[str, str]
+) -> None:
+    with pytest.raises(ProtocolError) as info:
+        check_envelope(frame(**changes), version=1, layout=1, run_id="run-a", expected_step=5)
+    assert info.value.code == code
+    assert all(text in info.value.message for text in both), info.value.message
+
+
+def test_negotiate_version_picks_the_highest_common_one() -> None:
+    assert negotiate_version([1, 2, 3], [2, 3, 4]) == 3
+    with pytest.raises(ProtocolError, match=r"offers \[5, 6\].*supports \[1\]") as info:
+        negotiate_version([5, 6], [1])
+    assert info.value.code == RejectCode.BAD_VERSION
+
+
+def test_check_geometry_lists_every_difference() -> None:
+    check_geometry(G, G, who="rank 1")
+    other = dataclasses.replace(G, num_pages=10, kv_dtype="bf16")
+    with pytest.raises(ProtocolError, match="rank 1 .*num_pages 10 \\(expected 512\\).*kv_dtype 'bf16'") as info:
+        check_geometry(G, other, who="rank 1")
+    assert info.value.code == RejectCode.GEOMETRY_MISMATCH
