@@ -1,0 +1,247 @@
+"""CUDA graph capture of the decode forward for a set of batch sizes and page-table widths.
+
+A decode step of n sequences whose page tables are w pages wide is padded to the smallest captured
+(size B >= n, width W >= w): its inputs are copied into static buffers and that graph is replayed.
+Widths are powers of two up to geometry.max_pages_per_seq, because attention cost grows with the
+table width: one graph at the longest context would make every short decode pay for it. Padding
+rows and columns read only the pad page; padding rows write their K/V into it, and every captured
+graph ends by zeroing the pad page again, so it stays all zero as KVCache promises.
+
+Requirements on the model's decode path (all of them hold for a forward that derives shapes from
+its tensors): no host synchronization, no shape taken from host copies.
+
+Steps that are not pure decode, or larger than the largest size, or that sample fewer rows than
+they have sequences, run eagerly. Nothing here imports CUDA until a runner is built.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor.cache import KVCache
+from executor.inputs import StepInputs
+from protocol.frames import CacheGeometry, Prepare
+
+# The StepInputs fields this runner knows how to pad. A field added to StepInputs must be taught
+# here, or graphs would replay with a stale buffer: the runner refuses to start instead.
+KNOWN_FIELDS = frozenset(
+    {
+        "token_ids",
+        "positions",
+        "query_lens",
+        "query_start",
+        "context_lens",
+        "page_table",
+        "write_pages",
+        "write_offsets",
+        "sample_rows",
+        "sample_seq_ids",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seeds",
+        "sample_positions",
+        "is_decode",
+        "num_seqs",
+        "num_tokens",
+        "query_lens_host",
+        "context_lens_host",
+    }
+)
+
+
+class CudaGraphError(RuntimeError):
+    """The decode forward cannot be captured as CUDA graphs."""
+
+
+class StaticDecodeBatch:
+    """Static StepInputs buffers of one (batch size, table width), and the copy of a real decode
+    step into them."""
+
+    def __init__(self, size: int, width: int, geometry: CacheGeometry, cache: KVCache) -> None:
+        self.size = size
+        self.width = width
+        self.geometry = geometry
+        self.pad_page = cache.pad_page
+        self.page_size = cache.page_size
+        self.inputs = StepInputs.from_prepare(
+            padding_prepare(size, width, geometry, cache.pad_page),
+            pad_page=cache.pad_page,
+            page_size=cache.page_size,
+            device=cache.device,
+        )
+
+    def fits(self, real: StepInputs) -> bool:
+        return (
+            real.is_decode
+            and real.num_seqs <= self.size
+            and real.sample_rows.shape[0] == real.num_seqs
+            and real.page_table.shape[1] <= self.width
+        )
+
+    def load(self, real: StepInputs) -> None:
+        """Copy a decode step into the static buffers and re-pad the rows it does not use."""
+        if not self.fits(real):
+            raise CudaGraphError(
+                f"a step of {real.num_seqs} sequences, {real.page_table.shape[1]} pages wide, does not "
+                f"fit the graph of {self.size} x {self.width}"
+            )
+        static = self.inputs
+        n = real.num_seqs
+        width = real.page_table.shape[1]
+        context = min(self.width * self.page_size, self.geometry.max_context)
+        last = context - 1
+        static.token_ids[:n].copy_(real.token_ids)
+        static.token_ids[n:].zero_()
+        static.positions[:n].copy_(real.positions)
+        static.positions[n:].fill_(last)
+        static.context_lens[:n].copy_(real.context_lens)
+        static.context_lens[n:].fill_(context)
+        static.page_table[:n, :width].copy_(real.page_table)
+        static.page_table[:n, width:].fill_(self.pad_page)
+        static.page_table[n:].fill_(self.pad_page)
+        static.write_pages[:n].copy_(real.write_pages)
+        static.write_pages[n:].fill_(self.pad_page)
+        static.write_offsets[:n].copy_(real.write_offsets)
+        static.write_offsets[n:].fill_(last % self.page_size)
+        # query_lens, query_start and sample_rows are the same for every decode step of this size;
+        # the sampling fields are read by the sampler from the real inputs, never by the graph.
+
+
+@dataclass
+class CapturedGraph:
+    batch: StaticDecodeBatch  # the static buffers the graph reads
+    graph: Any  # torch.cuda.CUDAGraph
+    logits: torch.Tensor | None  # the static buffer the graph writes, [size, vocab]; None off rank 0
+
+
+MIN_GRAPH_WIDTH = 16  # pages; narrower tables are padded up to it
+
+
+def graph_widths(geometry: CacheGeometry) -> list[int]:
+    """Page-table widths to capture: powers of two from MIN_GRAPH_WIDTH, and the widest table."""
+    widest = geometry.max_pages_per_seq
+    widths = []
+    width = MIN_GRAPH_WIDTH
+    while width < widest:
+        widths.append(width)
+        width *= 2
+    return [*widths, widest]
+
+
+def padding_prepare(batch_size: int, width: int, geometry: CacheGeometry, pad_page: int) -> Prepare:
+    """A decode step of batch_size sequences, tables `width` pages wide, touching only the pad page.
+
+    Every row gets the longest context such a table holds, so the static buffers have the shapes of
+    any decode step up to that width.
+    """
+    context = min(width * geometry.page_size, geometry.max_context)
+    last = context - 1
+    i32 = np.int32
+    return Prepare(
+        seq_ids=np.arange(batch_size, dtype=np.int64),
+        query_lens=np.ones(batch_size, dtype=i32),
+        context_lens=np.full(batch_size, context, dtype=i32),
+        token_ids=np.zeros(batch_size, dtype=i32),
+        positions=np.full(batch_size, last, dtype=i32),
+        page_table_lens=np.full(batch_size, width, dtype=i32),
+        page_table=np.full(batch_size * width, pad_page, dtype=i32),
+        sample=np.ones(batch_size, dtype=np.uint8),
+        temperature=np.zeros(batch_size, dtype=np.float32),
+        top_p=np.ones(batch_size, dtype=np.float32),
+        top_k=np.zeros(batch_size, dtype=i32),
+        seeds=np.full(batch_size, -1, dtype=np.int64),
+        cleared_pages=np.zeros(0, dtype=i32),
+        restore_pages=np.zeros(0, dtype=i32),
+        restore_slots=np.zeros(0, dtype=i32),
+        offload_pages=np.zeros(0, dtype=i32),
+        offload_slots=np.zeros(0, dtype=i32),
+        poison_pages=np.zeros(0, dtype=i32),
+    )
+
+
+class DecodeGraphRunner:
+    """Wraps a model: forward() replays a captured graph for decode steps, runs eagerly otherwise."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache: KVCache,
+        *,
+        geometry: CacheGeometry,
+        batch_sizes: tuple[int, ...],
+        warmup_iters: int = 2,
+    ) -> None:
+        if cache.device.type != "cuda":
+            raise CudaGraphError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
+        unknown = {f.name for f in fields(StepInputs)} - KNOWN_FIELDS
+        if unknown:
+            raise CudaGraphError(
+                f"StepInputs has fields the graph runner cannot pad: {', '.join(sorted(unknown))}"
+            )
+        self.model = model
+        self.fingerprint = model.fingerprint
+        self.config = model.config
+        self.cache = cache
+        self.geometry = geometry
+        self.sizes = sorted(set(b for b in batch_sizes if b <= geometry.max_seqs))
+        if not self.sizes:
+            raise CudaGraphError(
+                f"no CUDA graph batch size in {batch_sizes} fits max_seqs {geometry.max_seqs}"
+            )
+        self.widths = graph_widths(geometry)
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
+        self._capture_all(warmup_iters)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (shard, ...) is the wrapped model's.
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def _capture_all(self, warmup_iters: int) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: smaller graphs then reuse the largest one's memory from the shared pool.
+        for size, width in sorted(((b, w) for b in self.sizes for w in self.widths), reverse=True):
+            batch = StaticDecodeBatch(size, width, self.geometry, self.cache)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup_iters):
+                    self.model.forward(batch.inputs, self.cache)
+                self._zero_pad_page()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model.forward(batch.inputs, self.cache)
+                self._zero_pad_page()
+            self.graphs[(size, width)] = CapturedGraph(batch, graph, logits)
+        torch.cuda.synchronize()
+
+    def _zero_pad_page(self) -> None:
+        self.cache.data[self.cache.pad_page].zero_()
+
+    def graph_for(self, inputs: StepInputs) -> CapturedGraph | None:
+        at = bisect.bisect_left(self.sizes, inputs.num_seqs)
+        wide = bisect.bisect_left(self.widths, inputs.page_table.shape[1])
+        if at == len(self.sizes) or wide == len(self.widths):
+            return None
+        captured = self.graphs[(self.sizes[at], self.widths[wide])]
+        return captured if captured.batch.fits(inputs) else None
+
+    def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
+        if cache is not self.cache:
+            raise CudaGraphError("the graphs were captured against another KVCache")
+        captured = self.graph_for(inputs)
+        if captured is None:
+            return self.model.forward(inputs, cache)
+        captured.batch.load(inputs)
+        captured.graph.replay()
+        if captured.logits is None:  # ranks other than 0 return no logits
+            return None
+        return captured.logits[: inputs.num_seqs]

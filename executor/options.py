@@ -1,0 +1,75 @@
+"""Per-executor settings: what the CLI maps its flags onto and what `run_executor` needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.frames import KVDtype
+
+MODEL_DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class OptionsError(ValueError):
+    """An executor option is out of range or names something that does not exist."""
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    model: str
+    num_pages: int
+    max_num_seqs: int
+    max_tokens_per_step: int
+    max_model_len: int
+    dtype: str = "bf16"
+    kv_cache_dtype: str = "bf16"
+    page_size: int = 16
+    host_slots: int = 0
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else the CPU
+    cuda_graphs: bool = True
+    # Decode batch sizes captured as CUDA graphs; a decode step pads up to the next one.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # Fault injection (DESIGN.md), all off by default.
+    debug_poison_cache: bool = False  # fill the whole cache with 0xFF at allocation
+    debug_poison_freed: bool = False  # honour Prepare.poison_pages (pages back in the free pool)
+    debug_skip_clears: bool = False  # ignore Prepare.cleared_pages
+    heartbeat_interval_s: float = 0.5
+    # Silence from the scheduler for this long, while idle, ends the executor.
+    peer_timeout_s: float = 5.0
+    # How long to wait for WELCOME after HELLO: other ranks may still be loading weights.
+    handshake_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_tokens_per_step": self.max_tokens_per_step,
+            "max_model_len": self.max_model_len,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise OptionsError(f"{name} must be at least 1, got {value}")
+        if self.host_slots < 0:
+            raise OptionsError(f"host_slots must be >= 0, got {self.host_slots}")
+        if self.dtype not in MODEL_DTYPES:
+            raise OptionsError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        kv_dtypes = [d.value for d in KVDtype]
+        if self.kv_cache_dtype not in kv_dtypes:
+            raise OptionsError(
+                f"kv_cache_dtype must be one of {', '.join(kv_dtypes)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise OptionsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
+            raise OptionsError(
+                f"cuda_graph_batch_sizes must be positive sizes, got {self.cuda_graph_batch_sizes}"
+            )
+        for name in ("heartbeat_interval_s", "peer_timeout_s", "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise OptionsError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.peer_timeout_s <= self.heartbeat_interval_s:
+            raise OptionsError(
+                f"peer_timeout_s ({self.peer_timeout_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or a live scheduler would look dead"
+            )

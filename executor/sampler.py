@@ -1,0 +1,183 @@
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds.
+
+Each random row is sampled by inverse CDF: one uniform number per row, a prefix sum and a binary
+search, instead of a noise vector over the whole vocabulary (which costs tens of milliseconds a
+step on a CPU). A seeded row draws its uniform from its own generator, seeded from (seed, position
+of the token whose logits it holds): its token then depends only on its own logits row, never on
+which rows share the batch or on the tensor-parallel size (rank 0 always sees the whole row).
+Unseeded rows share one draw from the default generator.
+
+Top-k and top-p rows are sampled among the row's most likely tokens (a partial topk, not a full
+sort); a row whose nucleus is not inside them (a flat distribution) widens the candidates, up to a
+full sort, so the result is exact either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+# Top-k / top-p rows look at the 256 most likely tokens first: that covers the nucleus of any
+# peaked distribution, and a partial topk of it costs about one argmax. Flatter rows widen to 4096,
+# and only then to a full sort of the vocabulary.
+CANDIDATE_WIDTHS = (256, 4096, 1 << 62)
+
+
+class SamplingError(ValueError):
+    """The sampling parameters do not match the logits they are meant for."""
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row parameters, one entry per logits row, all on the logits' device."""
+
+    temperature: torch.Tensor  # float32[m]; 0 means greedy
+    top_p: torch.Tensor  # float32[m]; 1 means off
+    top_k: torch.Tensor  # int[m]; 0 means off
+    seeds: torch.Tensor  # int64[m]; -1 means unseeded
+    positions: torch.Tensor  # int[m]; position of the token whose logits this row holds
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: torch.Tensor  # int64[m]; 0 where finite is False
+    logprobs: torch.Tensor  # float32[m]; log_softmax of the temperature-scaled row; nan where not finite
+    finite: torch.Tensor  # bool[m]; False: the logits row held a NaN or an inf
+
+
+def row_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed from a request seed and a position (splitmix64 finalizer)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
+    if logits.dim() != 2:
+        raise SamplingError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    for name in ("temperature", "top_p", "top_k", "seeds", "positions"):
+        got = getattr(params, name).shape
+        if got != (rows,):
+            raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
+    logits = logits.float()
+    finite = _finite_rows(logits)
+    # A non-finite row is flagged, not sampled; zeroing it keeps NaN out of every reduction below.
+    safe = logits if bool(finite.all()) else torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
+    greedy = params.temperature <= 0
+    if bool(greedy.all()):
+        scaled = safe  # greedy rows report the unscaled log-softmax
+    else:
+        temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+        scaled = safe / temperature.float().unsqueeze(1)
+    log_total = torch.logsumexp(scaled, dim=-1)
+
+    tokens = safe.argmax(dim=-1)
+    random_rows = torch.nonzero(~greedy).squeeze(1)
+    if random_rows.numel():
+        uniforms = _uniforms(params.seeds, params.positions).to(logits.device)
+        drawn = _draw(
+            (scaled[random_rows] - log_total[random_rows].unsqueeze(1)).exp(),
+            params.top_k[random_rows],
+            params.top_p[random_rows],
+            uniforms[random_rows],
+        )
+        tokens = tokens.index_put((random_rows,), drawn)
+    tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
+    logprobs = scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_total
+    logprobs = torch.where(finite, logprobs, torch.full_like(logprobs, float("nan")))
+    return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite)
+
+
+def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.isfinite(logits).all(dim=-1), without its cost on the common all-finite batch.
+
+    A row whose sum is finite holds no NaN and no inf (either would make the sum NaN or inf); only
+    rows whose sum is not finite (a NaN, an inf, or a finite overflow) are checked element-wise.
+    """
+    finite = torch.isfinite(logits.sum(dim=-1))
+    if bool(finite.all()):
+        return finite
+    suspect = torch.nonzero(~finite).squeeze(1)
+    return finite.index_put((suspect,), torch.isfinite(logits[suspect]).all(dim=-1))
+
+
+def _uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, on the CPU: seeded rows from their own generator."""
+    uniforms = torch.rand(seeds.shape[0])
+    seed_list = seeds.tolist()
+    if max(seed_list, default=-1) >= 0:
+        position_list = positions.tolist()
+        for row, seed in enumerate(seed_list):
+            if seed >= 0:
+                generator = torch.Generator().manual_seed(row_seed(seed, position_list[row]))
+                uniforms[row] = torch.rand(1, generator=generator)[0]
+    return uniforms
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Column index per row, drawn with probability proportional to the row's weights."""
+    cdf = weights.cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    # right=True skips zero-weight columns: their cdf equals their predecessor's, never above target.
+    picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return picked.clamp_(max=weights.shape[1] - 1)
+
+
+def _draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    filtered = (top_k > 0) | (top_p < 1)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    plain = torch.nonzero(~filtered).squeeze(1)
+    if plain.numel():
+        out[plain] = _inverse_cdf(probs[plain], uniforms[plain])
+    rows = torch.nonzero(filtered).squeeze(1)
+    if rows.numel():
+        out[rows] = _draw_filtered(probs[rows], top_k[rows], top_p[rows], uniforms[rows])
+    return out
+
+
+def _draw_filtered(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    vocab = probs.shape[1]
+    k = torch.where(top_k > 0, top_k.long(), torch.full_like(top_k, vocab, dtype=torch.long))
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    pending = torch.arange(probs.shape[0], device=probs.device)
+    for width in CANDIDATE_WIDTHS:
+        rows = probs[pending]
+        if width < vocab:
+            top_probs, top_ids = rows.topk(width, dim=-1)
+        else:
+            top_probs, top_ids = rows.sort(dim=-1, descending=True, stable=True)
+        # The nucleus ends inside the candidates when top-k cuts there, or when they already hold
+        # more than top_p of the mass (every later token then has mass_before > top_p). Decided per
+        # row from the row alone, so a seeded row's path never depends on its neighbours.
+        covered = (k[pending] <= width) | (top_probs.sum(dim=-1) > top_p[pending]) | (width >= vocab)
+        done = torch.nonzero(covered).squeeze(1)
+        if done.numel():
+            target = pending[done]
+            out[target] = _pick_sorted(top_probs[done], top_ids[done], k[target], top_p[target], uniforms[target])
+        pending = pending[torch.nonzero(~covered).squeeze(1)]
+        if not pending.numel():
+            break
+    return out
+
+
+def _pick_sorted(
+    sorted_probs: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Draw among the top-k / top-p survivors of rows sorted by descending probability."""
+    rank = torch.arange(sorted_probs.shape[1], device=sorted_probs.device).unsqueeze(0)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # The most likely token always survives: its mass_before is 0, never above top_p.
+    dropped = (top_p < 1).unsqueeze(1) & (mass_before > top_p.unsqueeze(1))
+    keep = (rank < k.unsqueeze(1)) & ~dropped
+    picked = _inverse_cdf(sorted_probs * keep, uniforms)
+    return sorted_ids.gather(1, picked.unsqueeze(1)).squeeze(1)

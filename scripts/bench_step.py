@@ -1,0 +1,359 @@
+"""Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
+
+    python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200]
+
+1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
+   byte fill (bytes written per second), measured here, side by side with
+2. clear_pages on a SmolLM2-shaped bf16 cache (30 layers, 3 KV heads of 64, pages of 16 slots):
+   the cost per page when every page is its own run, and per run of 8 and 64 contiguous pages.
+3. The step loop itself at 1, 2 and 3 ranks: PREPARE -> validate + stage -> READY -> GO -> forward
+   -> RESULT/DONE, with a forward that does nothing but one all_reduce (and zero logits on rank 0),
+   so what is measured is the protocol, the staging and the sampler, not a model.
+Also the in-process pieces of one step (validate_prepare, StepInputs.from_prepare, sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from executor.cache import KVCache, page_runs  # noqa: E402
+from executor.inputs import StepInputs  # noqa: E402
+from executor.options import ExecutorOptions  # noqa: E402
+from executor.sampler import SamplingBatch, sample  # noqa: E402
+from protocol.frames import LAYOUT_VERSION, CacheGeometry, Go, Heartbeat, Prepare, Ready, Welcome  # noqa: E402
+from protocol.validate import negotiate_version, validate_prepare  # noqa: E402
+
+# SmolLM2-135M's cache shape, the default model's.
+LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
+BENCH_VOCAB = 256  # the loop benchmark's logits width: small, so sampling does not dominate
+DECODE_SEQS = 16
+
+
+def median_us(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
+# -- bandwidth and clear_pages -----------------------------------------------------------------
+
+
+def bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> dict[str, float]:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_us = median_us(lambda: dst.copy_(src), repeats)
+    fill_us = median_us(lambda: dst.fill_(0), repeats)
+    return {
+        "copy_read_plus_write_gb_s": 2 * nbytes / copy_us / 1e3,
+        "fill_write_gb_s": nbytes / fill_us / 1e3,
+    }
+
+
+def clear_cost(num_pages: int = 512, repeats: int = 7) -> dict[str, float]:
+    cache = KVCache(
+        num_pages=num_pages,
+        page_size=PAGE_SIZE,
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        kv_dtype="bf16",
+        device=torch.device("cpu"),
+    )
+    cache.data.view(torch.uint8).fill_(1)
+    out: dict[str, float] = {"page_bytes": cache.page_bytes, "cache_bytes": cache.data.numel() * 2}
+    scattered = np.arange(0, num_pages, 2, dtype=np.int32)  # every page its own run
+    us = median_us(lambda: cache.clear_pages(scattered), repeats)
+    out["single_page_runs_us_per_page"] = us / scattered.size
+    out["single_page_runs_gb_s"] = scattered.size * cache.page_bytes / us / 1e3
+    for run in (8, 64):
+        starts = np.arange(0, num_pages - run + 1, 2 * run)
+        pages = (starts[:, None] + np.arange(run)[None, :]).reshape(-1).astype(np.int32)
+        if len(page_runs(pages)) != starts.size:
+            raise RuntimeError(f"the benchmark meant {starts.size} runs of {run} pages")
+        us = median_us(lambda: cache.clear_pages(pages), repeats)
+        out[f"runs_of_{run}_us_per_run"] = us / starts.size
+        out[f"runs_of_{run}_us_per_page"] = us / pages.size
+        out[f"runs_of_{run}_gb_s"] = pages.size * cache.page_bytes / us / 1e3
+    return out
+
+
+# -- the step ------------------------------------------------------------------------------------
+
+
+def bench_geometry() -> CacheGeometry:
+    return CacheGeometry(
+        num_pages=512,
+        page_size=PAGE_SIZE,
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        kv_dtype="bf16",
+        vocab_size=BENCH_VOCAB,
+        max_context=2048,
+        max_seqs=64,
+        max_tokens_per_step=1024,
+    )
+
+
+def decode_prepare(step: int, seqs: int = DECODE_SEQS) -> Prepare:
+    """A decode step of `seqs` sequences, 8 pages each, one freshly cleared page per step."""
+    i32 = np.int32
+    pages_per_seq = 8
+    context = np.full(seqs, pages_per_seq * PAGE_SIZE - 3, dtype=i32)
+    table = np.arange(seqs * pages_per_seq, dtype=i32)
+    return Prepare(
+        seq_ids=np.arange(seqs, dtype=np.int64),
+        query_lens=np.ones(seqs, dtype=i32),
+        context_lens=context,
+        token_ids=np.full(seqs, 7, dtype=i32),
+        positions=context - 1,
+        page_table_lens=np.full(seqs, pages_per_seq, dtype=i32),
+        page_table=table,
+        sample=np.ones(seqs, dtype=np.uint8),
+        temperature=np.full(seqs, 0.7, dtype=np.float32),
+        top_p=np.full(seqs, 0.9, dtype=np.float32),
+        top_k=np.zeros(seqs, dtype=i32),
+        seeds=np.full(seqs, -1, dtype=np.int64),
+        cleared_pages=np.array([seqs * pages_per_seq + step % 64], dtype=i32),
+        restore_pages=np.zeros(0, dtype=i32),
+        restore_slots=np.zeros(0, dtype=i32),
+        offload_pages=np.zeros(0, dtype=i32),
+        offload_slots=np.zeros(0, dtype=i32),
+        poison_pages=np.zeros(0, dtype=i32),
+    )
+
+
+def step_pieces(repeats: int = 200) -> dict[str, float]:
+    g = bench_geometry()
+    prepare = decode_prepare(1)
+    inputs = StepInputs.from_prepare(prepare, pad_page=g.num_pages, page_size=g.page_size, device="cpu")
+    # Peaked rows (an LLM's usual case) keep the nucleus in the first 256 candidates; flat ones
+    # (std 1 over 49152 tokens) need the 4096-wide fallback.
+    peaked = torch.randn(DECODE_SEQS, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    flat = peaked / 4
+    params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
+    greedy = SamplingBatch(torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
+    return {
+        "validate_prepare_us": median_us(lambda: validate_prepare(prepare, g), repeats),
+        "inputs_from_prepare_us": median_us(
+            lambda: StepInputs.from_prepare(prepare, pad_page=g.num_pages, page_size=g.page_size, device="cpu"),
+            repeats,
+        ),
+        "sample_16x49152_greedy_us": median_us(lambda: sample(peaked, greedy), 20),
+        "sample_16x49152_top_p_peaked_us": median_us(lambda: sample(peaked, params), 20),
+        "sample_16x49152_top_p_flat_us": median_us(lambda: sample(flat, params), 20),
+    }
+
+
+@dataclass(frozen=True)
+class CollectiveConfig:
+    vocab_size: int = BENCH_VOCAB
+    num_layers: int = LAYERS
+    num_kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    max_position: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CollectiveShard:
+    local_kv_heads: int
+
+
+class CollectiveOnlyModel:
+    """A forward that is one all_reduce (the peers' rendezvous) and zero logits on rank 0."""
+
+    fingerprint = "bench-collective-only"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.config = CollectiveConfig()
+        self.shard = CollectiveShard(local_kv_heads=len(range(rank, KV_HEADS, world_size)))
+        self.token = torch.zeros(1)
+
+    def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(self.token)
+        if self.rank != 0:
+            return None
+        return torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB)
+
+
+def load_collective_only(path, *, rank, world_size, dtype, device, progress) -> CollectiveOnlyModel:
+    return CollectiveOnlyModel(rank, world_size)
+
+
+def executor_main(spec: dict) -> None:
+    from executor.worker import run_executor
+
+    rank, world_size = spec["rank"], spec["world_size"]
+    if world_size > 1:
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec['port']}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+    code = run_executor(
+        ExecutorOptions(**spec["options"]),
+        rank=rank,
+        world_size=world_size,
+        address=spec["address"],
+        key=bytes.fromhex(spec["key"]),
+        run_id=spec["run_id"],
+        load=load_collective_only,
+    )
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def loop_overhead(world_size: int, steps: int) -> dict[str, float]:
+    from protocol.auth import new_key
+    from protocol.frames import Shutdown
+    from protocol.transport import SchedulerEndpoint, ipc_address
+
+    g = bench_geometry()
+    options = ExecutorOptions(
+        model="bench",
+        num_pages=g.num_pages,
+        page_size=g.page_size,
+        max_num_seqs=g.max_seqs,
+        max_tokens_per_step=g.max_tokens_per_step,
+        max_model_len=g.max_context,
+        device="cpu",
+        peer_timeout_s=60.0,
+        heartbeat_interval_s=30.0,  # out of the way of the measurement; the driver is never idle long
+    )
+    key = new_key()
+    endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    ranks = list(range(world_size))
+
+    def collect(timeout_s: float = 120.0) -> dict:
+        got = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(ranks) - set(got))} did not answer")
+            received = endpoint.recv(100)
+            if received is None:
+                continue
+            if received.error is not None:
+                raise RuntimeError(f"rank {received.rank}: {received.error}")
+            if not isinstance(received.frame.body, Heartbeat):
+                got[received.rank] = received.frame.body
+        return got
+
+    try:
+        for rank in ranks:
+            spec = {
+                "rank": rank,
+                "world_size": world_size,
+                "port": port,
+                "address": endpoint.address,
+                "key": key.hex(),
+                "run_id": "bench",
+                "options": asdict(options),
+            }
+            procs.append(
+                subprocess.Popen([sys.executable, __file__, "--executor", json.dumps(spec)], env=env, cwd=REPO)
+            )
+        hellos = collect()
+        version = negotiate_version(hellos[0].versions)
+        endpoint.send_all(ranks, Welcome(version, LAYOUT_VERSION, world_size, hellos[0].geometry), step=0)
+        endpoint.version = version
+        times = []
+        for step in range(1, steps + 1):
+            started = time.perf_counter()
+            endpoint.send_all(ranks, decode_prepare(step), step=step)
+            ready = collect()
+            if not all(isinstance(body, Ready) for body in ready.values()):
+                raise RuntimeError(f"step {step} was not READY everywhere: {ready}")
+            endpoint.send_all(ranks, Go(), step=step)
+            collect()
+            times.append(time.perf_counter() - started)
+        endpoint.send_all(ranks, Shutdown("bench done"), step=steps)
+        for proc in procs:
+            proc.wait(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        endpoint.close()
+    warm = times[min(10, len(times) // 4) :]
+    return {
+        "median_step_us": statistics.median(warm) * 1e6,
+        "p90_step_us": float(np.percentile(warm, 90) * 1e6),
+        "steps": len(warm),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--ranks", default="1,2,3", help="world sizes for the loop benchmark")
+    parser.add_argument("--steps", type=int, default=200, help="steps per world size")
+    parser.add_argument("--executor", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.executor:
+        executor_main(json.loads(args.executor))
+        return
+    torch.set_num_threads(1)
+    report = {
+        "bandwidth": bandwidth(),
+        "clear_pages_bf16_smollm2_pages": clear_cost(),
+        "step_pieces": step_pieces(),
+        "loop": {str(w): loop_overhead(int(w), args.steps) for w in args.ranks.split(",")},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    bw = report["bandwidth"]
+    print(f"memory copy {bw['copy_read_plus_write_gb_s']:.1f} GB/s (read+write), fill {bw['fill_write_gb_s']:.1f} GB/s")
+    clear = report["clear_pages_bf16_smollm2_pages"]
+    print(f"clear_pages, {clear['page_bytes']} B pages:")
+    print(
+        f"  one page per run: {clear['single_page_runs_us_per_page']:.1f} us/page "
+        f"({clear['single_page_runs_gb_s']:.1f} GB/s)"
+    )
+    for run in (8, 64):
+        print(
+            f"  runs of {run}: {clear[f'runs_of_{run}_us_per_run']:.1f} us/run, "
+            f"{clear[f'runs_of_{run}_us_per_page']:.1f} us/page ({clear[f'runs_of_{run}_gb_s']:.1f} GB/s)"
+        )
+    for name, value in report["step_pieces"].items():
+        print(f"{name}: {value:.1f}")
+    for world, loop in report["loop"].items():
+        print(f"loop at {world} rank(s): median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}")
+
+
+if __name__ == "__main__":
+    main()

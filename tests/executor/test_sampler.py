@@ -1,0 +1,140 @@
+import math
+
+import pytest
+import torch
+
+from executor.sampler import SamplingBatch, SamplingError, row_seed, sample
+
+
+def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
+    def col(value, dtype):
+        if isinstance(value, (list, tuple)):
+            return torch.tensor(value, dtype=dtype)
+        return torch.full((rows,), value, dtype=dtype)
+
+    return SamplingBatch(
+        temperature=col(temperature, torch.float32),
+        top_p=col(top_p, torch.float32),
+        top_k=col(top_k, torch.int32),
+        seeds=col(seeds, torch.int64),
+        positions=col(list(range(rows)) if positions is None else positions, torch.int64),
+    )
+
+
+def random_logits(rows, vocab=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3
+
+
+def test_greedy_is_argmax_with_log_softmax_logprob():
+    logits = random_logits(5)
+    out = sample(logits, batch(5))
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    expected = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, expected)
+    assert bool(out.finite.all())
+
+
+def test_non_finite_rows_are_flagged_and_do_not_touch_other_rows():
+    logits = random_logits(4)
+    logits[1, 7] = float("nan")
+    logits[3, 0] = float("inf")
+    out = sample(logits, batch(4, temperature=[0.0, 0.0, 0.8, 0.8], seeds=5))
+    assert out.finite.tolist() == [True, False, True, False]
+    assert out.token_ids[1].item() == 0 and out.token_ids[3].item() == 0
+    assert math.isnan(out.logprobs[1].item()) and math.isnan(out.logprobs[3].item())
+    assert out.token_ids[0].item() == logits[0].argmax().item()
+    assert math.isfinite(out.logprobs[2].item())
+
+
+def test_a_finite_row_whose_sum_overflows_is_still_finite():
+    logits = torch.full((2, 8), 3e38)
+    logits[0, 5] = 3.3e38
+    logits[1, 2] = float("-inf")
+    out = sample(logits, batch(2))
+    assert out.finite.tolist() == [True, False]
+    assert out.token_ids.tolist() == [5, 0]
+
+
+def test_seeded_row_is_independent_of_batch_composition():
+    target = random_logits(1, seed=3)
+    alone = sample(target, batch(1, temperature=1.0, seeds=1234, positions=[17]))
+    others = random_logits(6, seed=4)
+    mixed_logits = torch.cat([others[:4], target, others[4:]])
+    mixed = sample(
+        mixed_logits,
+        batch(
+            6 + 1,
+            temperature=[0.7, 1.0, 0.0, 1.3, 1.0, 0.5, 0.9],
+            top_k=[0, 5, 0, 0, 0, 3, 0],
+            seeds=[-1, 9, -1, 77, 1234, -1, 8],
+            positions=[3, 4, 5, 6, 17, 2, 1],
+        ),
+    )
+    assert mixed.token_ids[4].item() == alone.token_ids[0].item()
+    torch.testing.assert_close(mixed.logprobs[4], alone.logprobs[0])
+
+
+def test_seeded_sampling_varies_with_position_and_seed():
+    flat = torch.zeros(1, 1000)  # uniform: every draw is equally likely
+    tokens = {
+        sample(flat, batch(1, temperature=1.0, seeds=s, positions=[p])).token_ids.item()
+        for s in (1, 2, 3)
+        for p in range(10)
+    }
+    assert len(tokens) > 20  # 30 draws from 1000 tokens: collisions are rare, repeats would be a bug
+    assert row_seed(1, 2) != row_seed(2, 1)
+
+
+def test_top_k_one_is_greedy_and_top_k_bounds_the_support():
+    logits = random_logits(200, vocab=50, seed=7)
+    one = sample(logits, batch(200, temperature=2.0, top_k=1))
+    assert torch.equal(one.token_ids, logits.argmax(dim=-1))
+    out = sample(logits, batch(200, temperature=5.0, top_k=4))
+    top4 = logits.topk(4, dim=-1).indices
+    assert bool((top4 == out.token_ids[:, None]).any(dim=-1).all())
+
+
+def test_top_p_keeps_the_nucleus_only():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(2000, 1)
+    out = sample(logits, batch(2000, temperature=1.0, top_p=0.7))
+    # mass before token 1 is 0.5 < 0.7 (kept), before token 2 is 0.8 > 0.7 (dropped)
+    assert set(out.token_ids.tolist()) == {0, 1}
+
+
+def test_temperature_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    rows = 6000
+    out = sample(probs.log().repeat(rows, 1), batch(rows, temperature=1.0))
+    freq = torch.bincount(out.token_ids, minlength=3).float() / rows
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    hot = sample(probs.log().repeat(rows, 1), batch(rows, temperature=100.0))
+    hot_freq = torch.bincount(hot.token_ids, minlength=3).float() / rows
+    assert hot_freq.min().item() > 0.28  # near uniform at a high temperature
+    expected = torch.log_softmax(probs.log() / 100.0, dim=-1)[hot.token_ids]
+    torch.testing.assert_close(hot.logprobs, expected)
+
+
+def test_mismatched_parameters_are_refused():
+    with pytest.raises(SamplingError, match="temperature has shape"):
+        sample(random_logits(3), batch(2))
+
+
+def test_flat_rows_outside_the_candidates_still_get_an_exact_nucleus():
+    # 1000 equally likely tokens: top_p 0.5 keeps 500 of them, far more than the candidate set.
+    rows = 400
+    out = sample(torch.zeros(rows, 1000), batch(rows, temperature=1.0, top_p=0.5))
+    assert out.token_ids.max().item() < 501  # a stable sort keeps ties in id order
+    assert len(set(out.token_ids.tolist())) > 150
+    wide_k = sample(torch.zeros(rows, 1000), batch(rows, temperature=1.0, top_k=600))
+    assert wide_k.token_ids.max().item() >= 256 and wide_k.token_ids.max().item() < 600
+
+
+def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
+    rows, vocab = 200, 8192
+    # Nearly flat and decreasing: top_p 0.3 keeps fewer than 0.3 * vocab ids, well beyond 256.
+    logits = (-torch.arange(vocab) * 1e-5).repeat(rows, 1)
+    out = sample(logits, batch(rows, temperature=1.0, top_p=0.3))
+    assert out.token_ids.max().item() <= int(0.3 * vocab) + 1
+    assert out.token_ids.max().item() > 256

@@ -1,0 +1,287 @@
+"""The step loop of one rank, driven in-process through a scripted endpoint (no sockets, no peers)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from executor.options import ExecutorOptions
+from executor.worker import ExitCode, Worker
+from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
+from protocol.errors import ProtocolError, RejectCode
+from protocol.frames import (
+    LAYOUT_VERSION,
+    PROTOCOL_VERSION,
+    Abort,
+    Frame,
+    Go,
+    Heartbeat,
+    Hello,
+    Ready,
+    Reject,
+    Result,
+    Shutdown,
+    Welcome,
+)
+
+RUN = "run-test"
+GEOMETRY = geometry()
+
+
+class ScriptedEndpoint:
+    """Hands the worker the scripted frames in order (an exception is raised from recv), then silence."""
+
+    def __init__(self, script: list) -> None:
+        self.script = deque(script)
+        self.sent: list[tuple[int, object]] = []
+
+    def send(self, body, step: int) -> None:
+        self.sent.append((step, body))
+
+    def recv(self, timeout_ms: int):
+        if not self.script:
+            time.sleep(timeout_ms / 1000)
+            return None
+        item = self.script.popleft()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def replies(self) -> list[tuple[int, object]]:
+        return [(step, body) for step, body in self.sent if not isinstance(body, (Heartbeat, Hello))]
+
+
+_seq = iter(range(1, 1_000_000))
+
+
+def frame(step: int, body, *, version: int = PROTOCOL_VERSION, run_id: str = RUN) -> Frame:
+    return Frame(version=version, layout=LAYOUT_VERSION, run_id=run_id, step=step, seq=next(_seq), body=body)
+
+
+def welcome(g=GEOMETRY, *, version=PROTOCOL_VERSION, layout=LAYOUT_VERSION, world_size=1) -> Frame:
+    return frame(0, Welcome(version=version, layout=layout, world_size=world_size, geometry=g))
+
+
+def options(**overrides) -> ExecutorOptions:
+    base = ExecutorOptions(
+        model="stand-in",
+        num_pages=GEOMETRY.num_pages,
+        page_size=GEOMETRY.page_size,
+        max_num_seqs=GEOMETRY.max_seqs,
+        max_tokens_per_step=GEOMETRY.max_tokens_per_step,
+        max_model_len=GEOMETRY.max_context,
+        kv_cache_dtype=GEOMETRY.kv_dtype,
+        host_slots=GEOMETRY.host_slots,
+        device="cpu",
+        heartbeat_interval_s=0.05,
+        peer_timeout_s=2.0,
+    )
+    return replace(base, **overrides)
+
+
+def run_worker(script, *, model=None, cache=None, **option_overrides):
+    opts = options(**option_overrides)
+    endpoint = ScriptedEndpoint(script)
+    if cache is None:
+        cache = make_cache(GEOMETRY, KV_HEADS, poison=opts.debug_poison_cache)
+    worker = Worker(
+        rank=0,
+        world_size=1,
+        endpoint=endpoint,
+        cache=cache,
+        model=model or StandInModel(0, 1),
+        geometry=GEOMETRY,
+        options=opts,
+        run_id=RUN,
+    )
+    return worker.run(), endpoint, cache
+
+
+def test_hello_carries_this_rank_and_a_clean_step_returns_a_result():
+    prepare = make_prepare([Seq(7, (3, 4, 5), 0, (2,)), Seq(9, (10,), 0, (4,))], cleared=(2, 4))
+    code, endpoint, _ = run_worker(
+        [welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("done"))]
+    )
+    assert code == ExitCode.OK
+    hello = endpoint.sent[0][1]
+    assert isinstance(hello, Hello)
+    assert (hello.rank, hello.world_size, hello.geometry) == (0, 1, GEOMETRY)
+    assert hello.model_fingerprint == "stand-in-v1"
+    (s1, ready), (s2, result) = endpoint.replies()
+    assert (s1, s2) == (1, 1) and isinstance(ready, Ready)
+    assert isinstance(result, Result)
+    assert result.seq_ids.tolist() == [7, 9]
+    assert result.token_ids.tolist() == [6, 11]  # last token + 1 (one rank)
+    assert result.finite.tolist() == [1, 1]
+    assert np.all(np.isfinite(result.logprobs))
+    assert result.step_time_us > 0
+
+
+@pytest.mark.parametrize(
+    "bad_welcome, words",
+    [
+        (welcome(replace(GEOMETRY, num_pages=32)), "num_pages 32"),
+        (welcome(replace(GEOMETRY, kv_dtype="bf16")), "kv_dtype"),
+        (welcome(version=99), "protocol version 99"),
+        (welcome(layout=7), "cache layout 7"),
+        (welcome(world_size=2), "world size 2"),
+        (frame(0, Shutdown("rank 1 has model fingerprint other, rank 0 has stand-in-v1")), "fingerprint other"),
+    ],
+)
+def test_handshake_mismatch_is_refused_with_a_clear_error(bad_welcome, words, caplog):
+    with caplog.at_level(logging.ERROR, logger="tp_runtime.executor"):
+        code, endpoint, _ = run_worker([bad_welcome, frame(1, Shutdown("unreached"))])
+    assert code == ExitCode.HANDSHAKE_REFUSED
+    assert endpoint.replies() == []
+    refused = [r.getMessage() for r in caplog.records if "handshake refused" in r.getMessage()]
+    assert refused and words in refused[0] and refused[0].startswith("[rank 0]")
+
+
+def test_rejects_keep_the_executor_up_and_the_next_valid_step_runs():
+    good = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    out_of_range = make_prepare([Seq(1, (20,), 0, (GEOMETRY.num_pages,))])
+    script = [
+        welcome(),
+        frame(1, out_of_range),
+        frame(1, Abort("rank 0 rejected")),
+        frame(2, good, version=PROTOCOL_VERSION + 1),
+        frame(2, Abort("rank 0 rejected")),
+        ProtocolError(RejectCode.BAD_MAC, "MAC does not match"),
+        frame(3, Abort("rank 0 rejected")),
+        frame(5, good),  # skips step 4
+        frame(5, Abort("out of sequence")),
+        frame(6, Go()),  # nothing staged
+        frame(6, good),
+        frame(6, Go()),
+        frame(6, Shutdown("done")),
+    ]
+    code, endpoint, _ = run_worker(script)
+    assert code == ExitCode.OK
+    replies = endpoint.replies()
+    rejects = [(step, RejectCode(body.code)) for step, body in replies if isinstance(body, Reject)]
+    assert rejects == [
+        (1, RejectCode.PAGE_OUT_OF_RANGE),
+        (2, RejectCode.BAD_VERSION),
+        (3, RejectCode.BAD_MAC),
+        (5, RejectCode.BAD_STEP),
+        (6, RejectCode.UNEXPECTED_FRAME),
+    ]
+    assert [(s, type(b)) for s, b in replies[-2:]] == [(6, Ready), (6, Result)]
+    assert replies[-1][1].token_ids.tolist() == [21]
+
+
+def test_abort_drops_the_staged_step():
+    model = StandInModel(0, 1)
+    prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    script = [welcome(), frame(1, prepare), frame(1, Abort("peer rejected")), frame(1, Go()), frame(1, Shutdown("x"))]
+    code, endpoint, _ = run_worker(script, model=model)
+    assert code == ExitCode.OK
+    assert model.forward_calls == 0
+    kinds = [type(b) for _, b in endpoint.replies()]
+    assert kinds == [Ready, Reject]
+
+
+@pytest.mark.parametrize("skip_clears", [False, True])
+def test_poisoned_cache_is_read_safely_only_when_listed_pages_are_cleared(skip_clears):
+    # Three tokens on a fresh page: slot 3 is past the context, so only the clear keeps it finite.
+    prepare = make_prepare([Seq(1, (20, 21, 22), 0, (5,))], cleared=(5,))
+    script = [welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("x"))]
+    code, endpoint, _ = run_worker(script, debug_poison_cache=True, debug_skip_clears=skip_clears)
+    assert code == ExitCode.OK
+    result = endpoint.replies()[-1][1]
+    if skip_clears:
+        assert result.finite.tolist() == [0] and result.token_ids.tolist() == [0]
+        assert np.isnan(result.logprobs[0])
+    else:
+        assert result.finite.tolist() == [1] and result.token_ids.tolist() == [23]
+
+
+def zeroed_cache():
+    cache = make_cache(GEOMETRY, KV_HEADS, poison=False)
+    cache.data.zero_()
+    return cache
+
+
+def test_staging_order_offload_poison_restore_clear():
+    cache = zeroed_cache()
+    g = torch.Generator().manual_seed(0)
+    page3 = torch.randn(cache.data[3].shape, generator=g)
+    saved = torch.randn(cache.data[3].shape, generator=g)
+    cache.data[3] = page3
+    cache.host[0] = saved
+    prepare = make_prepare(
+        [Seq(1, (20,), 0, (9,))],
+        cleared=(3, 9),
+        offload=((3, 1),),
+        restore=((5, 0),),
+        poison=(5, 6),
+    )
+    code, _, _ = run_worker(
+        [welcome(), frame(1, prepare), frame(1, Shutdown("x"))], cache=cache, debug_poison_freed=True
+    )
+    assert code == ExitCode.OK
+    assert torch.equal(cache.host[1], page3), "offload reads the page before the clear zeroes it"
+    assert bool((cache.data[3].view(torch.uint8) == 0).all())
+    assert torch.equal(cache.data[5], saved), "restore lands after the poison of its target"
+    assert bool(torch.isnan(cache.data[6]).all()), "a freed page is poisoned when debug_poison_freed"
+
+
+@pytest.mark.parametrize("poison_freed", [False, True])
+def test_poison_pages_are_honoured_only_with_the_debug_flag(poison_freed):
+    cache = zeroed_cache()
+    prepare = make_prepare([Seq(1, (20,), 0, (9,))], cleared=(9,), poison=(6,))
+    code, _, _ = run_worker(
+        [welcome(), frame(1, prepare), frame(1, Shutdown("x"))], cache=cache, debug_poison_freed=poison_freed
+    )
+    assert code == ExitCode.OK
+    page6 = cache.data[6].view(torch.uint8)
+    assert bool((page6 == 0xFF).all()) if poison_freed else bool((page6 == 0).all())
+
+
+def test_silent_scheduler_ends_the_executor(caplog):
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="tp_runtime.executor"):
+        code, endpoint, _ = run_worker([welcome()], peer_timeout_s=0.4, heartbeat_interval_s=0.1)
+    elapsed = time.monotonic() - started
+    assert code == ExitCode.SCHEDULER_SILENT
+    assert 0.4 <= elapsed < 2.0
+    beats = [b for _, b in endpoint.sent if isinstance(b, Heartbeat)]
+    assert len(beats) >= 3 and all(b.rank == 0 for b in beats)
+    assert any("nothing from the scheduler" in r.getMessage() for r in caplog.records)
+
+
+def test_heartbeats_from_the_scheduler_keep_the_executor_alive():
+    script = [welcome()] + [frame(0, Heartbeat(-1)) for _ in range(3)] + [frame(0, Shutdown("x"))]
+    code, _, _ = run_worker(script, peer_timeout_s=0.3, heartbeat_interval_s=0.1)
+    assert code == ExitCode.OK
+
+
+def test_a_forward_longer_than_the_peer_timeout_is_not_scheduler_silence():
+    class Slow(StandInModel):
+        def forward(self, inputs, cache):
+            time.sleep(0.5)
+            return super().forward(inputs, cache)
+
+    prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    script = [welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("x"))]
+    code, endpoint, _ = run_worker(script, model=Slow(0, 1), peer_timeout_s=0.3, heartbeat_interval_s=0.1)
+    assert code == ExitCode.OK
+    assert isinstance(endpoint.replies()[-1][1], Result)
+
+
+def test_a_failing_forward_ends_the_executor_with_a_reject():
+    class Broken(StandInModel):
+        def forward(self, inputs, cache):
+            raise RuntimeError("gloo: connection reset by peer")
+
+    prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())], model=Broken(0, 1))
+    assert code == ExitCode.STEP_FAILED
+    step, reject = endpoint.replies()[-1]
+    assert step == 1 and reject.code == RejectCode.INTERNAL and "connection reset" in reject.message
