@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.auth import ReplayGuard
 from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode
@@ -139,7 +140,18 @@ class SchedulerEndpoint:
             self._context.term()
             raise TransportError(f"cannot bind the scheduler endpoint to {address}: {exc}") from exc
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # A rank whose process dies closes its connection at once; watching for that notices a
+        # death mid-step, when the rank cannot heartbeat.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._closed = False
+
+    def disconnected(self) -> bool:
+        """True if a rank's connection closed since the last call (a peer process ended)."""
+        seen = False
+        while self._monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._monitor)
+            seen = seen or event["event"] == zmq.EVENT_DISCONNECTED
+        return seen
 
     @property
     def version(self) -> int:
@@ -188,6 +200,8 @@ class SchedulerEndpoint:
         if self._closed:
             return
         self._closed = True
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
         self._context.term()
         if self.address.startswith("ipc://"):

@@ -314,7 +314,7 @@ class Engine:
                 missing = sorted(set(self._ranks) - set(hellos))
                 raise HandshakeError(f"ranks {missing} did not say HELLO within {self._timeouts.handshake_s} s")
             received = self._endpoint.recv(200)
-            if received is None:
+            if received is None or received.rank not in self._ranks:
                 continue
             if received.error is not None:
                 raise HandshakeError(f"rank {received.rank} sent a bad frame: {received.error}")
@@ -324,6 +324,8 @@ class Engine:
                 self._last_heard[received.rank] = time.monotonic()
         self._check_hellos(hellos)
         version = max(set(SUPPORTED_VERSIONS).intersection(*(h.versions for h in hellos.values())))
+        self._endpoint.version = version
+        self._endpoint.disconnected()  # connections that came and went during start-up
         self._endpoint.send_all(self._ranks, Welcome(version, LAYOUT_VERSION, self._world_size, self._geometry), 0)
 
     def _check_hellos(self, hellos: dict[int, Hello]) -> None:
@@ -442,6 +444,9 @@ class Engine:
             if received is None:
                 self._check_liveness(busy=True)
                 continue
+            if received.rank not in self._ranks:
+                log.warning("ignored a frame from an unknown peer: %s", received.error)
+                continue
             self._last_heard[received.rank] = now
             if received.error is not None:
                 return received.rank, None, received.error  # type: ignore[return-value]
@@ -453,16 +458,22 @@ class Engine:
             return received.rank, received.frame, None
 
     def _check_liveness(self, busy: bool = False) -> None:
-        """While idle every rank heartbeats; one that stays silent is gone (a hang or a death)."""
+        """A rank whose connection closed has died; while idle every rank heartbeats, and one that
+        stays silent is gone (a hang). During a step the collective's own failure shows up as a
+        SHUTDOWN from a rank, a closed connection, or the step timeout."""
+        if self._endpoint.disconnected():
+            raise _RankFailure("a rank's connection closed: its process ended")
         while not busy:
             received = self._endpoint.recv(0)
             if received is None:
                 break
+            if received.rank not in self._ranks:
+                continue
             self._last_heard[received.rank] = time.monotonic()
             if received.frame is not None and isinstance(received.frame.body, Shutdown):
                 raise _RankFailure(f"rank {received.rank} is shutting down: {received.frame.body.reason}")
         now = time.monotonic()
-        silent = [r for r in self._ranks if now - self._last_heard.get(r, now) > self._timeouts.peer_silence_s]
+        silent = [] if busy else [r for r in self._ranks if now - self._last_heard.get(r, now) > self._timeouts.peer_silence_s]
         if silent:
             raise _RankFailure(f"ranks {silent} stopped answering (no frame for {self._timeouts.peer_silence_s} s)")
         if not busy and now - self._last_heartbeat >= self._timeouts.heartbeat_s:
