@@ -1,0 +1,93 @@
+"""Requests as the scheduler sees them: sampling parameters, token stream, lifecycle state."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class InvalidSamplingParams(ValueError):
+    """A SamplingParams field is out of its range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidSamplingParams(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingParams(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k must be >= 0 (0 is off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidSamplingParams(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # never run, or preempted by recompute (its KV is gone)
+    RUNNING = "running"  # holds a row of the running batch and pages in the pool
+    OFFLOADED = "preempted-offloaded"  # its KV pages sit in host slots until a restore
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's token stream and where its KV lives.
+
+    `tokens` is preallocated to the longest the request can get (prompt + max_tokens), so appending a
+    sampled token is one array store and a page's tokens are a view.
+    """
+
+    request_id: int
+    params: SamplingParams
+    arrival: int
+    tokens: np.ndarray  # int32[prompt_len + max_tokens]
+    prompt_len: int
+    num_tokens: int
+    state: RequestState = RequestState.WAITING
+    row: int = -1  # index in the running batch while RUNNING
+    num_computed: int = 0  # tokens whose KV is in the cache (kept while OFFLOADED)
+    host_slots: list[int] = field(default_factory=list)  # OFFLOADED: slot of each page, in order
+    preempted: bool = False  # has been preempted at least once
+    num_registered: int = 0  # full pages already offered to the prefix cache
+    page_keys: list[tuple[int, int]] = field(default_factory=list)  # prefix keys of full pages
+    hash_state: tuple[int, int] = (0, 0)  # running sums after the last keyed page
+
+    @classmethod
+    def create(cls, request_id: int, prompt: Sequence[int], params: SamplingParams, arrival: int) -> Request:
+        prompt_arr = np.asarray(prompt, dtype=np.int32)
+        if prompt_arr.ndim != 1:
+            raise ValueError(f"a prompt is a flat sequence of token ids, got shape {prompt_arr.shape}")
+        n = int(prompt_arr.shape[0])
+        tokens = np.empty(n + params.max_tokens, dtype=np.int32)
+        tokens[:n] = prompt_arr
+        return cls(request_id, params, arrival, tokens, n, n)
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    def output_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokens[self.prompt_len : self.num_tokens].tolist())
+
+    def max_kv_len(self) -> int:
+        return max_kv_len(self.prompt_len, self.params.max_tokens)
+
+
+def max_kv_len(prompt_len: int, max_tokens: int) -> int:
+    """Positions that can ever hold KV: the last sampled token is never fed back."""
+    return prompt_len + max_tokens - 1
