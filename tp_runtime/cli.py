@@ -150,8 +150,10 @@ def run_generate_job(engine, tokenizer, argv: Sequence[str]) -> int:  # noqa: AN
 
     args = build_parser().parse_args(list(argv))
     engine.wait_ready()
-    prompt = args.prompt if args.raw else render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
-    ids = tokenizer.encode(prompt)
+    if args.raw:
+        ids = tokenizer.encode(args.prompt)
+    else:  # the template writes BOS and the turn markers itself
+        ids = tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": args.prompt}]), add_special_tokens=False)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -160,7 +162,7 @@ def run_generate_job(engine, tokenizer, argv: Sequence[str]) -> int:  # noqa: AN
         seed=args.seed,
         stop_token_ids=tuple(tokenizer.eos_token_ids),
     )
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, ids)
     pieces: list[str] = []
     for event in engine.submit(ids, params):
         if event.error:

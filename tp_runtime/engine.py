@@ -203,14 +203,12 @@ class Engine:
             raise EngineUnavailable(self._failure)
         if self._draining or self._stopping.is_set():
             raise EngineUnavailable("the runtime is shutting down and takes no new requests")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it must hold at least one token")
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         stream = RequestStream(next(self._ids), len(prompt_token_ids), loop)
-        self._scheduler.check_admissible(len(prompt_token_ids), params)
+        self._scheduler.check_admission(len(prompt_token_ids), params)
         self._inbox.put(_Submit(stream, tuple(prompt_token_ids), params))
         return stream
 

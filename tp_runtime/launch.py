@@ -19,7 +19,12 @@ import sys
 from dataclasses import replace
 from datetime import timedelta
 
+from typing import TYPE_CHECKING
+
 from tp_runtime.config import ConfigError, RuntimeConfig
+
+if TYPE_CHECKING:
+    from executor.model.config import ModelConfig
 
 log = logging.getLogger("tp_runtime.launch")
 
@@ -30,13 +35,19 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """The model's shape from its files' metadata, without reading weights."""
+    from executor.model.loader import open_source
+
+    return open_source(path).config
+
+
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
     """Fills in what derives from the model: the context length and the number of KV pages.
 
     Every rank computes the same answer from the same files, so plain torchrun (without the
     convenience launcher) agrees with itself too.
     """
-    from executor.model import read_model_config
     from executor.model.sharding import ShardingError, ShardPlan
 
     model = read_model_config(config.model)
@@ -68,6 +79,8 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     """Starts `python -m tp_runtime <argv>` on tensor_parallel_size ranks through torchrun's launcher."""
     from torch.distributed.run import get_args_parser, run
 
+    # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)))
     torchrun_args = get_args_parser().parse_args(
         [
             "--standalone",
@@ -159,8 +172,6 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
 
 
 def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[subprocess.Popen[bytes], bytes]:
-    from executor.model import read_model_config
-
     model = read_model_config(config.model)
     read_fd, write_fd = os.pipe()
     command = [

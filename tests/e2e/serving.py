@@ -12,6 +12,13 @@ from pathlib import Path
 
 import httpx
 
+# Small enough that a TP=2 step over gloo is a few milliseconds; 3 KV groups over 2 ranks exercise
+# the uneven head split.
+SERVER_OPTIONS = (
+    "--dtype", "fp32", "--num-kv-pages", "256", "--max-model-len", "256", "--max-num-seqs", "32",
+    "--max-num-batched-tokens", "256",
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:

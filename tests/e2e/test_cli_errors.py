@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tiny_models import write_tiny_llama
+from tests.tiny_models import write_tiny_llama
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
