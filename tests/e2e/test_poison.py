@@ -1,0 +1,66 @@
+"""The clearing rule, proven through the real server at TP=2 with real HTTP clients.
+
+The cache is poisoned with 0xFF bytes (NaN in every float format) at allocation and every page
+that returns to the free pool is poisoned again. With clears on, greedy output is token-identical
+to a server without poison; with clears skipped, the damage is detected: the requests fail with a
+non-finite-logits error and no text. Both directions are asserted, so the proof can fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.serving import SERVER_OPTIONS, Server
+
+POISON = ("--debug-poison-kv-cache", "--debug-poison-freed-pages")
+# Prompts that share a prefix (snapshot reuse) and lengths that end mid-page (tail slots are read).
+PROMPTS = ("The quick brown fox", "The quick brown fox jumps over", "Hello", "1, 2, 3, 4, 5, 6, 7, 8,", "Hello")
+
+
+def greedy(server: Server, prompt: str) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_model: Path) -> Iterator[Server]:
+    # A small pool so pages are freed, poisoned and handed out again within the test.
+    options = (*SERVER_OPTIONS[:2], "--num-kv-pages", "24", *SERVER_OPTIONS[4:])
+    server = Server(tiny_model, tp=2, extra=(*options, *POISON))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_poisoned_cache_with_clears_matches_an_unpoisoned_server(server_tp2: Server, poisoned: Server) -> None:
+    for _round in range(2):  # the second round runs on pages that were freed and poisoned
+        for prompt in PROMPTS:
+            clean, dirty = greedy(server_tp2, prompt), greedy(poisoned, prompt)
+            assert clean.status_code == dirty.status_code == 200, dirty.text
+            assert dirty.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"], prompt
+    metrics = httpx.get(f"{poisoned.url}/metrics", timeout=10).text
+    assert "tp_runtime_kv_pages_cleared_total 0.0" not in metrics
+
+
+def test_skipped_clears_are_detected_and_no_text_is_sent(tiny_model: Path) -> None:
+    server = Server(tiny_model, tp=2, extra=(*SERVER_OPTIONS, *POISON, "--debug-skip-clears"))
+    try:
+        failures = [greedy(server, prompt) for prompt in PROMPTS[:3]]
+        for response in failures:
+            assert response.status_code >= 500, response.text
+            assert "finite" in response.json()["error"]["message"].lower(), response.text
+        streamed = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True},
+            timeout=120,
+        )
+        texts = [line for line in streamed.text.splitlines() if line.startswith("data: ") and '"text"' in line]
+        assert all('"text":""' in line.replace(" ", "") for line in texts), texts
+        assert "finite" in streamed.text.lower()
+    finally:
+        server.stop()
