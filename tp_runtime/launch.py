@@ -77,6 +77,8 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
 
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
     """Starts `python -m tp_runtime <argv>` on tensor_parallel_size ranks through torchrun's launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
@@ -94,8 +96,11 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     )
     try:
         run(torchrun_args)
-    except Exception as exc:  # torchrun raises ChildFailedError with its own report already printed
-        log.error("the runtime failed: %s", type(exc).__name__)
+    except SignalException as exc:
+        # SIGTERM/SIGINT: torchrun passed it to the ranks, whose frontend drained before exiting.
+        log.info("stopped by %s", exc.sigval.name)
+        return 0
+    except ChildFailedError:  # torchrun has printed which rank failed and why
         return 1
     return 0
 
