@@ -1,0 +1,162 @@
+"""The paged KV cache of one rank: one tensor, one contiguous range per page.
+
+Layout [num_pages + 1, num_layers, 2, page_size, local_kv_heads, head_dim]: page i holds every
+layer's K and V for its page_size slots, so clearing a run of pages is one fill (one memset on CUDA)
+and offloading a page is one copy. The extra page `pad_page == num_pages` is zeroed at allocation and
+never handed out: vectorized attention pads page tables with it.
+
+The storage is allocated uninitialized on purpose (DESIGN.md): the scheduler's clear marks, not the
+allocator, are what keep attention from reading garbage, and `poison=True` makes garbage visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from protocol.frames import KVDtype
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    KVDtype.FP32.value: torch.float32,
+    KVDtype.BF16.value: torch.bfloat16,
+    KVDtype.FP16.value: torch.float16,
+    KVDtype.FP8_E4M3.value: torch.float8_e4m3fn,
+}
+FP8_E4M3_MAX = 448.0
+POISON_BYTE = 0xFF
+
+
+class CacheConfigError(ValueError):
+    """The cache geometry or dtype asked for cannot be built."""
+
+
+def page_runs(pages: np.ndarray | Sequence[int]) -> list[tuple[int, int]]:
+    """Coalesce sorted unique page ids into half-open runs [start, stop) of consecutive ids."""
+    ids = np.asarray(pages, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.concatenate(([0], breaks))]
+    stops = ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1
+    return list(zip(starts.tolist(), stops.tolist()))
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: str,
+        device: torch.device,
+        host_slots: int = 0,
+        poison: bool = False,
+        scale: float = 1.0,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value <= 0:
+                raise CacheConfigError(f"KV cache {name} must be positive, got {value}")
+        if host_slots < 0:
+            raise CacheConfigError(f"KV cache host_slots must be >= 0, got {host_slots}")
+        kv_dtype = kv_dtype.value if isinstance(kv_dtype, KVDtype) else kv_dtype
+        if kv_dtype not in STORAGE_DTYPES:
+            raise CacheConfigError(
+                f"unknown KV cache dtype {kv_dtype!r}; expected one of {sorted(STORAGE_DTYPES)}"
+            )
+        if not scale > 0.0:
+            raise CacheConfigError(f"KV cache scale must be positive, got {scale}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.kv_dtype = kv_dtype
+        self.storage_dtype = STORAGE_DTYPES[kv_dtype]
+        self.device = torch.device(device)
+        self.scale = float(scale)
+        self.pad_page = num_pages
+        shape = (num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self.data = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
+        if poison:
+            self.data.view(torch.uint8).fill_(POISON_BYTE)
+        self.data[self.pad_page].zero_()
+        self.host = torch.empty(
+            (host_slots, *shape[1:]),
+            dtype=self.storage_dtype,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data.stride(0) * self.data.element_size()
+
+    @property
+    def host_slots(self) -> int:
+        return self.host.shape[0]
+
+    def key_value(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as views [num_pages + 1, page_size, H, D] in the storage dtype."""
+        return self.data[:, layer, 0], self.data[:, layer, 1]
+
+    def write(
+        self,
+        layer: int,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store new tokens' K and V [T, H, D] at (pages[t], offsets[t])."""
+        k_cache, v_cache = self.key_value(layer)
+        k_cache[pages, offsets] = self._to_storage(k)
+        v_cache[pages, offsets] = self._to_storage(v)
+
+    def _to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        if self.storage_dtype == torch.float8_e4m3fn:
+            scaled = (x.float() / self.scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            return scaled.to(torch.float8_e4m3fn)
+        return x.to(self.storage_dtype)
+
+    def clear_pages(self, pages: np.ndarray) -> None:
+        """Zero every byte of the listed pages (sorted unique ids) in every layer's K and V."""
+        self._fill_runs(pages, 0)
+
+    def poison_pages(self, pages: np.ndarray) -> None:
+        """Debug fault injection: fill the listed pages with 0xFF bytes (NaN in every KV dtype)."""
+        self._fill_runs(pages, POISON_BYTE)
+
+    def _fill_runs(self, pages: np.ndarray, value: int) -> None:
+        runs = page_runs(pages)
+        if not runs:
+            return
+        if runs[0][0] < 0 or runs[-1][1] > self.num_pages:
+            raise IndexError(f"page ids must be in [0, {self.num_pages}), got runs {runs}")
+        if self.device.type == "cuda":
+            from executor.cuda_memset import memset_runs
+
+            memset_runs(self.data, runs, value=value)
+            return
+        as_bytes = self.data.view(torch.uint8)
+        for start, stop in runs:
+            as_bytes[start:stop].fill_(value)
+
+    def offload(self, pages: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> None:
+        """Copy whole pages to host slots (one copy per page: a page is contiguous)."""
+        for page, slot in zip(np.asarray(pages).tolist(), np.asarray(slots).tolist(), strict=True):
+            self.host[slot].copy_(self.data[page], non_blocking=True)
+
+    def restore(self, pages: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> None:
+        """Copy host slots back over whole pages."""
+        for page, slot in zip(np.asarray(pages).tolist(), np.asarray(slots).tolist(), strict=True):
+            self.data[page].copy_(self.host[slot], non_blocking=True)

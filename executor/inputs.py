@@ -1,0 +1,144 @@
+"""Per-step model inputs, built from a validated PREPARE with vectorized numpy (no per-token loops).
+
+All integer inputs are packed into one int64 buffer and moved to the device in one copy, then split
+into views: on CUDA that is one host-to-device transfer per step instead of a dozen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.frames import Prepare
+
+
+class StepInputsError(ValueError):
+    """A PREPARE whose arrays cannot describe a step (lengths or page tables disagree)."""
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor  # long[T]
+    positions: torch.Tensor  # long[T]
+    query_lens: torch.Tensor  # long[n]
+    query_start: torch.Tensor  # long[n + 1], cumulative
+    context_lens: torch.Tensor  # long[n]
+    # long[n, W]: each sequence's pages covering its context_lens, padded with pad_page. Reserved
+    # pages past the context are replaced by pad_page too: they may not be cleared yet.
+    page_table: torch.Tensor
+    write_pages: torch.Tensor  # long[T]: the page of each new token's K/V
+    write_offsets: torch.Tensor  # long[T]: its slot in that page
+    sample_rows: torch.Tensor  # long[m]: index into T of each sampled sequence's last new token
+    sample_seq_ids: np.ndarray  # int64[m]
+    temperature: torch.Tensor  # float32[m]
+    top_p: torch.Tensor  # float32[m]
+    top_k: torch.Tensor  # long[m]
+    seeds: torch.Tensor  # long[m]; -1 means unseeded
+    sample_positions: torch.Tensor  # long[m]: position of the token whose logits are sampled
+    is_decode: bool  # every sequence brings exactly one new token
+    num_seqs: int
+    num_tokens: int
+    # Host copies the attention loop over prefill sequences reads without a device sync.
+    query_lens_host: np.ndarray  # int64[n]
+    context_lens_host: np.ndarray  # int64[n]
+
+    @classmethod
+    def from_prepare(
+        cls, p: Prepare, *, pad_page: int, page_size: int, device: torch.device | str
+    ) -> StepInputs:
+        n = int(p.seq_ids.shape[0])
+        num_tokens = int(p.token_ids.shape[0])
+        query_lens = p.query_lens.astype(np.int64)
+        context_lens = p.context_lens.astype(np.int64)
+        table_lens = p.page_table_lens.astype(np.int64)
+        if query_lens.sum() != num_tokens or p.positions.shape[0] != num_tokens:
+            raise StepInputsError(
+                f"query_lens sum to {int(query_lens.sum())} but the step has {num_tokens} token ids "
+                f"and {p.positions.shape[0]} positions"
+            )
+        if table_lens.sum() != p.page_table.shape[0]:
+            raise StepInputsError(
+                f"page_table_lens sum to {int(table_lens.sum())} but page_table has "
+                f"{p.page_table.shape[0]} entries"
+            )
+        needed = -(-context_lens // page_size)
+        if np.any(needed > table_lens):
+            bad = int(np.flatnonzero(needed > table_lens)[0])
+            raise StepInputsError(
+                f"sequence {int(p.seq_ids[bad])} has {int(context_lens[bad])} tokens of context "
+                f"but only {int(table_lens[bad])} pages of {page_size} slots"
+            )
+
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        table_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(table_lens, out=table_start[1:])
+        flat_table = p.page_table.astype(np.int64)
+
+        width = int(needed.max()) if n else 0
+        columns = np.arange(width, dtype=np.int64)
+        in_context = columns[None, :] < needed[:, None]
+        gather = np.where(in_context, table_start[:n, None] + columns[None, :], 0)
+        page_table = (
+            np.where(in_context, flat_table[gather], pad_page)
+            if flat_table.size
+            else np.full((n, width), pad_page, dtype=np.int64)
+        )
+
+        positions = p.positions.astype(np.int64)
+        seq_of_token = np.repeat(np.arange(n, dtype=np.int64), query_lens)
+        write_pages = (
+            flat_table[table_start[seq_of_token] + positions // page_size]
+            if num_tokens
+            else np.zeros(0, dtype=np.int64)
+        )
+        write_offsets = positions % page_size
+
+        sampled = np.flatnonzero(p.sample)
+        sample_rows = query_start[sampled + 1] - 1
+        sample_positions = positions[sample_rows]
+
+        pieces = (
+            p.token_ids.astype(np.int64),
+            positions,
+            query_lens,
+            query_start,
+            context_lens,
+            page_table.reshape(-1),
+            write_pages,
+            write_offsets,
+            sample_rows,
+            p.top_k[sampled].astype(np.int64),
+            p.seeds[sampled].astype(np.int64),
+            sample_positions,
+        )
+        packed = torch.from_numpy(np.concatenate(pieces)).to(device, non_blocking=True)
+        views = torch.split(packed, [piece.shape[0] for piece in pieces])
+        floats = torch.from_numpy(
+            np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
+        ).to(device, non_blocking=True)
+        m = int(sampled.shape[0])
+        return cls(
+            token_ids=views[0],
+            positions=views[1],
+            query_lens=views[2],
+            query_start=views[3],
+            context_lens=views[4],
+            page_table=views[5].view(n, width),
+            write_pages=views[6],
+            write_offsets=views[7],
+            sample_rows=views[8],
+            sample_seq_ids=p.seq_ids[sampled].astype(np.int64),
+            temperature=floats[:m],
+            top_p=floats[m:],
+            top_k=views[9],
+            seeds=views[10],
+            sample_positions=views[11],
+            is_decode=bool(n > 0 and np.all(query_lens == 1)),
+            num_seqs=n,
+            num_tokens=num_tokens,
+            query_lens_host=query_lens,
+            context_lens_host=context_lens,
+        )
