@@ -57,6 +57,27 @@ def test_protocol_and_scheduler_never_import_torch() -> None:
     assert heavy == [], f"importing {TORCH_FREE} loaded {heavy[:5]}"
 
 
+_IMPORT_MODULES = textwrap.dedent(
+    """
+    import importlib, json, sys
+    for name in sys.argv[1:]:
+        importlib.import_module(name)
+    print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "torch")))
+    """
+)
+
+
+def test_the_frontend_process_never_imports_torch() -> None:
+    # The frontend (scheduler + HTTP) shares a core with rank 0's model step; torch there would
+    # cost start-up time and memory, and tempt model work into the wrong process.
+    frontend = ("tp_runtime.frontend", "tp_runtime.engine", "tp_runtime.server", "tp_runtime.tokenizer", "tp_runtime.cli")
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_MODULES, *frontend], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
 def test_the_torch_check_can_fail(tmp_path: Path) -> None:
     # A package whose submodule reaches torch through another module; a stub stands in for torch
     # so that the probe stays fast. The check above proves nothing unless this one sees it.

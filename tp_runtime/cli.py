@@ -29,7 +29,7 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and parallelism")
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of ranks (default 1)")
-    g.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight and activation dtype (default bf16)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations (auto: bf16 where the hardware computes in it, else fp32)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g = p.add_argument_group("KV cache and batching")

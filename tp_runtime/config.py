@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
-DTYPES = ("bf16", "fp32", "fp16")
+DTYPES = ("auto", "bf16", "fp32", "fp16")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8-e4m3")
 
 
@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 class RuntimeConfig:
     model: str
     tensor_parallel_size: int = 1
-    dtype: str = "bf16"
+    dtype: str = "auto"  # resolved by the launcher: bf16 where the hardware has it, else fp32
     kv_cache_dtype: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 0  # 0: derived from kv_cache_memory

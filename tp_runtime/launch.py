@@ -42,14 +42,34 @@ def read_model_config(path: str) -> ModelConfig:
     return open_source(path).config
 
 
+def uses_cuda(config: RuntimeConfig) -> bool:
+    import torch
+
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def pick_dtype(config: RuntimeConfig) -> str:
+    """`auto`: bf16 where the hardware computes in it (GPUs, CPUs with AMX or AVX512-BF16); fp32
+    elsewhere, where bf16 matmuls run several times slower than fp32 (docs/model.md measures it)."""
+    import torch
+
+    if config.dtype != "auto":
+        return config.dtype
+    if uses_cuda(config) or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
-    """Fills in what derives from the model: the context length and the number of KV pages.
+    """Fills in what derives from the model and the machine: the dtype, the context length and the
+    number of KV pages.
 
     Every rank computes the same answer from the same files, so plain torchrun (without the
     convenience launcher) agrees with itself too.
     """
     from executor.model.sharding import ShardingError, ShardPlan
 
+    config = replace(config, dtype=pick_dtype(config))
     model = read_model_config(config.model)
     world = config.tensor_parallel_size
     try:
@@ -122,7 +142,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         level=config.log_level.upper(), format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
     )
     config = resolve(config)
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(config)
     if world > 1:
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",

@@ -10,12 +10,13 @@ ids match and encoding and decoding run in Rust. Nothing is downloaded.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
+
+from executor.gguf_file import GGUFFile, GGUFFormatError
 
 _REPLACEMENT = "\ufffd"
 # How many prompt tokens the detokenizer decodes as context in front of the first generated token:
@@ -71,67 +72,13 @@ class _GGUFTokenizerData:
     chat_template: str | None
 
 
-# GGUF metadata value types (gguf.GGUFValueType) -> struct format of a scalar.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-_GGUF_MAGIC = b"GGUF"
-
-
-class _GGUFMetadata:
-    """Reads the key/value header of a GGUF file, and nothing after it.
-
-    gguf.GGUFReader maps and indexes every tensor too, which takes seconds for a vocabulary of
-    50k strings; the tokenizer needs only the header, which this reads in a fraction of that.
-    """
-
-    def __init__(self, path: Path):
-        with open(path, "rb") as f:
-            self._f = f
-            if f.read(4) != _GGUF_MAGIC:
-                raise TokenizerError(f"{path} is not a GGUF file (bad magic)")
-            (version,) = self._unpack("<I")
-            if version < 2:
-                raise TokenizerError(f"{path} is GGUF version {version}; versions 2 and 3 are read")
-            _, count = self._unpack("<QQ")
-            self.values: dict[str, object] = {}
-            for _ in range(count):
-                key = self._string()
-                (kind,) = self._unpack("<I")
-                self.values[key] = self._value(kind)
-
-    def _unpack(self, fmt: str) -> tuple:
-        size = struct.calcsize(fmt)
-        data = self._f.read(size)
-        if len(data) != size:
-            raise TokenizerError("the GGUF header ends early: the file is truncated")
-        return struct.unpack(fmt, data)
-
-    def _string(self) -> str:
-        (length,) = self._unpack("<Q")
-        data = self._f.read(length)
-        if len(data) != length:
-            raise TokenizerError("the GGUF header ends early: the file is truncated")
-        return data.decode("utf-8", errors="replace")
-
-    def _value(self, kind: int) -> object:
-        if kind == _GGUF_STRING:
-            return self._string()
-        if kind in _GGUF_SCALARS:
-            return self._unpack("<" + _GGUF_SCALARS[kind])[0]
-        if kind == _GGUF_ARRAY:
-            item_kind, length = self._unpack("<IQ")
-            if item_kind in _GGUF_SCALARS:
-                return list(self._unpack(f"<{length}{_GGUF_SCALARS[item_kind]}")) if length else []
-            return [self._value(item_kind) for _ in range(length)]
-        raise TokenizerError(f"unknown GGUF metadata value type {kind}")
-
-
 def _read_gguf_tokenizer(path: Path) -> _GGUFTokenizerData:
     try:
-        values = _GGUFMetadata(path).values
+        values = GGUFFile(path).metadata
     except OSError as exc:
         raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    except GGUFFormatError as exc:
+        raise TokenizerError(f"{path}: {exc}") from exc
     model = values.get("tokenizer.ggml.model")
     tokens = values.get("tokenizer.ggml.tokens")
     if not isinstance(model, str) or not isinstance(tokens, list):

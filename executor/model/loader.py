@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from executor.model.config import ModelConfig, ModelLoadError, config_from_hf
-from executor.model.gguf_file import GGUFFile, GGUFFormatError
+from executor.gguf_file import GGUFFile, GGUFFormatError
 
 log = logging.getLogger(__name__)
 
