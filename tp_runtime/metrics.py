@@ -29,8 +29,9 @@ _SCHEDULER_GAUGES = (
     ("requests_waiting", "waiting", "Requests admitted and waiting for a slot."),
     ("requests_preempted", "preempted", "Requests preempted and waiting to resume."),
     ("kv_pages_free", "pages_free", "KV cache pages in the free pool."),
-    ("kv_pages_used", "pages_used", "KV cache pages owned by requests."),
-    ("kv_pages_cached", "pages_cached", "KV cache pages held only by prefix snapshots."),
+    ("kv_pages_used", "pages_used", "KV cache pages out of the free pool: requests' and prefix snapshots'."),
+    ("kv_pages_cached", "pages_cached", "KV cache pages in prefix snapshots, shared with requests or not."),
+    ("kv_pages_evictable", "pages_evictable", "Prefix snapshot pages no request holds: reclaimable at once."),
     ("kv_pages_marked", "pages_marked", "KV cache pages marked to be zeroed before their next use."),
 )
 _SCHEDULER_COUNTERS = (

@@ -186,6 +186,8 @@ class CompletionRequest(_OpenAISampling):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
+    # Extension (as vLLM's): the generated token ids in choices[].token_ids, for exact comparisons.
+    return_token_ids: bool = False
 
 
 class TextPart(_Strict):
@@ -220,6 +222,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -360,6 +363,7 @@ class Generation:
         self.request_id = stream.request_id
         self.prompt_tokens = len(prompt_token_ids)
         self.completion_tokens = 0
+        self.token_ids: list[int] = []
         self._engine = engine
         self._stream = stream
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
@@ -378,6 +382,7 @@ class Generation:
         try:
             async for event in self._stream:
                 self.completion_tokens += len(event.token_ids)
+                self.token_ids.extend(event.token_ids)
                 if event.finish_reason == "error" or event.error is not None:
                     ended = True
                     raise GenerationFailed(self._failure(event.error))
@@ -699,7 +704,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                     id=request_id,
                     created=now,
                     model=model_name,
-                    choices=[CompletionChoice(text=text, finish_reason=reason)],
+                    choices=[
+                        CompletionChoice(
+                            text=text,
+                            finish_reason=reason,
+                            token_ids=generation.token_ids if body.return_token_ids else None,
+                        )
+                    ],
                     usage=generation.usage,
                 ).model_dump()
             )
@@ -711,8 +722,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             return _sse(body_.model_dump_json(exclude=None if usage else {"usage"}))
 
         async def events() -> AsyncIterator[str]:
+            sent = 0
             async for piece in generation.pieces():
-                yield chunk([CompletionChoice(text=piece.text, finish_reason=piece.finish_reason)])
+                ids = generation.token_ids[sent:] if body.return_token_ids else None
+                sent = len(generation.token_ids)
+                yield chunk([CompletionChoice(text=piece.text, finish_reason=piece.finish_reason, token_ids=ids)])
             if include_usage:
                 yield chunk([], generation.usage)
             yield _sse("[DONE]")

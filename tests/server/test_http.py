@@ -426,3 +426,13 @@ def test_engine_stats_are_exposed_as_prometheus_metrics(client, engine):
     # Latencies are drained per scrape; the histogram keeps what it has seen.
     again = client.get("/metrics").text
     assert "tp_runtime_step_latency_seconds_count 7.0" in again
+
+
+def test_completions_return_token_ids_on_request(client, engine) -> None:
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"][0]["token_ids"] == [5, 6, 7]
+    streamed = client.post("/v1/completions", json={**body, "stream": True}).text
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == [5, 6, 7]
+    assert client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).json()["choices"][0]["token_ids"] is None
