@@ -692,6 +692,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         prepared = prepare(prompt_ids, body.sampling(body.max_tokens))
         generation = start(prepared)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        hidden = {} if body.return_token_ids else {"choices": {"__all__": {"token_ids"}}}
         now = int(time.time())
 
         if not body.stream:
@@ -712,14 +713,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                         )
                     ],
                     usage=generation.usage,
-                ).model_dump()
+                ).model_dump(exclude=hidden)
             )
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             body_ = CompletionResponse(id=request_id, created=now, model=model_name, choices=choices, usage=usage)
-            return _sse(body_.model_dump_json(exclude=None if usage else {"usage"}))
+            return _sse(body_.model_dump_json(exclude={**hidden, **({} if usage else {"usage": True})}))
 
         async def events() -> AsyncIterator[str]:
             sent = 0
