@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from tp_runtime.config import DTYPES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
 
 EXIT_USAGE = 2
+TOOL_SCRIPTS = {"soak": "soak", "bench": "bench_serving"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,9 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
-    for name, help_text in (("soak", "soak run under KV pressure with fault injection"), ("bench", "serving benchmark")):
-        tool = sub.add_parser(name, help=help_text, add_help=False)
-        tool.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("soak", help="soak run under KV pressure with fault injection (scripts/soak.py)", add_help=False)
+    sub.add_parser("bench", help="serving benchmark (scripts/bench_serving.py)", add_help=False)
     return parser
 
 
@@ -185,12 +185,11 @@ def run_generate_job(engine, tokenizer, argv: Sequence[str]) -> int:  # noqa: AN
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.command in ("soak", "bench"):
-        script = {"soak": "soak", "bench": "bench_serving"}[args.command]
+    if argv and argv[0] in TOOL_SCRIPTS:  # their options are the scripts' own, --help included
         from tp_runtime.tools import run_script
 
-        return run_script(script, args.args)
+        return run_script(TOOL_SCRIPTS[argv[0]], argv[1:])
+    args = build_parser().parse_args(argv)
     from executor.model import ModelLoadError
     from tp_runtime.launch import launch, run_worker, under_torchrun
 
