@@ -17,13 +17,18 @@ from executor.inputs import StepInputs
 def _gather_pages(
     cache: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype, kv_scale: float
 ) -> torch.Tensor:
-    """[..., W] page ids -> [..., W * page_size, H, D] in the compute dtype."""
+    """[B, W] page ids -> contiguous [B, H, W * page_size, D] in the compute dtype.
+
+    Head-major and contiguous in one copy, so that the score matmul reads K transposed and the
+    value matmul reads V as they are, without copying either again (that was a third of a
+    batch-32 decode step).
+    """
     # index_select copies whole pages; advanced indexing (cache[page_table]) is ~9x slower here.
     pages = cache.index_select(0, page_table.reshape(-1))
-    pages = pages.view(*page_table.shape[:-1], -1, *cache.shape[-2:])
-    if cache.dtype == torch.float8_e4m3fn:
-        return pages.to(dtype) * kv_scale
-    return pages.to(dtype)
+    pages = pages.view(page_table.shape[0], -1, *cache.shape[-2:]).transpose(1, 2)
+    out = torch.empty(pages.shape, dtype=dtype, device=pages.device)
+    out.copy_(pages)
+    return out.mul_(kv_scale) if cache.dtype == torch.float8_e4m3fn else out
 
 
 def _attend(
@@ -58,8 +63,8 @@ def paged_attention(
     dtype = q.dtype
     if inputs.is_decode:
         n = inputs.num_seqs
-        k = _gather_pages(k_cache, inputs.page_table, dtype, kv_scale).transpose(1, 2)
-        v = _gather_pages(v_cache, inputs.page_table, dtype, kv_scale).transpose(1, 2)
+        k = _gather_pages(k_cache, inputs.page_table, dtype, kv_scale)
+        v = _gather_pages(v_cache, inputs.page_table, dtype, kv_scale)
         slots = torch.arange(k.shape[2], device=q.device)
         masked = (slots[None, :] >= inputs.context_lens[:, None]).view(n, 1, 1, 1, -1)
         out = _attend(q.view(n, kv_heads, group, 1, head_dim), k, v, masked, sm_scale)
@@ -71,9 +76,9 @@ def paged_attention(
         if length == 0:
             continue
         stop = start + length
-        table = inputs.page_table[seq]
-        k = _gather_pages(k_cache, table, dtype, kv_scale).transpose(0, 1)[None]
-        v = _gather_pages(v_cache, table, dtype, kv_scale).transpose(0, 1)[None]
+        table = inputs.page_table[seq : seq + 1]
+        k = _gather_pages(k_cache, table, dtype, kv_scale)
+        v = _gather_pages(v_cache, table, dtype, kv_scale)
         slots = torch.arange(k.shape[2], device=q.device)
         masked = slots[None, :] > inputs.positions[start:stop, None]
         query = q[start:stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
