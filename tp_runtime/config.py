@@ -1,7 +1,7 @@
 """Runtime configuration: one dataclass built from the command line and handed to every process.
 
-The launcher validates it before any rank starts; the frontend process receives it as JSON (it is
-not secret, and JSON keeps pickle off every channel).
+The launcher validates it before any rank starts; the frontend process receives it as JSON on its
+command line (it is not secret, and plain JSON keeps every channel free of object serialization).
 """
 
 from __future__ import annotations
