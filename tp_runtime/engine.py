@@ -22,7 +22,6 @@ from protocol.errors import ProtocolError
 from protocol.frames import (
     SUPPORTED_VERSIONS,
     Abort,
-    CacheGeometry,
     Done,
     Frame,
     Go,
@@ -159,7 +158,6 @@ class Engine:
         scheduler: Scheduler,
         endpoint: SchedulerEndpoint,
         world_size: int,
-        geometry: CacheGeometry,
         model_name: str,
         max_model_len: int,
         timeouts: EngineTimeouts = EngineTimeouts(),
@@ -170,7 +168,6 @@ class Engine:
         self._endpoint = endpoint
         self._world_size = world_size
         self._ranks = tuple(range(world_size))
-        self._geometry = geometry
         self._timeouts = timeouts
         self._inbox: queue.SimpleQueue[_Submit | _Cancel | _Finish] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}
@@ -324,7 +321,7 @@ class Engine:
         version = max(set(SUPPORTED_VERSIONS).intersection(*(h.versions for h in hellos.values())))
         self._endpoint.version = version
         self._endpoint.disconnected()  # connections that came and went during start-up
-        self._endpoint.send_all(self._ranks, Welcome(version, LAYOUT_VERSION, self._world_size, self._geometry), 0)
+        self._endpoint.send_all(self._ranks, Welcome(version, LAYOUT_VERSION, self._world_size, hellos[0].geometry), 0)
 
     def _check_hellos(self, hellos: dict[int, Hello]) -> None:
         first = hellos[0]
@@ -344,8 +341,21 @@ class Engine:
                     f"rank {rank} loaded other weights (fingerprint {hello.model_fingerprint}) than rank 0 "
                     f"({first.model_fingerprint})"
                 )
-            if hello.geometry != self._geometry:
-                raise HandshakeError(f"rank {rank} has cache geometry {hello.geometry}, expected {self._geometry}")
+            if hello.geometry != first.geometry:
+                raise HandshakeError(f"rank {rank} has cache geometry {hello.geometry}, rank 0 {first.geometry}")
+        # The model's shape comes from the ranks; what the scheduler plans with must match it.
+        cfg, geometry = self._scheduler.config, first.geometry
+        planned = {
+            "num_pages": cfg.num_pages,
+            "page_size": cfg.page_size,
+            "max_context": cfg.max_model_len,
+            "max_seqs": cfg.max_num_seqs,
+            "max_tokens_per_step": cfg.max_tokens_per_step,
+            "host_slots": cfg.host_slots,
+        }
+        for name, value in planned.items():
+            if getattr(geometry, name) != value:
+                raise HandshakeError(f"the ranks' cache has {name} {getattr(geometry, name)}, the scheduler plans with {value}")
 
     def _take_commands(self, block: bool) -> None:
         try:

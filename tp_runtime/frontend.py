@@ -17,7 +17,6 @@ import threading
 import uuid
 
 from protocol.auth import new_key
-from protocol.frames import CacheGeometry
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tp_runtime.config import RuntimeConfig
@@ -50,23 +49,7 @@ def _bind_endpoint(key: bytes, run_id: str) -> SchedulerEndpoint:
     return endpoint
 
 
-def geometry_of(config: RuntimeConfig, vocab_size: int, num_layers: int, num_kv_heads: int, head_dim: int) -> CacheGeometry:
-    return CacheGeometry(
-        num_pages=config.num_kv_pages,
-        page_size=config.page_size,
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        kv_dtype=config.resolved_kv_dtype,
-        vocab_size=vocab_size,
-        max_context=config.max_model_len,
-        max_seqs=config.max_num_seqs,
-        max_tokens_per_step=config.max_num_batched_tokens,
-        host_slots=config.num_host_pages,
-    )
-
-
-def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, geometry: CacheGeometry, tokenizer: Tokenizer) -> Engine:
+def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer) -> Engine:
     scheduler = Scheduler(
         SchedulerConfig(
             num_pages=config.num_kv_pages,
@@ -84,7 +67,6 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, geometry: C
         scheduler=scheduler,
         endpoint=endpoint,
         world_size=config.tensor_parallel_size,
-        geometry=geometry,
         model_name=os.path.basename(config.model.rstrip("/")),
         max_model_len=config.max_model_len,
     )
@@ -95,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secrets-fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--mode", choices=("serve", "generate"), required=True)
-    parser.add_argument("--geometry", required=True, help="vocab,layers,kv_heads,head_dim of the model")
     parser.add_argument("job", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     _die_with_parent()
@@ -108,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     address = getattr(endpoint, "advertised_address", endpoint.address)
     with os.fdopen(args.secrets_fd, "wb") as pipe:
         pipe.write(pack_secrets(key, run_id, address))
-    vocab, layers, kv_heads, head_dim = (int(x) for x in args.geometry.split(","))
-    engine = build_engine(config, endpoint, geometry_of(config, vocab, layers, kv_heads, head_dim), tokenizer)
+    engine = build_engine(config, endpoint, tokenizer)
     engine.start()
     try:
         if args.mode == "serve":

@@ -197,7 +197,6 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
 
 
 def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[subprocess.Popen[bytes], bytes]:
-    model = read_model_config(config.model)
     read_fd, write_fd = os.pipe()
     command = [
         sys.executable,
@@ -209,8 +208,6 @@ def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[s
         config.to_json(),
         "--mode",
         mode,
-        "--geometry",
-        f"{model.vocab_size},{model.num_layers},{model.num_kv_heads},{model.head_dim}",
         "--",
         *job,
     ]
