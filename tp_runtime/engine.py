@@ -442,8 +442,13 @@ class Engine:
         self._deliver(self._scheduler.on_abort(plan, reason))
 
     def _next_frame(self, deadline: float, step: int, waiting_for: str) -> tuple[int, Frame, ProtocolError | None] | None:
-        """The next frame that matters for the step in flight; heartbeats only refresh liveness."""
+        """The next frame that matters for the step in flight; heartbeats only refresh liveness.
+
+        A closed connection is checked before every receive, not only when one times out: the
+        surviving ranks' heartbeats would otherwise keep the receive busy and hide a dead peer."""
         while True:
+            if self._endpoint.disconnected():
+                raise _RankFailure("a rank's connection closed: its process ended")
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
