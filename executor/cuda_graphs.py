@@ -141,27 +141,11 @@ def padding_prepare(batch_size: int, width: int, geometry: CacheGeometry, pad_pa
     any decode step up to that width.
     """
     context = min(width * geometry.page_size, geometry.max_context)
-    last = context - 1
-    i32 = np.int32
-    return Prepare(
-        seq_ids=np.arange(batch_size, dtype=np.int64),
-        query_lens=np.ones(batch_size, dtype=i32),
-        context_lens=np.full(batch_size, context, dtype=i32),
-        token_ids=np.zeros(batch_size, dtype=i32),
-        positions=np.full(batch_size, last, dtype=i32),
-        page_table_lens=np.full(batch_size, width, dtype=i32),
-        page_table=np.full(batch_size * width, pad_page, dtype=i32),
-        sample=np.ones(batch_size, dtype=np.uint8),
-        temperature=np.zeros(batch_size, dtype=np.float32),
-        top_p=np.ones(batch_size, dtype=np.float32),
-        top_k=np.zeros(batch_size, dtype=i32),
-        seeds=np.full(batch_size, -1, dtype=np.int64),
-        cleared_pages=np.zeros(0, dtype=i32),
-        restore_pages=np.zeros(0, dtype=i32),
-        restore_slots=np.zeros(0, dtype=i32),
-        offload_pages=np.zeros(0, dtype=i32),
-        offload_slots=np.zeros(0, dtype=i32),
-        poison_pages=np.zeros(0, dtype=i32),
+    return Prepare.greedy_decode(
+        context_lens=np.full(batch_size, context),
+        token_ids=np.zeros(batch_size),
+        page_table_lens=np.full(batch_size, width),
+        page_table=np.full(batch_size * width, pad_page),
     )
 
 

@@ -116,6 +116,37 @@ class Prepare:
     offload_slots: np.ndarray  # int32[o]
     poison_pages: np.ndarray  # int32[], debug: pages that returned to the free pool
 
+    @classmethod
+    def greedy_decode(
+        cls, context_lens: np.ndarray, token_ids: np.ndarray, page_table_lens: np.ndarray, page_table: np.ndarray
+    ) -> Prepare:
+        """One new token per sequence, all sampled greedily, no page lists: the step that graph
+        capture and device checks build by hand."""
+        n = len(context_lens)
+        i32 = np.dtype("<i4")
+        empty = np.zeros(0, dtype=i32)
+        context = np.asarray(context_lens, dtype=i32)
+        return cls(
+            seq_ids=np.arange(n, dtype=np.int64),
+            query_lens=np.ones(n, dtype=i32),
+            context_lens=context,
+            token_ids=np.asarray(token_ids, dtype=i32),
+            positions=context - 1,
+            page_table_lens=np.asarray(page_table_lens, dtype=i32),
+            page_table=np.asarray(page_table, dtype=i32),
+            sample=np.ones(n, dtype=np.uint8),
+            temperature=np.zeros(n, dtype=np.float32),
+            top_p=np.ones(n, dtype=np.float32),
+            top_k=np.zeros(n, dtype=i32),
+            seeds=np.full(n, -1, dtype=np.int64),
+            cleared_pages=empty,
+            restore_pages=empty,
+            restore_slots=empty,
+            offload_pages=empty,
+            offload_slots=empty,
+            poison_pages=empty,
+        )
+
 
 @dataclass(frozen=True)
 class Ready:

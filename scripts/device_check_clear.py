@@ -201,28 +201,12 @@ class CapturableStandIn:
 
 
 def decode_prepare(n: int, num_pages: int) -> Prepare:
-    i32 = np.int32
-    context = np.array([3 + 5 * i for i in range(n)], dtype=i32)
     pages_per_seq = 4
-    return Prepare(
-        seq_ids=np.arange(n, dtype=np.int64),
-        query_lens=np.ones(n, dtype=i32),
-        context_lens=context,
-        token_ids=np.arange(10, 10 + n, dtype=i32),
-        positions=context - 1,
-        page_table_lens=np.full(n, pages_per_seq, dtype=i32),
-        page_table=(np.arange(n * pages_per_seq) % num_pages).astype(i32),
-        sample=np.ones(n, dtype=np.uint8),
-        temperature=np.zeros(n, dtype=np.float32),
-        top_p=np.ones(n, dtype=np.float32),
-        top_k=np.zeros(n, dtype=i32),
-        seeds=np.full(n, -1, dtype=np.int64),
-        cleared_pages=np.zeros(0, dtype=i32),
-        restore_pages=np.zeros(0, dtype=i32),
-        restore_slots=np.zeros(0, dtype=i32),
-        offload_pages=np.zeros(0, dtype=i32),
-        offload_slots=np.zeros(0, dtype=i32),
-        poison_pages=np.zeros(0, dtype=i32),
+    return Prepare.greedy_decode(
+        context_lens=np.array([3 + 5 * i for i in range(n)]),
+        token_ids=np.arange(10, 10 + n),
+        page_table_lens=np.full(n, pages_per_seq),
+        page_table=np.arange(n * pages_per_seq) % num_pages,
     )
 
 

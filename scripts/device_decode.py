@@ -82,27 +82,12 @@ def random_model(device: torch.device) -> LlamaModel:
 
 
 def decode_prepare(batch: int) -> Prepare:
-    i32 = np.int32
     pages_per_seq = CONTEXT // PAGE_SIZE
-    return Prepare(
-        seq_ids=np.arange(batch, dtype=np.int64),
-        query_lens=np.ones(batch, dtype=i32),
-        context_lens=np.full(batch, CONTEXT, dtype=i32),
-        token_ids=np.arange(100, 100 + batch, dtype=i32),
-        positions=np.full(batch, CONTEXT - 1, dtype=i32),
-        page_table_lens=np.full(batch, pages_per_seq, dtype=i32),
-        page_table=np.arange(batch * pages_per_seq, dtype=i32),
-        sample=np.ones(batch, dtype=np.uint8),
-        temperature=np.zeros(batch, dtype=np.float32),
-        top_p=np.ones(batch, dtype=np.float32),
-        top_k=np.zeros(batch, dtype=i32),
-        seeds=np.full(batch, -1, dtype=np.int64),
-        cleared_pages=np.zeros(0, dtype=i32),
-        restore_pages=np.zeros(0, dtype=i32),
-        restore_slots=np.zeros(0, dtype=i32),
-        offload_pages=np.zeros(0, dtype=i32),
-        offload_slots=np.zeros(0, dtype=i32),
-        poison_pages=np.zeros(0, dtype=i32),
+    return Prepare.greedy_decode(
+        context_lens=np.full(batch, CONTEXT),
+        token_ids=np.arange(100, 100 + batch),
+        page_table_lens=np.full(batch, pages_per_seq),
+        page_table=np.arange(batch * pages_per_seq),
     )
 
 
