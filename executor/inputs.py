@@ -46,8 +46,20 @@ class StepInputs:
 
     @classmethod
     def from_prepare(
-        cls, p: Prepare, *, pad_page: int, page_size: int, device: torch.device | str
+        cls,
+        p: Prepare,
+        *,
+        pad_page: int,
+        page_size: int,
+        device: torch.device | str,
+        page_table: np.ndarray | None = None,
     ) -> StepInputs:
+        """`page_table`: the whole page tables, concatenated, that protocol.page_tables resolved
+        from p's deltas; without it p must carry whole tables (every page_table_base 0)."""
+        if page_table is None:
+            if p.page_table_base.any():
+                raise StepInputsError("a PREPARE with page-table deltas needs the held page tables")
+            page_table = p.page_table
         n = int(p.seq_ids.shape[0])
         num_tokens = int(p.token_ids.shape[0])
         query_lens = p.query_lens.astype(np.int64)
@@ -58,10 +70,10 @@ class StepInputs:
                 f"query_lens sum to {int(query_lens.sum())} but the step has {num_tokens} token ids "
                 f"and {p.positions.shape[0]} positions"
             )
-        if table_lens.sum() != p.page_table.shape[0]:
+        if table_lens.sum() != page_table.shape[0]:
             raise StepInputsError(
                 f"page_table_lens sum to {int(table_lens.sum())} but page_table has "
-                f"{p.page_table.shape[0]} entries"
+                f"{page_table.shape[0]} entries"
             )
         needed = -(-context_lens // page_size)
         if np.any(needed > table_lens):
@@ -75,7 +87,7 @@ class StepInputs:
         np.cumsum(query_lens, out=query_start[1:])
         table_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(table_lens, out=table_start[1:])
-        flat_table = p.page_table.astype(np.int64)
+        flat_table = page_table.astype(np.int64)
 
         width = int(needed.max()) if n else 0
         columns = np.arange(width, dtype=np.int64)

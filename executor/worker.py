@@ -7,7 +7,8 @@ step timeout covers that window.
 
 Order of a PREPARE, and why (DESIGN.md):
 1. envelope (version, layout, run id), step == last + 1, then validate_prepare against the local
-   geometry: nothing touches the device before the frame is known good;
+   geometry, then the page-table deltas against the tables held from the previous step (a base
+   that does not match is a REJECT): nothing touches the device before the frame is known good;
 2. StepInputs.from_prepare: the step's input copies are queued on the model stream first;
 3. offload (reads pages before anything in this step writes them), poison (debug), restore, clear:
    all queued on the same stream, so the clear is ordered after the input copies and before the
@@ -51,6 +52,7 @@ from protocol.frames import (
     Shutdown,
     Welcome,
 )
+from protocol.page_tables import HeldPageTables
 
 logger = logging.getLogger("tp_runtime.executor")
 
@@ -118,6 +120,7 @@ class Worker:
         # Highest step number known to be used: a PREPARE must carry last_step + 1.
         self.last_step = 0
         self.staged: StagedStep | None = None
+        self.page_tables = HeldPageTables()
         self.last_heard = time.monotonic()
 
     def _info(self, message: str, *args: object) -> None:
@@ -294,7 +297,11 @@ class Worker:
         try:
             validate.validate_prepare(prepare, self.geometry)
             inputs = StepInputs.from_prepare(
-                prepare, pad_page=self.cache.pad_page, page_size=self.cache.page_size, device=self.cache.device
+                prepare,
+                pad_page=self.cache.pad_page,
+                page_size=self.cache.page_size,
+                device=self.cache.device,
+                page_table=self.page_tables.apply(prepare),
             )
         except ProtocolError as exc:
             self._reject(step, exc.code, exc.message)
@@ -320,6 +327,8 @@ class Worker:
     def _on_abort(self, step: int, abort: Abort) -> None:
         # ABORT names the step it ends, so a step whose PREPARE never decoded here still counts.
         self.last_step = max(self.last_step, step)
+        # The scheduler sends whole page tables after an abort: hold nothing that could go stale.
+        self.page_tables.drop()
         if self.staged is not None and self.staged.step <= step:
             self._info("abort step %d: %s", self.staged.step, abort.reason)
             self.staged = None

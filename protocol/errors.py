@@ -35,6 +35,7 @@ class RejectCode(enum.IntEnum):
     DUPLICATE_SEQ_ID = 23  # a sequence id twice in one step
     POSITION_MISMATCH = 24  # positions are not the last query_lens positions of the context
     BAD_SAMPLING = 25  # temperature < 0 or not finite, top_p outside (0, 1], top_k < 0
+    PAGE_TABLE_BASE_MISMATCH = 26  # page_table_base is not what the receiver holds: state diverged
 
 
 class ProtocolError(Exception):

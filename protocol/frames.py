@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+# 2: PREPARE carries page-table deltas (page_table_base) instead of whole page tables.
+PROTOCOL_VERSION = 2
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -89,7 +90,10 @@ class Prepare:
 
     Sequence i contributes query_lens[i] new tokens, whose ids and positions are the slice
     token_ids[q0:q0+query_lens[i]] (q0 = sum of earlier query_lens); after the step it is
-    context_lens[i] tokens long. Its page table is page_table[p0:p0+page_table_lens[i]].
+    context_lens[i] tokens long. Its page table has page_table_lens[i] pages: the first
+    page_table_base[i] are the ones the executors hold for it from the previous step, the rest are
+    page_table[p0:p0+page_table_lens[i]-page_table_base[i]]. A base of 0 sends the whole table.
+    Executors hold the tables of the sequences of their last PREPARE only (protocol.page_tables).
     sample[i] says whether the logits of its last new token are sampled this step (a prefill chunk
     that does not reach the prompt's end is not sampled).
 
@@ -102,8 +106,9 @@ class Prepare:
     context_lens: np.ndarray  # int32[n]
     token_ids: np.ndarray  # int32[T]
     positions: np.ndarray  # int32[T]
-    page_table_lens: np.ndarray  # int32[n]
-    page_table: np.ndarray  # int32[sum(page_table_lens)]
+    page_table_lens: np.ndarray  # int32[n]: pages in each page table after the step
+    page_table_base: np.ndarray  # int32[n]: pages of it the executors already hold
+    page_table: np.ndarray  # int32[sum(page_table_lens - page_table_base)]: the others
     sample: np.ndarray  # uint8[n]
     temperature: np.ndarray  # float32[n]; 0 means greedy
     top_p: np.ndarray  # float32[n]; 1 means off
@@ -120,8 +125,8 @@ class Prepare:
     def greedy_decode(
         cls, context_lens: np.ndarray, token_ids: np.ndarray, page_table_lens: np.ndarray, page_table: np.ndarray
     ) -> Prepare:
-        """One new token per sequence, all sampled greedily, no page lists: the step that graph
-        capture and device checks build by hand."""
+        """One new token per sequence, all sampled greedily, whole page tables, no page lists: the
+        step that graph capture and device checks build by hand."""
         n = len(context_lens)
         i32 = np.dtype("<i4")
         empty = np.zeros(0, dtype=i32)
@@ -133,6 +138,7 @@ class Prepare:
             token_ids=np.asarray(token_ids, dtype=i32),
             positions=context - 1,
             page_table_lens=np.asarray(page_table_lens, dtype=i32),
+            page_table_base=np.zeros(n, dtype=i32),
             page_table=np.asarray(page_table, dtype=i32),
             sample=np.ones(n, dtype=np.uint8),
             temperature=np.zeros(n, dtype=np.float32),
@@ -224,6 +230,7 @@ ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
         "token_ids": np.dtype("<i4"),
         "positions": np.dtype("<i4"),
         "page_table_lens": np.dtype("<i4"),
+        "page_table_base": np.dtype("<i4"),
         "page_table": np.dtype("<i4"),
         "sample": np.dtype("u1"),
         "temperature": np.dtype("<f4"),

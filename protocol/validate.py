@@ -21,6 +21,7 @@ _PER_SEQUENCE = (
     "query_lens",
     "context_lens",
     "page_table_lens",
+    "page_table_base",
     "sample",
     "temperature",
     "top_p",
@@ -154,7 +155,17 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
             f"page_table_lens[{i}] = {page_table_lens[i]} is outside [0, {g.max_pages_per_seq}] "
             f"(max_context {g.max_context} / page_size {g.page_size})",
         )
-    _check_length("page_table", p.page_table, int(page_table_lens.sum()), "sum(page_table_lens)")
+    base = p.page_table_base
+    # Tested first, base >= 0 keeps the subtraction from overflowing.
+    if base.min() < 0 or (page_table_lens - base).min() < 0:
+        i = _first_bad((base < 0) | (base > page_table_lens))
+        raise ProtocolError(
+            RejectCode.LENGTH_MISMATCH,
+            f"page_table_base[{i}] = {base[i]} is outside [0, page_table_lens[{i}] = {page_table_lens[i]}]",
+        )
+    _check_length(
+        "page_table", p.page_table, int(page_table_lens.sum() - base.sum()), "sum(page_table_lens - page_table_base)"
+    )
     return total_tokens
 
 

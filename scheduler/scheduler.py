@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.frames import Prepare, Result
+from protocol.page_tables import delta_index
 from scheduler.pages import PagePool
 from scheduler.prefix import PrefixCache, PrefixHasher
 from scheduler.request import Request, RequestState, SamplingParams, max_kv_len
@@ -179,6 +180,7 @@ class Scheduler:
         self._row_ntok = np.zeros(s, dtype=_I32)  # tokens known (prompt + sampled)
         self._row_npages = np.zeros(s, dtype=_I32)  # committed pages: the page table
         self._row_nres = np.zeros(s, dtype=_I32)  # reserved pages after the committed ones
+        self._row_sent = np.zeros(s, dtype=_I32)  # pages of the page table the executors hold
         self._row_maxpages = np.zeros(s, dtype=_I32)
         self._row_last = np.zeros(s, dtype=_I32)  # the last known token, fed by a decode
         self._row_temp = np.zeros(s, dtype=np.float32)
@@ -190,7 +192,6 @@ class Scheduler:
         self._rows_version = 0  # bumped whenever a row is added or removed
         self._constants: _BatchConstants | None = None
         self._last_keyed: Request | None = None  # see _reuse_keys
-        self._col_index = np.arange(p, dtype=_I32)
         self._n = 0
         self._requests: dict[int, Request] = {}
         self._waiting: deque[Request] = deque()
@@ -286,6 +287,7 @@ class Scheduler:
         self._row_ntok[r] = req.num_tokens
         self._row_npages[r] = 0
         self._row_nres[r] = 0
+        self._row_sent[r] = 0
         self._row_maxpages[r] = -(-req.max_kv_len() // self.config.page_size)
         self._row_last[r] = req.tokens[req.num_tokens - 1]
         self._row_temp[r] = p.temperature
@@ -307,7 +309,7 @@ class Scheduler:
         if r != last:
             for arr in (
                 self._row_req, self._row_arrival, self._row_ncomp, self._row_ntok, self._row_npages,
-                self._row_nres, self._row_maxpages, self._row_last, self._row_temp, self._row_top_p,
+                self._row_nres, self._row_sent, self._row_maxpages, self._row_last, self._row_temp, self._row_top_p,
                 self._row_top_k, self._row_seed,
             ):
                 arr[r] = arr[last]
@@ -603,8 +605,9 @@ class Scheduler:
             rows = c.rows
             start = self._row_ncomp[:n].copy()
             pt_lens = self._row_npages[:n].copy()
-            width = int(pt_lens.max())
-            page_table = self._row_pages[:n, :width][self._col_index[:width] < pt_lens[:, None]]
+            base = self._row_sent[:n].copy()
+            page_table = self._row_pages[delta_index(base, pt_lens)]
+            self._row_sent[:n] = pt_lens
             seq_ids, temperature, top_p, top_k, seeds = c.seq_ids, c.temperature, c.top_p, c.top_k, c.seeds
             qlens, sample = c.ones, c.sample
             token_ids = self._row_last[:n].copy()
@@ -627,8 +630,12 @@ class Scheduler:
             context_lens = start + qlens
             sample = (context_lens == self._row_ntok[rows]).astype(np.uint8)
             pt_lens = self._row_npages[rows]
-            width = int(pt_lens.max())
-            page_table = self._row_pages[:, :width][rows][self._col_index[:width] < pt_lens[:, None]]
+            base = self._row_sent[rows]
+            at, cols = delta_index(base, pt_lens)
+            page_table = self._row_pages[rows[at], cols]
+            # Executors forget a sequence absent from a step (every running row is in every step).
+            self._row_sent[:n] = 0
+            self._row_sent[rows] = pt_lens
             seq_ids, temperature = self._row_req[rows], self._row_temp[rows]
             top_p, top_k, seeds = self._row_top_p[rows], self._row_top_k[rows], self._row_seed[rows]
         cleared = _cat(b.cleared)
@@ -642,6 +649,7 @@ class Scheduler:
             token_ids=token_ids,
             positions=positions,
             page_table_lens=pt_lens,
+            page_table_base=base,
             page_table=page_table,
             sample=sample,
             temperature=temperature,
@@ -747,6 +755,9 @@ class Scheduler:
 
     def _fail_step(self, plan: StepPlan, reason: str) -> list[RequestOutput]:
         self._aborted += 1
+        # Executors forget every page table at an ABORT (and this one may come from a bad RESULT
+        # that they ran): whoever is still running is sent whole next step.
+        self._row_sent[: self._n] = 0
         # Some ranks may have zeroed these pages and others not: they must be listed again.
         self.pool.remark(plan.prepare.cleared_pages)
         # Restore targets die with their requests below; the host slots they read are free again.

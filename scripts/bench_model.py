@@ -101,6 +101,7 @@ def make_prepare(
         token_ids=_i32([x % vocab for t in tokens for x in t]),
         positions=_i32(positions),
         page_table_lens=_i32([pages_per_seq] * n),
+        page_table_base=_i32([0] * n),
         page_table=_i32(table),
         sample=np.ones(n, dtype=np.uint8),
         temperature=np.zeros(n, dtype=np.float32),

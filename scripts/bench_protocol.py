@@ -1,7 +1,9 @@
 """Benchmark of the wire protocol, side by side with the way SGLang ships a step to its TP workers.
 
-1. Codec: encode, decode, encode+decode (and the HMAC alone, and validation) of a decode-batch
-   PREPARE: n sequences, 64 pages each in the page table, 64 cleared pages.
+1. Codec: encode, decode, encode+decode (and the HMAC alone, validation, and applying the page-table
+   deltas to the tables an executor holds) of a steady decode-batch PREPARE: n sequences of 64
+   pages, one in 16 of them given a new page (the rest of each table is held), 64 cleared pages.
+   `full_table_frame_bytes` is the same step with every table whole (a step after an abort).
 2. Step round trip over ipc:// with 1, 2, 4 executor processes: the scheduler sends PREPARE to all,
    each executor decodes, checks and validates it and answers READY, the scheduler sends GO once all
    are READY. Timed from the first PREPARE send to the last GO send (DONE drained untimed).
@@ -34,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from protocol.codec import decode, encode, frame_mac  # noqa: E402
 from protocol.frames import (  # noqa: E402
     ARRAY_DTYPES,
+    LAYOUT_VERSION,
+    PROTOCOL_VERSION,
     CacheGeometry,
     Done,
     Frame,
@@ -44,6 +48,7 @@ from protocol.frames import (  # noqa: E402
     Shutdown,
     Welcome,
 )
+from protocol.page_tables import HeldPageTables  # noqa: E402
 from protocol.transport import SchedulerEndpoint, ipc_address  # noqa: E402
 from protocol.validate import validate_prepare  # noqa: E402
 from tests.protocol.wire_peers import run_executor  # noqa: E402
@@ -68,10 +73,18 @@ GEOMETRY = CacheGeometry(
 TIMEOUT_MS = 30_000
 
 
-def decode_batch_prepare(n: int) -> Prepare:
+def decode_batch_prepare(n: int, *, delta: bool = False) -> Prepare:
+    """A decode step; with `delta`, one sequence in 16 opens its last page and the rest of every
+    table is what the executors hold (the steady state of decoding with page_size 16)."""
     rng = np.random.default_rng(n)
     context = PAGES_PER_SEQ * PAGE_SIZE - 5
     dt = ARRAY_DTYPES[Prepare]
+    table = rng.integers(0, GEOMETRY.num_pages, (n, PAGES_PER_SEQ))
+    base = np.zeros(n, dtype=np.int64)
+    if delta:
+        base[:] = PAGES_PER_SEQ
+        base[::16] -= 1
+    sent = np.arange(PAGES_PER_SEQ) >= base[:, None]
     arrays = {
         "seq_ids": np.arange(n),
         "query_lens": np.ones(n),
@@ -79,7 +92,8 @@ def decode_batch_prepare(n: int) -> Prepare:
         "token_ids": rng.integers(0, GEOMETRY.vocab_size, n),
         "positions": np.full(n, context - 1),
         "page_table_lens": np.full(n, PAGES_PER_SEQ),
-        "page_table": rng.integers(0, GEOMETRY.num_pages, n * PAGES_PER_SEQ),
+        "page_table_base": base,
+        "page_table": table[sent],
         "sample": np.ones(n),
         "temperature": np.full(n, 0.7),
         "top_p": np.full(n, 0.9),
@@ -137,18 +151,27 @@ def time_calls(fn, reps: int) -> list[int]:
 def bench_codec(sizes: list[int], reps: int) -> list[dict]:
     rows = []
     for n in sizes:
-        frame = Frame(1, 1, RUN_ID, 1, 1, decode_batch_prepare(n))
+        full = decode_batch_prepare(n)
+        frame = Frame(1, 1, RUN_ID, 1, 1, decode_batch_prepare(n, delta=True))
         parts = encode(frame, KEY)
-        payload = sglang_payload(frame.body)
+        payload = sglang_payload(full)
+        held = HeldPageTables()
+
+        def apply_deltas() -> None:
+            held.apply(full)
+            held.apply(frame.body)
+
         rows.append(
             {
                 "seqs": n,
                 "frame_bytes": sum(len(p) for p in parts),
+                "full_table_frame_bytes": sum(len(p) for p in encode(Frame(1, 1, RUN_ID, 1, 1, full), KEY)),
                 "encode": stats_us(time_calls(lambda: encode(frame, KEY), reps)),
                 "decode": stats_us(time_calls(lambda: decode(parts, KEY), reps)),
                 "encode_decode": stats_us(time_calls(lambda: decode(encode(frame, KEY), KEY), reps)),
                 "hmac_one_side": stats_us(time_calls(lambda: frame_mac(KEY, parts[:-1]), reps)),
                 "validate": stats_us(time_calls(lambda: validate_prepare(frame.body, GEOMETRY), reps)),
+                "apply_full_then_delta": stats_us(time_calls(apply_deltas, reps)),
                 "pickle_dumps_loads": stats_us(time_calls(lambda: pickle.loads(pickle.dumps(payload)), reps)),
             }
         )
@@ -173,8 +196,8 @@ def bench_round_trip(world: int, n: int, iters: int, warmup: int) -> list[int]:
         for p in procs:
             p.start()
         collect(endpoint, world, Hello)
-        endpoint.send_all(ranks, Welcome(1, 1, world, GEOMETRY), step=0)
-        prepare = decode_batch_prepare(n)
+        endpoint.send_all(ranks, Welcome(PROTOCOL_VERSION, LAYOUT_VERSION, world, GEOMETRY), step=0)
+        prepare = decode_batch_prepare(n, delta=True)
         samples = []
         for step in range(1, warmup + iters + 1):
             t0 = time.perf_counter_ns()

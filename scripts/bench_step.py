@@ -129,6 +129,7 @@ def decode_prepare(step: int, seqs: int = DECODE_SEQS) -> Prepare:
         token_ids=np.full(seqs, 7, dtype=i32),
         positions=context - 1,
         page_table_lens=np.full(seqs, pages_per_seq, dtype=i32),
+        page_table_base=np.zeros(seqs, dtype=i32),
         page_table=table,
         sample=np.ones(seqs, dtype=np.uint8),
         temperature=np.full(seqs, 0.7, dtype=np.float32),

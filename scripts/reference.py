@@ -71,6 +71,7 @@ class OfflineReference:
             token_ids=ints(token_ids),
             positions=ints(np.arange(count)),
             page_table_lens=ints([pages]),
+            page_table_base=ints([0]),
             page_table=page_ids,
             sample=ints([1], "u1"),
             temperature=ints([0.0], "<f4"),

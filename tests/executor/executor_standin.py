@@ -112,7 +112,8 @@ def make_cache(g: CacheGeometry, local_kv_heads: int, poison: bool) -> KVCache:
 
 @dataclass(frozen=True)
 class Seq:
-    """One sequence of a step: new tokens starting at `start`, on pages `pages`."""
+    """One sequence of a step: new tokens starting at `start`, on pages `pages`, of which the
+    executor holds the first `held` from the previous step (only the others travel)."""
 
     seq_id: int
     tokens: tuple[int, ...]
@@ -120,6 +121,7 @@ class Seq:
     pages: tuple[int, ...]
     seed: int = -1
     temperature: float = 0.0
+    held: int = 0
 
 
 def _i32(values) -> np.ndarray:
@@ -141,7 +143,8 @@ def make_prepare(
         token_ids=_i32([t for s in seqs for t in s.tokens]),
         positions=_i32([s.start + i for s in seqs for i in range(len(s.tokens))]),
         page_table_lens=_i32([len(s.pages) for s in seqs]),
-        page_table=_i32([p for s in seqs for p in s.pages]),
+        page_table_base=_i32([s.held for s in seqs]),
+        page_table=_i32([p for s in seqs for p in s.pages[s.held :]]),
         sample=np.ones(len(seqs), dtype=np.uint8),
         temperature=np.asarray([s.temperature for s in seqs], dtype=np.float32),
         top_p=np.ones(len(seqs), dtype=np.float32),

@@ -187,6 +187,46 @@ def test_abort_drops_the_staged_step():
     assert kinds == [Ready, Reject]
 
 
+def test_page_table_deltas_build_on_the_tables_held_from_the_last_step():
+    # Every page starts poisoned: a table rebuilt wrong would read an uncleared page, and NaN.
+    step1 = make_prepare([Seq(1, (20, 21, 22, 23), 0, (5,)), Seq(2, (30,), 0, (6,))], cleared=(5, 6))
+    step2 = make_prepare([Seq(1, (24,), 4, (5, 9), held=1), Seq(2, (31,), 1, (6,), held=1)], cleared=(9,))
+    script = [welcome(), frame(1, step1), frame(1, Go()), frame(2, step2), frame(2, Go()), frame(2, Shutdown("x"))]
+    code, endpoint, _ = run_worker(script, debug_poison_cache=True)
+    assert code == ExitCode.OK
+    results = [body for _, body in endpoint.replies() if isinstance(body, Result)]
+    assert [r.finite.tolist() for r in results] == [[1, 1], [1, 1]]
+    assert results[1].token_ids.tolist() == [25, 32]
+
+
+def test_a_base_the_executor_does_not_hold_is_rejected_and_an_abort_drops_every_table():
+    full = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    grown = make_prepare([Seq(1, (21,), 1, (0,), held=1)])
+    too_long = make_prepare([Seq(1, (21,), 1, (0, 1), held=2)])
+    other = make_prepare([Seq(2, (21,), 1, (0,), held=1)])
+    script = [
+        welcome(),
+        frame(1, full), frame(1, Go()),
+        frame(2, too_long),  # holds 1 page of sequence 1, not 2
+        frame(2, Abort("rank 0 rejected")),
+        frame(3, grown),  # the abort dropped every table
+        frame(3, Abort("rank 0 rejected")),
+        frame(4, full), frame(4, Go()),
+        frame(5, other),  # sequence 2 was never sent whole
+        frame(5, Abort("rank 0 rejected")),
+        frame(6, full), frame(6, Go()),
+        frame(7, grown), frame(7, Go()),
+        frame(7, Shutdown("x")),
+    ]
+    code, endpoint, _ = run_worker(script)
+    assert code == ExitCode.OK
+    replies = endpoint.replies()
+    rejects = [(step, RejectCode(body.code)) for step, body in replies if isinstance(body, Reject)]
+    assert rejects == [(s, RejectCode.PAGE_TABLE_BASE_MISMATCH) for s in (2, 3, 5)]
+    assert "sequence 1" in next(b.message for _, b in replies if isinstance(b, Reject))
+    assert [s for s, b in replies if isinstance(b, Result)] == [1, 4, 6, 7]
+
+
 @pytest.mark.parametrize("skip_clears", [False, True])
 def test_poisoned_cache_is_read_safely_only_when_listed_pages_are_cleared(skip_clears):
     # Three tokens on a fresh page: slot 3 is past the context, so only the clear keeps it finite.

@@ -84,6 +84,7 @@ class Driver:
             token_ids=_i32(tokens),
             positions=_i32(positions),
             page_table_lens=_i32(table_lens),
+            page_table_base=_i32([0] * len(table_lens)),
             page_table=_i32(table),
             sample=np.asarray(sample, dtype=np.uint8),
             temperature=np.zeros(n, dtype=np.float32),

@@ -25,6 +25,7 @@ def _prepare(**overrides) -> Prepare:
         token_ids=_i32(1, 2, 3, 4),
         positions=_i32(2, 3, 4, 8),
         page_table_lens=_i32(2, 4),
+        page_table_base=_i32(0, 0),
         page_table=_i32(7, 8, 1, 2, 3, 30),
         sample=np.array([0, 1], dtype=np.uint8),
         temperature=np.array([0.5, 0.7], dtype=np.float32),

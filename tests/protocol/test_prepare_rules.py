@@ -18,6 +18,11 @@ def test_a_valid_prepare_passes() -> None:
     validate_prepare(valid_prepare(), G)
 
 
+def test_a_step_with_page_table_deltas_passes() -> None:
+    p = valid_prepare((3, 1, 1, 2), (3, 20, 33, 50))
+    validate_prepare(with_arrays(p, page_table_base=[0, 1, 2, 4], page_table=p.page_table[[0, 2, 5]]), G)
+
+
 def test_an_empty_step_passes() -> None:
     validate_prepare(valid_prepare((), (), cleared_pages=(), restore=(), offload=(), poison_pages=()), G)
 
@@ -43,6 +48,9 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
     ("restore pairs unequal", with_arrays(P, restore_slots=P.restore_slots[:-1]), RejectCode.LENGTH_MISMATCH),
     ("offload pairs unequal", with_arrays(P, offload_pages=[]), RejectCode.LENGTH_MISMATCH),
     ("negative page_table_lens", with_arrays(P, page_table_lens=[-1, 2, 3, 4]), RejectCode.LENGTH_MISMATCH),
+    ("negative page_table_base", with_arrays(P, page_table_base=[-1, 0, 0, 0]), RejectCode.LENGTH_MISMATCH),
+    ("page_table_base above the table", with_arrays(P, page_table_base=[0, 0, 0, 5]), RejectCode.LENGTH_MISMATCH),
+    ("page_table != sum(lens - base)", with_arrays(P, page_table_base=[1, 0, 0, 0]), RejectCode.LENGTH_MISMATCH),
     # sizes under the limits
     ("too many sequences", valid_prepare((1,) * MANY, (5,) * MANY), RejectCode.LIMIT_EXCEEDED),
     (

@@ -11,7 +11,8 @@ import zmq
 
 from protocol.codec import encode
 from protocol.errors import ProtocolError, RejectCode, TransportError
-from protocol.frames import Frame, Go, Hello, Ready
+from protocol.frames import PROTOCOL_VERSION as V
+from protocol.frames import SUPPORTED_VERSIONS, Frame, Go, Hello, Ready
 from protocol.transport import ExecutorEndpoint, SchedulerEndpoint, identity_of, ipc_address
 from tests.protocol.wire_samples import GEOMETRY, KEY, RUN_ID, valid_prepare
 
@@ -63,10 +64,10 @@ def test_tcp_port_zero_resolves_to_the_bound_port() -> None:
 
 def test_round_trip_stamps_the_envelope(scheduler: SchedulerEndpoint) -> None:
     with executor(scheduler.address, rank=3) as ex:
-        ex.send(Hello(3, 4, (1,), 1, "fp", GEOMETRY), step=0)
+        ex.send(Hello(3, 4, SUPPORTED_VERSIONS, 1, "fp", GEOMETRY), step=0)
         got = scheduler.recv(TIMEOUT_MS)
         assert got.rank == 3 and got.error is None
-        assert (got.frame.version, got.frame.layout, got.frame.run_id) == (1, 1, RUN_ID)
+        assert (got.frame.version, got.frame.layout, got.frame.run_id) == (V, 1, RUN_ID)
         prepare = valid_prepare()
         scheduler.send(3, prepare, step=1)
         frame = ex.recv(TIMEOUT_MS)
@@ -108,37 +109,37 @@ def received_error(scheduler: SchedulerEndpoint, sock: zmq.Socket, parts: list[b
 
 
 def test_wrong_mac_is_reported_not_raised(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    parts = encode(Frame(1, 1, RUN_ID, 1, 1, Ready(0)), bytes(32))
+    parts = encode(Frame(V, 1, RUN_ID, 1, 1, Ready(0)), bytes(32))
     assert received_error(scheduler, raw_dealer, parts).code == RejectCode.BAD_MAC
 
 
 def test_other_run_id_is_refused(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    parts = encode(Frame(1, 1, "another-run", 1, 1, Ready(0)), KEY)
+    parts = encode(Frame(V, 1, "another-run", 1, 1, Ready(0)), KEY)
     error = received_error(scheduler, raw_dealer, parts)
     assert error.code == RejectCode.BAD_RUN_ID and "another-run" in error.message
 
 
 def test_other_version_is_refused_except_in_the_handshake(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    error = received_error(scheduler, raw_dealer, encode(Frame(2, 1, RUN_ID, 1, 1, Ready(0)), KEY))
-    assert error.code == RejectCode.BAD_VERSION and "version 2" in error.message
+    error = received_error(scheduler, raw_dealer, encode(Frame(V + 1, 1, RUN_ID, 1, 1, Ready(0)), KEY))
+    assert error.code == RejectCode.BAD_VERSION and f"version {V + 1}" in error.message
     # HELLO at a version this side does not support is refused too, naming what it supports.
     error = received_error(scheduler, raw_dealer, encode(Frame(9, 1, RUN_ID, 0, 2, Hello(0, 1, (9,), 1, "", GEOMETRY)), KEY))
-    assert error.code == RejectCode.BAD_VERSION and "supports [1]" in error.message
+    assert error.code == RejectCode.BAD_VERSION and f"supports {list(SUPPORTED_VERSIONS)}" in error.message
 
 
 def test_replayed_frame_is_refused(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    parts = encode(Frame(1, 1, RUN_ID, 1, 100, Ready(0)), KEY)
+    parts = encode(Frame(V, 1, RUN_ID, 1, 100, Ready(0)), KEY)
     raw_dealer.send_multipart(parts)
     assert scheduler.recv(TIMEOUT_MS).error is None
     assert received_error(scheduler, raw_dealer, parts).code == RejectCode.REPLAY
-    older = encode(Frame(1, 1, RUN_ID, 1, 99, Ready(0)), KEY)
+    older = encode(Frame(V, 1, RUN_ID, 1, 99, Ready(0)), KEY)
     assert received_error(scheduler, raw_dealer, older).code == RejectCode.REPLAY
 
 
 def test_a_refused_frame_does_not_advance_the_replay_count(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    forged = encode(Frame(1, 1, RUN_ID, 1, 10**18, Ready(0)), bytes(32))
+    forged = encode(Frame(V, 1, RUN_ID, 1, 10**18, Ready(0)), bytes(32))
     assert received_error(scheduler, raw_dealer, forged).code == RejectCode.BAD_MAC
-    raw_dealer.send_multipart(encode(Frame(1, 1, RUN_ID, 1, 5, Ready(0)), KEY))
+    raw_dealer.send_multipart(encode(Frame(V, 1, RUN_ID, 1, 5, Ready(0)), KEY))
     assert scheduler.recv(TIMEOUT_MS).error is None
 
 
@@ -149,7 +150,7 @@ def test_unknown_identity_is_reported_as_rank_minus_one(scheduler: SchedulerEndp
     sock.setsockopt(zmq.IDENTITY, b"intruder")
     sock.connect(scheduler.address)
     try:
-        sock.send_multipart(encode(Frame(1, 1, RUN_ID, 1, 1, Ready(0)), KEY))
+        sock.send_multipart(encode(Frame(V, 1, RUN_ID, 1, 1, Ready(0)), KEY))
         got = scheduler.recv(TIMEOUT_MS)
         assert got.rank == -1 and got.error.code == RejectCode.MALFORMED
     finally:
@@ -172,7 +173,7 @@ def test_executor_raises_on_a_bad_frame_and_keeps_working() -> None:
             with pytest.raises(ProtocolError) as info:
                 ex.recv(TIMEOUT_MS)
             assert info.value.code == RejectCode.BAD_MAC
-            router.send_multipart([identity, *encode(Frame(1, 1, RUN_ID, 1, 1, Go()), KEY)])
+            router.send_multipart([identity, *encode(Frame(V, 1, RUN_ID, 1, 1, Go()), KEY)])
             assert ex.recv(TIMEOUT_MS).body == Go()
     finally:
         router.close()

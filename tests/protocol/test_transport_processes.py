@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from protocol.errors import RejectCode
-from protocol.frames import Abort, Done, Frame, Go, Hello, Ready, Reject, Shutdown, Welcome
+from protocol.frames import LAYOUT_VERSION, PROTOCOL_VERSION, Abort, Done, Frame, Go, Hello, Ready, Reject, Shutdown, Welcome
 from protocol.transport import Received, SchedulerEndpoint, ipc_address
 from tests.protocol.wire_peers import run_executor
 from tests.protocol.wire_samples import GEOMETRY, KEY, RUN_ID, valid_prepare, with_arrays
@@ -31,7 +31,7 @@ def cluster() -> Iterator[SchedulerEndpoint]:
             p.start()
         hellos = collect(scheduler, Hello)
         assert sorted(hellos) == list(range(WORLD))
-        scheduler.send_all(range(WORLD), Welcome(1, 1, WORLD, GEOMETRY), step=0)
+        scheduler.send_all(range(WORLD), Welcome(PROTOCOL_VERSION, LAYOUT_VERSION, WORLD, GEOMETRY), step=0)
         yield scheduler
         scheduler.send_all(range(WORLD), Shutdown("test over"), step=0)
         for p in procs:

@@ -55,6 +55,7 @@ def valid_prepare(
         token_ids=_arr("token_ids", rng.integers(0, geometry.vocab_size, sum(query_lens))),
         positions=_arr("positions", positions),
         page_table_lens=_arr("page_table_lens", page_table_lens),
+        page_table_base=_arr("page_table_base", np.zeros(n)),
         page_table=_arr("page_table", rng.integers(0, geometry.num_pages, sum(page_table_lens))),
         sample=_arr("sample", np.ones(n)),
         temperature=_arr("temperature", np.linspace(0.0, 1.5, n)),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.frames import Prepare, Result
+from protocol.page_tables import HeldPageTables
 from scheduler import RequestState, Scheduler, StepPlan
 
 GARBAGE = "garbage"
@@ -33,6 +34,9 @@ class Shadow:
     pages: list[list[object]] = field(init=False)
     host: dict[int, list[object]] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)  # request id -> known tokens
+    # The page tables as the executors hold them: a PREPARE's deltas apply to these.
+    tables: HeldPageTables = field(default_factory=HeldPageTables)
+    full_table: np.ndarray = field(init=False)  # the last PREPARE's tables, whole
 
     def __post_init__(self) -> None:
         # Cache memory starts uninitialized.
@@ -46,6 +50,7 @@ class Shadow:
 
     def prepare_effects(self, p: Prepare) -> None:
         """Everything an executor does before READY, in its order."""
+        self.full_table = self.tables.apply(p)
         for page, slot in zip(p.offload_pages.tolist(), p.offload_slots.tolist()):
             self.host[slot] = list(self.pages[page])
         for page in p.poison_pages.tolist():
@@ -74,7 +79,7 @@ class Shadow:
         for i in range(n):
             rid = int(p.seq_ids[i])
             q, ctx, ptl = int(p.query_lens[i]), int(p.context_lens[i]), int(p.page_table_lens[i])
-            table = p.page_table[t0 : t0 + ptl].tolist()
+            table = self.full_table[t0 : t0 + ptl].tolist()
             t0 += ptl
             tables.append((rid, ctx, table))
             if ptl != -(-ctx // ps):
@@ -191,6 +196,7 @@ class Driver:
         self.prompt_len: dict[int, int] = {}
         self.max_tokens: dict[int, int] = {}
         self.plans: list[StepPlan] = []
+        self.tables: dict[int, list[int]] = {}  # step -> its page tables, whole and concatenated
 
     def add(self, rid: int, prompt: list[int], params) -> None:
         self.s.add_request(rid, prompt, params)
@@ -214,8 +220,22 @@ class Driver:
             self.inflight = plan
             self.plans.append(plan)
             self.shadow.prepare_effects(plan.prepare)
+            self.tables[plan.step] = self.shadow.full_table.tolist()
+            self.check_tables(plan)
             check_pool(self.s, plan)
         return plan
+
+    def check_tables(self, plan: StepPlan) -> None:
+        """The tables the executors rebuild from the deltas are the scheduler's page tables."""
+        p, s = plan.prepare, self.s
+        rebuilt = np.split(self.shadow.full_table, np.cumsum(p.page_table_lens)[:-1])
+        for i, r in enumerate(plan.rows.tolist()):
+            want = s._row_pages[r, : int(s._row_npages[r])].tolist()
+            if rebuilt[i].tolist() != want:
+                raise ShadowViolation(
+                    f"request {int(p.seq_ids[i])}: the executors rebuild page table {rebuilt[i].tolist()} "
+                    f"from base {int(p.page_table_base[i])}, the scheduler holds {want}"
+                )
 
     def complete(self, bad_rows: frozenset[int] = frozenset()) -> None:
         plan = self.inflight
@@ -236,6 +256,7 @@ class Driver:
         plan = self.inflight
         assert plan is not None
         self.inflight = None
+        self.shadow.tables.drop()  # what every executor does at ABORT
         outs = self.s.on_abort(plan, reason)
         self.take(outs)
         check_pool(self.s)

@@ -27,7 +27,7 @@ def first_use(d: Driver) -> dict[int, int]:
     """page -> first step whose page tables contain it, counted again after each time it was freed."""
     seen: dict[int, int] = {}
     for plan in d.plans:
-        for page in plan.prepare.page_table.tolist():
+        for page in d.tables[plan.step]:
             seen.setdefault(page, plan.step)
     return seen
 
@@ -61,7 +61,7 @@ def test_released_snapshot_pages_listed_exactly_once_when_first_committed():
     per_step = [p.prepare.cleared_pages.tolist() for p in later]
     assert per_step == [[2], [3], [1], [0]]
     for plan, cleared in zip(later, per_step):
-        table = plan.prepare.page_table.tolist()
+        table = d.tables[plan.step]
         assert table[-1] == cleared[0]
         assert cleared[0] not in table[:-1]
     assert s.stats().evictions_total == 2
@@ -134,7 +134,7 @@ def test_snapshot_reuse_lists_nothing_and_keeps_marks():
     marked_before = d.s.pool.marked.copy()
     d.add(1, shared + [4, 5], SamplingParams(max_tokens=2))
     plan = d.step()
-    table = plan.prepare.page_table.tolist()
+    table = d.tables[plan.step]
     # Request 1 shares request 0's two pages zero-copy: they are in its table, never listed, and
     # reuse changed no mark except the fresh page it committed for its own tail.
     assert table.count(snapshot[0]) == 2 and table.count(snapshot[1]) == 2

@@ -201,3 +201,36 @@ def test_pages_of_a_non_finite_row_never_become_snapshots():
     s.add_request(1, list(range(3, 11)), SamplingParams(max_tokens=2))
     plan = s.plan_step()
     assert plan.prepare.query_lens.tolist() == [8]  # no prefix hit: recomputed from scratch
+
+
+def test_decode_steps_send_only_the_pages_the_executors_do_not_hold():
+    s = Scheduler(cfg(num_pages=32, max_num_seqs=3))
+    for rid, n in ((0, 3), (1, 6), (2, 9)):
+        s.add_request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=12, ignore_eos=True))
+    held: dict[int, int] = {}
+    whole = 0
+    for _ in range(10):
+        plan = s.plan_step()
+        p = plan.prepare
+        for i, rid in enumerate(p.seq_ids.tolist()):
+            assert int(p.page_table_base[i]) == held.get(rid, 0)
+        assert p.page_table.shape[0] == int((p.page_table_lens - p.page_table_base).sum())
+        whole += int(p.page_table_base.sum() == 0)
+        held = dict(zip(p.seq_ids.tolist(), p.page_table_lens.tolist()))
+        s.on_result(plan, result_for(plan, [7] * 3))
+    assert whole == 1  # only the step that admitted them sent whole tables
+
+
+def test_after_an_aborted_step_every_table_is_sent_whole():
+    s = Scheduler(cfg())
+    s.add_request(0, [3, 4, 5, 6, 7], SamplingParams(max_tokens=8))
+    plan = s.plan_step()
+    s.on_result(plan, result_for(plan, [9]))
+    s.add_request(1, [3, 4, 5], SamplingParams(max_tokens=8))
+    plan = s.plan_step()
+    assert plan.prepare.page_table_base.tolist() == [2, 0]
+    s.on_abort(plan, "rank 1 rejected the frame")
+    s.add_request(2, [3, 4, 5], SamplingParams(max_tokens=8))
+    plan = s.plan_step()
+    assert plan.prepare.page_table_base.tolist() == [0]
+    assert plan.prepare.page_table.shape[0] == int(plan.prepare.page_table_lens.sum())
