@@ -60,6 +60,7 @@ class _Spec:
     cls: type
     scalars: tuple[tuple[str, object], ...]  # (name, kind); kind is one of the above or a _Spec
     arrays: tuple[tuple[str, np.dtype], ...]
+    itemsizes: tuple[tuple[str, int], ...]  # (name, dtype.itemsize) of each array
     scalar_names: frozenset[str]
     array_dtypes: dict[str, np.dtype]
     fill_dict: bool  # build by filling __dict__: no __post_init__ to run, no __slots__
@@ -93,6 +94,7 @@ def _spec_of(cls: type) -> _Spec:
         cls=cls,
         scalars=tuple(scalars),
         arrays=tuple(arrays),
+        itemsizes=tuple((name, dtype.itemsize) for name, dtype in arrays),
         scalar_names=frozenset(n for n, _ in scalars),
         array_dtypes=dict(arrays),
         fill_dict=not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__"),
@@ -147,6 +149,8 @@ def _scalars_to_map(spec: _Spec, obj: object) -> dict[str, object]:
 
 
 def _array_bytes(cls_name: str, name: str, value: object, dtype: np.dtype) -> bytes:
+    if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1:
+        return value.tobytes()  # what the scheduler hands over: no conversion to check
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise ProtocolError(
@@ -184,10 +188,7 @@ def encode(frame: Frame, key: bytes) -> list[bytes]:
         "step": frame.step,
         "seq": frame.seq,
         "body": _scalars_to_map(spec, body),
-        "arrays": [
-            [name, len(part) // dtype.itemsize]
-            for (name, dtype), part in zip(spec.arrays, array_parts)
-        ],
+        "arrays": [[name, len(part) // size] for (name, size), part in zip(spec.itemsizes, array_parts)],
     }
     try:
         packed = msgpack.packb(envelope, default=_pack_default, use_bin_type=True)

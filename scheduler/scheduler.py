@@ -119,19 +119,24 @@ class SchedulerStats:
     prefix_hit_pages_total: int = 0
 
 
-@dataclass
 class _StepBuilder:
-    """What a plan collects before it becomes a PREPARE."""
+    """What a plan collects before it becomes a PREPARE (a plain slots class: one per step)."""
 
-    cleared: list[np.ndarray] = field(default_factory=list)
-    offload_pages: list[np.ndarray] = field(default_factory=list)
-    offload_slots: list[int] = field(default_factory=list)
-    offloaded: list[int] = field(default_factory=list)
-    restore_pages: list[np.ndarray] = field(default_factory=list)
-    restore_slots: list[int] = field(default_factory=list)
-    preempted: int = 0
-    rows: list[int] = field(default_factory=list)  # rows that are not plain decodes, in order
-    chunks: list[int] = field(default_factory=list)
+    __slots__ = (
+        "cleared", "offload_pages", "offload_slots", "offloaded", "restore_pages", "restore_slots",
+        "preempted", "rows", "chunks",
+    )
+
+    def __init__(self) -> None:
+        self.cleared: list[np.ndarray] = []
+        self.offload_pages: list[np.ndarray] = []
+        self.offload_slots: list[int] = []
+        self.offloaded: list[int] = []
+        self.restore_pages: list[np.ndarray] = []
+        self.restore_slots: list[int] = []
+        self.preempted = 0
+        self.rows: list[int] = []  # rows that are not plain decodes, in order
+        self.chunks: list[int] = []
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,8 @@ _EMPTY_I32 = _frozen(np.empty(0, dtype=_I32))
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     if not arrays:
         return _EMPTY_I32
+    if len(arrays) == 1:
+        return arrays[0].astype(_I32, copy=False)
     return np.concatenate(arrays).astype(_I32, copy=False)
 
 
@@ -374,10 +381,12 @@ class Scheduler:
                     self._row_pages[bare, self._row_npages[bare]] = self.pool.allocate(bare.shape[0])
                     self._row_nres[bare] = 1
                 self._row_nres[need] -= 1
+                opened = self._row_pages[need, cols]
             else:
                 self._make_free(need.shape[0])
-                self._row_pages[need, cols] = self.pool.allocate(need.shape[0])
-            b.cleared.append(self.pool.commit(self._row_pages[need, cols]))
+                opened = self.pool.allocate(need.shape[0])
+                self._row_pages[need, cols] = opened
+            b.cleared.append(self.pool.commit(opened))
             self._row_npages[need] = cols + 1
         budget = self.config.max_tokens_per_step - (n if all_decode else dec_rows.shape[0])
         if not all_decode:
@@ -598,6 +607,15 @@ class Scheduler:
             self._constants = c
         return c
 
+    def _new_pages(self, rows: np.ndarray, base: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """The pages of each row's table from base to lens, concatenated: the PREPARE's page_table."""
+        grown = lens - base
+        at = np.flatnonzero(grown)
+        if at.shape[0] == int(grown.sum()):  # a decode step: each table grew by one page at most
+            return self._row_pages[rows[at], base[at]]
+        at, cols = delta_index(base, lens)
+        return self._row_pages[rows[at], cols]
+
     def _build_plan(self, dec_rows: np.ndarray, all_decode: bool, b: _StepBuilder) -> StepPlan:
         n = self._n
         if all_decode:
@@ -606,7 +624,7 @@ class Scheduler:
             start = self._row_ncomp[:n].copy()
             pt_lens = self._row_npages[:n].copy()
             base = self._row_sent[:n].copy()
-            page_table = self._row_pages[delta_index(base, pt_lens)]
+            page_table = self._new_pages(np.arange(n), base, pt_lens)
             self._row_sent[:n] = pt_lens
             seq_ids, temperature, top_p, top_k, seeds = c.seq_ids, c.temperature, c.top_p, c.top_k, c.seeds
             qlens, sample = c.ones, c.sample
@@ -631,8 +649,7 @@ class Scheduler:
             sample = (context_lens == self._row_ntok[rows]).astype(np.uint8)
             pt_lens = self._row_npages[rows]
             base = self._row_sent[rows]
-            at, cols = delta_index(base, pt_lens)
-            page_table = self._row_pages[rows[at], cols]
+            page_table = self._new_pages(rows, base, pt_lens)
             # Executors forget a sequence absent from a step (every running row is in every step).
             self._row_sent[:n] = 0
             self._row_sent[rows] = pt_lens
