@@ -73,10 +73,10 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
 def weight_bytes(model: LlamaModel) -> int:
     """Bytes a step reads from weights: every layer matrix and the LM head (not the embedding
     table: a step reads only its rows)."""
-    total = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    total = model.lm_head.linear.nbytes
     for layer in model.layers:
-        for tensor in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.attn_norm, layer.ffn_norm):
-            total += tensor.numel() * tensor.element_size()
+        total += sum(linear.nbytes for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        total += sum(t.numel() * t.element_size() for t in (layer.attn_norm, layer.ffn_norm))
     return total
 
 

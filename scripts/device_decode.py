@@ -23,6 +23,7 @@ from executor.cache import KVCache  # noqa: E402
 from executor.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.model.config import ModelConfig  # noqa: E402
+from executor.model.layers import Linear  # noqa: E402
 from executor.model.llama import LayerWeights, LlamaModel  # noqa: E402
 from executor.model.sharding import ShardPlan  # noqa: E402
 from executor.sampler import SamplingBatch, sample  # noqa: E402
@@ -61,11 +62,11 @@ def random_model(device: torch.device) -> LlamaModel:
     layers = [
         LayerWeights(
             attn_norm=torch.ones(c.hidden_size, device=device),
-            qkv=w(qkv_rows, c.hidden_size),
-            o=w(c.hidden_size, c.num_heads * c.head_dim),
+            qkv=Linear(w(qkv_rows, c.hidden_size)),
+            o=Linear(w(c.hidden_size, c.num_heads * c.head_dim)),
             ffn_norm=torch.ones(c.hidden_size, device=device),
-            gate_up=w(2 * c.intermediate_size, c.hidden_size),
-            down=w(c.hidden_size, c.intermediate_size),
+            gate_up=Linear(w(2 * c.intermediate_size, c.hidden_size)),
+            down=Linear(w(c.hidden_size, c.intermediate_size)),
         )
         for _ in range(c.num_layers)
     ]

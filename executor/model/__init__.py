@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from executor.model.config import ModelConfig, ModelLoadError
+from executor.model.layers import Linear
 from executor.model.llama import LayerWeights, LlamaModel
 from executor.model.loader import Phase, WeightSource, files_digest, open_source
 from executor.model.sharding import ShardPlan, ShardingError
@@ -75,19 +76,23 @@ def load_model(
         layers.append(
             LayerWeights(
                 attn_norm=norm("attn_norm", index),
-                qkv=torch.cat(
-                    [
-                        weight("q", index, rows=q_rows),
-                        weight("k", index, rows=kv_rows),
-                        weight("v", index, rows=kv_rows),
-                    ]
+                qkv=Linear(
+                    torch.cat(
+                        [
+                            weight("q", index, rows=q_rows),
+                            weight("k", index, rows=kv_rows),
+                            weight("v", index, rows=kv_rows),
+                        ]
+                    )
                 ),
-                o=weight("o", index, cols=q_rows),
+                o=Linear(weight("o", index, cols=q_rows)),
                 ffn_norm=norm("ffn_norm", index),
-                gate_up=torch.cat(
-                    [weight("gate", index, rows=shard.ffn), weight("up", index, rows=shard.ffn)]
+                gate_up=Linear(
+                    torch.cat(
+                        [weight("gate", index, rows=shard.ffn), weight("up", index, rows=shard.ffn)]
+                    )
                 ),
-                down=weight("down", index, cols=shard.ffn),
+                down=Linear(weight("down", index, cols=shard.ffn)),
             )
         )
     _check_shapes(source, config, layers[0], shard)

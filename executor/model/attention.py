@@ -9,32 +9,101 @@ poison tests depend on this kernel being able to see a violation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from executor.inputs import StepInputs
 
 
+@dataclass
+class AttentionMasks:
+    """The step's masks, the same for every layer, so built once per step.
+
+    decode_bias: [n, Hq, S * Hkv] of 0 and -inf in the compute dtype, for the folded decode below.
+    prefill: per sequence with new tokens, (first row, last row + 1, bool [1, 1, 1, L, S] masked).
+    """
+
+    decode_bias: torch.Tensor | None
+    prefill: list[tuple[int, int, torch.Tensor]]
+
+    @classmethod
+    def build(
+        cls,
+        inputs: StepInputs,
+        q_heads: int,
+        kv_heads: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> AttentionMasks:
+        slots = inputs.page_table.shape[1] * page_size
+        if inputs.is_decode:
+            # Column c of a folded row is slot c // Hkv of KV head c % Hkv; query head h reads KV
+            # head h // group. Masking the other heads' columns leaves each head's softmax as if
+            # over its own S slots.
+            column = torch.arange(slots * kv_heads, device=device)
+            slot, head = column // kv_heads, column % kv_heads
+            q_head = torch.arange(q_heads, device=device) // (q_heads // kv_heads)
+            masked = (slot[None, None, :] >= inputs.context_lens[:, None, None]) | (
+                head[None, None, :] != q_head[None, :, None]
+            )
+            bias = torch.zeros(masked.shape, dtype=dtype, device=device)
+            return cls(bias.masked_fill_(masked, float("-inf")), [])
+        prefill, start = [], 0
+        slot = torch.arange(slots, device=device)
+        for length in inputs.query_lens_host.tolist():
+            if length:
+                stop = start + length
+                masked = slot[None, :] > inputs.positions[start:stop, None]
+                prefill.append((start, stop, masked.view(1, 1, 1, length, slots)))
+                start = stop
+            else:
+                prefill.append((start, start, slot[:0]))
+        return cls(None, prefill)
+
+
 def _gather_pages(
     cache: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype, kv_scale: float
 ) -> torch.Tensor:
-    """[B, W] page ids -> contiguous [B, H, W * page_size, D] in the compute dtype.
+    """[B, W] page ids -> [B, W * page_size * H, D]: token-major, heads fastest, as stored.
 
-    Head-major and contiguous in one copy, so that the score matmul reads K transposed and the
-    value matmul reads V as they are, without copying either again (that was a third of a
-    batch-32 decode step).
+    index_select copies whole pages (advanced indexing, cache[page_table], is ~9x slower here);
+    the view after it is free.
     """
-    # index_select copies whole pages; advanced indexing (cache[page_table]) is ~9x slower here.
     pages = cache.index_select(0, page_table.reshape(-1))
-    pages = pages.view(page_table.shape[0], -1, *cache.shape[-2:]).transpose(1, 2)
-    out = torch.empty(pages.shape, dtype=dtype, device=pages.device)
-    out.copy_(pages)
-    return out.mul_(kv_scale) if cache.dtype == torch.float8_e4m3fn else out
+    pages = pages.view(page_table.shape[0], -1, cache.shape[-1])
+    if cache.dtype == torch.float8_e4m3fn:
+        return pages.to(dtype).mul_(kv_scale)
+    return pages.to(dtype)
 
 
-def _attend(
+def _head_major(tokens: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, S * H, D] -> contiguous [B, H, S, D], one copy: the score matmul then reads K
+    transposed and the value matmul reads V as they are."""
+    batch, rows, head_dim = tokens.shape
+    return tokens.view(batch, rows // kv_heads, kv_heads, head_dim).transpose(1, 2).contiguous()
+
+
+def _decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D], k/v [n, S * Hkv, D] as gathered, bias [n, Hq, S * Hkv] -> [n, Hq, D].
+
+    Every query head is scored against every KV head's slots and the wrong heads are masked off
+    (the bias). That costs Hkv times the score arithmetic but no copy of K or V into head-major
+    order, which at decode (one row per head) is what the step pays for: a batch-32 SmolLM2 step's
+    attention took half the time this way.
+    """
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=sm_scale).float()
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.bmm(probs, v)
+
+
+def _prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, sm_scale: float
 ) -> torch.Tensor:
-    """q [B, Hkv, G, L, D], k/v [B, Hkv, S, D], masked [B, 1, 1, L, S] -> [B, Hkv, G, L, D].
+    """q [1, Hkv, G, L, D], k/v [1, Hkv, S, D], masked [1, 1, 1, L, S] -> [1, Hkv, G, L, D].
 
     A KV head's G query heads are folded into the rows of one matmul: broadcasting K over G would
     copy it G times.
@@ -52,6 +121,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     inputs: StepInputs,
+    masks: AttentionMasks,
     *,
     kv_scale: float = 1.0,
 ) -> torch.Tensor:
@@ -61,28 +131,21 @@ def paged_attention(
     group = q_heads // kv_heads
     sm_scale = head_dim**-0.5
     dtype = q.dtype
-    if inputs.is_decode:
-        n = inputs.num_seqs
+    if masks.decode_bias is not None:
         k = _gather_pages(k_cache, inputs.page_table, dtype, kv_scale)
         v = _gather_pages(v_cache, inputs.page_table, dtype, kv_scale)
-        slots = torch.arange(k.shape[2], device=q.device)
-        masked = (slots[None, :] >= inputs.context_lens[:, None]).view(n, 1, 1, 1, -1)
-        out = _attend(q.view(n, kv_heads, group, 1, head_dim), k, v, masked, sm_scale)
-        return out.reshape(num_tokens, q_heads * head_dim)
+        out = _decode(q, k, v, masks.decode_bias, sm_scale)
+        return out.view(num_tokens, q_heads * head_dim)
 
     out = torch.empty(num_tokens, q_heads * head_dim, dtype=dtype, device=q.device)
-    start = 0
-    for seq, length in enumerate(inputs.query_lens_host.tolist()):
-        if length == 0:
+    for seq, (start, stop, masked) in enumerate(masks.prefill):
+        if start == stop:
             continue
-        stop = start + length
+        length = stop - start
         table = inputs.page_table[seq : seq + 1]
-        k = _gather_pages(k_cache, table, dtype, kv_scale)
-        v = _gather_pages(v_cache, table, dtype, kv_scale)
-        slots = torch.arange(k.shape[2], device=q.device)
-        masked = slots[None, :] > inputs.positions[start:stop, None]
+        k = _head_major(_gather_pages(k_cache, table, dtype, kv_scale), kv_heads)
+        v = _head_major(_gather_pages(v_cache, table, dtype, kv_scale), kv_heads)
         query = q[start:stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
-        attended = _attend(query, k, v, masked.view(1, 1, 1, length, -1), sm_scale)
+        attended = _prefill(query, k, v, masked, sm_scale)
         out[start:stop] = attended[0].permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
-        start = stop
     return out

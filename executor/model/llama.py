@@ -9,14 +9,14 @@ import torch.nn.functional as F
 
 from executor.cache import KVCache
 from executor.inputs import StepInputs
-from executor.model.attention import paged_attention
+from executor.model.attention import AttentionMasks, paged_attention
 from executor.model.config import ModelConfig
 from executor.model.layers import (
     Rotary,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     all_reduce,
-    linear,
+    Linear,
     rms_norm,
 )
 from executor.model.sharding import ShardPlan
@@ -27,11 +27,11 @@ class LayerWeights:
     """One decoder layer's local slices. QKV and gate/up are fused: one matmul each."""
 
     attn_norm: torch.Tensor  # float32 [hidden]
-    qkv: torch.Tensor  # [(local_q + 2 * local_kv) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, local_q * head_dim]
+    qkv: Linear  # [(local_q + 2 * local_kv) * head_dim, hidden]
+    o: Linear  # [hidden, local_q * head_dim]
     ffn_norm: torch.Tensor  # float32 [hidden]
-    gate_up: torch.Tensor  # [2 * local_ffn, hidden]
-    down: torch.Tensor  # [hidden, local_ffn]
+    gate_up: Linear  # [2 * local_ffn, hidden]
+    down: Linear  # [hidden, local_ffn]
 
 
 class LlamaModel:
@@ -71,19 +71,25 @@ class LlamaModel:
         config, world = self.config, self.shard.world_size
         head_dim, tokens = config.head_dim, inputs.num_tokens
         x = self.embed(inputs.token_ids)
+        q_heads, kv_heads = self.shard.local_q_heads, self.shard.local_kv_heads
+        qk_width = self.q_width + self.kv_width
         cos, sin = self.rotary.cos_sin(inputs.positions)
+        masks = AttentionMasks.build(
+            inputs, q_heads, kv_heads, cache.page_size, self.dtype, self.device
+        )
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, config.rms_eps)
-            q, k, v = linear(h, layer.qkv).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-            q = Rotary.apply(q.reshape(tokens, -1, head_dim), cos, sin)
-            k = Rotary.apply(k.reshape(tokens, -1, head_dim), cos, sin)
-            cache.write(index, inputs.write_pages, inputs.write_offsets, k, v.reshape(k.shape))
+            qkv = layer.qkv(h)
+            qk = Rotary.apply(qkv[:, :qk_width].view(tokens, -1, head_dim), cos, sin)
+            q, k = qk.split([q_heads, kv_heads], dim=1)
+            v = qkv[:, qk_width:].view(tokens, kv_heads, head_dim)
+            cache.write(index, inputs.write_pages, inputs.write_offsets, k, v)
             k_cache, v_cache = cache.key_value(index)
-            attended = paged_attention(q, k_cache, v_cache, inputs, kv_scale=cache.scale)
-            x = x + all_reduce(linear(attended, layer.o).float(), world)
+            attended = paged_attention(q, k_cache, v_cache, inputs, masks, kv_scale=cache.scale)
+            x = x + all_reduce(layer.o(attended).float(), world)
             h = rms_norm(x, layer.ffn_norm, config.rms_eps)
-            gate, up = linear(h, layer.gate_up).split(self.ffn_width, dim=-1)
-            x = x + all_reduce(linear(F.silu(gate) * up, layer.down).float(), world)
+            gate, up = layer.gate_up(h).split(self.ffn_width, dim=-1)
+            x = x + all_reduce(layer.down(F.silu(gate) * up).float(), world)
         if inputs.sample_rows.shape[0] == 0:
             if self.shard.rank != 0:
                 return None

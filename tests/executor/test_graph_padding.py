@@ -61,6 +61,7 @@ def test_graph_widths_are_powers_of_two_up_to_the_widest_table():
 
 def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffers():
     from executor.model.config import ModelConfig
+    from executor.model.layers import Linear
     from executor.model.llama import LayerWeights, LlamaModel
     from executor.model.sharding import ShardPlan
 
@@ -77,8 +78,9 @@ def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffer
     q_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
     layers = [
         LayerWeights(
-            attn_norm=torch.ones(32), qkv=w(q_rows, 32), o=w(32, config.num_heads * config.head_dim),
-            ffn_norm=torch.ones(32), gate_up=w(96, 32), down=w(32, 48),
+            attn_norm=torch.ones(32), qkv=Linear(w(q_rows, 32)),
+            o=Linear(w(32, config.num_heads * config.head_dim)),
+            ffn_norm=torch.ones(32), gate_up=Linear(w(96, 32)), down=Linear(w(32, 48)),
         )
         for _ in range(config.num_layers)
     ]

@@ -83,7 +83,7 @@ def test_each_rank_holds_only_its_slices(tiny_dir):
     layer = rank1.layers[0]
     assert rank1.shard.q_heads == (4, 6) and rank1.shard.kv_heads == (2, 3)
     assert layer.qkv.shape == ((2 + 2 * 1) * 16, 96)
-    torch.testing.assert_close(layer.qkv[:32], source.read("q", 0)[64:96])
-    torch.testing.assert_close(layer.o, source.read("o", 0)[:, 64:96])
-    torch.testing.assert_close(layer.down, source.read("down", 0)[:, 64:128])
+    torch.testing.assert_close(layer.qkv.dense()[:32], source.read("q", 0)[64:96])
+    torch.testing.assert_close(layer.o.dense(), source.read("o", 0)[:, 64:96])
+    torch.testing.assert_close(layer.down.dense(), source.read("down", 0)[:, 64:128])
     assert rank1.embed.weight.shape == (256, 96)
