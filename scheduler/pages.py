@@ -66,6 +66,10 @@ class PagePool:
             raise PagePoolError(f"cannot share free pages {pages[self._is_free[pages]].tolist()}")
         self.refcount[pages] += 1
 
+    def share(self, pages: np.ndarray) -> None:
+        """incref for pages the caller knows to be referenced already (no check needed)."""
+        self.refcount[pages] += 1
+
     def decref(self, pages: np.ndarray) -> np.ndarray:
         """Drop one reference from each page; return those nobody references any more."""
         if pages.size and (self.refcount[pages] <= 0).any():

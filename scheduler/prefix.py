@@ -70,23 +70,32 @@ class PrefixCache:
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 
-    def match(self, keys: list[PageKey]) -> np.ndarray:
-        """Take a reference on the longest cached run of pages named by keys[0], keys[1], ..."""
+    def match(self, keys: list[PageKey], known: np.ndarray | None = None) -> np.ndarray:
+        """Take a reference on the longest cached run of pages named by keys[0], keys[1], ...
+
+        `known`, when given, are the pages of keys[:len(known)], found by an earlier match that
+        still holds its references (so none of them can have been evicted or re-keyed since):
+        requests sharing a system prompt are admitted together, and this skips their common part.
+        """
+        start = 0 if known is None else known.shape[0]
         pages: list[int] = []
         page_of = self._page_of
-        for key in keys:
-            page = page_of.get(key)
+        for i in range(start, len(keys)):
+            page = page_of.get(keys[i])
             if page is None:
                 break
             pages.append(page)
-        hit = np.array(pages, dtype=np.int32)
+        found = np.array(pages, dtype=np.int32) if pages or not start else known[:0]
         if pages:
             lru = self._lru
             if lru:
-                for page in hit[self.pool.refcount[hit] == 0].tolist():
+                for page in found[self.pool.refcount[found] == 0].tolist():
                     del lru[page]
-            self.pool.incref(hit)
-        return hit
+            self.pool.incref(found)
+        if not start:
+            return found
+        self.pool.share(known)
+        return np.concatenate((known, found)) if pages else known
 
     def insert(self, key: PageKey, page: int) -> None:
         """Offer a full, written page as the snapshot for key (first writer wins)."""

@@ -507,6 +507,7 @@ class Scheduler:
         """Admit waiting requests first come, first served while seats, budget and pages allow."""
         ps = self.config.page_size
         seats = self.config.max_num_seqs
+        last_hit: tuple[Request, np.ndarray] | None = None  # the previous prefix hit of this call
         while self._waiting and self._n < seats and budget > 0:
             req = self._waiting[0]
             if req.state is RequestState.OFFLOADED:
@@ -528,7 +529,8 @@ class Scheduler:
             else:
                 matched = _EMPTY_I32
                 if self.config.enable_prefix_cache:
-                    matched = self.cache.match(self._keys(req, (req.num_tokens - 1) // ps))
+                    matched = self._match(req, last_hit)
+                    last_hit = (req, matched)
                 m = matched.shape[0]
                 if not self._can_get(-(-req.num_tokens // ps) - m):
                     self.cache.release(matched)
@@ -543,6 +545,32 @@ class Scheduler:
             b.rows.append(r)
             b.chunks.append(chunk)
             budget -= chunk
+
+    def _match(self, req: Request, last_hit: tuple[Request, np.ndarray] | None) -> np.ndarray:
+        """The request's prefix hit (at least one token is always left to compute). The pages of
+        the previous hit of the same admission round are still referenced by its request, so the
+        full pages both prompts share are known without a lookup."""
+        n_pages = (req.num_tokens - 1) // self.config.page_size
+        if last_hit is None or not last_hit[1].shape[0]:
+            return self.cache.match(self._keys(req, n_pages))
+        other, hit = last_hit
+        shared = self._shared_pages(req, other, min(hit.shape[0], n_pages))
+        if not req.page_keys and shared:
+            # Keys are a function of the tokens: the shared pages' keys are the other's (which it
+            # computed for its own match, so it has at least `shared`).
+            req.page_keys.extend(other.page_keys[:shared])
+            req.hash_state = other.page_keys[shared - 1]
+            self._last_keyed = req
+        return self.cache.match(self._keys(req, n_pages), hit[:shared])
+
+    def _shared_pages(self, req: Request, other: Request, limit: int) -> int:
+        """How many of the first `limit` full pages hold the same tokens in both requests."""
+        n = min(limit * self.config.page_size, req.num_tokens, other.num_tokens)
+        mine, theirs = req.tokens[:n], other.tokens[:n]
+        if mine.tobytes() == theirs.tobytes():  # the common case, at memcmp speed
+            return n // self.config.page_size
+        diff = np.flatnonzero(mine != theirs)
+        return (int(diff[0]) if diff.shape[0] else n) // self.config.page_size
 
     def _keys(self, req: Request, n_pages: int) -> list[tuple[int, int]]:
         """Prefix keys of the request's first n_pages full pages (computed once, extended lazily)."""
@@ -559,16 +587,13 @@ class Scheduler:
     def _reuse_keys(self, req: Request) -> None:
         """Start from the keys of the last request keyed, as far as both token streams agree.
 
-        Requests that share a system prompt arrive together; one vectorized compare then replaces
-        hashing the shared part again. A key is a function of the tokens alone, so this is exact.
+        A key is a function of the tokens alone, so this is exact: one vectorized compare replaces
+        hashing the shared part again.
         """
         last = self._last_keyed
         if last is None or not last.page_keys:
             return
-        ps = self.config.page_size
-        n = min(len(last.page_keys) * ps, req.num_tokens)
-        diff = np.flatnonzero(req.tokens[:n] != last.tokens[:n])
-        shared = (int(diff[0]) if diff.shape[0] else n) // ps
+        shared = self._shared_pages(req, last, len(last.page_keys))
         if shared:
             req.page_keys.extend(last.page_keys[:shared])
             req.hash_state = last.page_keys[shared - 1]
