@@ -12,19 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from executor.inputs import StepInputs
 
 
 @dataclass
 class AttentionMasks:
-    """The step's masks, the same for every layer, so built once per step.
+    """The step's additive masks (0 or -inf, in the compute dtype), the same for every layer, so
+    built once per step.
 
-    decode_bias: [n, Hq, S * Hkv] of 0 and -inf in the compute dtype, for the folded decode below.
-    prefill: per sequence with new tokens, (first row, last row + 1, bool [1, 1, 1, L, S] masked).
+    decode: [n, 1, Hq, S * Hkv] for the folded decode below.
+    prefill: per sequence, (first row, last row + 1, [G * L, S]); rows are a KV head's G query
+    heads one after another, each over the sequence's L new tokens.
     """
 
-    decode_bias: torch.Tensor | None
+    decode: torch.Tensor | None
     prefill: list[tuple[int, int, torch.Tensor]]
 
     @classmethod
@@ -38,29 +41,32 @@ class AttentionMasks:
         device: torch.device,
     ) -> AttentionMasks:
         slots = inputs.page_table.shape[1] * page_size
+        group = q_heads // kv_heads
         if inputs.is_decode:
             # Column c of a folded row is slot c // Hkv of KV head c % Hkv; query head h reads KV
             # head h // group. Masking the other heads' columns leaves each head's softmax as if
             # over its own S slots.
             column = torch.arange(slots * kv_heads, device=device)
             slot, head = column // kv_heads, column % kv_heads
-            q_head = torch.arange(q_heads, device=device) // (q_heads // kv_heads)
+            q_head = torch.arange(q_heads, device=device) // group
             masked = (slot[None, None, :] >= inputs.context_lens[:, None, None]) | (
                 head[None, None, :] != q_head[None, :, None]
             )
-            bias = torch.zeros(masked.shape, dtype=dtype, device=device)
-            return cls(bias.masked_fill_(masked, float("-inf")), [])
+            return cls(_bias(masked, dtype)[:, None], [])
         prefill, start = [], 0
         slot = torch.arange(slots, device=device)
         for length in inputs.query_lens_host.tolist():
-            if length:
-                stop = start + length
-                masked = slot[None, :] > inputs.positions[start:stop, None]
-                prefill.append((start, stop, masked.view(1, 1, 1, length, slots)))
-                start = stop
-            else:
-                prefill.append((start, start, slot[:0]))
+            stop = start + length
+            masked = slot[None, :] > inputs.positions[start:stop, None]
+            prefill.append((start, stop, _bias(masked, dtype).repeat(group, 1)))
+            start = stop
         return cls(None, prefill)
+
+
+def _bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(
+        masked, float("-inf")
+    )
 
 
 def _gather_pages(
@@ -79,41 +85,9 @@ def _gather_pages(
 
 
 def _head_major(tokens: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[B, S * H, D] -> contiguous [B, H, S, D], one copy: the score matmul then reads K
-    transposed and the value matmul reads V as they are."""
+    """[1, S * H, D] -> contiguous [1, H, S, D]."""
     batch, rows, head_dim = tokens.shape
     return tokens.view(batch, rows // kv_heads, kv_heads, head_dim).transpose(1, 2).contiguous()
-
-
-def _decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, sm_scale: float
-) -> torch.Tensor:
-    """q [n, Hq, D], k/v [n, S * Hkv, D] as gathered, bias [n, Hq, S * Hkv] -> [n, Hq, D].
-
-    Every query head is scored against every KV head's slots and the wrong heads are masked off
-    (the bias). That costs Hkv times the score arithmetic but no copy of K or V into head-major
-    order, which at decode (one row per head) is what the step pays for: a batch-32 SmolLM2 step's
-    attention took half the time this way.
-    """
-    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=sm_scale).float()
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.bmm(probs, v)
-
-
-def _prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, sm_scale: float
-) -> torch.Tensor:
-    """q [1, Hkv, G, L, D], k/v [1, Hkv, S, D], masked [1, 1, 1, L, S] -> [1, Hkv, G, L, D].
-
-    A KV head's G query heads are folded into the rows of one matmul: broadcasting K over G would
-    copy it G times.
-    """
-    batch, kv_heads, group, length, head_dim = q.shape
-    rows = q.reshape(batch, kv_heads, group * length, head_dim)
-    scores = torch.matmul(rows, k.transpose(-1, -2)).float().mul_(sm_scale)
-    scores.view(batch, kv_heads, group, length, -1).masked_fill_(masked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(batch, kv_heads, group, length, head_dim)
 
 
 def paged_attention(
@@ -125,27 +99,40 @@ def paged_attention(
     *,
     kv_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] (already rotated; this step's K/V already written) -> [T, Hq * D]."""
+    """q: [T, Hq, D] (already rotated; this step's K/V already written) -> [T, Hq * D].
+
+    Both paths call torch's fused attention with an explicit additive mask, never is_causal or a
+    kernel that skips masked blocks: every gathered slot is multiplied in, so a NaN left in a
+    masked slot still reaches the output (tests/model/test_attention.py holds torch to that).
+    """
     num_tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
     group = q_heads // kv_heads
-    sm_scale = head_dim**-0.5
     dtype = q.dtype
-    if masks.decode_bias is not None:
-        k = _gather_pages(k_cache, inputs.page_table, dtype, kv_scale)
-        v = _gather_pages(v_cache, inputs.page_table, dtype, kv_scale)
-        out = _decode(q, k, v, masks.decode_bias, sm_scale)
+    if masks.decode is not None:
+        # Decode: every query head is scored against every KV head's slots as gathered
+        # ([n, S * Hkv, D]) and the mask removes the other heads' columns. That is Hkv times the
+        # score arithmetic but no copy of K and V into head-major order, which is what a decode
+        # step's attention pays for: it halved a batch-32 SmolLM2 step's attention.
+        k = _gather_pages(k_cache, inputs.page_table, dtype, kv_scale)[:, None]
+        v = _gather_pages(v_cache, inputs.page_table, dtype, kv_scale)[:, None]
+        out = F.scaled_dot_product_attention(q[:, None], k, v, attn_mask=masks.decode)
         return out.view(num_tokens, q_heads * head_dim)
 
     out = torch.empty(num_tokens, q_heads * head_dim, dtype=dtype, device=q.device)
-    for seq, (start, stop, masked) in enumerate(masks.prefill):
+    for seq, (start, stop, bias) in enumerate(masks.prefill):
         if start == stop:
             continue
         length = stop - start
         table = inputs.page_table[seq : seq + 1]
         k = _head_major(_gather_pages(k_cache, table, dtype, kv_scale), kv_heads)
         v = _head_major(_gather_pages(v_cache, table, dtype, kv_scale), kv_heads)
-        query = q[start:stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)[None]
-        attended = _prefill(query, k, v, masked, sm_scale)
-        out[start:stop] = attended[0].permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
+        # A KV head's G query heads folded into the rows of one call: broadcasting K over G
+        # would copy it G times.
+        rows = q[start:stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        rows = rows.reshape(1, kv_heads, group * length, head_dim)
+        attended = F.scaled_dot_product_attention(rows, k, v, attn_mask=bias)
+        out[start:stop] = attended.view(kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(
+            length, q_heads * head_dim
+        )
     return out
