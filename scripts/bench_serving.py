@@ -375,7 +375,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--requests-per-level", type=int, default=None, help="default: two waves (2 x concurrency, at least 4)")
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
-    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32", "fp16"),
+        default="auto",
+        help="both sides' dtype; auto: what `tp-runtime serve` picks on this machine",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the tp-runtime started here")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
@@ -395,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tp_runtime.tokenizer import Tokenizer
 
     args = parse_args(argv)
+    if args.dtype == "auto":
+        from tp_runtime.config import RuntimeConfig
+        from tp_runtime.launch import pick_dtype
+
+        args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
     exit_on_sigterm()
     out = args.out or default_out_dir("bench")
     model_path = args.model or default_model_path()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,17 +19,28 @@ from executor.inputs import StepInputs
 
 
 @dataclass
-class AttentionMasks:
-    """The step's additive masks (0 or -inf, in the compute dtype), the same for every layer, so
-    built once per step.
+class Prefill:
+    """One sequence bringing several new tokens: rows [start, stop) of the step."""
 
-    decode: [n, 1, Hq, S * Hkv] for the folded decode below.
-    prefill: per sequence, (first row, last row + 1, [G * L, S]); rows are a KV head's G query
-    heads one after another, each over the sequence's L new tokens.
+    seq: int
+    start: int
+    stop: int
+    bias: torch.Tensor  # [G * L, S]: a KV head's G query heads one after another, each over L rows
+
+
+@dataclass
+class AttentionMasks:
+    """What attention needs beyond the cache, the same for every layer, so built once per step.
+
+    Every sequence with one new token (decodes, and a prefill's one-token last chunk) goes through
+    one batched call, so that a step mixing a prefill chunk into 31 decodes loops over one
+    sequence in Python, not 32. Masks are additive (0 or -inf) in the compute dtype.
     """
 
-    decode: torch.Tensor | None
-    prefill: list[tuple[int, int, torch.Tensor]]
+    batched_rows: torch.Tensor | None  # rows of the one-token sequences; None: every row
+    batched_table: torch.Tensor  # [d, W] their page tables
+    batched_bias: torch.Tensor | None  # [d, 1, Hq, W * page_size * Hkv]; None: no such sequence
+    prefill: list[Prefill]
 
     @classmethod
     def build(
@@ -40,27 +52,42 @@ class AttentionMasks:
         dtype: torch.dtype,
         device: torch.device,
     ) -> AttentionMasks:
-        slots = inputs.page_table.shape[1] * page_size
+        query_lens = inputs.query_lens_host
+        one_token = query_lens == 1
         group = q_heads // kv_heads
         if inputs.is_decode:
-            # Column c of a folded row is slot c // Hkv of KV head c % Hkv; query head h reads KV
+            rows, table, context = None, inputs.page_table, inputs.context_lens
+        else:
+            seqs = np.flatnonzero(one_token)
+            starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+            width = int(-(-inputs.context_lens_host[seqs].max() // page_size)) if seqs.size else 0
+            index = torch.from_numpy(seqs).to(device)
+            rows = torch.from_numpy(starts[seqs]).to(device)
+            table = inputs.page_table[index, :width]
+            context = inputs.context_lens[index]
+        bias = None
+        if table.shape[0]:
+            # Column c of a batched row is slot c // Hkv of KV head c % Hkv; query head h reads KV
             # head h // group. Masking the other heads' columns leaves each head's softmax as if
-            # over its own S slots.
-            column = torch.arange(slots * kv_heads, device=device)
+            # over its own slots.
+            column = torch.arange(table.shape[1] * page_size * kv_heads, device=device)
             slot, head = column // kv_heads, column % kv_heads
             q_head = torch.arange(q_heads, device=device) // group
-            masked = (slot[None, None, :] >= inputs.context_lens[:, None, None]) | (
+            masked = (slot[None, None, :] >= context[:, None, None]) | (
                 head[None, None, :] != q_head[None, :, None]
             )
-            return cls(_bias(masked, dtype)[:, None], [])
-        prefill, start = [], 0
-        slot = torch.arange(slots, device=device)
-        for length in inputs.query_lens_host.tolist():
-            stop = start + length
-            masked = slot[None, :] > inputs.positions[start:stop, None]
-            prefill.append((start, stop, _bias(masked, dtype).repeat(group, 1)))
-            start = stop
-        return cls(None, prefill)
+            bias = _bias(masked, dtype)[:, None]
+        prefill = []
+        if not inputs.is_decode:
+            slot = torch.arange(inputs.page_table.shape[1] * page_size, device=device)
+            start = 0
+            for seq, length in enumerate(query_lens.tolist()):
+                if length > 1:
+                    masked = slot[None, :] > inputs.positions[start : start + length, None]
+                    bias_rows = _bias(masked, dtype).repeat(group, 1)
+                    prefill.append(Prefill(seq, start, start + length, bias_rows))
+                start += length
+        return cls(rows, table, bias, prefill)
 
 
 def _bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,30 +136,43 @@ def paged_attention(
     kv_heads = k_cache.shape[-2]
     group = q_heads // kv_heads
     dtype = q.dtype
-    if masks.decode is not None:
-        # Decode: every query head is scored against every KV head's slots as gathered
-        # ([n, S * Hkv, D]) and the mask removes the other heads' columns. That is Hkv times the
-        # score arithmetic but no copy of K and V into head-major order, which is what a decode
-        # step's attention pays for: it halved a batch-32 SmolLM2 step's attention.
-        k = _gather_pages(k_cache, inputs.page_table, dtype, kv_scale)[:, None]
-        v = _gather_pages(v_cache, inputs.page_table, dtype, kv_scale)[:, None]
-        out = F.scaled_dot_product_attention(q[:, None], k, v, attn_mask=masks.decode)
-        return out.view(num_tokens, q_heads * head_dim)
+    if masks.batched_rows is None:
+        return _one_token_each(q, k_cache, v_cache, masks, kv_scale).view(num_tokens, -1)
 
     out = torch.empty(num_tokens, q_heads * head_dim, dtype=dtype, device=q.device)
-    for seq, (start, stop, bias) in enumerate(masks.prefill):
-        if start == stop:
-            continue
-        length = stop - start
-        table = inputs.page_table[seq : seq + 1]
+    if masks.batched_bias is not None:
+        rows = masks.batched_rows
+        out[rows] = _one_token_each(q[rows], k_cache, v_cache, masks, kv_scale).view(rows.shape[0], -1)
+    for p in masks.prefill:
+        length = p.stop - p.start
+        table = inputs.page_table[p.seq : p.seq + 1]
         k = _head_major(_gather_pages(k_cache, table, dtype, kv_scale), kv_heads)
         v = _head_major(_gather_pages(v_cache, table, dtype, kv_scale), kv_heads)
         # A KV head's G query heads folded into the rows of one call: broadcasting K over G
         # would copy it G times.
-        rows = q[start:stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        rows = q[p.start : p.stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         rows = rows.reshape(1, kv_heads, group * length, head_dim)
-        attended = F.scaled_dot_product_attention(rows, k, v, attn_mask=bias)
-        out[start:stop] = attended.view(kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(
-            length, q_heads * head_dim
-        )
+        attended = F.scaled_dot_product_attention(rows, k, v, attn_mask=p.bias)
+        out[p.start : p.stop] = attended.view(kv_heads, group, length, head_dim).permute(
+            2, 0, 1, 3
+        ).reshape(length, q_heads * head_dim)
     return out
+
+
+def _one_token_each(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    masks: AttentionMasks,
+    kv_scale: float,
+) -> torch.Tensor:
+    """q [d, Hq, D], one row per sequence -> [d, 1, Hq, D].
+
+    Every query head is scored against every KV head's slots as gathered ([d, S * Hkv, D]) and
+    the mask removes the other heads' columns. That is Hkv times the score arithmetic but no copy
+    of K and V into head-major order, which is what a decode step's attention pays for: it halved
+    a batch-32 SmolLM2 step's attention.
+    """
+    k = _gather_pages(k_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
+    v = _gather_pages(v_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
+    return F.scaled_dot_product_attention(q[:, None], k, v, attn_mask=masks.batched_bias)

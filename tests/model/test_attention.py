@@ -79,9 +79,13 @@ def _cache(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 DECODE = ([1, 1, 1], [7, 2, 11], [[3, 5], [0], [8, 9, 1]])
 PREFILL = ([5, 3], [5, 9], [[2, 4], [6, 7, 11]])  # the second on top of 6 cached tokens
+# Decodes around a prefill chunk: the one-token sequences take the batched path, with a table
+# narrower than the prefill's.
+MIXED = ([1, 6, 1], [3, 10, 6], [[0], [2, 4, 9], [5, 11]])
+STEPS = pytest.mark.parametrize("step", [DECODE, PREFILL, MIXED], ids=["decode", "prefill", "mixed"])
 
 
-@pytest.mark.parametrize("step", [DECODE, PREFILL], ids=["decode", "prefill"])
+@STEPS
 def test_matches_the_per_head_reference(step):
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = _cache(g)
@@ -92,7 +96,7 @@ def test_matches_the_per_head_reference(step):
     )
 
 
-@pytest.mark.parametrize("step", [DECODE, PREFILL], ids=["decode", "prefill"])
+@STEPS
 @pytest.mark.parametrize("tensor", ["k", "v"])
 def test_nan_past_the_end_of_a_sequence_reaches_its_output(step, tensor):
     """The slot after the last token of the last sequence is masked for every row, and read."""
