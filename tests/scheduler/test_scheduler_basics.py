@@ -234,3 +234,30 @@ def test_after_an_aborted_step_every_table_is_sent_whole():
     plan = s.plan_step()
     assert plan.prepare.page_table_base.tolist() == [0]
     assert plan.prepare.page_table.shape[0] == int(plan.prepare.page_table_lens.sum())
+
+
+def test_an_admission_round_shares_each_prompt_s_own_prefix_hit():
+    s = Scheduler(cfg(num_pages=32, max_num_seqs=5, max_tokens_per_step=64))
+    cached = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three full pages
+    s.add_request(0, cached + [5], SamplingParams(max_tokens=1))
+    plan = s.plan_step()
+    s.on_result(plan, result_for(plan, [9]))
+    snapshot = plan.prepare.page_table[:3].tolist()
+    prompts = {
+        1: cached + [6],  # all three pages
+        2: cached[:8] + [30, 31, 32, 33, 7],  # the first two, then its own
+        3: cached + [8, 9],  # all three again, after a round-mate that had two
+        4: [40] + cached[1:] + [5],  # none: it differs in the first token
+    }
+    for rid, prompt in prompts.items():
+        s.add_request(rid, prompt, SamplingParams(max_tokens=2))
+    plan = s.plan_step()
+    p = plan.prepare
+    tables = np.split(p.page_table, np.cumsum(p.page_table_lens)[:-1])  # all sent whole: new rows
+    assert p.page_table_base.tolist() == [0, 0, 0, 0]
+    got = {rid: t.tolist() for rid, t in zip(p.seq_ids.tolist(), tables)}
+    assert got[1][:3] == snapshot and got[3][:3] == snapshot
+    assert got[2][:2] == snapshot[:2] and got[2][2] not in snapshot
+    assert not set(got[4]) & set(snapshot)
+    assert s.stats().prefix_hit_pages_total == 8
+    assert [int(s.pool.refcount[page]) for page in snapshot] == [3, 3, 2]
