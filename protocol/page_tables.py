@@ -53,9 +53,11 @@ class HeldPageTables:
         """Pages held for each sequence (0 for one not held)."""
         return self._held(seq_ids)[1]
 
-    def _held(self, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if np.array_equal(seq_ids, self._ids):  # steady decode: the same sequences in the same order
-            return np.arange(seq_ids.shape[0]), self._lens
+    def _held(self, seq_ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """The held row of each sequence (None: the same sequences in the same order, as in steady
+        decode) and how many pages are held for it."""
+        if np.array_equal(seq_ids, self._ids):
+            return None, self._lens
         if not self._ids.shape[0]:
             return np.zeros(seq_ids.shape[0], dtype=np.int64), np.zeros(seq_ids.shape[0], dtype=np.int32)
         at = np.minimum(np.searchsorted(self._sorted, seq_ids), self._sorted.shape[0] - 1)
@@ -80,9 +82,9 @@ class HeldPageTables:
         width = int(lens.max()) if n else 0
         table = np.zeros((n, width), dtype=np.int32)
         keep = min(width, self._table.shape[1])
-        if keep and rows.shape[0]:
+        if keep:
             # Columns past base are overwritten by the deltas (base 0: the whole row).
-            table[:, :keep] = self._table[rows, :keep]
+            table[:, :keep] = self._table[:, :keep] if rows is None else self._table[rows, :keep]
         if p.page_table.shape[0]:
             table[delta_index(base, lens)] = p.page_table
         self._ids = seq_ids.copy()

@@ -1,7 +1,7 @@
 """Benchmark of the wire protocol, side by side with the way SGLang ships a step to its TP workers.
 
 1. Codec: encode, decode, encode+decode (and the HMAC alone, validation, and applying the page-table
-   deltas to the tables an executor holds) of a steady decode-batch PREPARE: n sequences of 64
+   deltas to the tables an executor holds, two steps: whole tables, then the deltas) of a steady decode-batch PREPARE: n sequences of 64
    pages, one in 16 of them given a new page (the rest of each table is held), 64 cleared pages.
    `full_table_frame_bytes` is the same step with every table whole (a step after an abort).
 2. Step round trip over ipc:// with 1, 2, 4 executor processes: the scheduler sends PREPARE to all,
@@ -18,6 +18,7 @@ Usage: python scripts/bench_protocol.py [--json] (about 2 minutes on 2 idle core
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -156,9 +157,16 @@ def bench_codec(sizes: list[int], reps: int) -> list[dict]:
         parts = encode(frame, KEY)
         payload = sglang_payload(full)
         held = HeldPageTables()
+        base = frame.body.page_table_base
+        # The step before: the same tables without the pages this one adds.
+        before = dataclasses.replace(
+            full,
+            page_table_lens=base,
+            page_table=full.page_table.reshape(n, -1)[np.arange(PAGES_PER_SEQ) < base[:, None]] if n else full.page_table,
+        )
 
         def apply_deltas() -> None:
-            held.apply(full)
+            held.apply(before)
             held.apply(frame.body)
 
         rows.append(
@@ -171,7 +179,7 @@ def bench_codec(sizes: list[int], reps: int) -> list[dict]:
                 "encode_decode": stats_us(time_calls(lambda: decode(encode(frame, KEY), KEY), reps)),
                 "hmac_one_side": stats_us(time_calls(lambda: frame_mac(KEY, parts[:-1]), reps)),
                 "validate": stats_us(time_calls(lambda: validate_prepare(frame.body, GEOMETRY), reps)),
-                "apply_full_then_delta": stats_us(time_calls(apply_deltas, reps)),
+                "apply_before_then_delta": stats_us(time_calls(apply_deltas, reps)),
                 "pickle_dumps_loads": stats_us(time_calls(lambda: pickle.loads(pickle.dumps(payload)), reps)),
             }
         )
