@@ -15,6 +15,10 @@ python -m pip install -q pyzmq msgpack >/dev/null 2>&1 || true
 status=0
 timeout 240 python scripts/device_check_clear.py || status=$?
 
+# The attention kernels CUDA picks must still let a NaN in a masked slot reach the output.
+python -m pip install -q pytest hypothesis >/dev/null 2>&1 || true
+timeout 180 python -m pytest -q -p no:cacheprovider tests/model/test_attention.py -k cuda || status=$?
+
 # ---- MODEL DECODE BENCHMARK --------------------------------------------------------------------
 # Llama-3-8B-shaped random bf16 weights, eager vs CUDA graphs (executor.model + executor.cuda_graphs),
 # batch 1/16/64 at 512 tokens of context. The model's owner may extend it; keep it under 3 minutes.

@@ -3,7 +3,7 @@
 Every slot of every page in a sequence's page table is gathered (including the slots past its
 length in the last page, and pad pages) and excluded only by a -inf score. The softmax weight of
 such a slot is then exactly 0, and 0 x NaN is NaN: stale or uninitialized bytes in V poison the
-output. That is deliberate; the runtime's clearing rule is what keeps those bytes zero, and the
+output (in K too: NaN + -inf is NaN). That is deliberate; the runtime's clearing rule is what keeps those bytes zero, and the
 poison tests depend on this kernel being able to see a violation.
 """
 
@@ -22,10 +22,10 @@ from executor.inputs import StepInputs
 class Prefill:
     """One sequence bringing several new tokens: rows [start, stop) of the step."""
 
-    seq: int
     start: int
     stop: int
-    bias: torch.Tensor  # [G * L, S]: a KV head's G query heads one after another, each over L rows
+    table: torch.Tensor  # [1, W]: its pages covering its context
+    bias: torch.Tensor  # [G * L, W * page_size]: a KV head's G query heads in turn, L rows each
 
 
 @dataclass
@@ -53,14 +53,15 @@ class AttentionMasks:
         device: torch.device,
     ) -> AttentionMasks:
         query_lens = inputs.query_lens_host
-        one_token = query_lens == 1
         group = q_heads // kv_heads
+        # Each sequence is gathered over its own pages only, not the step's widest table.
+        pages = -(-inputs.context_lens_host // page_size)
         if inputs.is_decode:
             rows, table, context = None, inputs.page_table, inputs.context_lens
         else:
-            seqs = np.flatnonzero(one_token)
+            seqs = np.flatnonzero(query_lens == 1)
             starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
-            width = int(-(-inputs.context_lens_host[seqs].max() // page_size)) if seqs.size else 0
+            width = int(pages[seqs].max()) if seqs.size else 0
             index = torch.from_numpy(seqs).to(device)
             rows = torch.from_numpy(starts[seqs]).to(device)
             table = inputs.page_table[index, :width]
@@ -83,9 +84,12 @@ class AttentionMasks:
             start = 0
             for seq, length in enumerate(query_lens.tolist()):
                 if length > 1:
-                    masked = slot[None, :] > inputs.positions[start : start + length, None]
+                    width = int(pages[seq])
+                    visible = slot[: width * page_size]
+                    masked = visible[None, :] > inputs.positions[start : start + length, None]
                     bias_rows = _bias(masked, dtype).repeat(group, 1)
-                    prefill.append(Prefill(seq, start, start + length, bias_rows))
+                    own_table = inputs.page_table[seq : seq + 1, :width]
+                    prefill.append(Prefill(start, start + length, own_table, bias_rows))
                 start += length
         return cls(rows, table, bias, prefill)
 
@@ -112,7 +116,8 @@ def _gather_pages(
 
 
 def _head_major(tokens: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[1, S * H, D] -> contiguous [1, H, S, D]."""
+    """[1, S * H, D] -> contiguous [1, H, S, D]: a prefill chunk's many rows per head amortize
+    this copy, and the fused kernel wants each head's slots contiguous."""
     batch, rows, head_dim = tokens.shape
     return tokens.view(batch, rows // kv_heads, kv_heads, head_dim).transpose(1, 2).contiguous()
 
@@ -145,14 +150,13 @@ def paged_attention(
         out[rows] = _one_token_each(q[rows], k_cache, v_cache, masks, kv_scale).view(rows.shape[0], -1)
     for p in masks.prefill:
         length = p.stop - p.start
-        table = inputs.page_table[p.seq : p.seq + 1]
-        k = _head_major(_gather_pages(k_cache, table, dtype, kv_scale), kv_heads)
-        v = _head_major(_gather_pages(v_cache, table, dtype, kv_scale), kv_heads)
+        k = _head_major(_gather_pages(k_cache, p.table, dtype, kv_scale), kv_heads)
+        v = _head_major(_gather_pages(v_cache, p.table, dtype, kv_scale), kv_heads)
         # A KV head's G query heads folded into the rows of one call: broadcasting K over G
         # would copy it G times.
         rows = q[p.start : p.stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         rows = rows.reshape(1, kv_heads, group * length, head_dim)
-        attended = F.scaled_dot_product_attention(rows, k, v, attn_mask=p.bias)
+        attended = _sdpa(rows, k, v, p.bias)
         out[p.start : p.stop] = attended.view(kv_heads, group, length, head_dim).permute(
             2, 0, 1, 3
         ).reshape(length, q_heads * head_dim)
@@ -175,4 +179,20 @@ def _one_token_each(
     """
     k = _gather_pages(k_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
     v = _gather_pages(v_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
-    return F.scaled_dot_product_attention(q[:, None], k, v, attn_mask=masks.batched_bias)
+    return _sdpa(q[:, None], k, v, masks.batched_bias)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Fused attention with an additive mask, on a kernel that multiplies in every slot.
+
+    On CUDA torch may pick among several kernels; only the memory-efficient and the math kernels
+    are known to add the bias to every score rather than skip blocks it masks whole, which would
+    hide a NaN the clearing rule failed to clear. The CPU kernel is held to it by
+    tests/model/test_attention.py; the CUDA ones by scripts/device_check.sh.
+    """
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)

@@ -80,7 +80,8 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, config.rms_eps)
             qkv = layer.qkv(h)
-            qk = Rotary.apply(qkv[:, :qk_width].view(tokens, -1, head_dim), cos, sin)
+            qk = qkv[:, :qk_width].view(tokens, q_heads + kv_heads, head_dim)
+            qk = Rotary.apply(qk, cos, sin)
             q, k = qk.split([q_heads, kv_heads], dim=1)
             v = qkv[:, qk_width:].view(tokens, kv_heads, head_dim)
             cache.write(index, inputs.write_pages, inputs.write_offsets, k, v)

@@ -1,5 +1,7 @@
 """paged_attention against a per-sequence, per-head reference, and its promise to the clearing rule:
-a NaN left in any gathered slot, masked or not, reaches the output (0 x NaN is NaN)."""
+a NaN left in any gathered slot, masked or not, reaches the output (0 x NaN and NaN + -inf are NaN).
+
+The cuda cases run where a GPU is (scripts/device_check.sh runs them); CI has none."""
 
 from __future__ import annotations
 
@@ -12,9 +14,28 @@ from executor.model.attention import AttentionMasks, paged_attention
 from protocol.frames import Prepare
 
 PAGE = 4
-Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
-NUM_PAGES = 12
+HEAD_DIM = 8
+NUM_PAGES = 160
 PAD = NUM_PAGES  # the cache's extra last page
+
+DEVICES = pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+)
+# (query heads, KV heads) of one rank: SmolLM2's 2 groups of 3, a rank holding one KV head shared
+# with others, and no grouping.
+HEADS = pytest.mark.parametrize("heads", [(6, 2), (3, 1), (2, 1), (4, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+
+DECODE = ([1, 1, 1], [7, 2, 11], [[3, 5], [0], [8, 9, 1]])
+PREFILL = ([5, 3], [5, 9], [[2, 4], [6, 7, 11]])  # the second on top of 6 cached tokens
+# Decodes around a prefill chunk: the one-token sequences take the batched path, with a table
+# narrower than the prefill's.
+MIXED = ([1, 6, 1], [3, 10, 6], [[0], [2, 4, 9], [5, 11]])
+# A table of 600 slots: the CPU kernel splits keys into blocks of 512, so a whole block is masked.
+LONG = ([3], [599], [list(range(5, 5 + 150))])
+STEPS = pytest.mark.parametrize(
+    "step", [DECODE, PREFILL, MIXED, LONG], ids=["decode", "prefill", "mixed", "long"]
+)
 
 
 def _prepare(query_lens: list[int], context_lens: list[int], tables: list[list[int]]) -> Prepare:
@@ -44,72 +65,92 @@ def _prepare(query_lens: list[int], context_lens: list[int], tables: list[list[i
     )
 
 
-def _run(prepare: Prepare, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor):
-    inputs = StepInputs.from_prepare(prepare, pad_page=PAD, page_size=PAGE, device="cpu")
-    masks = AttentionMasks.build(inputs, Q_HEADS, KV_HEADS, PAGE, torch.float32, torch.device("cpu"))
-    return paged_attention(q, k_cache, v_cache, inputs, masks)
+class Case:
+    def __init__(
+        self, step, heads, device: str, dtype: torch.dtype = torch.float32, storage: torch.dtype | None = None
+    ):
+        self.prepare = _prepare(*step)
+        self.q_heads, self.kv_heads = heads
+        self.device, self.dtype = torch.device(device), dtype
+        g = torch.Generator().manual_seed(1)
+        shape = (NUM_PAGES + 1, PAGE, self.kv_heads, HEAD_DIM)
+        self.k, self.v = (torch.randn(shape, generator=g).to(device, storage or dtype) for _ in range(2))
+        self.k[PAD], self.v[PAD] = 0, 0
+        rows = int(self.prepare.query_lens.sum())
+        self.q = torch.randn(rows, self.q_heads, HEAD_DIM, generator=g).to(device, dtype)
+
+    def run(self) -> torch.Tensor:
+        inputs = StepInputs.from_prepare(self.prepare, pad_page=PAD, page_size=PAGE, device=self.device)
+        masks = AttentionMasks.build(inputs, self.q_heads, self.kv_heads, PAGE, self.dtype, self.device)
+        return paged_attention(self.q, self.k, self.v, inputs, masks, kv_scale=1.0).float().cpu()
+
+    def reference(self) -> torch.Tensor:
+        """Each sequence, each query head, over exactly the slots at or before its token's position."""
+        p, rows, start = self.prepare, [], 0
+        table_start = np.concatenate(([0], np.cumsum(p.page_table_lens)))
+        k_cache, v_cache, q = self.k.float().cpu(), self.v.float().cpu(), self.q.float().cpu()
+        for s, length in enumerate(p.query_lens.tolist()):
+            table = p.page_table[table_start[s] : table_start[s + 1]].tolist()
+            k = torch.cat([k_cache[page] for page in table])  # [slots, Hkv, D]
+            v = torch.cat([v_cache[page] for page in table])
+            for t in range(start, start + length):
+                visible = int(p.positions[t]) + 1
+                heads = []
+                for h in range(self.q_heads):
+                    kv = h // (self.q_heads // self.kv_heads)
+                    scores = (k[:visible, kv] @ q[t, h]) * HEAD_DIM**-0.5
+                    heads.append(torch.softmax(scores, 0) @ v[:visible, kv])
+                rows.append(torch.cat(heads))
+            start += length
+        return torch.stack(rows)
 
 
-def _reference(prepare: Prepare, k_cache, v_cache, q) -> torch.Tensor:
-    """Each sequence, each query head, over exactly the slots at or before its token's position."""
-    rows, start = [], 0
-    table_start = np.concatenate(([0], np.cumsum(prepare.page_table_lens)))
-    for s, length in enumerate(prepare.query_lens.tolist()):
-        table = prepare.page_table[table_start[s] : table_start[s + 1]].tolist()
-        k = torch.cat([k_cache[p] for p in table])  # [slots, Hkv, D]
-        v = torch.cat([v_cache[p] for p in table])
-        for t in range(start, start + length):
-            visible = int(prepare.positions[t]) + 1
-            heads = []
-            for h in range(Q_HEADS):
-                kv = h // (Q_HEADS // KV_HEADS)
-                scores = (k[:visible, kv] @ q[t, h]) * HEAD_DIM**-0.5
-                heads.append(torch.softmax(scores, 0) @ v[:visible, kv])
-            rows.append(torch.cat(heads))
-        start += length
-    return torch.stack(rows)
-
-
-def _cache(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (NUM_PAGES + 1, PAGE, KV_HEADS, HEAD_DIM)
-    k, v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    k[PAD], v[PAD] = 0, 0
-    return k, v
-
-
-DECODE = ([1, 1, 1], [7, 2, 11], [[3, 5], [0], [8, 9, 1]])
-PREFILL = ([5, 3], [5, 9], [[2, 4], [6, 7, 11]])  # the second on top of 6 cached tokens
-# Decodes around a prefill chunk: the one-token sequences take the batched path, with a table
-# narrower than the prefill's.
-MIXED = ([1, 6, 1], [3, 10, 6], [[0], [2, 4, 9], [5, 11]])
-STEPS = pytest.mark.parametrize("step", [DECODE, PREFILL, MIXED], ids=["decode", "prefill", "mixed"])
-
-
+@DEVICES
+@HEADS
 @STEPS
-def test_matches_the_per_head_reference(step):
-    g = torch.Generator().manual_seed(1)
-    k_cache, v_cache = _cache(g)
-    prepare = _prepare(*step)
-    q = torch.randn(int(prepare.query_lens.sum()), Q_HEADS, HEAD_DIM, generator=g)
-    torch.testing.assert_close(
-        _run(prepare, k_cache, v_cache, q), _reference(prepare, k_cache, v_cache, q), rtol=1e-5, atol=1e-5
-    )
+def test_matches_the_per_head_reference(step, heads, device):
+    case = Case(step, heads, device)
+    torch.testing.assert_close(case.run(), case.reference(), rtol=1e-5, atol=1e-5)
 
 
+@DEVICES
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_matches_the_reference(dtype, device):
+    case = Case(MIXED, (6, 2), device, dtype)
+    torch.testing.assert_close(case.run(), case.reference(), rtol=2e-2, atol=2e-2)
+
+
+def _poison_tail(case: Case, seq: int, tensor: str) -> slice:
+    """NaN in the slot just past sequence `seq`'s last token (masked for all its rows); its rows."""
+    p = case.prepare
+    table_start = np.concatenate(([0], np.cumsum(p.page_table_lens)))
+    context = int(p.context_lens[seq])
+    assert context % PAGE, "the case must leave a masked slot in the sequence's last page"
+    page = int(p.page_table[table_start[seq] + context // PAGE])
+    (case.k if tensor == "k" else case.v)[page, context % PAGE] = float("nan")
+    row_start = int(p.query_lens[:seq].sum())
+    return slice(row_start, row_start + int(p.query_lens[seq]))
+
+
+@DEVICES
+@HEADS
 @STEPS
 @pytest.mark.parametrize("tensor", ["k", "v"])
-def test_nan_past_the_end_of_a_sequence_reaches_its_output(step, tensor):
-    """The slot after the last token of the last sequence is masked for every row, and read."""
-    g = torch.Generator().manual_seed(2)
-    k_cache, v_cache = _cache(g)
-    prepare = _prepare(*step)
-    q = torch.randn(int(prepare.query_lens.sum()), Q_HEADS, HEAD_DIM, generator=g)
-    clean = _run(prepare, k_cache, v_cache, q)
-    last_page = int(prepare.page_table[-1])
-    tail_slot = int(prepare.context_lens[-1]) % PAGE
-    assert tail_slot != 0, "the case must leave a masked slot in the last page"
-    (k_cache if tensor == "k" else v_cache)[last_page, tail_slot] = float("nan")
-    poisoned = _run(prepare, k_cache, v_cache, q)
-    last_rows = slice(int(prepare.query_lens[:-1].sum()), None)
-    assert torch.isnan(poisoned[last_rows]).all()
-    torch.testing.assert_close(poisoned[: last_rows.start], clean[: last_rows.start])
+@pytest.mark.parametrize(
+    "dtype, storage",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float8_e4m3fn)],
+    ids=["fp32", "bf16", "fp8-cache"],
+)
+def test_nan_past_the_end_of_a_sequence_reaches_its_rows_only(step, heads, tensor, dtype, storage, device):
+    case = Case(step, heads, device, dtype, storage)
+    clean = case.run()
+    for seq in range(len(step[0])):
+        if step[1][seq] % PAGE == 0:
+            continue
+        poisoned_case = Case(step, heads, device, dtype, storage)
+        rows = _poison_tail(poisoned_case, seq, tensor)
+        poisoned = poisoned_case.run()
+        assert torch.isnan(poisoned[rows]).all()
+        others = torch.ones(poisoned.shape[0], dtype=torch.bool)
+        others[rows] = False
+        torch.testing.assert_close(poisoned[others], clean[others])
