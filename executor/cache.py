@@ -91,6 +91,8 @@ class KVCache:
         if poison:
             self.data.view(torch.uint8).fill_(POISON_BYTE)
         self.data[self.pad_page].zero_()
+        # Every layer asks for its K and V twice a step; views made once save ~8 ops per layer.
+        self._layers = [(self.data[:, layer, 0], self.data[:, layer, 1]) for layer in range(num_layers)]
         self.host = torch.empty(
             (host_slots, *shape[1:]),
             dtype=self.storage_dtype,
@@ -107,7 +109,7 @@ class KVCache:
 
     def key_value(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as views [num_pages + 1, page_size, H, D] in the storage dtype."""
-        return self.data[:, layer, 0], self.data[:, layer, 1]
+        return self._layers[layer]
 
     def write(
         self,
