@@ -70,6 +70,10 @@ class PagePool:
         """incref for pages the caller knows to be referenced already (no check needed)."""
         self.refcount[pages] += 1
 
+    def share_counts(self, pages: np.ndarray, counts: np.ndarray) -> None:
+        """share, counts[i] times for pages[i] (distinct pages)."""
+        self.refcount[pages] += counts
+
     def decref(self, pages: np.ndarray) -> np.ndarray:
         """Drop one reference from each page; return those nobody references any more."""
         if pages.size and (self.refcount[pages] <= 0).any():

@@ -76,6 +76,7 @@ class PrefixCache:
         `known`, when given, are the pages of keys[:len(known)], found by an earlier match that
         still holds its references (so none of them can have been evicted or re-keyed since):
         requests sharing a system prompt are admitted together, and this skips their common part.
+        The caller takes the references on `known` (an admission round takes them all at once).
         """
         start = 0 if known is None else known.shape[0]
         pages: list[int] = []
@@ -94,7 +95,6 @@ class PrefixCache:
             self.pool.incref(found)
         if not start:
             return found
-        self.pool.share(known)
         return np.concatenate((known, found)) if pages else known
 
     def insert(self, key: PageKey, page: int) -> None:

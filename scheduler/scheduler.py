@@ -165,6 +165,41 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 _EMPTY_I32 = _frozen(np.empty(0, dtype=_I32))
 
 
+def _scatter(table: np.ndarray, rows: np.ndarray, start: np.ndarray, counts: np.ndarray, values: np.ndarray) -> None:
+    """table[rows[i], start[i] : start[i] + counts[i]] = the next counts[i] values, for every i."""
+    total = values.shape[0]
+    if not total:
+        return
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    table[np.repeat(rows, counts), np.repeat(start, counts) + offsets] = values
+
+
+class _Staged:
+    """Admissions whose pool and row updates wait for Scheduler._flush_admissions."""
+
+    __slots__ = ("reqs", "matched", "hits", "shared", "extra", "pages")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.reqs: list[Request] = []
+        self.matched: list[np.ndarray] = []  # each request's prefix hit
+        self.hits: list[int] = []
+        self.shared: list[np.ndarray] = []  # the parts of the hits whose references are not taken yet
+        self.extra: list[int] = []  # fresh pages each request commits
+        self.pages = 0  # their sum
+
+    def add(self, req: Request, matched: np.ndarray, known: int, extra: int) -> None:
+        self.reqs.append(req)
+        self.matched.append(matched)
+        self.hits.append(matched.shape[0])
+        if known:
+            self.shared.append(matched[:known])
+        self.extra.append(extra)
+        self.pages += extra
+
+
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     if not arrays:
         return _EMPTY_I32
@@ -213,6 +248,9 @@ class Scheduler:
         self._restores = 0
         self._aborted = 0
         self._prefix_hits = 0
+        # Admissions staged before their updates are applied together; 0 admits one by one (tests
+        # compare the two).
+        self._admit_batch = config.max_num_seqs
 
     # ----------------------------------------------------------------------------------- requests
 
@@ -504,13 +542,22 @@ class Scheduler:
         return chunk
 
     def _admit(self, budget: int, b: _StepBuilder) -> None:
-        """Admit waiting requests first come, first served while seats, budget and pages allow."""
+        """Admit waiting requests first come, first served while seats, budget and pages allow.
+
+        A request that needs nothing but free pages is staged: its pool and row updates wait for
+        `_flush_admissions`, which applies a whole run of them in a few array operations (a round
+        of requests sharing a system prompt would otherwise pay a dozen numpy calls each). Anything
+        that may evict, drop reservations or restore flushes first and goes one by one, so the pool
+        sees the same operations in the same order either way.
+        """
         ps = self.config.page_size
         seats = self.config.max_num_seqs
         last_hit: tuple[Request, np.ndarray] | None = None  # the previous prefix hit of this call
-        while self._waiting and self._n < seats and budget > 0:
+        staged = _Staged()
+        while self._waiting and self._n + len(staged.reqs) < seats and budget > 0:
             req = self._waiting[0]
             if req.state is RequestState.OFFLOADED:
+                self._flush_admissions(staged, b)
                 k = len(req.host_slots)
                 ncomp = req.num_computed
                 if not self._can_get(-(-req.num_tokens // ps)):
@@ -526,33 +573,93 @@ class Scheduler:
                 self._row_pages[r, :k] = targets
                 self._row_npages[r] = k
                 self._restores += 1
+                chunk = self._grow(r, budget, 0, b)
             else:
-                matched = _EMPTY_I32
+                matched, known = _EMPTY_I32, 0
                 if self.config.enable_prefix_cache:
-                    matched = self._match(req, last_hit)
+                    matched, known = self._match(req, last_hit)
                     last_hit = (req, matched)
                 m = matched.shape[0]
-                if not self._can_get(-(-req.num_tokens // ps) - m):
-                    self.cache.release(matched)
-                    return
-                self._waiting.popleft()
-                self._prefix_hits += m
-                req.num_registered = m
-                r = self._add_row(req, m * ps)
-                self._row_pages[r, :m] = matched
-                self._row_npages[r] = m
-            chunk = self._grow(r, budget, 0, b)
+                need = -(-req.num_tokens // ps) - m
+                ncomp = m * ps
+                chunk = min(req.num_tokens - ncomp, budget)
+                extra = -(-(ncomp + chunk) // ps) - m
+                free = self.pool.free_count - staged.pages
+                if need <= free + self.cache.evictable_count and extra <= free and len(staged.reqs) < self._admit_batch:
+                    self._waiting.popleft()
+                    r = self._n + len(staged.reqs)
+                    staged.add(req, matched, known, extra)
+                    self._prefix_hits += m
+                    req.num_registered = m
+                    req.row = r
+                    req.state = RequestState.RUNNING
+                    self._rows[r] = req
+                else:
+                    self._flush_admissions(staged, b)
+                    if known:
+                        self.pool.share(matched[:known])
+                    if not self._can_get(need):
+                        self.cache.release(matched)
+                        return
+                    self._waiting.popleft()
+                    self._prefix_hits += m
+                    req.num_registered = m
+                    r = self._add_row(req, ncomp)
+                    self._row_pages[r, :m] = matched
+                    self._row_npages[r] = m
+                    chunk = self._grow(r, budget, 0, b)
             b.rows.append(r)
             b.chunks.append(chunk)
             budget -= chunk
+        self._flush_admissions(staged, b)
 
-    def _match(self, req: Request, last_hit: tuple[Request, np.ndarray] | None) -> np.ndarray:
-        """The request's prefix hit (at least one token is always left to compute). The pages of
-        the previous hit of the same admission round are still referenced by its request, so the
-        full pages both prompts share are known without a lookup."""
+    def _flush_admissions(self, st: _Staged, b: _StepBuilder) -> None:
+        """Apply the staged admissions: what `_add_row`, the prefix hit's references and `_grow`
+        would have done for each, in the same order, as one operation per array."""
+        reqs = st.reqs
+        k = len(reqs)
+        if not k:
+            return
+        ps = self.config.page_size
+        r0 = self._n
+        rows = np.arange(r0, r0 + k, dtype=_I32)
+        m = np.array(st.hits, dtype=_I32)
+        extra = np.array(st.extra, dtype=_I32)
+        if st.shared:
+            # The same snapshot page is shared by many staged rows: count it once per row.
+            pages, counts = np.unique(np.concatenate(st.shared), return_counts=True)
+            self.pool.share_counts(pages, counts.astype(np.int32))
+        fresh = self.pool.allocate(st.pages)
+        b.cleared.append(self.pool.commit(fresh))
+        _scatter(self._row_pages, rows, np.zeros(k, dtype=_I32), m, _cat(st.matched))
+        _scatter(self._row_pages, rows, m, extra, fresh)
+        params = [req.params for req in reqs]
+        sl = slice(r0, r0 + k)
+        self._row_req[sl] = [req.request_id for req in reqs]
+        self._row_arrival[sl] = [req.arrival for req in reqs]
+        self._row_ncomp[sl] = m * ps
+        self._row_ntok[sl] = [req.num_tokens for req in reqs]
+        self._row_npages[sl] = m + extra
+        self._row_nres[sl] = 0
+        self._row_sent[sl] = 0
+        self._row_maxpages[sl] = [-(-req.max_kv_len() // ps) for req in reqs]
+        self._row_last[sl] = [req.tokens[req.num_tokens - 1] for req in reqs]
+        self._row_temp[sl] = [p.temperature for p in params]
+        self._row_top_p[sl] = [p.top_p for p in params]
+        self._row_top_k[sl] = [p.top_k for p in params]
+        self._row_seed[sl] = [-1 if p.seed is None else p.seed for p in params]
+        self._n += k
+        self._rows_version += 1
+        st.clear()
+
+    def _match(self, req: Request, last_hit: tuple[Request, np.ndarray] | None) -> tuple[np.ndarray, int]:
+        """The request's prefix hit (at least one token is always left to compute) and how many of
+        its first pages come from the previous hit of the same admission round. Those are still
+        referenced by that request, so the full pages both prompts share are known without a
+        lookup; the caller takes their references (see PrefixCache.match)."""
         n_pages = (req.num_tokens - 1) // self.config.page_size
         if last_hit is None or not last_hit[1].shape[0]:
-            return self.cache.match(self._keys(req, n_pages))
+            return self.cache.match(self._keys(req, n_pages)), 0
         other, hit = last_hit
         shared = self._shared_pages(req, other, min(hit.shape[0], n_pages))
         if not req.page_keys and shared:
@@ -561,7 +668,7 @@ class Scheduler:
             req.page_keys.extend(other.page_keys[:shared])
             req.hash_state = other.page_keys[shared - 1]
             self._last_keyed = req
-        return self.cache.match(self._keys(req, n_pages), hit[:shared])
+        return self.cache.match(self._keys(req, n_pages), hit[:shared]), shared
 
     def _shared_pages(self, req: Request, other: Request, limit: int) -> int:
         """How many of the first `limit` full pages hold the same tokens in both requests."""
@@ -606,11 +713,7 @@ class Scheduler:
         total = int(counts.sum())
         if total == 0 or total > self.pool.free_count:
             return
-        starts = np.cumsum(counts) - counts
-        offsets = np.arange(total) - np.repeat(starts, counts)
-        self._row_pages[np.repeat(rows, counts), np.repeat(self._row_npages[rows], counts) + offsets] = (
-            self.pool.allocate(total)
-        )
+        _scatter(self._row_pages, rows, self._row_npages[rows], counts, self.pool.allocate(total))
         self._row_nres[rows] += counts.astype(_I32)
 
     def _batch_constants(self) -> _BatchConstants:
