@@ -764,15 +764,15 @@ class Scheduler:
             start = self._row_ncomp[rows]
             qlens = np.concatenate((np.ones(dec_rows.shape[0], dtype=_I32), np.array(b.chunks, dtype=_I32)))
             token_parts = [self._row_last[dec_rows]]
-            pos_parts = [start[: dec_rows.shape[0]]]
-            for r, chunk in zip(b.rows, b.chunks):
-                s0 = int(self._row_ncomp[r])
-                req = self._rows[r]
-                assert req is not None
-                token_parts.append(req.tokens[s0 : s0 + chunk])
-                pos_parts.append(np.arange(s0, s0 + chunk, dtype=_I32))
+            reqs = self._rows
+            for s0, r, chunk in zip(start[dec_rows.shape[0] :].tolist(), b.rows, b.chunks):
+                token_parts.append(reqs[r].tokens[s0 : s0 + chunk])
             token_ids = np.concatenate(token_parts).astype(_I32, copy=False)
-            positions = np.concatenate(pos_parts).astype(_I32, copy=False)
+            # Each row's positions run from its start: one arange for the step, shifted per row.
+            ends = np.cumsum(qlens)
+            positions = (np.arange(int(ends[-1]), dtype=_I32) + np.repeat(start - (ends - qlens), qlens)).astype(
+                _I32, copy=False
+            )
             context_lens = start + qlens
             sample = (context_lens == self._row_ntok[rows]).astype(np.uint8)
             pt_lens = self._row_npages[rows]
