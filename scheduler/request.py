@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,12 +70,22 @@ class Request:
 
     @classmethod
     def create(cls, request_id: int, prompt: Sequence[int], params: SamplingParams, arrival: int) -> Request:
-        prompt_arr = np.asarray(prompt, dtype=np.int32)
-        if prompt_arr.ndim != 1:
-            raise ValueError(f"a prompt is a flat sequence of token ids, got shape {prompt_arr.shape}")
-        n = int(prompt_arr.shape[0])
-        tokens = np.empty(n + params.max_tokens, dtype=np.int32)
-        tokens[:n] = prompt_arr
+        if isinstance(prompt, (tuple, list)):
+            # The frontend hands over a tuple of Python ints: packing them straight into the token
+            # buffer is about a third cheaper than numpy's conversion of a sequence.
+            n = len(prompt)
+            tokens = np.empty(n + params.max_tokens, dtype=np.int32)
+            try:
+                struct.pack_into(f"{n}i", tokens, 0, *prompt)
+            except struct.error as exc:
+                raise ValueError(f"a prompt is a flat sequence of 32-bit token ids: {exc}") from exc
+        else:
+            prompt_arr = np.asarray(prompt, dtype=np.int32)
+            if prompt_arr.ndim != 1:
+                raise ValueError(f"a prompt is a flat sequence of token ids, got shape {prompt_arr.shape}")
+            n = prompt_arr.shape[0]
+            tokens = np.empty(n + params.max_tokens, dtype=np.int32)
+            tokens[:n] = prompt_arr
         return cls(request_id, params, arrival, tokens, n, n)
 
     @property

@@ -54,10 +54,22 @@ def test_admission_errors_are_clear():
         s.add_request(1, [], SamplingParams())
     with pytest.raises(AdmissionError, match="negative token"):
         s.add_request(1, [3, -1], SamplingParams())
+    for bad in ([3, 1.5], [3, "7"], (3, 2**31), [[3, 4]], np.array([[3, 4]])):
+        with pytest.raises(AdmissionError, match="invalid prompt"):
+            s.add_request(1, bad, SamplingParams())
     s.add_request(1, [3], SamplingParams())
     with pytest.raises(AdmissionError, match="already in use"):
         s.add_request(1, [3], SamplingParams())
     assert s.stats().waiting == 1
+
+
+def test_a_prompt_is_the_same_whatever_sequence_type_carries_it():
+    s = Scheduler(cfg())
+    ids = [3, 2**31 - 1, 0, 7]
+    for rid, prompt in enumerate((ids, tuple(ids), np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int32))):
+        s.add_request(rid, prompt, SamplingParams(max_tokens=2))
+        req = s._requests[rid]
+        assert req.tokens.dtype == np.int32 and req.tokens[: req.prompt_len].tolist() == ids
 
 
 def test_bad_config_and_params_are_refused():
