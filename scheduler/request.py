@@ -67,9 +67,14 @@ class Request:
     num_registered: int = 0  # full pages already offered to the prefix cache
     page_keys: list[tuple[int, int]] = field(default_factory=list)  # prefix keys of full pages
     hash_state: tuple[int, int] = (0, 0)  # running sums after the last keyed page
+    stop_ids: frozenset[int] = frozenset()  # sampled tokens that end it: eos (unless ignored) and its stop ids
+    limit: int = 0  # num_tokens at which it ends by length: prompt_len + max_tokens
 
     @classmethod
-    def create(cls, request_id: int, prompt: Sequence[int], params: SamplingParams, arrival: int) -> Request:
+    def create(
+        cls, request_id: int, prompt: Sequence[int], params: SamplingParams, arrival: int,
+        eos: frozenset[int] = frozenset(),
+    ) -> Request:
         if isinstance(prompt, (tuple, list)):
             # The frontend hands over a tuple of Python ints: packing them straight into the token
             # buffer is about a third cheaper than numpy's conversion of a sequence.
@@ -86,7 +91,8 @@ class Request:
             n = prompt_arr.shape[0]
             tokens = np.empty(n + params.max_tokens, dtype=np.int32)
             tokens[:n] = prompt_arr
-        return cls(request_id, params, arrival, tokens, n, n)
+        stop_ids = frozenset(params.stop_token_ids) if params.ignore_eos else eos.union(params.stop_token_ids)
+        return cls(request_id, params, arrival, tokens, n, n, stop_ids=stop_ids, limit=n + params.max_tokens)
 
     @property
     def num_output(self) -> int:

@@ -84,6 +84,19 @@ class RequestOutput:
     error: str | None = None
 
 
+_new_object = object.__new__
+
+
+def _running_output(request_id: int, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> RequestOutput:
+    """RequestOutput(request_id, token_ids, logprobs, False, None) at half the cost: a frozen
+    dataclass's __init__ sets each field through object.__setattr__, once per row per step."""
+    out = _new_object(RequestOutput)
+    out.__dict__.update(
+        request_id=request_id, token_ids=token_ids, logprobs=logprobs, finished=False, finish_reason=None, error=None
+    )
+    return out
+
+
 @dataclass(frozen=True)
 class StepPlan:
     step: int
@@ -261,7 +274,7 @@ class Scheduler:
         if not 0 <= request_id < 2**63:
             raise AdmissionError(f"request id {request_id} is outside [0, 2**63)")
         try:
-            req = Request.create(request_id, prompt_token_ids, params, self._arrivals)
+            req = Request.create(request_id, prompt_token_ids, params, self._arrivals, self._eos)
         except (OverflowError, ValueError, TypeError) as exc:
             raise AdmissionError(f"request {request_id} has an invalid prompt: {exc}") from exc
         n = req.prompt_len
@@ -851,27 +864,26 @@ class Scheduler:
         else:
             self._row_ntok[srows_arr[good]] += 1
             self._row_last[srows_arr[good]] = tok_arr[good]
-        eos = self._eos
         reqs = self._rows
+        emit = outputs.append
         for r, t, lp, ok in zip(srows_arr.tolist(), tok_arr.tolist(), np.asarray(result.logprobs).tolist(), good.tolist()):
             req = reqs[r]
-            assert req is not None
-            rid = req.request_id
             if not ok:
+                rid = req.request_id
                 if rid not in pending:
                     done.append((req, f"step {plan.step}: the logits of request {rid} were not finite (NaN or inf)"))
                 continue
-            req.tokens[req.num_tokens] = t
-            req.num_tokens += 1
-            p = req.params
-            reason = None
-            if (t in eos and not p.ignore_eos) or t in p.stop_token_ids:
-                reason = "stop"
-            elif req.num_tokens - req.prompt_len >= p.max_tokens:
-                reason = "length"
-            outputs.append(RequestOutput(rid, (t,), (lp,), reason is not None, reason))
-            if reason is not None:
+            n = req.num_tokens
+            req.tokens[n] = t
+            req.num_tokens = n = n + 1
+            if t in req.stop_ids:
+                emit(RequestOutput(req.request_id, (t,), (lp,), True, "stop"))
                 done.append((req, None))
+            elif n >= req.limit:
+                emit(RequestOutput(req.request_id, (t,), (lp,), True, "length"))
+                done.append((req, None))
+            else:
+                emit(_running_output(req.request_id, (t,), (lp,)))
         for req, error in done:
             if error is None:
                 self._remove_row(req)
