@@ -51,6 +51,15 @@ class PrefixHasher:
         return keys, keys[-1]
 
 
+    def next_pages(self, states: list[PageKey], tokens: np.ndarray, starts: np.ndarray) -> list[PageKey]:
+        """`extend` over exactly one page for each of many sequences at once: the key of the page
+        tokens[i] (ps tokens from position starts[i]) chained on states[i]."""
+        cols = starts[:, None] + np.arange(self.page_size)
+        terms = tokens.astype(np.uint64)[None] * self._w[:, cols]
+        sums = terms.sum(axis=2, dtype=np.uint64) + np.array(states, dtype=np.uint64).T
+        return list(zip(sums[0].tolist(), sums[1].tolist()))
+
+
 class PrefixCache:
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool

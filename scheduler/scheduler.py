@@ -847,8 +847,9 @@ class Scheduler:
             if not np.all(result.finite):
                 # A row with non-finite logits may have written NaN into its KV: share none of it.
                 crossed[sampled[np.asarray(result.finite) == 0]] = False
-            for i in np.flatnonzero(crossed).tolist():
-                self._register(int(rows[i]), int(after[i]) // ps)
+            at = np.flatnonzero(crossed)
+            if at.shape[0]:
+                self._register_rows(rows[at].tolist(), (after[at] // ps).tolist())
         self._host_free.extend(plan.restore_slots)
         outputs: list[RequestOutput] = []
         done: list[tuple[Request, str | None]] = []
@@ -893,6 +894,31 @@ class Scheduler:
                 self._end(req, "error", error, outputs)
         self._flush_pending(outputs)
         return outputs
+
+    def _register_rows(self, rows: list[int], fulls: list[int]) -> None:
+        """_register for each row in order. A decoding row that just filled one page past the keys
+        it has needs one page hashed: those are hashed together in one vectorized call."""
+        ps = self.config.page_size
+        reqs = [self._rows[r] for r in rows]
+        one = [i for i, (req, f) in enumerate(zip(reqs, fulls)) if 1 < f == len(req.page_keys) + 1 == req.num_registered + 1]
+        keys = {}
+        if one:
+            starts = np.array([(fulls[i] - 1) * ps for i in one], dtype=np.int64)
+            tokens = np.stack([reqs[i].tokens[s : s + ps] for i, s in zip(one, starts.tolist())])
+            new = self.hasher.next_pages([reqs[i].hash_state for i in one], tokens, starts)
+            pages = self._row_pages[[rows[i] for i in one], [fulls[i] - 1 for i in one]].tolist()
+            keys = dict(zip(one, zip(new, pages)))
+        insert = self.cache.insert
+        for i, (r, req, full) in enumerate(zip(rows, reqs, fulls)):
+            hit = keys.get(i)
+            if hit is None:
+                self._register(r, full)
+                continue
+            key, page = hit
+            req.page_keys.append(key)
+            req.hash_state = key
+            insert(key, page)
+            req.num_registered = full
 
     def _register(self, r: int, full: int) -> None:
         req = self._rows[r]

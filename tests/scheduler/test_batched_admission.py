@@ -1,15 +1,20 @@
-"""Staged (batched) admission leaves exactly the state that admitting one request at a time does."""
+"""The batched paths equal their one-at-a-time forms: staged admission leaves exactly the state
+that admitting one request at a time does, the prefix keys hashed for many rows at once are the
+keys hashed one by one, and a running row's fast RequestOutput is the dataclass's own."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.frames import Result
-from scheduler import AdmissionError, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import AdmissionError, RequestOutput, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.prefix import PrefixHasher
+from scheduler.scheduler import _running_output
 from tests.scheduler.sched_sim import check_pool
 
 PREFIXES = [[], [7, 8, 9, 10, 11], [7, 8, 9, 10, 11, 12, 13, 14], [3] * 12]
@@ -37,6 +42,15 @@ def state(s: Scheduler) -> dict:
         "host_free": list(s._host_free),
         "stats": dataclasses.asdict(s.stats()),
     }
+
+
+def check_keys(s: Scheduler) -> None:
+    """Every request's prefix keys are those of its tokens hashed from position 0."""
+    for req in s._requests.values():
+        n = len(req.page_keys)
+        if n:
+            keys, state = s.hasher.extend((0, 0), req.tokens, 0, n * s.config.page_size)
+            assert req.page_keys == keys and req.hash_state == state
 
 
 def prepare_fields(plan) -> dict:
@@ -116,4 +130,35 @@ def test_staged_admission_equals_one_by_one(
             for s in (batched, single):
                 s.cancel(o[1])
         check_pool(batched)
+        check_keys(batched)
         assert state(batched) == state(single)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    data=st.data(),
+)
+def test_hashing_one_page_of_many_rows_equals_extend(page_size, data):
+    h = PrefixHasher(page_size, 64, seed=data.draw(st.integers(0, 2**32)))
+    rows = data.draw(st.integers(1, 6))
+    streams, starts, states, want = [], [], [], []
+    for _ in range(rows):
+        pages = data.draw(st.integers(1, 64 // page_size))
+        tokens = np.array(data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=pages * page_size, max_size=pages * page_size)), dtype=np.int32)
+        keys, _ = h.extend((0, 0), tokens, 0, pages * page_size)
+        start = (pages - 1) * page_size
+        streams.append(tokens[start:])
+        starts.append(start)
+        states.append(keys[-2] if pages > 1 else (0, 0))
+        want.append(keys[-1])
+    assert h.next_pages(states, np.stack(streams), np.array(starts)) == want
+
+
+def test_a_running_row_s_fast_output_is_the_dataclass_s_own():
+    fast = _running_output(7, (3,), (-0.25,))
+    slow = RequestOutput(7, (3,), (-0.25,), False, None)
+    assert fast == slow and repr(fast) == repr(slow) and hash(fast) == hash(slow)
+    assert dataclasses.asdict(fast) == dataclasses.asdict(slow)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.finished = True
