@@ -66,13 +66,9 @@ class PagePool:
             raise PagePoolError(f"cannot share free pages {pages[self._is_free[pages]].tolist()}")
         self.refcount[pages] += 1
 
-    def share(self, pages: np.ndarray) -> None:
-        """incref for pages the caller knows to be referenced already (no check needed)."""
-        self.refcount[pages] += 1
-
-    def share_counts(self, pages: np.ndarray, counts: np.ndarray) -> None:
-        """share, counts[i] times for pages[i] (distinct pages)."""
-        self.refcount[pages] += counts
+    def share(self, pages: np.ndarray, times: int = 1) -> None:
+        """incref (`times` references each) for pages the caller knows to be referenced already."""
+        self.refcount[pages] += times
 
     def decref(self, pages: np.ndarray) -> np.ndarray:
         """Drop one reference from each page; return those nobody references any more."""

@@ -190,27 +190,33 @@ def _scatter(table: np.ndarray, rows: np.ndarray, start: np.ndarray, counts: np.
 class _Staged:
     """Admissions whose pool and row updates wait for Scheduler._flush_admissions."""
 
-    __slots__ = ("reqs", "matched", "hits", "shared", "extra", "pages")
+    __slots__ = ("reqs", "hits", "extra", "pages", "runs")
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         self.reqs: list[Request] = []
-        self.matched: list[np.ndarray] = []  # each request's prefix hit
-        self.hits: list[int] = []
-        self.shared: list[np.ndarray] = []  # the parts of the hits whose references are not taken yet
+        self.hits: list[int] = []  # pages of each request's prefix hit
         self.extra: list[int] = []  # fresh pages each request commits
         self.pages = 0  # their sum
+        # Consecutive requests whose hits are the same pages (a shared system prompt):
+        # [hit, references the first of them still has to take on the hit's head, how many].
+        self.runs: list[list] = []
 
     def add(self, req: Request, matched: np.ndarray, known: int, extra: int) -> None:
+        m = matched.shape[0]
         self.reqs.append(req)
-        self.matched.append(matched)
-        self.hits.append(matched.shape[0])
-        if known:
-            self.shared.append(matched[:known])
+        self.hits.append(m)
         self.extra.append(extra)
         self.pages += extra
+        runs = self.runs
+        # known == m: the hit is the previous request's hit cut to m pages, and all of it if m is
+        # that hit's length.
+        if m and known == m and runs and runs[-1][0].shape[0] == m:
+            runs[-1][2] += 1
+        else:
+            runs.append([matched, known, 1])
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -628,7 +634,8 @@ class Scheduler:
 
     def _flush_admissions(self, st: _Staged, b: _StepBuilder) -> None:
         """Apply the staged admissions: what `_add_row`, the prefix hit's references and `_grow`
-        would have done for each, in the same order, as one operation per array."""
+        would have done for each, as one operation per array and a few per run of requests that
+        share a hit."""
         reqs = st.reqs
         k = len(reqs)
         if not k:
@@ -638,13 +645,19 @@ class Scheduler:
         rows = np.arange(r0, r0 + k, dtype=_I32)
         m = np.array(st.hits, dtype=_I32)
         extra = np.array(st.extra, dtype=_I32)
-        if st.shared:
-            # The same snapshot page is shared by many staged rows: count it once per row.
-            pages, counts = np.unique(np.concatenate(st.shared), return_counts=True)
-            self.pool.share_counts(pages, counts.astype(np.int32))
-        fresh = self.pool.allocate(st.pages)
-        b.cleared.append(self.pool.commit(fresh))
-        _scatter(self._row_pages, rows, np.zeros(k, dtype=_I32), m, _cat(st.matched))
+        pool = self.pool
+        r = r0
+        for hit, known, count in st.runs:
+            m_run = hit.shape[0]
+            if m_run:
+                if known:
+                    pool.share(hit[:known])
+                if count > 1:
+                    pool.share(hit, count - 1)
+                self._row_pages[r : r + count, :m_run] = hit
+            r += count
+        fresh = pool.allocate(st.pages)
+        b.cleared.append(pool.commit(fresh))
         _scatter(self._row_pages, rows, m, extra, fresh)
         params = [req.params for req in reqs]
         sl = slice(r0, r0 + k)
