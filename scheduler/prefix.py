@@ -88,6 +88,8 @@ class PrefixCache:
         The caller takes the references on `known` (an admission round takes them all at once).
         """
         start = 0 if known is None else known.shape[0]
+        if start and start >= len(keys):
+            return known
         pages: list[int] = []
         page_of = self._page_of
         for i in range(start, len(keys)):

@@ -694,7 +694,7 @@ class Scheduler:
             req.page_keys.extend(other.page_keys[:shared])
             req.hash_state = other.page_keys[shared - 1]
             self._last_keyed = req
-        return self.cache.match(self._keys(req, n_pages), hit[:shared]), shared
+        return self.cache.match(self._keys(req, n_pages), hit if shared == hit.shape[0] else hit[:shared]), shared
 
     def _shared_pages(self, req: Request, other: Request, limit: int) -> int:
         """How many of the first `limit` full pages hold the same tokens in both requests."""
