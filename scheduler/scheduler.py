@@ -571,10 +571,12 @@ class Scheduler:
         """
         ps = self.config.page_size
         seats = self.config.max_num_seqs
+        prefix_cache = self.config.enable_prefix_cache
         last_hit: tuple[Request, np.ndarray] | None = None  # the previous prefix hit of this call
         staged = _Staged()
-        while self._waiting and self._n + len(staged.reqs) < seats and budget > 0:
-            req = self._waiting[0]
+        waiting, pool, cache, rows = self._waiting, self.pool, self.cache, self._rows
+        while waiting and self._n + len(staged.reqs) < seats and budget > 0:
+            req = waiting[0]
             if req.state is RequestState.OFFLOADED:
                 self._flush_admissions(staged, b)
                 k = len(req.host_slots)
@@ -582,12 +584,12 @@ class Scheduler:
                 if not self._can_get(-(-req.num_tokens // ps)):
                     return
                 self._make_free(k)
-                targets = self.pool.allocate(k)
-                self.pool.overwrite(targets)
+                targets = pool.allocate(k)
+                pool.overwrite(targets)
                 b.restore_pages.append(targets)
                 b.restore_slots.extend(req.host_slots)
                 req.host_slots = []
-                self._waiting.popleft()
+                waiting.popleft()
                 r = self._add_row(req, ncomp)
                 self._row_pages[r, :k] = targets
                 self._row_npages[r] = k
@@ -595,32 +597,33 @@ class Scheduler:
                 chunk = self._grow(r, budget, 0, b)
             else:
                 matched, known = _EMPTY_I32, 0
-                if self.config.enable_prefix_cache:
+                if prefix_cache:
                     matched, known = self._match(req, last_hit)
                     last_hit = (req, matched)
                 m = matched.shape[0]
-                need = -(-req.num_tokens // ps) - m
+                ntok = req.num_tokens
+                need = -(-ntok // ps) - m
                 ncomp = m * ps
-                chunk = min(req.num_tokens - ncomp, budget)
+                chunk = min(ntok - ncomp, budget)
                 extra = -(-(ncomp + chunk) // ps) - m
-                free = self.pool.free_count - staged.pages
-                if need <= free + self.cache.evictable_count and extra <= free and len(staged.reqs) < self._admit_batch:
-                    self._waiting.popleft()
+                free = pool.free_count - staged.pages
+                if need <= free + cache.evictable_count and extra <= free and len(staged.reqs) < self._admit_batch:
+                    waiting.popleft()
                     r = self._n + len(staged.reqs)
                     staged.add(req, matched, known, extra)
                     self._prefix_hits += m
                     req.num_registered = m
                     req.row = r
                     req.state = RequestState.RUNNING
-                    self._rows[r] = req
+                    rows[r] = req
                 else:
                     self._flush_admissions(staged, b)
                     if known:
-                        self.pool.share(matched[:known])
+                        pool.share(matched[:known])
                     if not self._can_get(need):
-                        self.cache.release(matched)
+                        cache.release(matched)
                         return
-                    self._waiting.popleft()
+                    waiting.popleft()
                     self._prefix_hits += m
                     req.num_registered = m
                     r = self._add_row(req, ncomp)
