@@ -274,7 +274,6 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- requests
 
     def add_request(self, request_id: int, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        cfg = self.config
         if request_id in self._requests:
             raise AdmissionError(f"request id {request_id} is already in use")
         if not 0 <= request_id < 2**63:
