@@ -166,6 +166,7 @@ class _BatchConstants:
 
 
 _I32 = np.int32
+_min = np.minimum.reduce  # ndarray.min without its Python-level wrapper
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -283,7 +284,7 @@ class Scheduler:
         except (OverflowError, ValueError, TypeError) as exc:
             raise AdmissionError(f"request {request_id} has an invalid prompt: {exc}") from exc
         n = req.prompt_len
-        if n and int(req.tokens[:n].min()) < 0:
+        if n and _min(req.tokens[:n]) < 0:
             raise AdmissionError(f"request {request_id} has a negative token id in its prompt")
         self.check_admission(n, params)
         self._arrivals += 1
@@ -696,6 +697,8 @@ class Scheduler:
             req.page_keys.extend(other.page_keys[:shared])
             req.hash_state = other.page_keys[shared - 1]
             self._last_keyed = req
+            if shared == n_pages == hit.shape[0]:  # all its full pages: nothing left to look up
+                return hit, shared
         return self.cache.match(self._keys(req, n_pages), hit if shared == hit.shape[0] else hit[:shared]), shared
 
     def _shared_pages(self, req: Request, other: Request, limit: int) -> int:
