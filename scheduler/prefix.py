@@ -50,7 +50,6 @@ class PrefixHasher:
         keys = list(zip(k0, k1))
         return keys, keys[-1]
 
-
     def next_pages(self, states: list[PageKey], tokens: np.ndarray, starts: np.ndarray) -> list[PageKey]:
         """`extend` over exactly one page for each of many sequences at once: the key of the page
         tokens[i] (ps tokens from position starts[i]) chained on states[i]."""

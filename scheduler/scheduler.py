@@ -918,7 +918,9 @@ class Scheduler:
         it has needs one page hashed: those are hashed together in one vectorized call."""
         ps = self.config.page_size
         reqs = [self._rows[r] for r in rows]
-        one = [i for i, (req, f) in enumerate(zip(reqs, fulls)) if 1 < f == len(req.page_keys) + 1 == req.num_registered + 1]
+        one = [
+            i for i, (req, f) in enumerate(zip(reqs, fulls)) if 1 < f == len(req.page_keys) + 1 == req.num_registered + 1
+        ]
         keys = {}
         if one:
             starts = np.array([(fulls[i] - 1) * ps for i in one], dtype=np.int64)

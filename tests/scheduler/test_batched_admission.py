@@ -145,7 +145,8 @@ def test_hashing_one_page_of_many_rows_equals_extend(page_size, data):
     streams, starts, states, want = [], [], [], []
     for _ in range(rows):
         pages = data.draw(st.integers(1, 64 // page_size))
-        tokens = np.array(data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=pages * page_size, max_size=pages * page_size)), dtype=np.int32)
+        size = pages * page_size
+        tokens = np.array(data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=size, max_size=size)), dtype=np.int32)
         keys, _ = h.extend((0, 0), tokens, 0, pages * page_size)
         start = (pages - 1) * page_size
         streams.append(tokens[start:])
