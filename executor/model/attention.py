@@ -54,11 +54,12 @@ class AttentionMasks:
     ) -> AttentionMasks:
         query_lens = inputs.query_lens_host
         group = q_heads // kv_heads
-        # Each sequence is gathered over its own pages only, not the step's widest table.
-        pages = -(-inputs.context_lens_host // page_size)
         if inputs.is_decode:
             rows, table, context = None, inputs.page_table, inputs.context_lens
         else:
+            # In a mixed step each sequence is gathered over its own pages only, not over the
+            # step's widest table.
+            pages = -(-inputs.context_lens_host // page_size)
             seqs = np.flatnonzero(query_lens == 1)
             starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
             width = int(pages[seqs].max()) if seqs.size else 0

@@ -71,11 +71,12 @@ PACK_ROWS = 32
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether this weight is served faster by oneDNN's packed kernels than by F.linear.
+    """Every CPU weight oneDNN can pack is packed: a rule measured on one machine, not per weight.
 
     On CPUs torch's F.linear calls MKL, whose single-precision GEMM takes a generic path on
     non-Intel CPUs: on this AMD EPYC, packing took the matmuls of a SmolLM2 decode step from 68 to
-    44 ms at batch 1 and from 242 to 124 ms at batch 32. bf16 packing needs AVX-512 or AVX-NE-CONVERT.
+    44 ms at batch 1 and from 242 to 124 ms at batch 32 (docs/model.md). oneDNN refuses bf16 without
+    AVX-512 or AVX-NE-CONVERT; on CUDA F.linear calls cuBLAS, which needs no packing.
     """
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
