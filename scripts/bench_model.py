@@ -58,14 +58,17 @@ class FormatResult:
     batch32_over_batch1: float
 
 
-def copy_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+def copy_bandwidth(megabytes: int = 512, repeats: int = 7, device: str = "cpu") -> float:
     """Bytes per second moved by a large tensor copy, counting the read and the write."""
-    source = torch.ones(megabytes * 2**20 // 4)
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
     target = torch.empty_like(source)
+    sync = torch.cuda.synchronize if source.is_cuda else (lambda: None)
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         target.copy_(source)
+        sync()
         times.append(time.perf_counter() - start)
     return 2 * source.numel() * 4 / statistics.median(times)
 

@@ -1,6 +1,8 @@
 """Decode benchmark on one CUDA GPU: a Llama-3-8B-shaped model with random bf16 weights, eager
 against CUDA graphs (executor.cuda_graphs.DecodeGraphRunner), at batch 1, 16 and 64 with 512
-tokens of context each. Prints one JSON line per batch size and a summary; exits non-zero when the
+tokens of context each. Prints one JSON line per batch size (tokens/s, and the fraction of HBM
+bandwidth reached: the bytes a step must read, weights plus the KV it attends over, per step time,
+over the bandwidth of a large device copy measured here) and a summary; exits non-zero when the
 graph's logits disagree with the eager forward's.
 
 Random weights are enough here: decode speed depends on shapes, not values. Run by
@@ -19,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_model import copy_bandwidth, weight_bytes  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
@@ -134,6 +137,9 @@ def main() -> int:
         max_tokens_per_step=4096,
     )
     build_s = time.perf_counter() - started
+    bandwidth = copy_bandwidth(megabytes=2048, device="cuda")
+    weights = weight_bytes(model)
+    kv_bytes_per_token = cache.page_bytes // PAGE_SIZE
     started = time.perf_counter()
     runner = DecodeGraphRunner(model, cache, geometry=geometry, batch_sizes=BATCHES)
     capture_s = time.perf_counter() - started
@@ -148,6 +154,7 @@ def main() -> int:
         graphed = step_ms(lambda: runner.forward(inputs, cache))
         params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
         sampling = step_ms(lambda: sample(graph_logits, params))
+        step_bytes = weights + batch * CONTEXT * kv_bytes_per_token
         if agree < 1.0 or not np.isfinite(max_diff):
             failures.append(f"batch {batch}: graph argmax agrees on {agree:.0%}, max |diff| {max_diff}")
         print(
@@ -163,6 +170,9 @@ def main() -> int:
                     "eager_tok_s": round(batch * 1e3 / eager, 1),
                     "graph_tok_s": round(batch * 1e3 / graphed, 1),
                     "graph_speedup": round(eager / graphed, 2),
+                    "bytes_per_step": step_bytes,
+                    "eager_hbm_fraction": round(step_bytes / (eager / 1e3) / bandwidth, 3),
+                    "graph_hbm_fraction": round(step_bytes / (graphed / 1e3) / bandwidth, 3),
                     "argmax_agreement": agree,
                     "max_abs_logit_diff": max_diff,
                 }
@@ -174,6 +184,8 @@ def main() -> int:
             {
                 "section": "decode_summary",
                 "build_s": round(build_s, 1),
+                "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+                "weight_bytes": weights,
                 "capture_s": round(capture_s, 1),
                 "graphs": len(runner.graphs),
                 "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
