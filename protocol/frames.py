@@ -122,36 +122,57 @@ class Prepare:
     poison_pages: np.ndarray  # int32[], debug: pages that returned to the free pool
 
     @classmethod
-    def greedy_decode(
-        cls, context_lens: np.ndarray, token_ids: np.ndarray, page_table_lens: np.ndarray, page_table: np.ndarray
+    def greedy(
+        cls,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        token_ids: np.ndarray,
+        page_table_lens: np.ndarray,
+        page_table: np.ndarray,
+        *,
+        seq_ids: np.ndarray | None = None,
+        sample: np.ndarray | None = None,
+        cleared_pages: np.ndarray | None = None,
     ) -> Prepare:
-        """One new token per sequence, all sampled greedily, whole page tables, no page lists: the
-        step that graph capture and device checks build by hand."""
-        n = len(context_lens)
+        """A greedy step with whole page tables and no restores, offloads or poison: the step that
+        graph capture, benchmarks and tests build by hand. Each sequence's new tokens take the
+        last query_lens[i] positions of its context; every sequence is sampled unless `sample`."""
         i32 = np.dtype("<i4")
-        empty = np.zeros(0, dtype=i32)
+        query = np.asarray(query_lens, dtype=i32)
         context = np.asarray(context_lens, dtype=i32)
+        n = query.shape[0]
+        ends = np.cumsum(query)
+        positions = np.arange(int(ends[-1]) if n else 0, dtype=i32) + np.repeat(context - ends, query)
+        empty = np.zeros(0, dtype=i32)
         return cls(
-            seq_ids=np.arange(n, dtype=np.int64),
-            query_lens=np.ones(n, dtype=i32),
+            seq_ids=np.arange(n, dtype=np.int64) if seq_ids is None else np.asarray(seq_ids, dtype=np.int64),
+            query_lens=query,
             context_lens=context,
             token_ids=np.asarray(token_ids, dtype=i32),
-            positions=context - 1,
+            positions=positions.astype(i32),
             page_table_lens=np.asarray(page_table_lens, dtype=i32),
             page_table_base=np.zeros(n, dtype=i32),
             page_table=np.asarray(page_table, dtype=i32),
-            sample=np.ones(n, dtype=np.uint8),
+            sample=np.ones(n, dtype=np.uint8) if sample is None else np.asarray(sample, dtype=np.uint8),
             temperature=np.zeros(n, dtype=np.float32),
             top_p=np.ones(n, dtype=np.float32),
             top_k=np.zeros(n, dtype=i32),
             seeds=np.full(n, -1, dtype=np.int64),
-            cleared_pages=empty,
+            cleared_pages=empty if cleared_pages is None else np.asarray(cleared_pages, dtype=i32),
             restore_pages=empty,
             restore_slots=empty,
             offload_pages=empty,
             offload_slots=empty,
             poison_pages=empty,
         )
+
+    @classmethod
+    def greedy_decode(
+        cls, context_lens: np.ndarray, token_ids: np.ndarray, page_table_lens: np.ndarray, page_table: np.ndarray
+    ) -> Prepare:
+        """One new token per sequence: the decode step graph capture and device checks build."""
+        n = len(context_lens)
+        return cls.greedy(np.ones(n), context_lens, token_ids, page_table_lens, page_table)
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,6 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def _i32(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32)
-
-
 def make_prepare(
     tokens: list[list[int]], contexts: list[int], cleared: list[int], vocab: int
 ) -> Prepare:
@@ -94,29 +90,13 @@ def make_prepare(
     [i * pages_per_seq, ...)."""
     n = len(tokens)
     pages_per_seq = -(-max(contexts) // PAGE_SIZE)
-    query_lens = [len(t) for t in tokens]
-    positions = [p for t, c in zip(tokens, contexts) for p in range(c - len(t), c)]
-    table = [i * pages_per_seq + j for i in range(n) for j in range(pages_per_seq)]
-    return Prepare(
-        seq_ids=np.arange(n, dtype=np.int64),
-        query_lens=_i32(query_lens),
-        context_lens=_i32(contexts),
-        token_ids=_i32([x % vocab for t in tokens for x in t]),
-        positions=_i32(positions),
-        page_table_lens=_i32([pages_per_seq] * n),
-        page_table_base=_i32([0] * n),
-        page_table=_i32(table),
-        sample=np.ones(n, dtype=np.uint8),
-        temperature=np.zeros(n, dtype=np.float32),
-        top_p=np.ones(n, dtype=np.float32),
-        top_k=np.zeros(n, dtype=np.int32),
-        seeds=np.full(n, -1, dtype=np.int64),
-        cleared_pages=_i32(sorted(cleared)),
-        restore_pages=_i32([]),
-        restore_slots=_i32([]),
-        offload_pages=_i32([]),
-        offload_slots=_i32([]),
-        poison_pages=_i32([]),
+    return Prepare.greedy(
+        query_lens=[len(t) for t in tokens],
+        context_lens=contexts,
+        token_ids=[x % vocab for t in tokens for x in t],
+        page_table_lens=[pages_per_seq] * n,
+        page_table=np.arange(n * pages_per_seq),
+        cleared_pages=sorted(cleared),
     )
 
 

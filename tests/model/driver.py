@@ -24,10 +24,6 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
 
 
-def _i32(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32)
-
-
 class Driver:
     def __init__(
         self,
@@ -58,11 +54,10 @@ class Driver:
 
     def step(self, chunks: list[tuple[int, list[int], bool]]) -> torch.Tensor | None:
         """Run one step: (seq_id, new tokens, sample?) per sequence. Returns the sampled logits."""
-        seq_ids, query_lens, context_lens, tokens, positions = [], [], [], [], []
+        seq_ids, query_lens, context_lens, tokens = [], [], [], []
         table_lens, table, sample, cleared = [], [], [], []
         for seq_id, new, sampled in chunks:
             seq = self.seqs.setdefault(seq_id, Sequence())
-            start = len(seq.tokens)
             seq.tokens.extend(new)
             while len(seq.pages) * self.page_size < len(seq.tokens):
                 page = int(self.free.pop())
@@ -72,31 +67,18 @@ class Driver:
             query_lens.append(len(new))
             context_lens.append(len(seq.tokens))
             tokens.extend(new)
-            positions.extend(range(start, len(seq.tokens)))
             table_lens.append(len(seq.pages))
             table.extend(seq.pages)
             sample.append(1 if sampled else 0)
-        n = len(chunks)
-        prepare = Prepare(
-            seq_ids=np.asarray(seq_ids, dtype=np.int64),
-            query_lens=_i32(query_lens),
-            context_lens=_i32(context_lens),
-            token_ids=_i32(tokens),
-            positions=_i32(positions),
-            page_table_lens=_i32(table_lens),
-            page_table_base=_i32([0] * len(table_lens)),
-            page_table=_i32(table),
-            sample=np.asarray(sample, dtype=np.uint8),
-            temperature=np.zeros(n, dtype=np.float32),
-            top_p=np.ones(n, dtype=np.float32),
-            top_k=np.zeros(n, dtype=np.int32),
-            seeds=np.full(n, -1, dtype=np.int64),
-            cleared_pages=_i32(sorted(cleared) if self.clear else []),
-            restore_pages=_i32([]),
-            restore_slots=_i32([]),
-            offload_pages=_i32([]),
-            offload_slots=_i32([]),
-            poison_pages=_i32([]),
+        prepare = Prepare.greedy(
+            query_lens,
+            context_lens,
+            tokens,
+            table_lens,
+            table,
+            seq_ids=seq_ids,
+            sample=sample,
+            cleared_pages=sorted(cleared) if self.clear else [],
         )
         self.cache.clear_pages(prepare.cleared_pages)
         inputs = StepInputs.from_prepare(

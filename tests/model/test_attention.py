@@ -36,29 +36,8 @@ STEPS = pytest.mark.parametrize(
 
 
 def _prepare(query_lens: list[int], context_lens: list[int], tables: list[list[int]]) -> Prepare:
-    n = len(query_lens)
-    positions = [p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)]
-    i32 = lambda values: np.asarray(values, dtype=np.int32)  # noqa: E731
-    return Prepare(
-        seq_ids=np.arange(n, dtype=np.int64),
-        query_lens=i32(query_lens),
-        context_lens=i32(context_lens),
-        token_ids=i32([1] * len(positions)),
-        positions=i32(positions),
-        page_table_base=i32([0] * n),
-        page_table_lens=i32([len(t) for t in tables]),
-        page_table=i32([p for t in tables for p in t]),
-        sample=np.ones(n, dtype=np.uint8),
-        temperature=np.zeros(n, dtype=np.float32),
-        top_p=np.ones(n, dtype=np.float32),
-        top_k=np.zeros(n, dtype=np.int32),
-        seeds=np.full(n, -1, dtype=np.int64),
-        cleared_pages=i32([]),
-        restore_pages=i32([]),
-        restore_slots=i32([]),
-        offload_pages=i32([]),
-        offload_slots=i32([]),
-        poison_pages=i32([]),
+    return Prepare.greedy(
+        query_lens, context_lens, [1] * sum(query_lens), [len(t) for t in tables], [p for t in tables for p in t]
     )
 
 
