@@ -18,9 +18,9 @@ SHORT_FORM = [
     "--long-tokens", "200", "400",
     "--short-tokens", "10", "30",
     "--max-tokens", "16", "64",
-    "--num-kv-pages", "48",
+    "--num-kv-pages", "40",  # one max-model-len sequence: any two long requests overlap and preempt
     "--max-model-len", "640",
-    "--swap-space", "4MiB",
+    "--swap-space", "4MiB",  # 17 host slots at TP=2 in bf16: the longest requests recompute
     "--warmup-fraction", "0.5",
     "--seed", "9",  # its first 10 requests hold 2 cancellations, 2 sampled and 6 greedy
 ]  # fmt: skip
