@@ -85,9 +85,7 @@ class Request:
             except struct.error as exc:
                 raise ValueError(f"a prompt is a flat sequence of 32-bit token ids: {exc}") from exc
         else:
-            prompt_arr = np.asarray(prompt, dtype=np.int32)
-            if prompt_arr.ndim != 1:
-                raise ValueError(f"a prompt is a flat sequence of token ids, got shape {prompt_arr.shape}")
+            prompt_arr = token_array(prompt)
             n = prompt_arr.shape[0]
             tokens = np.empty(n + params.max_tokens, dtype=np.int32)
             tokens[:n] = prompt_arr
@@ -103,6 +101,27 @@ class Request:
 
     def max_kv_len(self) -> int:
         return max_kv_len(self.prompt_len, self.params.max_tokens)
+
+
+def token_array(prompt: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A prompt as a flat int32 array: an int32 array as it is, anything else checked and narrowed.
+
+    numpy's own conversion would truncate floats and wrap ids past int32's range without a word;
+    those are refused here instead.
+    """
+    arr = np.asarray(prompt)
+    if arr.ndim != 1:
+        raise ValueError(f"a prompt is a flat sequence of token ids, got shape {arr.shape}")
+    if arr.dtype == np.int32:
+        return arr
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {arr.dtype} values")
+    narrow = arr.astype(np.int32)
+    if not np.array_equal(narrow, arr):
+        raise ValueError("a token id is outside the 32-bit range")
+    return narrow
 
 
 def max_kv_len(prompt_len: int, max_tokens: int) -> int:

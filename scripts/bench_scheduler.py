@@ -9,7 +9,8 @@ Cases
   pool: the cost must not follow the pool size.
 - prefix_sharing: 256 requests whose prompts share a 1024-token prefix that is already cached:
   the total of their add_request calls and of the step that admits them all (median of 9 runs),
-  with numpy prompts and with tuples of ints (what the engine passes).
+  with int32 arrays (what the engine passes: it converts on the HTTP thread) and with tuples of
+  ints (a direct caller's lists).
 - pressure: a pool too small for the load (evictions, preemptions by recompute and offload).
 """
 
@@ -139,8 +140,8 @@ def plan_only(n_seqs: int, steps: int) -> dict:
 def prefix_case(n_req: int = 256, prefix_len: int = 1024, tail: int = 16, as_tuple: bool = False, repeats: int = 7) -> dict:
     """Median over `repeats` fresh schedulers (one sample is mostly noise on a shared machine).
 
-    Prompts and SamplingParams are built before the clock starts: the frontend makes both. Tuples
-    of ints are what the engine hands to add_request."""
+    Prompts and SamplingParams are built before the clock starts: the frontend makes both. int32
+    arrays are what the engine hands to add_request."""
     add_t, plan_t, enc_t = [], [], []
     for _ in range(repeats):
         cfg = SchedulerConfig(

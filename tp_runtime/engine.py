@@ -18,6 +18,8 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protocol.errors import ProtocolError
 from protocol.frames import (
     SUPPORTED_VERSIONS,
@@ -35,8 +37,8 @@ from protocol.frames import (
     LAYOUT_VERSION,
 )
 from protocol.transport import SchedulerEndpoint
-from scheduler.request import SamplingParams
-from scheduler.scheduler import RequestOutput, Scheduler, SchedulerStats, StepPlan
+from scheduler.request import SamplingParams, token_array
+from scheduler.scheduler import AdmissionError, RequestOutput, Scheduler, SchedulerStats, StepPlan
 
 log = logging.getLogger("tp_runtime.engine")
 
@@ -125,7 +127,7 @@ class RequestStream:
 @dataclass(frozen=True)
 class _Submit:
     stream: RequestStream
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: np.ndarray  # int32, made on the caller's thread
     params: SamplingParams
 
 
@@ -204,9 +206,15 @@ class Engine:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        stream = RequestStream(next(self._ids), len(prompt_token_ids), loop)
-        self._scheduler.check_admission(len(prompt_token_ids), params)
-        self._inbox.put(_Submit(stream, tuple(prompt_token_ids), params))
+        try:
+            # Converted here, on the HTTP thread: reading a long prompt's ints was most of what
+            # admitting 256 shared-prefix requests cost the engine thread (docs/scheduler.md).
+            prompt = token_array(prompt_token_ids)
+        except ValueError as exc:
+            raise AdmissionError(f"invalid prompt: {exc}") from exc
+        stream = RequestStream(next(self._ids), prompt.shape[0], loop)
+        self._scheduler.check_admission(prompt.shape[0], params)
+        self._inbox.put(_Submit(stream, prompt, params))
         return stream
 
     def cancel(self, request_id: int) -> None:

@@ -54,7 +54,8 @@ def test_admission_errors_are_clear():
         s.add_request(1, [], SamplingParams())
     with pytest.raises(AdmissionError, match="negative token"):
         s.add_request(1, [3, -1], SamplingParams())
-    for bad in ([3, 1.5], [3, "7"], (3, 2**31), [[3, 4]], np.array([[3, 4]])):
+    arrays = (np.array([[3, 4]]), np.array([3, 1.5]), np.array([3, 2**40]))
+    for bad in ([3, 1.5], [3, "7"], (3, 2**31), [[3, 4]], *arrays):
         with pytest.raises(AdmissionError, match="invalid prompt"):
             s.add_request(1, bad, SamplingParams())
     s.add_request(1, [3], SamplingParams())
