@@ -24,6 +24,14 @@ STRING, ARRAY = 8, 9
 TYPED = {0: np.float32, 1: np.float16}
 
 
+# ggml's 4-bit block types: bytes per block of 32 weights (a float16 scale d, for Q4_1 a float16
+# minimum m, then 16 bytes of nibbles: element j in the low nibble of byte j, element j + 16 in its
+# high nibble). Q4_0 means w = (q - 8) * d, Q4_1 w = q * d + m.
+Q4_0, Q4_1 = 2, 3
+Q4_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20}
+Q4_BLOCK = 32
+
+
 class GGUFFormatError(ValueError):
     """The bytes do not follow the GGUF format."""
 
@@ -113,3 +121,39 @@ class GGUFFile:
                 return list(self._unpack(f"<{length}{SCALARS[item_kind]}"))
             return [self._value(item_kind) for _ in range(length)]
         raise GGUFFormatError(f"unknown metadata value type {kind}")
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """Rows of 4-bit weights in GGUF's blocks of 32 along the input dimension: w = q * scale + low."""
+
+    q: np.ndarray  # uint8 [rows, cols], values 0..15
+    scale: np.ndarray  # float32 [rows, cols // 32]
+    low: np.ndarray  # float32 [rows, cols // 32]
+
+    @classmethod
+    def parse(cls, raw: np.ndarray, ggml_type: int) -> Q4Blocks:
+        """raw: uint8 [rows, whole blocks' bytes] of a Q4_0 or Q4_1 tensor (or a slice of one)."""
+        rows = raw.shape[0]
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, Q4_BLOCK_BYTES[ggml_type])
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if ggml_type == Q4_1:
+            low = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        else:
+            low = -8.0 * scale
+        nibbles = blocks[..., -Q4_BLOCK // 2 :]
+        q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, -1)
+        return cls(q, scale, low)
+
+    @classmethod
+    def cat(cls, parts: list[Q4Blocks]) -> Q4Blocks:
+        """Row-wise concatenation (fused QKV, fused gate/up)."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "scale", "low")))
+
+    def take_rows(self, order: np.ndarray) -> Q4Blocks:
+        return Q4Blocks(self.q[order], self.scale[order], self.low[order])
+
+    def dequantize(self) -> np.ndarray:
+        rows = self.q.shape[0]
+        q = self.q.reshape(rows, -1, Q4_BLOCK).astype(np.float32)
+        return (q * self.scale[..., None] + self.low[..., None]).reshape(rows, -1)

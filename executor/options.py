@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from protocol.frames import KVDtype
 
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
+# dense: every matrix in the model dtype; int4: GGUF 4-bit matrices stay 4-bit; mixed: both copies,
+# int4 for steps of few rows; auto: mixed where the int4 kernel is fast (docs/model.md).
+WEIGHT_FORMATS = ("auto", "dense", "int4", "mixed")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -22,6 +25,7 @@ class ExecutorOptions:
     max_tokens_per_step: int
     max_model_len: int
     dtype: str = "bf16"
+    weight_format: str = "auto"
     kv_cache_dtype: str = "bf16"
     page_size: int = 16
     host_slots: int = 0
@@ -54,6 +58,10 @@ class ExecutorOptions:
             raise OptionsError(f"host_slots must be >= 0, got {self.host_slots}")
         if self.dtype not in MODEL_DTYPES:
             raise OptionsError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise OptionsError(
+                f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weight_format!r}"
+            )
         kv_dtypes = [d.value for d in KVDtype]
         if self.kv_cache_dtype not in kv_dtypes:
             raise OptionsError(

@@ -434,8 +434,9 @@ def run_executor(
         raise ExecutorStartError(
             f"world size {world_size} needs torch.distributed initialized before run_executor"
         )
-    # Imported here: the model package pulls in the GGUF and safetensors readers, which the loop
-    # itself (and its tests, which drive it with a stand-in) never needs; the transport pulls zmq.
+    # Imported when a rank starts, not with this module: the transport pulls in zmq and the model
+    # package the weight readers.
+    from executor.model import TORCH_DTYPES
     from protocol.transport import ExecutorEndpoint
 
     if load is None:
@@ -444,9 +445,14 @@ def run_executor(
     device = pick_device(options)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[options.dtype]
     model = load(
-        options.model, rank=rank, world_size=world_size, dtype=dtype, device=device, progress=rank == 0
+        options.model,
+        rank=rank,
+        world_size=world_size,
+        dtype=TORCH_DTYPES[options.dtype],
+        device=device,
+        weight_format=options.weight_format,
+        progress=rank == 0,
     )
     geometry = build_geometry(options, model.config)
     cache = KVCache(

@@ -2,9 +2,10 @@
 
 Every decode step runs the executor's per-step path: StepInputs.from_prepare, clear_pages, then
 the forward. The floor of a step is the bytes it must read (the weights, plus the KV it attends
-over) at this machine's copy bandwidth, measured here with a large tensor copy.
+over) at this machine's copy bandwidth, measured here with a large tensor copy. A mixed-format
+step of few rows reads the int4 copies, a larger one the dense copies: its floor follows.
 
-    python scripts/bench_model.py [--json] [--dtypes bf16,fp32] [--steps 15]
+    python scripts/bench_model.py [--json] [--formats fp32,bf16,int4,mixed] [--steps 15]
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from executor.inputs import StepInputs  # noqa: E402
 from executor.model import LlamaModel, default_model_path, load_model  # noqa: E402
 from protocol.frames import Prepare  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# name -> (activation dtype, weight format)
+FORMATS = {
+    "fp32": (torch.float32, "dense"),
+    "bf16": (torch.bfloat16, "dense"),
+    "int4": (torch.bfloat16, "int4"),
+    "mixed": (torch.bfloat16, "mixed"),
+}
 PAGE_SIZE = 16
 CONTEXT = 128  # tokens already in each sequence's cache at every timed decode step
 
@@ -73,12 +80,12 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 7, device: str = "cpu") 
     return 2 * source.numel() * 4 / statistics.median(times)
 
 
-def weight_bytes(model: LlamaModel) -> int:
-    """Bytes a step reads from weights: every layer matrix and the LM head (not the embedding
-    table: a step reads only its rows)."""
-    total = model.lm_head.linear.nbytes
+def weight_bytes(model: LlamaModel, rows: int, sampled: int) -> int:
+    """Bytes a step of `rows` tokens, `sampled` of them sampled, reads from weights: every layer
+    matrix and the LM head (not the embedding table: a step reads only its rows)."""
+    total = model.lm_head.linear.bytes_read(sampled)
     for layer in model.layers:
-        total += sum(linear.nbytes for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        total += sum(linear.bytes_read(rows) for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
         total += sum(t.numel() * t.element_size() for t in (layer.attn_norm, layer.ffn_norm))
     return total
 
@@ -127,11 +134,12 @@ def new_cache(model: LlamaModel, num_pages: int) -> KVCache:
 
 
 def bench_format(name: str, steps: int, batches: list[int], bandwidth: float) -> FormatResult:
+    dtype, weight_format = FORMATS[name]
     model = load_model(
-        default_model_path(), rank=0, world_size=1, dtype=DTYPES[name], device=torch.device("cpu")
+        default_model_path(), rank=0, world_size=1, dtype=dtype, device=torch.device("cpu"),
+        weight_format=weight_format,
     )
     vocab = model.config.vocab_size
-    wbytes = weight_bytes(model)
     pages_per_seq = -(-(CONTEXT + 1) // PAGE_SIZE)
     spare = 8
     cache = new_cache(model, max(batches) * pages_per_seq + spare + 1024 // PAGE_SIZE + 1)
@@ -157,7 +165,7 @@ def bench_format(name: str, steps: int, batches: list[int], bandwidth: float) ->
             times.append(run_step(model, cache, prepare))
         step = statistics.median(times)
         step_ms_by_batch[batch] = step * 1e3
-        step_bytes = wbytes + batch * (CONTEXT + 1) * kv_bytes_per_token
+        step_bytes = weight_bytes(model, batch, batch) + batch * (CONTEXT + 1) * kv_bytes_per_token
         floor = step_bytes / bandwidth
         decode.append(
             DecodeResult(batch, step * 1e3, batch / step, step_bytes, floor * 1e3, floor / step)
@@ -178,12 +186,12 @@ def bench_format(name: str, steps: int, batches: list[int], bandwidth: float) ->
     off = statistics.median(clear_off) if clear_off else float("nan")
     return FormatResult(
         weight_format=name,
-        weight_bytes=wbytes,
+        weight_bytes=weight_bytes(model, 1, 1),
         decode=decode,
         prefill_tokens=prompt,
         prefill_ms=prefill_s * 1e3,
         prefill_tokens_per_s=prompt / prefill_s,
-        prefill_floor_ms=(wbytes + prompt * kv_bytes_per_token) / bandwidth * 1e3,
+        prefill_floor_ms=(weight_bytes(model, prompt, 1) + prompt * kv_bytes_per_token) / bandwidth * 1e3,
         clear_on_ms=on * 1e3,
         clear_off_ms=off * 1e3,
         clear_cost_percent=(on / off - 1) * 100,
@@ -199,7 +207,10 @@ def bench_format(name: str, steps: int, batches: list[int], bandwidth: float) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--dtypes", default="fp32", help="weight formats, comma-separated (fp32, bf16)")
+    parser.add_argument(
+        "--formats", default="fp32,bf16,mixed",
+        help="comma-separated: fp32, bf16 (dense weights), int4 (4-bit matrices, bf16 activations), mixed",
+    )
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -208,7 +219,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     bandwidth = copy_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
-    results = [bench_format(name, args.steps, batches, bandwidth) for name in args.dtypes.split(",")]
+    names = args.formats.split(",")
+    unknown = sorted(set(names) - set(FORMATS))
+    if unknown:
+        parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    results = [bench_format(name, args.steps, batches, bandwidth) for name in names]
     report = {
         "model": Path(default_model_path()).name,
         "threads": torch.get_num_threads(),
@@ -222,7 +237,7 @@ def main() -> None:
         return
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {report['threads']} threads")
     for r in results:
-        print(f"\n{r.weight_format}: {r.weight_bytes / 1e6:.0f} MB of weights read per step")
+        print(f"\n{r.weight_format}: {r.weight_bytes / 1e6:.0f} MB of weights read by a batch-1 step")
         for d in r.decode:
             print(
                 f"  decode batch {d.batch:3d}: {d.step_ms:8.2f} ms/step {d.tokens_per_s:8.1f} tok/s  "

@@ -202,7 +202,7 @@ class CollectiveOnlyModel:
         return torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB)
 
 
-def load_collective_only(path, *, rank, world_size, dtype, device, progress) -> CollectiveOnlyModel:
+def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress) -> CollectiveOnlyModel:
     return CollectiveOnlyModel(rank, world_size)
 
 

@@ -1,8 +1,10 @@
-"""Tiny random Llama checkpoints in the Hugging Face layout, for tests that need a real model.
+"""Tiny random Llama checkpoints, for tests that need a real model.
 
-`write_tiny_llama` writes config.json, model.safetensors, tokenizer.json (byte-level BPE: three
-ChatML special tokens and the 256 byte tokens, no merges) and tokenizer_config.json with a ChatML
-chat template, so model, executor and server tests can all load the same directory.
+`write_tiny_llama` writes the Hugging Face layout: config.json, model.safetensors, tokenizer.json
+(byte-level BPE: three ChatML special tokens and the 256 byte tokens, no merges) and
+tokenizer_config.json with a ChatML chat template, so model, executor and server tests can all load
+the same directory. `write_tiny_gguf` writes the same kind of model as one GGUF file in llama.cpp's
+layout (Q/K rows permuted, matrices in 4-bit blocks).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -116,3 +119,70 @@ def write_tiny_llama(
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return directory
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    *,
+    qtype: str = "Q4_1",
+    vocab_size: int = 320,
+    hidden_size: int = 96,
+    intermediate_size: int = 192,
+    num_layers: int = 2,
+    num_heads: int = 6,
+    num_kv_heads: int = 3,
+    seed: int = 0,
+) -> Path:
+    """A llama GGUF whose layer matrices are `qtype` blocks (the embedding stays F32, tied).
+
+    Q and K rows are permuted the way llama.cpp's converter does, so a loader that forgot to undo
+    it gives other logits than `dequantized_layers` describes."""
+    import gguf
+    from gguf.quants import quantize
+
+    path = Path(path)
+    head_dim = hidden_size // num_heads
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
+
+    def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(num_layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab_size)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    kind = gguf.GGMLQuantizationType[qtype]
+
+    def add_matrix(name: str, w: np.ndarray) -> None:
+        writer.add_tensor(name, quantize(w, kind), raw_shape=quantize(w, kind).shape, raw_dtype=kind)
+
+    writer.add_tensor("token_embd.weight", 0.05 * rng.standard_normal((vocab_size, hidden_size)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32))
+    for layer in range(num_layers):
+        prefix = f"blk.{layer}."
+        writer.add_tensor(prefix + "attn_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32))
+        writer.add_tensor(prefix + "ffn_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32))
+        add_matrix(prefix + "attn_q.weight", llama_cpp_permute(matrix(num_heads * head_dim, hidden_size), num_heads))
+        add_matrix(prefix + "attn_k.weight", llama_cpp_permute(matrix(num_kv_heads * head_dim, hidden_size), num_kv_heads))
+        add_matrix(prefix + "attn_v.weight", matrix(num_kv_heads * head_dim, hidden_size))
+        add_matrix(prefix + "attn_output.weight", matrix(hidden_size, num_heads * head_dim))
+        add_matrix(prefix + "ffn_gate.weight", matrix(intermediate_size, hidden_size))
+        add_matrix(prefix + "ffn_up.weight", matrix(intermediate_size, hidden_size))
+        add_matrix(prefix + "ffn_down.weight", matrix(hidden_size, intermediate_size))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -14,6 +14,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from executor.options import WEIGHT_FORMATS
 from tp_runtime.config import DTYPES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
 
 EXIT_USAGE = 2
@@ -31,6 +32,11 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of ranks (default 1)")
     g.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations (auto: bf16 where the hardware computes in it, else fp32)")
+    g.add_argument(
+        "--weight-format", choices=WEIGHT_FORMATS, default="auto",
+        help="dense: all weights in --dtype; int4: a GGUF's 4-bit matrices stay 4-bit (least memory); mixed: both, "
+        "int4 for steps of up to 8 tokens (fastest); auto: mixed on CPUs with bf16/fp16 activations, else dense",
+    )
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g = p.add_argument_group("KV cache and batching")
@@ -79,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         model=args.model or default_model_path(),
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
+        weight_format=args.weight_format,
         kv_cache_dtype=args.kv_cache_dtype,
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,

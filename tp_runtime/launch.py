@@ -42,6 +42,17 @@ def read_model_config(path: str) -> ModelConfig:
     return open_source(path).config
 
 
+def pick_weight_format(config: RuntimeConfig) -> str:
+    """executor.model.resolve_weight_format for this machine's device and the resolved dtype."""
+    import torch
+
+    from executor.model import TORCH_DTYPES, resolve_weight_format
+    from executor.model.loader import open_source
+
+    device = torch.device("cuda" if uses_cuda(config) else "cpu")
+    return resolve_weight_format(config.weight_format, TORCH_DTYPES[config.dtype], device, open_source(config.model))
+
+
 def uses_cuda(config: RuntimeConfig) -> bool:
     import torch
 
@@ -61,8 +72,8 @@ def pick_dtype(config: RuntimeConfig) -> str:
 
 
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
-    """Fills in what derives from the model and the machine: the dtype, the context length and the
-    number of KV pages.
+    """Fills in what derives from the model and the machine: the dtype, the weight format, the
+    context length and the number of KV pages.
 
     Every rank computes the same answer from the same files, so plain torchrun (without the
     convenience launcher) agrees with itself too.
@@ -70,6 +81,7 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     from executor.model.sharding import ShardingError, ShardPlan
 
     config = replace(config, dtype=pick_dtype(config))
+    config = replace(config, weight_format=pick_weight_format(config))
     model = read_model_config(config.model)
     world = config.tensor_parallel_size
     try:
@@ -169,6 +181,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     options = ExecutorOptions(
         model=config.model,
         dtype=config.dtype,
+        weight_format=config.weight_format,
         kv_cache_dtype=config.resolved_kv_dtype,
         num_pages=config.num_kv_pages,
         page_size=config.page_size,

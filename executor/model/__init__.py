@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from executor.model.config import ModelConfig, ModelLoadError
-from executor.model.layers import Linear
+from executor.gguf_file import Q4Blocks
+from executor.options import WEIGHT_FORMATS
+from executor.model.layers import Linear, int4_packable
 from executor.model.llama import LayerWeights, LlamaModel
 from executor.model.loader import Phase, WeightSource, files_digest, open_source
 from executor.model.sharding import ShardPlan, ShardingError
@@ -23,6 +25,9 @@ __all__ = [
     "ModelLoadError",
     "ShardPlan",
     "ShardingError",
+    "TORCH_DTYPES",
+    "WEIGHT_FORMATS",
+    "WeightFormatError",
     "default_model_path",
     "load_model",
 ]
@@ -47,6 +52,39 @@ def default_model_path() -> str:
     return str(path)
 
 
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class WeightFormatError(ModelLoadError):
+    """A weight format that this device, dtype or model file cannot run."""
+
+
+def resolve_weight_format(
+    weight_format: str, dtype: torch.dtype, device: torch.device, source: WeightSource
+) -> str:
+    """`auto` is `mixed` where the int4 kernel is fast (the CPU, bf16 or fp16 activations) and the
+    file has 4-bit matrices, else `dense`; an explicit int4 format that cannot run is refused."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise WeightFormatError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    int4_runs = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if weight_format == "auto":
+        return "mixed" if int4_runs and source.stores_q4() else "dense"
+    if weight_format == "dense":
+        return weight_format
+    if not int4_runs:
+        where = "on the CPU" if device.type != "cpu" else "with bf16 or fp16 activations"
+        raise WeightFormatError(
+            f"weight format {weight_format} runs only {where}: torch's int4 kernel is CPU-only, and "
+            "about 10x slower than dense weights with fp32 activations"
+        )
+    if not source.stores_q4():
+        raise WeightFormatError(
+            f"{source.files[0]}: weight format {weight_format} needs 4-bit GGUF matrices (Q4_0 or "
+            "Q4_1), and this model has none; use --weight-format dense"
+        )
+    return weight_format
+
+
 def load_model(
     path: str,
     *,
@@ -54,12 +92,16 @@ def load_model(
     world_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    weight_format: str = "dense",
     progress: bool = False,
 ) -> LlamaModel:
+    """weight_format: `dense` (every matrix in `dtype`), `int4` (the file's 4-bit GGUF matrices
+    stay 4-bit), `mixed` (both copies: int4 for steps of few rows, dense for the rest) or `auto`."""
     source = open_source(path)
     config = source.config
     shard = ShardPlan.build(config, rank, world_size)
     device = torch.device(device)
+    requested, weight_format = weight_format, resolve_weight_format(weight_format, dtype, device, source)
     show_bar = progress and sys.stderr.isatty()
 
     def weight(key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
@@ -67,6 +109,19 @@ def load_model(
 
     def norm(key: str, layer: int | None = None) -> torch.Tensor:
         return source.read(key, layer).to(device=device, dtype=torch.float32)
+
+    def matrix(layer: int, *parts: tuple[str, dict[str, tuple[int, int]]]) -> Linear:
+        """One Linear from row-stacked slices, in the weight format asked for."""
+        q4 = None
+        if weight_format != "dense":
+            blocks = [source.read_q4(key, layer, **span) for key, span in parts]
+            if all(b is not None for b in blocks):
+                q4 = Q4Blocks.cat(blocks)
+                q4 = q4 if int4_packable(q4) else None
+        dense = None
+        if q4 is None or weight_format == "mixed":
+            dense = torch.cat([weight(key, layer, **span) for key, span in parts])
+        return Linear(dense, q4, dtype=dtype)
 
     head_dim = config.head_dim
     q_rows = (shard.q_heads[0] * head_dim, shard.q_heads[1] * head_dim)
@@ -76,26 +131,21 @@ def load_model(
         layers.append(
             LayerWeights(
                 attn_norm=norm("attn_norm", index),
-                qkv=Linear(
-                    torch.cat(
-                        [
-                            weight("q", index, rows=q_rows),
-                            weight("k", index, rows=kv_rows),
-                            weight("v", index, rows=kv_rows),
-                        ]
-                    )
-                ),
-                o=Linear(weight("o", index, cols=q_rows)),
+                qkv=matrix(index, ("q", {"rows": q_rows}), ("k", {"rows": kv_rows}), ("v", {"rows": kv_rows})),
+                o=matrix(index, ("o", {"cols": q_rows})),
                 ffn_norm=norm("ffn_norm", index),
-                gate_up=Linear(
-                    torch.cat(
-                        [weight("gate", index, rows=shard.ffn), weight("up", index, rows=shard.ffn)]
-                    )
-                ),
-                down=Linear(weight("down", index, cols=shard.ffn)),
+                gate_up=matrix(index, ("gate", {"rows": shard.ffn}), ("up", {"rows": shard.ffn})),
+                down=matrix(index, ("down", {"cols": shard.ffn})),
             )
         )
     _check_shapes(source, config, layers[0], shard)
+    if requested in ("int4", "mixed") and not any(
+        m.int4 is not None for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ):
+        raise WeightFormatError(
+            f"{path}: weight format {requested}: none of its 4-bit matrices fits torch's int4 kernel "
+            "(output rows in multiples of 16 on each rank); use --weight-format dense"
+        )
     embed = weight("embed", rows=shard.vocab)
     tied = config.tie_embeddings or not source.has("lm_head")
     lm_head = embed if tied else weight("lm_head", rows=shard.vocab)

@@ -1,8 +1,9 @@
 """Weight loading from GGUF files and Hugging Face directories; each rank reads only its slices.
 
-A source answers `read(key, layer, rows, cols)` with a float32 tensor of that slice. GGUF
-quantized tensors are sliced before they are dequantized: their blocks run along the input
-dimension, so whole output rows (and block-aligned input columns) are byte ranges of the file.
+A source answers `read(key, layer, rows, cols)` with a float32 tensor of that slice, and
+`read_q4` with the slice's 4-bit blocks where the file stores it so. GGUF quantized tensors are
+sliced before they are dequantized: their blocks run along the input dimension, so whole output
+rows (and block-aligned input columns) are byte ranges of the file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from executor.model.config import ModelConfig, ModelLoadError, config_from_hf
-from executor.gguf_file import GGUFFile, GGUFFormatError
+from executor.gguf_file import Q4_BLOCK_BYTES, GGUFFile, GGUFFormatError, GGUFTensor, Q4Blocks
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,15 @@ class WeightSource(Protocol):
 
     def has(self, key: str, layer: int | None = None) -> bool: ...
 
+    def stores_q4(self) -> bool: ...
+
     def read(
         self, key: str, layer: int | None = None, rows: Range | None = None, cols: Range | None = None
     ) -> torch.Tensor: ...
+
+    def read_q4(
+        self, key: str, layer: int | None = None, rows: Range | None = None, cols: Range | None = None
+    ) -> Q4Blocks | None: ...
 
 
 def _slice_2d(shape: tuple[int, ...], rows: Range | None, cols: Range | None, name: str) -> None:
@@ -127,46 +134,78 @@ class GGUFSource:
     def has(self, key: str, layer: int | None = None) -> bool:
         return GGUF_NAMES[key].format(layer) in self.tensors
 
+    def stores_q4(self) -> bool:
+        return any(len(t.shape) == 2 and t.ggml_type in Q4_BLOCK_BYTES for t in self.tensors.values())
+
     def read(
         self, key: str, layer: int | None = None, rows: Range | None = None, cols: Range | None = None
     ) -> torch.Tensor:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        name = GGUF_NAMES[key].format(layer)
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"{self.files[0]}: tensor {name} is missing")
+        tensor = self._tensor(key, layer)
         qtype = GGMLQuantizationType(tensor.ggml_type)
-        data = tensor.data
         if len(tensor.shape) == 1:
-            return torch.from_numpy(dequantize(data, qtype).reshape(-1).astype(np.float32))
-        _slice_2d(tensor.shape, rows, cols, name)
-        if rows is not None:
-            data = data[rows[0] : rows[1]]
-        trailing_cols = None
-        if cols is not None:
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
-            if cols[0] % block == 0 and cols[1] % block == 0:
-                # Quantized data is raw bytes per row; F32/F16 come as typed arrays.
-                per = block_bytes if data.dtype == np.uint8 else 1
-                data = data[:, cols[0] // block * per : cols[1] // block * per]
-            else:
-                trailing_cols = cols
+            return torch.from_numpy(dequantize(tensor.data, qtype).reshape(-1).astype(np.float32))
+        data, trailing_cols = self._slice(tensor, rows, cols)
         values = dequantize(np.ascontiguousarray(data), qtype).astype(np.float32, copy=False)
         values = values.reshape(data.shape[0], -1)
         if trailing_cols is not None:
             values = values[:, trailing_cols[0] : trailing_cols[1]]
         if key in ("q", "k"):
-            values = _unpermute_rotary(values, self.config.head_dim)
+            values = values[_rotary_row_order(values.shape[0], self.config.head_dim)]
+        if not values.flags.writeable:  # an F32 tensor comes straight from the read-only map
+            values = values.copy()
         return torch.from_numpy(np.ascontiguousarray(values))
 
+    def read_q4(
+        self, key: str, layer: int | None = None, rows: Range | None = None, cols: Range | None = None
+    ) -> Q4Blocks | None:
+        """The slice as 4-bit blocks, or None where the tensor is not Q4_0/Q4_1 or the column
+        slice would cut a block."""
+        tensor = self._tensor(key, layer)
+        if tensor.ggml_type not in Q4_BLOCK_BYTES or len(tensor.shape) != 2:
+            return None
+        data, trailing_cols = self._slice(tensor, rows, cols)
+        if trailing_cols is not None:
+            return None
+        blocks = Q4Blocks.parse(data, tensor.ggml_type)
+        if key in ("q", "k"):
+            blocks = blocks.take_rows(_rotary_row_order(data.shape[0], self.config.head_dim))
+        return blocks
 
-def _unpermute_rotary(values: np.ndarray, head_dim: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of rotary pairs, per head, to the half-split layout."""
-    rows, width = values.shape
+    def _tensor(self, key: str, layer: int | None) -> GGUFTensor:
+        name = GGUF_NAMES[key].format(layer)
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{self.files[0]}: tensor {name} is missing")
+        return tensor
+
+    @staticmethod
+    def _slice(tensor: GGUFTensor, rows: Range | None, cols: Range | None) -> tuple[np.ndarray, Range | None]:
+        """The rows, and the columns where they are whole blocks, as raw data; the column range
+        still to cut after dequantizing otherwise."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        _slice_2d(tensor.shape, rows, cols, tensor.name)
+        data = tensor.data
+        if rows is not None:
+            data = data[rows[0] : rows[1]]
+        if cols is None:
+            return data, None
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.ggml_type)]
+        if cols[0] % block or cols[1] % block:
+            return data, cols
+        # Quantized data is raw bytes per row; F32/F16 come as typed arrays.
+        per = block_bytes if data.dtype == np.uint8 else 1
+        return data[:, cols[0] // block * per : cols[1] // block * per], None
+
+
+def _rotary_row_order(rows: int, head_dim: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's interleaving of rotary pairs, per head, to the half-split
+    layout: row i of the result is row order[i] of the file."""
     heads = rows // head_dim
-    return values.reshape(heads, head_dim // 2, 2, width).swapaxes(1, 2).reshape(rows, width)
+    return np.arange(rows).reshape(heads, head_dim // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 class HFSource:
@@ -202,6 +241,9 @@ class HFSource:
     def has(self, key: str, layer: int | None = None) -> bool:
         return HF_NAMES[key].format(layer) in self.location
 
+    def stores_q4(self) -> bool:
+        return False
+
     def read(
         self, key: str, layer: int | None = None, rows: Range | None = None, cols: Range | None = None
     ) -> torch.Tensor:
@@ -217,6 +259,12 @@ class HFSource:
         r0, r1 = rows if rows is not None else (0, shape[0])
         c0, c1 = cols if cols is not None else (0, shape[1])
         return view[r0:r1, c0:c1].float().contiguous()
+
+    def read_q4(
+        self, key: str, layer: int | None = None, rows: Range | None = None, cols: Range | None = None
+    ) -> Q4Blocks | None:
+        """safetensors checkpoints hold no 4-bit blocks."""
+        return None
 
 
 def open_source(path: str | os.PathLike[str]) -> WeightSource:

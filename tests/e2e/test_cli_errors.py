@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.tiny_models import write_tiny_llama
+from tests.tiny_models import write_tiny_gguf, write_tiny_llama
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -56,3 +56,12 @@ def test_corrupt_model_file(tmp_path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     assert_usage_error(run_cli("generate", "hi", "--model", str(bad)), "broken.gguf")
+
+
+def test_weight_formats_the_model_or_dtype_cannot_run(tiny: str, tmp_path) -> None:
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "--weight-format", "int4"), "4-bit GGUF matrices")
+    q4 = str(write_tiny_gguf(tmp_path / "tiny-q4.gguf"))
+    assert_usage_error(
+        run_cli("generate", "hi", "--model", q4, "--weight-format", "mixed", "--dtype", "fp32"),
+        "weight format mixed", "bf16 or fp16",
+    )

@@ -15,6 +15,7 @@ BASE = ExecutorOptions(model="m", num_pages=64, max_num_seqs=8, max_tokens_per_s
         ({"num_pages": 0}, "num_pages must be at least 1"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
         ({"dtype": "fp8"}, "dtype must be one of"),
+        ({"weight_format": "int3"}, "weight_format must be one of"),
         ({"device": "tpu"}, "device must be"),
         ({"host_slots": -1}, "host_slots"),
         ({"heartbeat_interval_s": 2.0, "peer_timeout_s": 1.0}, "must exceed heartbeat_interval_s"),

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from executor.model import LlamaModel, load_model
+from executor.model import TORCH_DTYPES, LlamaModel, load_model
 from tests.model.driver import Driver
 
 PROMPTS = {
@@ -35,14 +35,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+def run_rank(
+    rank: int, world_size: int, port: int, model_dir: str, out_dir: str, dtype: str, weight_format: str
+) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         model = load_model(
-            model_dir, rank=rank, world_size=world_size, dtype=torch.float32, device=torch.device("cpu")
+            model_dir,
+            rank=rank,
+            world_size=world_size,
+            dtype=TORCH_DTYPES[dtype],
+            device=torch.device("cpu"),
+            weight_format=weight_format,
         )
         logits, generated = scenario(model)
         out = Path(out_dir)
@@ -57,11 +64,19 @@ def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str
         dist.destroy_process_group()
 
 
-def run_tp(model_dir: Path, out_dir: Path, world_size: int, timeout_s: float = 120.0) -> None:
+def run_tp(
+    model_dir: Path,
+    out_dir: Path,
+    world_size: int,
+    timeout_s: float = 120.0,
+    *,
+    dtype: str = "fp32",
+    weight_format: str = "dense",
+) -> None:
     """Run `scenario` on `world_size` spawned ranks; kill them all if any hangs or fails."""
     context = mp.start_processes(
         run_rank,
-        args=(world_size, free_port(), str(model_dir), str(out_dir)),
+        args=(world_size, free_port(), str(model_dir), str(out_dir), dtype, weight_format),
         nprocs=world_size,
         join=False,
         start_method="spawn",
