@@ -381,6 +381,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="both sides' dtype; auto: what `tp-runtime serve` picks on this machine",
     )
+    p.add_argument(
+        "--weight-format", default="auto", help="the runtime's --weight-format (the reference dequantizes every weight)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the tp-runtime started here")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
@@ -427,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tensor_parallel_size=args.tp,
             model=args.model,
             dtype=args.dtype,
+            weight_format=args.weight_format,
             max_num_seqs=max(args.concurrency),
             max_model_len=args.input_len + args.output_len + 64,
             max_num_batched_tokens=args.max_num_batched_tokens,

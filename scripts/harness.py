@@ -48,6 +48,7 @@ class ServerOptions:
     tensor_parallel_size: int = 1
     model: str | None = None
     dtype: str = "bf16"
+    weight_format: str = "auto"
     kv_cache_dtype: str = "auto"
     num_kv_pages: int | None = None
     page_size: int = 16
@@ -71,6 +72,8 @@ class ServerOptions:
             str(self.tensor_parallel_size),
             "--dtype",
             self.dtype,
+            "--weight-format",
+            self.weight_format,
             "--kv-cache-dtype",
             self.kv_cache_dtype,
             "--page-size",
