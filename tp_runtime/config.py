@@ -23,7 +23,7 @@ class RuntimeConfig:
     model: str
     tensor_parallel_size: int = 1
     dtype: str = "auto"  # resolved by the launcher: bf16 where the hardware has it, else fp32
-    weight_format: str = "auto"  # resolved by the launcher (executor.model.resolve_weight_format)
+    weight_format: str = "auto"  # checked by the launcher, resolved by each rank as it loads
     kv_cache_dtype: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 0  # 0: derived from kv_cache_memory

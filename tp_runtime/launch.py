@@ -35,22 +35,19 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def read_model_config(path: str) -> ModelConfig:
-    """The model's shape from its files' metadata, without reading weights."""
-    from executor.model.loader import open_source
-
-    return open_source(path).config
-
-
-def pick_weight_format(config: RuntimeConfig) -> str:
-    """executor.model.resolve_weight_format for this machine's device and the resolved dtype."""
+def read_model_config(config: RuntimeConfig) -> ModelConfig:
+    """The model's shape from its files' metadata, without reading weights; a weight format that
+    this model, dtype and device cannot run is refused here, before any rank starts."""
     import torch
 
     from executor.model import TORCH_DTYPES, resolve_weight_format
     from executor.model.loader import open_source
 
+    source = open_source(config.model)
     device = torch.device("cuda" if uses_cuda(config) else "cpu")
-    return resolve_weight_format(config.weight_format, TORCH_DTYPES[config.dtype], device, open_source(config.model))
+    # Each rank resolves `auto` again as it loads; it alone knows which of its slices int4 takes.
+    resolve_weight_format(config.weight_format, TORCH_DTYPES[config.dtype], device, source)
+    return source.config
 
 
 def uses_cuda(config: RuntimeConfig) -> bool:
@@ -72,8 +69,8 @@ def pick_dtype(config: RuntimeConfig) -> str:
 
 
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
-    """Fills in what derives from the model and the machine: the dtype, the weight format, the
-    context length and the number of KV pages.
+    """Fills in what derives from the model and the machine: the dtype, the context length and the
+    number of KV pages.
 
     Every rank computes the same answer from the same files, so plain torchrun (without the
     convenience launcher) agrees with itself too.
@@ -81,8 +78,7 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     from executor.model.sharding import ShardingError, ShardPlan
 
     config = replace(config, dtype=pick_dtype(config))
-    config = replace(config, weight_format=pick_weight_format(config))
-    model = read_model_config(config.model)
+    model = read_model_config(config)
     world = config.tensor_parallel_size
     try:
         plans = [ShardPlan.build(model, rank, world) for rank in range(world)]
