@@ -133,11 +133,10 @@ def new_cache(model: LlamaModel, num_pages: int) -> KVCache:
     return cache
 
 
-def bench_format(name: str, steps: int, batches: list[int], bandwidth: float) -> FormatResult:
+def bench_format(path: str, name: str, steps: int, batches: list[int], bandwidth: float) -> FormatResult:
     dtype, weight_format = FORMATS[name]
     model = load_model(
-        default_model_path(), rank=0, world_size=1, dtype=dtype, device=torch.device("cpu"),
-        weight_format=weight_format,
+        path, rank=0, world_size=1, dtype=dtype, device=torch.device("cpu"), weight_format=weight_format
     )
     vocab = model.config.vocab_size
     pages_per_seq = -(-(CONTEXT + 1) // PAGE_SIZE)
@@ -211,6 +210,7 @@ def main() -> None:
         "--formats", default="fp32,bf16,mixed",
         help="comma-separated: fp32, bf16 (dense weights), int4 (4-bit matrices, bf16 activations), mixed",
     )
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -223,9 +223,10 @@ def main() -> None:
     unknown = sorted(set(names) - set(FORMATS))
     if unknown:
         parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
-    results = [bench_format(name, args.steps, batches, bandwidth) for name in names]
+    path = args.model or default_model_path()
+    results = [bench_format(path, name, args.steps, batches, bandwidth) for name in names]
     report = {
-        "model": Path(default_model_path()).name,
+        "model": Path(path).name,
         "threads": torch.get_num_threads(),
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "context_tokens": CONTEXT,
@@ -235,7 +236,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {report['threads']} threads")
+    print(f"{report['model']}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {report['threads']} threads")
     for r in results:
         print(f"\n{r.weight_format}: {r.weight_bytes / 1e6:.0f} MB of weights read by a batch-1 step")
         for d in r.decode:
