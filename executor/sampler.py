@@ -7,9 +7,10 @@ of the token whose logits it holds): its token then depends only on its own logi
 which rows share the batch or on the tensor-parallel size (rank 0 always sees the whole row).
 Unseeded rows share one draw from the default generator.
 
-Top-k and top-p rows are sampled among the row's most likely tokens (a partial topk, not a full
-sort); a row whose nucleus is not inside them (a flat distribution) widens the candidates, up to a
-full sort, so the result is exact either way.
+Top-k and top-p rows are sampled among their candidates: the tokens within a factor of the row's
+most likely one, found by one comparison pass and sorted alone (a partial topk or a full sort of
+the vocabulary costs 10-100x more on a CPU). A row whose nucleus is not inside them (a flat
+distribution) widens the factor, down to every token, so the result is exact either way.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 64) - 1
-# Top-k / top-p rows look at the 256 most likely tokens first: that covers the nucleus of any
-# peaked distribution, and a partial topk of it costs about one argmax. Flatter rows widen to 4096,
-# and only then to a full sort of the vocabulary.
-CANDIDATE_WIDTHS = (256, 4096, 1 << 62)
+# A top-k / top-p row's candidates are its tokens with at least this share of its most likely
+# token's probability: 2**-12 holds the nucleus of peaked rows (a few hundred candidates at most),
+# 2**-24 that of flat ones, 0 every token. Every token at or above a floor comes before every
+# token below it in the row's sorted order, so the candidates are a prefix of it.
+CANDIDATE_RATIOS = (2.0**-12, 2.0**-24, 0.0)
 
 
 class SamplingError(ValueError):
@@ -73,23 +75,34 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     else:
         temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
         scaled = safe / temperature.float().unsqueeze(1)
-    log_total = torch.logsumexp(scaled, dim=-1)
+    # Whole-vocabulary passes are most of a step's sampling cost: one fused log_softmax gives every
+    # row's logprob and the random rows' probabilities.
+    log_probs = torch.log_softmax(scaled, dim=-1)
 
-    tokens = safe.argmax(dim=-1)
+    if bool(greedy.any()):
+        tokens = safe.argmax(dim=-1)
+    else:
+        tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
     random_rows = torch.nonzero(~greedy).squeeze(1)
     if random_rows.numel():
         uniforms = _uniforms(params.seeds, params.positions).to(logits.device)
         drawn = _draw(
-            (scaled[random_rows] - log_total[random_rows].unsqueeze(1)).exp(),
+            _rows(log_probs, random_rows).exp(),
             params.top_k[random_rows],
             params.top_p[random_rows],
             uniforms[random_rows],
         )
         tokens = tokens.index_put((random_rows,), drawn)
     tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
-    logprobs = scaled.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_total
+    logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     logprobs = torch.where(finite, logprobs, torch.full_like(logprobs, float("nan")))
     return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite)
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t's rows at `index` (ascending, unique: from nonzero), without a copy when that is all of
+    them: a copy of [rows, vocab] costs as much as a pass of arithmetic over it."""
+    return t if index.shape[0] == t.shape[0] else t.index_select(0, index)
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -132,10 +145,10 @@ def _draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     plain = torch.nonzero(~filtered).squeeze(1)
     if plain.numel():
-        out[plain] = _inverse_cdf(probs[plain], uniforms[plain])
+        out[plain] = _inverse_cdf(_rows(probs, plain), uniforms[plain])
     rows = torch.nonzero(filtered).squeeze(1)
     if rows.numel():
-        out[rows] = _draw_filtered(probs[rows], top_k[rows], top_p[rows], uniforms[rows])
+        out[rows] = _draw_filtered(_rows(probs, rows), top_k[rows], top_p[rows], uniforms[rows])
     return out
 
 
@@ -146,24 +159,45 @@ def _draw_filtered(
     k = torch.where(top_k > 0, top_k.long(), torch.full_like(top_k, vocab, dtype=torch.long))
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     pending = torch.arange(probs.shape[0], device=probs.device)
-    for width in CANDIDATE_WIDTHS:
-        rows = probs[pending]
-        if width < vocab:
-            top_probs, top_ids = rows.topk(width, dim=-1)
-        else:
-            top_probs, top_ids = rows.sort(dim=-1, descending=True, stable=True)
+    for ratio in CANDIDATE_RATIOS:
+        rows = _rows(probs, pending)
+        floor = rows.amax(dim=-1, keepdim=True) * ratio
+        row_of, ids = (rows >= floor).nonzero(as_tuple=True)  # row-major: ids ascend within a row
+        values = rows[row_of, ids]
+        count = torch.bincount(row_of, minlength=rows.shape[0])
+        mass = torch.zeros(rows.shape[0], dtype=values.dtype, device=rows.device).index_add_(0, row_of, values)
         # The nucleus ends inside the candidates when top-k cuts there, or when they already hold
         # more than top_p of the mass (every later token then has mass_before > top_p). Decided per
         # row from the row alone, so a seeded row's path never depends on its neighbours.
-        covered = (k[pending] <= width) | (top_probs.sum(dim=-1) > top_p[pending]) | (width >= vocab)
-        done = torch.nonzero(covered).squeeze(1)
-        if done.numel():
+        covered = (k[pending] <= count) | (mass > top_p[pending]) | (ratio == 0.0)
+        if bool(covered.any()):
+            local = torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
+            done = torch.nonzero(covered).squeeze(1)
+            local[done] = torch.arange(done.shape[0], device=rows.device)
+            keep = local[row_of] >= 0
+            sorted_probs, sorted_ids = _sorted_by_row(local[row_of][keep], ids[keep], values[keep], done.shape[0])
             target = pending[done]
-            out[target] = _pick_sorted(top_probs[done], top_ids[done], k[target], top_p[target], uniforms[target])
+            out[target] = _pick_sorted(sorted_probs, sorted_ids, k[target], top_p[target], uniforms[target])
         pending = pending[torch.nonzero(~covered).squeeze(1)]
         if not pending.numel():
             break
     return out
+
+
+def _sorted_by_row(
+    row_of: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates (row, id, probability), row-major with ids ascending -> [rows, widest] probabilities
+    and ids, each row in descending probability with ties in id order, padded with zero probability."""
+    count = torch.bincount(row_of, minlength=rows)
+    rank = torch.arange(row_of.shape[0], device=row_of.device) - (torch.cumsum(count, dim=0) - count)[row_of]
+    width = int(count.max())
+    padded = torch.full((rows, width), -1.0, dtype=values.dtype, device=values.device)
+    padded_ids = torch.zeros(rows, width, dtype=torch.long, device=values.device)
+    padded[row_of, rank] = values
+    padded_ids[row_of, rank] = ids
+    sorted_probs, order = padded.sort(dim=-1, descending=True, stable=True)
+    return sorted_probs.clamp_(min=0.0), padded_ids.gather(1, order)
 
 
 def _pick_sorted(

@@ -436,12 +436,14 @@ def run_executor(
         )
     # Imported when a rank starts, not with this module: the transport pulls in zmq and the model
     # package the weight readers.
+    from executor.allocator import retain_freed_memory
     from executor.model import TORCH_DTYPES
     from protocol.transport import ExecutorEndpoint
 
     if load is None:
         from executor.model import load_model as load
 
+    retain_freed_memory()
     device = pick_device(options)
     if device.type == "cuda":
         torch.cuda.set_device(device)

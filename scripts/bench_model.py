@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.model import LlamaModel, default_model_path, load_model  # noqa: E402
@@ -215,6 +216,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    retain_freed_memory()  # as the executor does
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = copy_bandwidth()

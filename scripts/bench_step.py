@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
@@ -324,6 +325,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="steps per world size")
     parser.add_argument("--executor", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     if args.executor:
         executor_main(json.loads(args.executor))
         return

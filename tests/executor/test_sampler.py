@@ -138,3 +138,22 @@ def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
     out = sample(logits, batch(rows, temperature=1.0, top_p=0.3))
     assert out.token_ids.max().item() <= int(0.3 * vocab) + 1
     assert out.token_ids.max().item() > 256
+
+
+def test_candidates_pick_exactly_what_a_full_sort_picks():
+    from executor.sampler import _draw_filtered, _pick_sorted
+
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 96, 3000
+    # Peaked, medium and flat rows, ties included (rounded logits), so that every candidate
+    # widening is taken: the picks must be those of the nucleus over the fully sorted row.
+    scale = torch.tensor([8.0, 2.0, 0.2]).repeat(rows // 3)[:, None]
+    logits = (torch.randn(rows, vocab, generator=g) * scale).round(decimals=1)
+    probs = torch.softmax(logits, dim=-1)
+    top_k = torch.randint(0, 50, (rows,), generator=g) * (torch.rand(rows, generator=g) < 0.4)
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.8, torch.rand(rows, generator=g), torch.ones(rows))
+    uniforms = torch.rand(rows, generator=g)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    expected = _pick_sorted(sorted_probs, sorted_ids, k, top_p, uniforms)
+    assert torch.equal(_draw_filtered(probs, top_k, top_p, uniforms), expected)
