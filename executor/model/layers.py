@@ -99,6 +99,19 @@ def int4_packable(blocks: Q4Blocks) -> bool:
     return rows % 16 == 0 and cols % Q4_BLOCK == 0
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a CPU dense matmul of `rows` rows runs at: exact up to 16, then rounded up to
+    one of 8 sizes per doubling (at most 12.5% more rows; 56 sizes up to 512).
+
+    oneDNN keeps state for every (rows, matrix) shape it has run, about 0.6 MB each, even with its
+    primitive cache off: a server whose prefill chunks take every length up to 512 grew by ~3 MB
+    per new length for SmolLM2 (docs/model.md). Rounding bounds the shapes it ever sees."""
+    if rows <= 16:
+        return rows
+    shift = rows.bit_length() - 4
+    return -(-rows >> shift) << shift
+
+
 class Linear:
     """y = x W^T, with W [out, in] packed once at load for the kernels that run fastest here.
 
@@ -150,11 +163,19 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        if self.uses_int4(x.shape[0]):
+        rows = x.shape[0]
+        if self.uses_int4(rows):
             return self._int4_matmul(x)
+        if self.weight.device.type != "cpu":
+            return F.linear(x, self.weight)
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return F.linear(x, self.weight)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        else:
+            y = F.linear(x, self.weight)
+        return y[:rows]
 
 
 class VocabParallelEmbedding:
