@@ -104,8 +104,8 @@ def padded_rows(rows: int) -> int:
     one of 8 sizes per doubling (at most 12.5% more rows; 56 sizes up to 512).
 
     oneDNN keeps state for every (rows, matrix) shape it has run, about 0.6 MB each, even with its
-    primitive cache off: a server whose prefill chunks take every length up to 512 grew by ~3 MB
-    per new length for SmolLM2 (docs/model.md). Rounding bounds the shapes it ever sees."""
+    primitive cache off: a server whose prefill chunks take every length up to 512 grew by 1.2-3
+    MB per new length for SmolLM2, without end (docs/model.md). Rounding bounds the shapes it sees."""
     if rows <= 16:
         return rows
     shift = rows.bit_length() - 4
