@@ -136,7 +136,7 @@ def write_tiny_gguf(
     """A llama GGUF whose layer matrices are `qtype` blocks (the embedding stays F32, tied).
 
     Q and K rows are permuted the way llama.cpp's converter does, so a loader that forgot to undo
-    it gives other logits than `dequantized_layers` describes."""
+    it would compute another model."""
     import gguf
     from gguf.quants import quantize
 
@@ -146,6 +146,9 @@ def write_tiny_gguf(
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32)
 
     def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
         return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
@@ -166,14 +169,15 @@ def write_tiny_gguf(
     kind = gguf.GGMLQuantizationType[qtype]
 
     def add_matrix(name: str, w: np.ndarray) -> None:
-        writer.add_tensor(name, quantize(w, kind), raw_shape=quantize(w, kind).shape, raw_dtype=kind)
+        blocks = quantize(w, kind)
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
 
     writer.add_tensor("token_embd.weight", 0.05 * rng.standard_normal((vocab_size, hidden_size)).astype(np.float32))
-    writer.add_tensor("output_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", norm())
     for layer in range(num_layers):
         prefix = f"blk.{layer}."
-        writer.add_tensor(prefix + "attn_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32))
-        writer.add_tensor(prefix + "ffn_norm.weight", (1.0 + 0.1 * rng.standard_normal(hidden_size)).astype(np.float32))
+        writer.add_tensor(prefix + "attn_norm.weight", norm())
+        writer.add_tensor(prefix + "ffn_norm.weight", norm())
         add_matrix(prefix + "attn_q.weight", llama_cpp_permute(matrix(num_heads * head_dim, hidden_size), num_heads))
         add_matrix(prefix + "attn_k.weight", llama_cpp_permute(matrix(num_kv_heads * head_dim, hidden_size), num_kv_heads))
         add_matrix(prefix + "attn_v.weight", matrix(num_kv_heads * head_dim, hidden_size))

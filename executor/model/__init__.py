@@ -71,11 +71,12 @@ def resolve_weight_format(
         return "mixed" if int4_runs and source.stores_q4() else "dense"
     if weight_format == "dense":
         return weight_format
+    if device.type != "cpu":
+        raise WeightFormatError(f"weight format {weight_format} runs only on the CPU: torch's int4 kernel is CPU-only")
     if not int4_runs:
-        where = "on the CPU" if device.type != "cpu" else "with bf16 or fp16 activations"
         raise WeightFormatError(
-            f"weight format {weight_format} runs only {where}: torch's int4 kernel is CPU-only, and "
-            "about 10x slower than dense weights with fp32 activations"
+            f"weight format {weight_format} runs only with bf16 or fp16 activations: torch's CPU int4 "
+            "kernel is about 10x slower than dense weights with fp32 ones"
         )
     if not source.stores_q4():
         raise WeightFormatError(

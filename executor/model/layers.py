@@ -135,6 +135,8 @@ class Linear:
         else:
             self.weight = weight
         self.int4: torch.Tensor | None = None
+        self.int4_scales: torch.Tensor | None = None
+        self.int4_nbytes = 0
         if q4 is not None:
             self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 torch.from_numpy(q4.q.astype(np.int32)), 1

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from executor.gguf_file import Q4_0, Q4_1, Q4Blocks
-from executor.model import ModelLoadError, WeightFormatError, default_model_path, load_model
+from executor.model import ModelLoadError, WeightFormatError, default_model_path, load_model, resolve_weight_format
 from executor.model.layers import INT4_MAX_ROWS, Linear
 from executor.model.loader import open_source
 from tests.model.driver import Driver
@@ -119,6 +119,9 @@ def test_int4_at_tp2_matches_int4_at_tp1(tiny_gguf, tmp_path):
 def test_weight_formats_that_cannot_run_are_refused_with_the_reason(tiny_gguf, tmp_path):
     with pytest.raises(WeightFormatError, match="bf16 or fp16 activations"):
         load(tiny_gguf, "int4", torch.float32)
+    with pytest.raises(WeightFormatError, match="only on the CPU"):
+        resolve_weight_format("mixed", torch.bfloat16, torch.device("cuda"), open_source(tiny_gguf))
+    assert resolve_weight_format("auto", torch.bfloat16, torch.device("cuda"), open_source(tiny_gguf)) == "dense"
     hf = write_tiny_llama(tmp_path / "hf")
     with pytest.raises(WeightFormatError, match="needs 4-bit GGUF matrices"):
         load(hf, "mixed")
