@@ -1,8 +1,8 @@
 """The paged KV cache of one rank: one tensor, one contiguous range per page.
 
-Layout [num_pages + 1, num_layers, 2, page_size, local_kv_heads, head_dim]: page i holds every
+Layout [num_kv_pages + 1, num_layers, 2, page_size, local_kv_heads, head_dim]: page i holds every
 layer's K and V for its page_size slots, so clearing a run of pages is one fill (one memset on CUDA)
-and offloading a page is one copy. The extra page `pad_page == num_pages` is zeroed at allocation and
+and offloading a page is one copy. The extra page `pad_page == num_kv_pages` is zeroed at allocation and
 never handed out: vectorized attention pads page tables with it.
 
 The storage is allocated uninitialized on purpose (DESIGN.md): the scheduler's clear marks, not the
@@ -47,19 +47,19 @@ class KVCache:
     def __init__(
         self,
         *,
-        num_pages: int,
+        num_kv_pages: int,
         page_size: int,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
         kv_dtype: str,
         device: torch.device,
-        host_slots: int = 0,
+        num_host_pages: int = 0,
         poison: bool = False,
         scale: float = 1.0,
     ) -> None:
         for name, value in (
-            ("num_pages", num_pages),
+            ("num_kv_pages", num_kv_pages),
             ("page_size", page_size),
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
@@ -67,8 +67,8 @@ class KVCache:
         ):
             if value <= 0:
                 raise CacheConfigError(f"KV cache {name} must be positive, got {value}")
-        if host_slots < 0:
-            raise CacheConfigError(f"KV cache host_slots must be >= 0, got {host_slots}")
+        if num_host_pages < 0:
+            raise CacheConfigError(f"KV cache num_host_pages must be >= 0, got {num_host_pages}")
         kv_dtype = kv_dtype.value if isinstance(kv_dtype, KVDtype) else kv_dtype
         if kv_dtype not in STORAGE_DTYPES:
             raise CacheConfigError(
@@ -76,7 +76,7 @@ class KVCache:
             )
         if not scale > 0.0:
             raise CacheConfigError(f"KV cache scale must be positive, got {scale}")
-        self.num_pages = num_pages
+        self.num_kv_pages = num_kv_pages
         self.page_size = page_size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -85,8 +85,8 @@ class KVCache:
         self.storage_dtype = STORAGE_DTYPES[kv_dtype]
         self.device = torch.device(device)
         self.scale = float(scale)
-        self.pad_page = num_pages
-        shape = (num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self.pad_page = num_kv_pages
+        shape = (num_kv_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
         self.data = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         if poison:
             self.data.view(torch.uint8).fill_(POISON_BYTE)
@@ -94,7 +94,7 @@ class KVCache:
         # Every layer asks for its K and V twice a step; views made once save ~8 ops per layer.
         self._layers = [(self.data[:, layer, 0], self.data[:, layer, 1]) for layer in range(num_layers)]
         self.host = torch.empty(
-            (host_slots, *shape[1:]),
+            (num_host_pages, *shape[1:]),
             dtype=self.storage_dtype,
             pin_memory=self.device.type == "cuda",
         )
@@ -104,11 +104,11 @@ class KVCache:
         return self.data.stride(0) * self.data.element_size()
 
     @property
-    def host_slots(self) -> int:
+    def num_host_pages(self) -> int:
         return self.host.shape[0]
 
     def key_value(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as views [num_pages + 1, page_size, H, D] in the storage dtype."""
+        """K and V of one layer as views [num_kv_pages + 1, page_size, H, D] in the storage dtype."""
         return self._layers[layer]
 
     def write(
@@ -142,8 +142,8 @@ class KVCache:
         runs = page_runs(pages)
         if not runs:
             return
-        if runs[0][0] < 0 or runs[-1][1] > self.num_pages:
-            raise IndexError(f"page ids must be in [0, {self.num_pages}), got runs {runs}")
+        if runs[0][0] < 0 or runs[-1][1] > self.num_kv_pages:
+            raise IndexError(f"page ids must be in [0, {self.num_kv_pages}), got runs {runs}")
         if self.device.type == "cuda":
             from executor.cuda_memset import memset_runs
 

@@ -94,7 +94,7 @@ class StaticDecodeBatch:
         static = self.inputs
         n = real.num_seqs
         width = real.page_table.shape[1]
-        context = min(self.width * self.page_size, self.geometry.max_context)
+        context = min(self.width * self.page_size, self.geometry.max_model_len)
         last = context - 1
         static.token_ids[:n].copy_(real.token_ids)
         static.token_ids[n:].zero_()
@@ -140,7 +140,7 @@ def padding_prepare(batch_size: int, width: int, geometry: CacheGeometry, pad_pa
     Every row gets the longest context such a table holds, so the static buffers have the shapes of
     any decode step up to that width.
     """
-    context = min(width * geometry.page_size, geometry.max_context)
+    context = min(width * geometry.page_size, geometry.max_model_len)
     return Prepare.greedy_decode(
         context_lens=np.full(batch_size, context),
         token_ids=np.zeros(batch_size),
@@ -173,10 +173,10 @@ class DecodeGraphRunner:
         self.config = model.config
         self.cache = cache
         self.geometry = geometry
-        self.sizes = sorted(set(b for b in batch_sizes if b <= geometry.max_seqs))
+        self.sizes = sorted(set(b for b in batch_sizes if b <= geometry.max_num_seqs))
         if not self.sizes:
             raise CudaGraphError(
-                f"no CUDA graph batch size in {batch_sizes} fits max_seqs {geometry.max_seqs}"
+                f"no CUDA graph batch size in {batch_sizes} fits max_num_seqs {geometry.max_num_seqs}"
             )
         self.widths = graph_widths(geometry)
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}

@@ -62,10 +62,10 @@ def memset_runs(data: torch.Tensor, runs: list[tuple[int, int]], value: int) -> 
         raise CudaMemsetError("memset_runs needs a contiguous cache tensor (pages must be byte ranges)")
     if not 0 <= value <= 255:
         raise CudaMemsetError(f"memset value must be a byte (0..255), got {value}")
-    num_pages = data.shape[0]
+    num_kv_pages = data.shape[0]
     for start, stop in runs:
-        if not 0 <= start < stop <= num_pages:
-            raise CudaMemsetError(f"page run [{start}, {stop}) is not inside the cache's {num_pages} pages")
+        if not 0 <= start < stop <= num_kv_pages:
+            raise CudaMemsetError(f"page run [{start}, {stop}) is not inside the cache's {num_kv_pages} pages")
     if not runs:
         return
     driver = _driver()

@@ -20,15 +20,15 @@ class OptionsError(ValueError):
 @dataclass(frozen=True)
 class ExecutorOptions:
     model: str
-    num_pages: int
+    num_kv_pages: int
     max_num_seqs: int
-    max_tokens_per_step: int
+    max_num_batched_tokens: int
     max_model_len: int
     dtype: str = "bf16"
     weight_format: str = "auto"
     kv_cache_dtype: str = "bf16"
     page_size: int = 16
-    host_slots: int = 0
+    num_host_pages: int = 0
     device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else the CPU
     cuda_graphs: bool = True
     # Decode batch sizes captured as CUDA graphs; a decode step pads up to the next one.
@@ -45,17 +45,17 @@ class ExecutorOptions:
 
     def __post_init__(self) -> None:
         positive = {
-            "num_pages": self.num_pages,
+            "num_kv_pages": self.num_kv_pages,
             "page_size": self.page_size,
             "max_num_seqs": self.max_num_seqs,
-            "max_tokens_per_step": self.max_tokens_per_step,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
         }
         for name, value in positive.items():
             if value < 1:
                 raise OptionsError(f"{name} must be at least 1, got {value}")
-        if self.host_slots < 0:
-            raise OptionsError(f"host_slots must be >= 0, got {self.host_slots}")
+        if self.num_host_pages < 0:
+            raise OptionsError(f"num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.dtype not in MODEL_DTYPES:
             raise OptionsError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.weight_format not in WEIGHT_FORMATS:

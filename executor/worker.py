@@ -214,7 +214,7 @@ class Worker:
             welcome.version,
             welcome.layout,
             welcome.world_size,
-            self.geometry.num_pages,
+            self.geometry.num_kv_pages,
             self.geometry.page_size,
         )
 
@@ -296,6 +296,11 @@ class Worker:
         self.last_step = step
         try:
             validate.validate_prepare(prepare, self.geometry)
+            if prepare.feedback.any():
+                raise ProtocolError(
+                    RejectCode.FEEDBACK_WITHOUT_SAMPLE,
+                    "this executor keeps no samples between steps: feedback rows need the overlapped loop",
+                )
             inputs = StepInputs.from_prepare(
                 prepare,
                 pad_page=self.cache.pad_page,
@@ -395,23 +400,23 @@ def pick_device(options: ExecutorOptions) -> torch.device:
 
 
 def build_geometry(options: ExecutorOptions, config: Any) -> CacheGeometry:
-    if options.max_model_len > config.max_position:
+    if options.max_model_len > config.max_position_embeddings:
         raise ExecutorStartError(
             f"max_model_len {options.max_model_len} exceeds the model's context of "
-            f"{config.max_position} positions"
+            f"{config.max_position_embeddings} positions"
         )
     return CacheGeometry(
-        num_pages=options.num_pages,
+        num_kv_pages=options.num_kv_pages,
         page_size=options.page_size,
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         kv_dtype=options.kv_cache_dtype,
         vocab_size=config.vocab_size,
-        max_context=options.max_model_len,
-        max_seqs=options.max_num_seqs,
-        max_tokens_per_step=options.max_tokens_per_step,
-        host_slots=options.host_slots,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        num_host_pages=options.num_host_pages,
     )
 
 
@@ -458,14 +463,14 @@ def run_executor(
     )
     geometry = build_geometry(options, model.config)
     cache = KVCache(
-        num_pages=options.num_pages,
+        num_kv_pages=options.num_kv_pages,
         page_size=options.page_size,
         num_layers=model.config.num_layers,
         num_kv_heads=model.shard.local_kv_heads,
         head_dim=model.config.head_dim,
         kv_dtype=options.kv_cache_dtype,
         device=device,
-        host_slots=options.host_slots,
+        num_host_pages=options.num_host_pages,
         poison=options.debug_poison_cache,
     )
     step_model: StepModel = model

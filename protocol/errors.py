@@ -19,26 +19,34 @@ class RejectCode(enum.IntEnum):
     MALFORMED = 7  # not a well-formed frame: parts, msgpack, fields, types
     TOO_LARGE = 8  # a decode limit (frame bytes, parts, map/array/string sizes) exceeded
     LENGTH_MISMATCH = 9  # array lengths disagree with each other or with their byte size
-    PAGE_OUT_OF_RANGE = 10  # a page id outside [0, num_pages)
+    PAGE_OUT_OF_RANGE = 10  # a page id outside [0, num_kv_pages)
     CLEARED_NOT_SORTED_UNIQUE = 11  # cleared_pages not strictly increasing
     CLEARED_RESTORE_OVERLAP = 12  # a page both cleared and a restore target
     TOKEN_OUT_OF_RANGE = 13  # a token id outside [0, vocab_size)
-    POSITION_OUT_OF_RANGE = 14  # a position outside [0, max_context)
-    SLOT_OUT_OF_RANGE = 15  # a host slot outside [0, host_slots)
+    POSITION_OUT_OF_RANGE = 14  # a position outside [0, max_model_len)
+    SLOT_OUT_OF_RANGE = 15  # a host slot outside [0, num_host_pages)
     LIMIT_EXCEEDED = 16  # more sequences, tokens or pages than the geometry allows
     UNEXPECTED_FRAME = 17  # a frame type that is not valid in the receiver's current state
     GEOMETRY_MISMATCH = 18  # ranks disagree on the cache geometry or world size
     INTERNAL = 19  # the receiver failed for a reason of its own
     BAD_QUERY_LEN = 20  # a sequence with query_lens < 1
-    BAD_CONTEXT_LEN = 21  # context_lens < query_lens or > max_context
+    BAD_CONTEXT_LEN = 21  # context_lens < query_lens or > max_model_len
     PAGE_TABLE_TOO_SHORT = 22  # page_table_lens * page_size < context_lens
     DUPLICATE_SEQ_ID = 23  # a sequence id twice in one step
     POSITION_MISMATCH = 24  # positions are not the last query_lens positions of the context
     BAD_SAMPLING = 25  # temperature < 0 or not finite, top_p outside (0, 1], top_k < 0
     PAGE_TABLE_BASE_MISMATCH = 26  # page_table_base is not what the receiver holds: state diverged
+    BAD_FEEDBACK = 27  # feedback on a row with query_lens != 1, or a value other than 0 and 1
+    FEEDBACK_WITHOUT_SAMPLE = 28  # feedback for a sequence the previous step run did not sample
 
 
-class ProtocolError(Exception):
+class TPRuntimeError(Exception):
+    """The base of every error this runtime raises on purpose; anything else is a bug.
+
+    It lives here because protocol/ is the package every other one imports."""
+
+
+class ProtocolError(TPRuntimeError):
     """A frame was refused; `code` says why in a form a peer can act on, `message` in words."""
 
     def __init__(self, code: RejectCode, message: str) -> None:
@@ -50,5 +58,5 @@ class ProtocolError(Exception):
         return f"{self.code.name}: {self.message}"
 
 
-class TransportError(Exception):
+class TransportError(TPRuntimeError):
     """A frame could not be handed to a peer (not connected, socket closed)."""

@@ -8,12 +8,16 @@ and decodes them zero-copy, so they are read-only on the receiving side.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 # 2: PREPARE carries page-table deltas (page_table_base) instead of whole page tables.
-PROTOCOL_VERSION = 2
+# 3: one name per setting in CacheGeometry (vLLM's: num_kv_pages, max_model_len, max_num_seqs,
+#    max_num_batched_tokens, num_host_pages); PREPARE's `feedback` (a decode row's token is the one the
+#    executors sampled for it at the step before, so a step can be planned while that one runs);
+#    REJECT's `seq_ids` (the sequences a rank refuses, so that only their requests fail).
+PROTOCOL_VERSION = 3
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -45,21 +49,21 @@ class KVDtype(str, enum.Enum):
 class CacheGeometry:
     """What every rank agrees on at the handshake; PREPARE frames are validated against it."""
 
-    num_pages: int
+    num_kv_pages: int
     page_size: int
     num_layers: int
     num_kv_heads: int  # total over all ranks
     head_dim: int
     kv_dtype: str  # a KVDtype value
     vocab_size: int
-    max_context: int  # positions must be < max_context
-    max_seqs: int  # sequences per step
-    max_tokens_per_step: int  # new tokens per step, summed over sequences
-    host_slots: int = 0  # pages of host offload buffer
+    max_model_len: int  # positions must be < max_model_len
+    max_num_seqs: int  # sequences per step
+    max_num_batched_tokens: int  # new tokens per step, summed over sequences
+    num_host_pages: int = 0  # pages of host offload buffer
 
     @property
     def max_pages_per_seq(self) -> int:
-        return -(-self.max_context // self.page_size)
+        return -(-self.max_model_len // self.page_size)
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,9 @@ class Prepare:
     page_table[p0:p0+page_table_lens[i]-page_table_base[i]]. A base of 0 sends the whole table.
     Executors hold the tables of the sequences of their last PREPARE only (protocol.page_tables).
     sample[i] says whether the logits of its last new token are sampled this step (a prefill chunk
-    that does not reach the prompt's end is not sampled).
+    that does not reach the prompt's end is not sampled). feedback[i] = 1 says that its one new token
+    is the token the executors sampled for it at the step they ran before this one (its entry in
+    token_ids is a placeholder 0): the scheduler plans this step before that one's RESULT is in.
 
     Before the forward, in this order: offload_pages -> host offload_slots; poison_pages filled with
     0xFF (debug fault injection); host restore_slots -> restore_pages; cleared_pages zeroed.
@@ -120,6 +126,7 @@ class Prepare:
     offload_pages: np.ndarray  # int32[o]
     offload_slots: np.ndarray  # int32[o]
     poison_pages: np.ndarray  # int32[], debug: pages that returned to the free pool
+    feedback: np.ndarray  # uint8[n]; 1: the new token is this sequence's sample of the step before
 
     @classmethod
     def greedy(
@@ -164,6 +171,7 @@ class Prepare:
             offload_pages=empty,
             offload_slots=empty,
             poison_pages=empty,
+            feedback=np.zeros(n, dtype=np.uint8),
         )
 
     @classmethod
@@ -180,11 +188,20 @@ class Ready:
     rank: int
 
 
+def _no_seq_ids() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class Reject:
+    """A rank refuses a frame. `seq_ids` names the sequences whose own fields broke a rule, when
+    the frame is otherwise sound: only their requests fail and the step is planned again without
+    them. Empty: the whole frame is refused."""
+
     rank: int
     code: int  # a protocol.errors.RejectCode
     message: str
+    seq_ids: np.ndarray = field(default_factory=_no_seq_ids)  # int64[k]
 
 
 @dataclass(frozen=True)
@@ -264,7 +281,9 @@ ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
         "offload_pages": np.dtype("<i4"),
         "offload_slots": np.dtype("<i4"),
         "poison_pages": np.dtype("<i4"),
+        "feedback": np.dtype("u1"),
     },
+    Reject: {"seq_ids": np.dtype("<i8")},
     Result: {
         "seq_ids": np.dtype("<i8"),
         "token_ids": np.dtype("<i4"),

@@ -27,6 +27,7 @@ _PER_SEQUENCE = (
     "top_p",
     "top_k",
     "seeds",
+    "feedback",
 )
 
 
@@ -123,8 +124,8 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
         _check_length(name, getattr(p, name), n, "the number of sequences (len(seq_ids))")
     _check_length("restore_slots", p.restore_slots, len(p.restore_pages), "len(restore_pages)")
     _check_length("offload_slots", p.offload_slots, len(p.offload_pages), "len(offload_pages)")
-    if n > g.max_seqs:
-        raise ProtocolError(RejectCode.LIMIT_EXCEEDED, f"{n} sequences exceed max_seqs {g.max_seqs}")
+    if n > g.max_num_seqs:
+        raise ProtocolError(RejectCode.LIMIT_EXCEEDED, f"{n} sequences exceed max_num_seqs {g.max_num_seqs}")
     if n == 0:
         _check_length("token_ids", p.token_ids, 0, "sum(query_lens)")
         _check_length("positions", p.positions, 0, "sum(query_lens)")
@@ -141,10 +142,10 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
     total_tokens = int(query_lens.sum())
     _check_length("token_ids", p.token_ids, total_tokens, "sum(query_lens)")
     _check_length("positions", p.positions, total_tokens, "sum(query_lens)")
-    if total_tokens > g.max_tokens_per_step:
+    if total_tokens > g.max_num_batched_tokens:
         raise ProtocolError(
             RejectCode.LIMIT_EXCEEDED,
-            f"{total_tokens} new tokens exceed max_tokens_per_step {g.max_tokens_per_step}",
+            f"{total_tokens} new tokens exceed max_num_batched_tokens {g.max_num_batched_tokens}",
         )
     page_table_lens = p.page_table_lens
     if page_table_lens.view(np.uint32).max() > g.max_pages_per_seq:
@@ -153,7 +154,7 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
         raise ProtocolError(
             code,
             f"page_table_lens[{i}] = {page_table_lens[i]} is outside [0, {g.max_pages_per_seq}] "
-            f"(max_context {g.max_context} / page_size {g.page_size})",
+            f"(max_model_len {g.max_model_len} / page_size {g.page_size})",
         )
     base = p.page_table_base
     # Tested first, base >= 0 keeps the subtraction from overflowing.
@@ -172,12 +173,12 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
 def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
     query_lens, context_lens, page_table_lens = p.query_lens, p.context_lens, p.page_table_lens
     # query_lens >= 1 and page_table_lens <= max_pages_per_seq hold here, so none of this overflows.
-    if (context_lens - query_lens).min() < 0 or context_lens.max() > g.max_context:
-        i = _first_bad((context_lens < query_lens) | (context_lens > g.max_context))
+    if (context_lens - query_lens).min() < 0 or context_lens.max() > g.max_model_len:
+        i = _first_bad((context_lens < query_lens) | (context_lens > g.max_model_len))
         raise ProtocolError(
             RejectCode.BAD_CONTEXT_LEN,
             f"context_lens[{i}] = {context_lens[i]} must be in [query_lens[{i}] = {query_lens[i]}, "
-            f"max_context {g.max_context}]",
+            f"max_model_len {g.max_model_len}]",
         )
     if (page_table_lens * g.page_size - context_lens).min() < 0:
         i = _first_bad(page_table_lens * g.page_size < context_lens)
@@ -202,13 +203,21 @@ def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
         raise ProtocolError(RejectCode.BAD_SAMPLING, "top_p must be in (0, 1] for every sequence")
     if p.top_k.min() < 0:
         raise ProtocolError(RejectCode.BAD_SAMPLING, "top_k must be >= 0 (0 means off) for every sequence")
+    feedback = p.feedback
+    if feedback.max() > 1 or (feedback.astype(bool) & (query_lens != 1)).any():
+        i = _first_bad((feedback > 1) | (feedback.astype(bool) & (query_lens != 1)))
+        raise ProtocolError(
+            RejectCode.BAD_FEEDBACK,
+            f"feedback[{i}] = {feedback[i]} with query_lens[{i}] = {query_lens[i]}: feedback is 0 or 1, "
+            "and 1 only for a sequence with one new token",
+        )
 
 
 def _check_pages(p: Prepare, g: CacheGeometry) -> None:
     for name in ("page_table", "cleared_pages", "restore_pages", "offload_pages", "poison_pages"):
-        _check_range(name, getattr(p, name), g.num_pages, RejectCode.PAGE_OUT_OF_RANGE)
-    _check_range("restore_slots", p.restore_slots, g.host_slots, RejectCode.SLOT_OUT_OF_RANGE)
-    _check_range("offload_slots", p.offload_slots, g.host_slots, RejectCode.SLOT_OUT_OF_RANGE)
+        _check_range(name, getattr(p, name), g.num_kv_pages, RejectCode.PAGE_OUT_OF_RANGE)
+    _check_range("restore_slots", p.restore_slots, g.num_host_pages, RejectCode.SLOT_OUT_OF_RANGE)
+    _check_range("offload_slots", p.offload_slots, g.num_host_pages, RejectCode.SLOT_OUT_OF_RANGE)
 
     cleared = p.cleared_pages
     if cleared.size > 1:
@@ -236,8 +245,8 @@ def _check_tokens(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
     if total_tokens == 0:
         return
     # Token j of sequence i sits at position context_lens[i] - query_lens[i] + j: anything else would
-    # write KV outside the slots its page table covers. With context_lens <= max_context checked,
-    # this also keeps every position in [0, max_context).
+    # write KV outside the slots its page table covers. With context_lens <= max_model_len checked,
+    # this also keeps every position in [0, max_model_len).
     if total_tokens == len(p.seq_ids):
         expected = p.context_lens - 1
     else:
@@ -246,7 +255,7 @@ def _check_tokens(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
         expected = np.repeat(p.context_lens - query_lens - starts, query_lens) + np.arange(total_tokens)
     wrong = p.positions != expected
     if wrong.any():
-        _check_range("positions", p.positions, g.max_context, RejectCode.POSITION_OUT_OF_RANGE)
+        _check_range("positions", p.positions, g.max_model_len, RejectCode.POSITION_OUT_OF_RANGE)
         t = _first_bad(wrong)
         raise ProtocolError(
             RejectCode.POSITION_MISMATCH,

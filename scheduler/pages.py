@@ -26,16 +26,16 @@ class PagePoolError(RuntimeError):
 
 
 class PagePool:
-    def __init__(self, num_pages: int, *, track_freed: bool = False) -> None:
-        if num_pages < 1:
-            raise PagePoolError(f"a page pool needs at least one page, got {num_pages}")
-        self.num_pages = num_pages
-        self.refcount = np.zeros(num_pages, dtype=np.int32)
-        self.marked = np.ones(num_pages, dtype=bool)
-        self._is_free = np.ones(num_pages, dtype=bool)
+    def __init__(self, num_kv_pages: int, *, track_freed: bool = False) -> None:
+        if num_kv_pages < 1:
+            raise PagePoolError(f"a page pool needs at least one page, got {num_kv_pages}")
+        self.num_kv_pages = num_kv_pages
+        self.refcount = np.zeros(num_kv_pages, dtype=np.int32)
+        self.marked = np.ones(num_kv_pages, dtype=bool)
+        self._is_free = np.ones(num_kv_pages, dtype=bool)
         # Popped from the end, so page 0 is handed out first.
-        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
-        self._top = num_pages
+        self._stack = np.arange(num_kv_pages - 1, -1, -1, dtype=np.int32)
+        self._top = num_kv_pages
         self._track_freed = track_freed
         self._freed: list[np.ndarray] = []
         self.cleared_total = 0

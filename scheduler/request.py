@@ -62,7 +62,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     row: int = -1  # index in the running batch while RUNNING
     num_computed: int = 0  # tokens whose KV is in the cache (kept while OFFLOADED)
-    host_slots: list[int] = field(default_factory=list)  # OFFLOADED: slot of each page, in order
+    slot_ids: list[int] = field(default_factory=list)  # OFFLOADED: slot of each page, in order
     preempted: bool = False  # has been preempted at least once
     num_registered: int = 0  # full pages already offered to the prefix cache
     page_keys: list[tuple[int, int]] = field(default_factory=list)  # prefix keys of full pages

@@ -6,7 +6,7 @@ size; only requests that prefill, cross a page boundary in an unusual way, finis
 cost Python work. Rows are kept dense (a removed row is filled by the last one): the PREPARE order
 is row order, not arrival order; arrival order decides who gets budget and who is preempted.
 
-Every step, every running request takes at least one token (max_tokens_per_step >= max_num_seqs is
+Every step, every running request takes at least one token (max_num_batched_tokens >= max_num_seqs is
 required), so no running request can starve; when the pool cannot give each of them the page its
 next token needs, the newest running request is preempted (offloaded to host slots when enough are
 free, else dropped for recompute) until it can. Admission is first come, first served: the head of
@@ -44,28 +44,28 @@ class SchedulerStateError(RuntimeError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_pages: int
+    num_kv_pages: int
     page_size: int
     max_num_seqs: int
-    max_tokens_per_step: int
+    max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
-    host_slots: int = 0  # pages of host offload buffer; 0 means preempt by recompute only
+    num_host_pages: int = 0  # pages of host offload buffer; 0 means preempt by recompute only
     enable_prefix_cache: bool = True
     poison_freed_pages: bool = False  # debug: list pages freed since the last step in poison_pages
     decode_lookahead: int = 0  # pages reserved ahead of a decoding request's committed pages
 
     def __post_init__(self) -> None:
-        for name in ("num_pages", "page_size", "max_num_seqs", "max_tokens_per_step", "max_model_len"):
+        for name in ("num_kv_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_tokens_per_step < self.max_num_seqs:
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise SchedulerConfigError(
-                f"max_tokens_per_step ({self.max_tokens_per_step}) must be at least max_num_seqs "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence takes a token every step"
             )
-        if self.host_slots < 0 or self.decode_lookahead < 0:
-            raise SchedulerConfigError("host_slots and decode_lookahead must be >= 0")
+        if self.num_host_pages < 0 or self.decode_lookahead < 0:
+            raise SchedulerConfigError("num_host_pages and decode_lookahead must be >= 0")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -128,7 +128,7 @@ class SchedulerStats:
     aborted_steps_total: int
     pages_evictable: int = 0
     pages_reserved: int = 0
-    host_slots_free: int = 0
+    host_pages_free: int = 0
     prefix_hit_pages_total: int = 0
 
 
@@ -231,7 +231,7 @@ def _cat(arrays: list[np.ndarray]) -> np.ndarray:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.pool = PagePool(config.num_pages, track_freed=config.poison_freed_pages)
+        self.pool = PagePool(config.num_kv_pages, track_freed=config.poison_freed_pages)
         self.cache = PrefixCache(self.pool)
         self.hasher = PrefixHasher(config.page_size, config.max_model_len)
         self._eos = frozenset(config.eos_token_ids)
@@ -257,7 +257,7 @@ class Scheduler:
         self._n = 0
         self._requests: dict[int, Request] = {}
         self._waiting: deque[Request] = deque()
-        self._host_free: list[int] = list(range(config.host_slots - 1, -1, -1))
+        self._host_free: list[int] = list(range(config.num_host_pages - 1, -1, -1))
         self._inflight: StepPlan | None = None
         self._pending_end: dict[int, str] = {}
         self._outputs: list[RequestOutput] = []
@@ -303,10 +303,10 @@ class Scheduler:
                 f"{cfg.max_model_len}"
             )
         pages = -(-max_kv_len(prompt_len, params.max_tokens) // cfg.page_size)
-        if pages > cfg.num_pages:
+        if pages > cfg.num_kv_pages:
             raise AdmissionError(
                 f"a request of {prompt_len} + {params.max_tokens} tokens needs {pages} pages of "
-                f"{cfg.page_size} tokens but the cache has only {cfg.num_pages}"
+                f"{cfg.page_size} tokens but the cache has only {cfg.num_kv_pages}"
             )
 
     def cancel(self, request_id: int) -> None:
@@ -394,8 +394,8 @@ class Scheduler:
             self._remove_row(req)
         else:
             if req.state is RequestState.OFFLOADED:
-                self._host_free.extend(req.host_slots)
-                req.host_slots = []
+                self._host_free.extend(req.slot_ids)
+                req.slot_ids = []
             self._waiting.remove(req)
         req.state = RequestState.FINISHED
         del self._requests[req.request_id]
@@ -445,7 +445,7 @@ class Scheduler:
                 self._row_pages[need, cols] = opened
             b.cleared.append(self.pool.commit(opened))
             self._row_npages[need] = cols + 1
-        budget = self.config.max_tokens_per_step - (n if all_decode else dec_rows.shape[0])
+        budget = self.config.max_num_batched_tokens - (n if all_decode else dec_rows.shape[0])
         if not all_decode:
             budget = self._plan_prefills(np.flatnonzero(~dec_mask), budget, b)
         if not b.preempted:
@@ -507,7 +507,7 @@ class Scheduler:
             b.offload_slots.extend(slots)
             b.offloaded.append(req.request_id)
             self._remove_row(req)
-            req.host_slots = slots
+            req.slot_ids = slots
             req.state = RequestState.OFFLOADED
             self._offloads += 1
         else:
@@ -579,7 +579,7 @@ class Scheduler:
             req = waiting[0]
             if req.state is RequestState.OFFLOADED:
                 self._flush_admissions(staged, b)
-                k = len(req.host_slots)
+                k = len(req.slot_ids)
                 ncomp = req.num_computed
                 if not self._can_get(-(-req.num_tokens // ps)):
                     return
@@ -587,8 +587,8 @@ class Scheduler:
                 targets = pool.allocate(k)
                 pool.overwrite(targets)
                 b.restore_pages.append(targets)
-                b.restore_slots.extend(req.host_slots)
-                req.host_slots = []
+                b.restore_slots.extend(req.slot_ids)
+                req.slot_ids = []
                 waiting.popleft()
                 r = self._add_row(req, ncomp)
                 self._row_pages[r, :k] = targets
@@ -838,6 +838,7 @@ class Scheduler:
             offload_pages=_cat(b.offload_pages),
             offload_slots=np.array(b.offload_slots, dtype=_I32) if b.offload_slots else _EMPTY_I32,
             poison_pages=poison,
+            feedback=np.zeros(seq_ids.shape[0], dtype=np.uint8),
         )
         return StepPlan(self._step, prepare, rows, tuple(b.restore_slots), tuple(b.offloaded))
 
@@ -969,8 +970,8 @@ class Scheduler:
         for rid in plan.offloaded:
             req = self._requests.get(rid)
             if req is not None and req.state is RequestState.OFFLOADED:
-                self._host_free.extend(req.host_slots)
-                req.host_slots = []
+                self._host_free.extend(req.slot_ids)
+                req.slot_ids = []
                 req.num_computed = 0
                 req.state = RequestState.WAITING
         victims = [self._rows[r] for r in plan.rows.tolist()]
@@ -999,7 +1000,7 @@ class Scheduler:
             waiting=len(self._waiting) - preempted,
             preempted=preempted,
             pages_free=pool.free_count,
-            pages_used=pool.num_pages - pool.free_count,
+            pages_used=pool.num_kv_pages - pool.free_count,
             pages_cached=cache.cached_count,
             pages_marked=pool.marked_count,
             pages_cleared_total=pool.cleared_total,
@@ -1011,6 +1012,6 @@ class Scheduler:
             aborted_steps_total=self._aborted,
             pages_evictable=cache.evictable_count,
             pages_reserved=int(self._row_nres[: self._n].sum()),
-            host_slots_free=len(self._host_free),
+            host_pages_free=len(self._host_free),
             prefix_hit_pages_total=self._prefix_hits,
         )

@@ -120,9 +120,9 @@ def run_step(model: LlamaModel, cache: KVCache, prepare: Prepare) -> float:
     return time.perf_counter() - start
 
 
-def new_cache(model: LlamaModel, num_pages: int) -> KVCache:
+def new_cache(model: LlamaModel, num_kv_pages: int) -> KVCache:
     cache = KVCache(
-        num_pages=num_pages,
+        num_kv_pages=num_kv_pages,
         page_size=PAGE_SIZE,
         num_layers=model.config.num_layers,
         num_kv_heads=model.shard.local_kv_heads,
@@ -130,7 +130,7 @@ def new_cache(model: LlamaModel, num_pages: int) -> KVCache:
         kv_dtype="bf16" if model.dtype == torch.bfloat16 else "fp32",
         device=model.device,
     )
-    cache.clear_pages(np.arange(num_pages, dtype=np.int32))
+    cache.clear_pages(np.arange(num_kv_pages, dtype=np.int32))
     return cache
 
 
@@ -143,7 +143,7 @@ def bench_format(path: str, name: str, steps: int, batches: list[int], bandwidth
     pages_per_seq = -(-(CONTEXT + 1) // PAGE_SIZE)
     spare = 8
     cache = new_cache(model, max(batches) * pages_per_seq + spare + 1024 // PAGE_SIZE + 1)
-    spare_pages = list(range(cache.num_pages - spare, cache.num_pages))
+    spare_pages = list(range(cache.num_kv_pages - spare, cache.num_kv_pages))
     kv_bytes_per_token = cache.page_bytes // PAGE_SIZE
 
     decode, step_ms_by_batch = [], {}

@@ -60,16 +60,16 @@ PAGES_PER_SEQ = 64
 CLEARED = 64
 PAGE_SIZE = 16
 GEOMETRY = CacheGeometry(
-    num_pages=1 << 20,
+    num_kv_pages=1 << 20,
     page_size=PAGE_SIZE,
     num_layers=30,
     num_kv_heads=3,
     head_dim=64,
     kv_dtype="bf16",
     vocab_size=49152,
-    max_context=8192,
-    max_seqs=1024,
-    max_tokens_per_step=8192,
+    max_model_len=8192,
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
 )
 TIMEOUT_MS = 30_000
 
@@ -80,7 +80,7 @@ def decode_batch_prepare(n: int, *, delta: bool = False) -> Prepare:
     rng = np.random.default_rng(n)
     context = PAGES_PER_SEQ * PAGE_SIZE - 5
     dt = ARRAY_DTYPES[Prepare]
-    table = rng.integers(0, GEOMETRY.num_pages, (n, PAGES_PER_SEQ))
+    table = rng.integers(0, GEOMETRY.num_kv_pages, (n, PAGES_PER_SEQ))
     base = np.zeros(n, dtype=np.int64)
     if delta:
         base[:] = PAGES_PER_SEQ
@@ -100,7 +100,7 @@ def decode_batch_prepare(n: int, *, delta: bool = False) -> Prepare:
         "top_p": np.full(n, 0.9),
         "top_k": np.full(n, 50),
         "seeds": np.full(n, -1),
-        "cleared_pages": np.sort(rng.choice(GEOMETRY.num_pages, CLEARED, replace=False)),
+        "cleared_pages": np.sort(rng.choice(GEOMETRY.num_kv_pages, CLEARED, replace=False)),
         "restore_pages": [],
         "restore_slots": [],
         "offload_pages": [],

@@ -90,10 +90,10 @@ def run_until_decoding(s: Scheduler) -> None:
             return
 
 
-def decode_case(n_seqs: int, num_pages: int, steps: int, seed: int = 0, ctx: tuple[int, int] = (256, 768)) -> dict:
+def decode_case(n_seqs: int, num_kv_pages: int, steps: int, seed: int = 0, ctx: tuple[int, int] = (256, 768)) -> dict:
     rng = np.random.default_rng(seed)
     cfg = SchedulerConfig(
-        num_pages=num_pages, page_size=PAGE, max_num_seqs=n_seqs, max_tokens_per_step=max(8192, n_seqs),
+        num_kv_pages=num_kv_pages, page_size=PAGE, max_num_seqs=n_seqs, max_num_batched_tokens=max(8192, n_seqs),
         max_model_len=4096, enable_prefix_cache=True,
     )
     s = Scheduler(cfg)
@@ -115,7 +115,7 @@ def decode_case(n_seqs: int, num_pages: int, steps: int, seed: int = 0, ctx: tup
         result_t.append(t3 - t2)
     pages = int(s._row_npages[: s._n].sum())
     return {
-        "seqs": n_seqs, "pool_pages": num_pages, "pages_in_tables": pages,
+        "seqs": n_seqs, "pool_pages": num_kv_pages, "pages_in_tables": pages,
         "plan_encode": summary(plan_t), "on_result": summary(result_t),
     }
 
@@ -123,7 +123,7 @@ def decode_case(n_seqs: int, num_pages: int, steps: int, seed: int = 0, ctx: tup
 def plan_only(n_seqs: int, steps: int) -> dict:
     """plan_step alone (no encode), for the split of the cost."""
     rng = np.random.default_rng(1)
-    cfg = SchedulerConfig(num_pages=65536, page_size=PAGE, max_num_seqs=n_seqs, max_tokens_per_step=8192, max_model_len=4096)
+    cfg = SchedulerConfig(num_kv_pages=65536, page_size=PAGE, max_num_seqs=n_seqs, max_num_batched_tokens=8192, max_model_len=4096)
     s = Scheduler(cfg)
     for rid in range(n_seqs):
         s.add_request(rid, rng.integers(10, 30000, size=512, dtype=np.int32), SamplingParams(max_tokens=2048, ignore_eos=True))
@@ -145,7 +145,7 @@ def prefix_case(n_req: int = 256, prefix_len: int = 1024, tail: int = 16, as_tup
     add_t, plan_t, enc_t = [], [], []
     for _ in range(repeats):
         cfg = SchedulerConfig(
-            num_pages=16384, page_size=PAGE, max_num_seqs=n_req + 1, max_tokens_per_step=n_req * tail + 2048,
+            num_kv_pages=16384, page_size=PAGE, max_num_seqs=n_req + 1, max_num_batched_tokens=n_req * tail + 2048,
             max_model_len=4096,
         )
         s = Scheduler(cfg)
@@ -186,8 +186,8 @@ def prefix_case(n_req: int = 256, prefix_len: int = 1024, tail: int = 16, as_tup
 
 def pressure_case(steps: int) -> dict:
     cfg = SchedulerConfig(
-        num_pages=2048, page_size=PAGE, max_num_seqs=256, max_tokens_per_step=4096, max_model_len=4096,
-        host_slots=1024,
+        num_kv_pages=2048, page_size=PAGE, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=4096,
+        num_host_pages=1024,
     )
     s = Scheduler(cfg)
     rng = np.random.default_rng(3)

@@ -71,9 +71,9 @@ def bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> dict[str, float]:
     }
 
 
-def clear_cost(num_pages: int = 512, repeats: int = 7) -> dict[str, float]:
+def clear_cost(num_kv_pages: int = 512, repeats: int = 7) -> dict[str, float]:
     cache = KVCache(
-        num_pages=num_pages,
+        num_kv_pages=num_kv_pages,
         page_size=PAGE_SIZE,
         num_layers=LAYERS,
         num_kv_heads=KV_HEADS,
@@ -83,12 +83,12 @@ def clear_cost(num_pages: int = 512, repeats: int = 7) -> dict[str, float]:
     )
     cache.data.view(torch.uint8).fill_(1)
     out: dict[str, float] = {"page_bytes": cache.page_bytes, "cache_bytes": cache.data.numel() * 2}
-    scattered = np.arange(0, num_pages, 2, dtype=np.int32)  # every page its own run
+    scattered = np.arange(0, num_kv_pages, 2, dtype=np.int32)  # every page its own run
     us = median_us(lambda: cache.clear_pages(scattered), repeats)
     out["single_page_runs_us_per_page"] = us / scattered.size
     out["single_page_runs_gb_s"] = scattered.size * cache.page_bytes / us / 1e3
     for run in (8, 64):
-        starts = np.arange(0, num_pages - run + 1, 2 * run)
+        starts = np.arange(0, num_kv_pages - run + 1, 2 * run)
         pages = (starts[:, None] + np.arange(run)[None, :]).reshape(-1).astype(np.int32)
         if len(page_runs(pages)) != starts.size:
             raise RuntimeError(f"the benchmark meant {starts.size} runs of {run} pages")
@@ -104,16 +104,16 @@ def clear_cost(num_pages: int = 512, repeats: int = 7) -> dict[str, float]:
 
 def bench_geometry() -> CacheGeometry:
     return CacheGeometry(
-        num_pages=512,
+        num_kv_pages=512,
         page_size=PAGE_SIZE,
         num_layers=LAYERS,
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         kv_dtype="bf16",
         vocab_size=BENCH_VOCAB,
-        max_context=2048,
-        max_seqs=64,
-        max_tokens_per_step=1024,
+        max_model_len=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
     )
 
 
@@ -143,13 +143,14 @@ def decode_prepare(step: int, seqs: int = DECODE_SEQS) -> Prepare:
         offload_pages=np.zeros(0, dtype=i32),
         offload_slots=np.zeros(0, dtype=i32),
         poison_pages=np.zeros(0, dtype=i32),
+        feedback=np.zeros(seqs, dtype=np.uint8),
     )
 
 
 def step_pieces(repeats: int = 200) -> dict[str, float]:
     g = bench_geometry()
     prepare = decode_prepare(1)
-    inputs = StepInputs.from_prepare(prepare, pad_page=g.num_pages, page_size=g.page_size, device="cpu")
+    inputs = StepInputs.from_prepare(prepare, pad_page=g.num_kv_pages, page_size=g.page_size, device="cpu")
     # Peaked rows (an LLM's usual case) keep the nucleus in the first 256 candidates; flat ones
     # (std 1 over 49152 tokens) need the 4096-wide fallback.
     peaked = torch.randn(DECODE_SEQS, 49152, generator=torch.Generator().manual_seed(0)) * 4
@@ -159,7 +160,7 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     return {
         "validate_prepare_us": median_us(lambda: validate_prepare(prepare, g), repeats),
         "inputs_from_prepare_us": median_us(
-            lambda: StepInputs.from_prepare(prepare, pad_page=g.num_pages, page_size=g.page_size, device="cpu"),
+            lambda: StepInputs.from_prepare(prepare, pad_page=g.num_kv_pages, page_size=g.page_size, device="cpu"),
             repeats,
         ),
         "sample_16x49152_greedy_us": median_us(lambda: sample(peaked, greedy), 20),
@@ -174,7 +175,7 @@ class CollectiveConfig:
     num_layers: int = LAYERS
     num_kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
-    max_position: int = 8192
+    max_position_embeddings: int = 8192
     eos_token_ids: tuple[int, ...] = ()
 
 
@@ -240,11 +241,11 @@ def loop_overhead(world_size: int, steps: int) -> dict[str, float]:
     g = bench_geometry()
     options = ExecutorOptions(
         model="bench",
-        num_pages=g.num_pages,
+        num_kv_pages=g.num_kv_pages,
         page_size=g.page_size,
-        max_num_seqs=g.max_seqs,
-        max_tokens_per_step=g.max_tokens_per_step,
-        max_model_len=g.max_context,
+        max_num_seqs=g.max_num_seqs,
+        max_num_batched_tokens=g.max_num_batched_tokens,
+        max_model_len=g.max_model_len,
         device="cpu",
         peer_timeout_s=60.0,
         heartbeat_interval_s=30.0,  # out of the way of the measurement; the driver is never idle long

@@ -46,9 +46,9 @@ def report(section: str, **values: object) -> None:
     print(json.dumps({"section": section, **values}), flush=True)
 
 
-def make_cache(kv_dtype: str, num_pages: int, layers: int, heads: int, head_dim: int, page_size: int = 16) -> KVCache:
+def make_cache(kv_dtype: str, num_kv_pages: int, layers: int, heads: int, head_dim: int, page_size: int = 16) -> KVCache:
     return KVCache(
-        num_pages=num_pages,
+        num_kv_pages=num_kv_pages,
         page_size=page_size,
         num_layers=layers,
         num_kv_heads=heads,
@@ -61,7 +61,7 @@ def make_cache(kv_dtype: str, num_pages: int, layers: int, heads: int, head_dim:
 
 def check_clear_pages() -> None:
     for kv_dtype in [d.value for d in KVDtype]:
-        cache = make_cache(kv_dtype, num_pages=64, layers=4, heads=2, head_dim=64)
+        cache = make_cache(kv_dtype, num_kv_pages=64, layers=4, heads=2, head_dim=64)
         live = torch.randn(cache.data[:32].shape, device="cuda").clamp(-4, 4)
         cache.data[:32] = live.to(cache.storage_dtype)
         poisoned = np.array([3, 4, 5, 9, 20, 40, 41, 42, 50], dtype=np.int32)
@@ -73,7 +73,7 @@ def check_clear_pages() -> None:
         cache.clear_pages(listed)
         torch.cuda.synchronize()
         after = cache.data.view(torch.uint8)
-        others = np.setdiff1d(np.arange(cache.num_pages + 1), listed)
+        others = np.setdiff1d(np.arange(cache.num_kv_pages + 1), listed)
         ok = all(
             [
                 check(nan_before, f"{kv_dtype}: 0xFF pages read as NaN before the clear"),
@@ -87,7 +87,7 @@ def check_clear_pages() -> None:
 
 
 def check_stream_order(iterations: int = 200) -> None:
-    cache = make_cache("fp8-e4m3", num_pages=256, layers=8, heads=8, head_dim=128)
+    cache = make_cache("fp8-e4m3", num_kv_pages=256, layers=8, heads=8, head_dim=128)
     page = 17
     cache.data[page].zero_()
     cache.data[page, :, :, :5] = torch.ones((), dtype=torch.float32).to(cache.storage_dtype)
@@ -151,7 +151,7 @@ def cuda_time_us(fn, repeats: int = 20) -> float:
 
 def check_bandwidth() -> None:
     # Llama-3-8B at TP=1: 32 layers x K,V x 16 slots x 8 KV heads x 128 x bf16 = 2 MiB a page.
-    cache = make_cache("bf16", num_pages=1024, layers=32, heads=8, head_dim=128)
+    cache = make_cache("bf16", num_kv_pages=1024, layers=32, heads=8, head_dim=128)
     page_bytes = cache.page_bytes
     one_run = [(0, 512)]
     singles = [(p, p + 1) for p in range(0, 1024, 2)]
@@ -200,23 +200,23 @@ class CapturableStandIn:
         return logits * 5.0 + attended[:, None]
 
 
-def decode_prepare(n: int, num_pages: int) -> Prepare:
+def decode_prepare(n: int, num_kv_pages: int) -> Prepare:
     pages_per_seq = 4
     return Prepare.greedy_decode(
         context_lens=np.array([3 + 5 * i for i in range(n)]),
         token_ids=np.arange(10, 10 + n),
         page_table_lens=np.full(n, pages_per_seq),
-        page_table=np.arange(n * pages_per_seq) % num_pages,
+        page_table=np.arange(n * pages_per_seq) % num_kv_pages,
     )
 
 
 def check_graph_runner() -> None:
     geometry = CacheGeometry(
-        num_pages=64, page_size=16, num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype="fp32",
-        vocab_size=128, max_context=256, max_seqs=16, max_tokens_per_step=256,
+        num_kv_pages=64, page_size=16, num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype="fp32",
+        vocab_size=128, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256,
     )
     cache = KVCache(
-        num_pages=64, page_size=16, num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype="fp32",
+        num_kv_pages=64, page_size=16, num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype="fp32",
         device=torch.device("cuda"),
     )
     cache.data[: cache.pad_page].zero_()
@@ -224,7 +224,7 @@ def check_graph_runner() -> None:
     runner = DecodeGraphRunner(model, cache, geometry=geometry, batch_sizes=(1, 4, 8))
     results = {}
     for n in (1, 3, 8, 12):
-        prepare = decode_prepare(n, geometry.num_pages)
+        prepare = decode_prepare(n, geometry.num_kv_pages)
         inputs = StepInputs.from_prepare(prepare, pad_page=cache.pad_page, page_size=16, device="cuda")
         snapshot = cache.data.clone()
         eager = model.forward(inputs, cache).clone()

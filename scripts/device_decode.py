@@ -44,7 +44,7 @@ LLAMA3_8B = ModelConfig(
     rope_scaling=None,
     rms_eps=1e-5,
     tie_embeddings=False,
-    max_position=8192,
+    max_position_embeddings=8192,
     bos_token_id=128000,
     eos_token_ids=(128001, 128009),
 )
@@ -113,9 +113,9 @@ def main() -> int:
     torch.cuda.set_device(device)
     started = time.perf_counter()
     model = random_model(device)
-    num_pages = max(BATCHES) * (CONTEXT // PAGE_SIZE) + 64
+    num_kv_pages = max(BATCHES) * (CONTEXT // PAGE_SIZE) + 64
     cache = KVCache(
-        num_pages=num_pages,
+        num_kv_pages=num_kv_pages,
         page_size=PAGE_SIZE,
         num_layers=LLAMA3_8B.num_layers,
         num_kv_heads=LLAMA3_8B.num_kv_heads,
@@ -123,18 +123,18 @@ def main() -> int:
         kv_dtype="bf16",
         device=device,
     )
-    cache.clear_pages(np.arange(num_pages, dtype=np.int32))
+    cache.clear_pages(np.arange(num_kv_pages, dtype=np.int32))
     geometry = CacheGeometry(
-        num_pages=num_pages,
+        num_kv_pages=num_kv_pages,
         page_size=PAGE_SIZE,
         num_layers=LLAMA3_8B.num_layers,
         num_kv_heads=LLAMA3_8B.num_kv_heads,
         head_dim=LLAMA3_8B.head_dim,
         kv_dtype="bf16",
         vocab_size=LLAMA3_8B.vocab_size,
-        max_context=MAX_CONTEXT,
-        max_seqs=max(BATCHES),
-        max_tokens_per_step=4096,
+        max_model_len=MAX_CONTEXT,
+        max_num_seqs=max(BATCHES),
+        max_num_batched_tokens=4096,
     )
     build_s = time.perf_counter() - started
     bandwidth = copy_bandwidth(megabytes=2048, device="cuda")

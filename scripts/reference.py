@@ -50,7 +50,7 @@ class OfflineReference:
         pages = -(-count // self.page_size)
         config = self.model.config
         cache = KVCache(
-            num_pages=pages,
+            num_kv_pages=pages,
             page_size=self.page_size,
             num_layers=config.num_layers,
             num_kv_heads=self.model.shard.local_kv_heads,
@@ -84,6 +84,7 @@ class OfflineReference:
             offload_pages=ints([]),
             offload_slots=ints([]),
             poison_pages=ints([]),
+            feedback=ints([0], "u1"),
         )
         inputs = StepInputs.from_prepare(prepare, pad_page=cache.pad_page, page_size=self.page_size, device="cpu")
         logits = self.model.forward(inputs, cache)

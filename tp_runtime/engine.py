@@ -353,17 +353,11 @@ class Engine:
                 raise HandshakeError(f"rank {rank} has cache geometry {hello.geometry}, rank 0 {first.geometry}")
         # The model's shape comes from the ranks; what the scheduler plans with must match it.
         cfg, geometry = self._scheduler.config, first.geometry
-        planned = {
-            "num_pages": cfg.num_pages,
-            "page_size": cfg.page_size,
-            "max_context": cfg.max_model_len,
-            "max_seqs": cfg.max_num_seqs,
-            "max_tokens_per_step": cfg.max_tokens_per_step,
-            "host_slots": cfg.host_slots,
-        }
-        for name, value in planned.items():
-            if getattr(geometry, name) != value:
-                raise HandshakeError(f"the ranks' cache has {name} {getattr(geometry, name)}, the scheduler plans with {value}")
+        for name in ("num_kv_pages", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_host_pages"):
+            if getattr(geometry, name) != getattr(cfg, name):
+                raise HandshakeError(
+                    f"the ranks' cache has {name} {getattr(geometry, name)}, the scheduler plans with {getattr(cfg, name)}"
+                )
 
     def _take_commands(self, block: bool) -> None:
         try:

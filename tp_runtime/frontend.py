@@ -52,13 +52,13 @@ def _bind_endpoint(key: bytes, run_id: str) -> SchedulerEndpoint:
 def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer) -> Engine:
     scheduler = Scheduler(
         SchedulerConfig(
-            num_pages=config.num_kv_pages,
+            num_kv_pages=config.num_kv_pages,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
-            max_tokens_per_step=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             eos_token_ids=tuple(tokenizer.eos_token_ids),
-            host_slots=config.num_host_pages,
+            num_host_pages=config.num_host_pages,
             enable_prefix_cache=config.enable_prefix_caching,
             poison_freed_pages=config.debug_poison_freed_pages,
         )

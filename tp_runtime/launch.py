@@ -84,9 +84,9 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
         plans = [ShardPlan.build(model, rank, world) for rank in range(world)]
     except ShardingError as exc:
         raise ConfigError(f"--tensor-parallel-size {world} cannot split {config.model}: {exc}") from None
-    max_len = config.max_model_len or model.max_position
-    if max_len > model.max_position:
-        raise ConfigError(f"--max-model-len {max_len} exceeds the model's context of {model.max_position} tokens")
+    max_len = config.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {max_len} exceeds the model's context of {model.max_position_embeddings} tokens")
     kv_bytes = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8-e4m3": 1}[config.resolved_kv_dtype]
     local_heads = max(p.local_kv_heads for p in plans)
     page_bytes = model.num_layers * 2 * config.page_size * local_heads * model.head_dim * kv_bytes
@@ -179,12 +179,12 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         dtype=config.dtype,
         weight_format=config.weight_format,
         kv_cache_dtype=config.resolved_kv_dtype,
-        num_pages=config.num_kv_pages,
+        num_kv_pages=config.num_kv_pages,
         page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
-        max_tokens_per_step=config.max_num_batched_tokens,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
-        host_slots=config.num_host_pages,
+        num_host_pages=config.num_host_pages,
         device="cuda" if use_cuda else "cpu",
         cuda_graphs=not config.enforce_eager,
         debug_poison_cache=config.debug_poison_kv_cache,

@@ -33,7 +33,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None
     rms_eps: float
     tie_embeddings: bool
-    max_position: int
+    max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -46,7 +46,7 @@ class ModelConfig:
             "num_heads",
             "num_kv_heads",
             "head_dim",
-            "max_position",
+            "max_position_embeddings",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -108,7 +108,7 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
             rope_scaling=_rope_scaling_from_hf(raw.get("rope_scaling"), source),
             rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_tuple(raw.get("eos_token_id")),
         )

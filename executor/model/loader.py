@@ -120,7 +120,7 @@ class GGUFSource:
                 rope_scaling=None,
                 rms_eps=float(self._field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
                 tie_embeddings="output.weight" not in self.tensors,
-                max_position=int(self._field("llama.context_length", 4096)),
+                max_position_embeddings=int(self._field("llama.context_length", 4096)),
                 bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=tuple(
                     int(t) for t in (self._field("tokenizer.ggml.eos_token_id"),) if t is not None

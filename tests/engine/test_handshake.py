@@ -15,8 +15,8 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from tp_runtime.engine import Engine, EngineTimeouts, EngineUnavailable
 
 GEOMETRY = CacheGeometry(
-    num_pages=32, page_size=16, num_layers=2, num_kv_heads=3, head_dim=8, kv_dtype="fp32",
-    vocab_size=512, max_context=256, max_seqs=8, max_tokens_per_step=64,
+    num_kv_pages=32, page_size=16, num_layers=2, num_kv_heads=3, head_dim=8, kv_dtype="fp32",
+    vocab_size=512, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
 )
 
 
@@ -24,7 +24,7 @@ def run_handshake(hellos: list[Hello], answers: list[list[object]]) -> None:
     key, run_id = new_key(), "run-under-test"
     endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
     scheduler = Scheduler(
-        SchedulerConfig(num_pages=32, page_size=16, max_num_seqs=8, max_tokens_per_step=64, max_model_len=256)
+        SchedulerConfig(num_kv_pages=32, page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     )
     engine = Engine(
         scheduler=scheduler, endpoint=endpoint, world_size=len(hellos), model_name="tiny", max_model_len=256,
@@ -86,6 +86,6 @@ def test_ranks_that_disagree_are_refused_with_the_difference(rank1: Hello, needl
 
 def test_ranks_whose_cache_differs_from_the_scheduler_plan_are_refused() -> None:
     answers: list[list[object]] = []
-    with pytest.raises(EngineUnavailable, match="num_pages 16, the scheduler plans with 32"):
-        run_handshake([hello(0, geometry={"num_pages": 16}), hello(1, geometry={"num_pages": 16})], answers)
+    with pytest.raises(EngineUnavailable, match="num_kv_pages 16, the scheduler plans with 32"):
+        run_handshake([hello(0, geometry={"num_kv_pages": 16}), hello(1, geometry={"num_kv_pages": 16})], answers)
     assert all(isinstance(b[-1], Shutdown) for b in answers), answers

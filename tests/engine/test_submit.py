@@ -17,7 +17,7 @@ from tp_runtime.engine import Engine
 def engine():
     endpoint = SchedulerEndpoint(ipc_address(), new_key(), "run-under-test")
     scheduler = Scheduler(
-        SchedulerConfig(num_pages=32, page_size=16, max_num_seqs=8, max_tokens_per_step=64, max_model_len=256)
+        SchedulerConfig(num_kv_pages=32, page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     )
     try:
         yield Engine(scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="tiny", max_model_len=256)

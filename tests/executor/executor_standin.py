@@ -31,7 +31,7 @@ class StandInConfig:
     num_layers: int = LAYERS
     num_kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
-    max_position: int = 256
+    max_position_embeddings: int = 256
     eos_token_ids: tuple[int, ...] = (0,)
 
 
@@ -81,32 +81,32 @@ def load_standin(
     return StandInModel(rank, world_size, fingerprint=path)
 
 
-def geometry(num_pages: int = 16, page_size: int = 4, host_slots: int = 4) -> CacheGeometry:
+def geometry(num_kv_pages: int = 16, page_size: int = 4, num_host_pages: int = 4) -> CacheGeometry:
     return CacheGeometry(
-        num_pages=num_pages,
+        num_kv_pages=num_kv_pages,
         page_size=page_size,
         num_layers=LAYERS,
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         kv_dtype="fp32",
         vocab_size=VOCAB,
-        max_context=64,
-        max_seqs=8,
-        max_tokens_per_step=64,
-        host_slots=host_slots,
+        max_model_len=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_host_pages=num_host_pages,
     )
 
 
 def make_cache(g: CacheGeometry, local_kv_heads: int, poison: bool) -> KVCache:
     return KVCache(
-        num_pages=g.num_pages,
+        num_kv_pages=g.num_kv_pages,
         page_size=g.page_size,
         num_layers=g.num_layers,
         num_kv_heads=local_kv_heads,
         head_dim=g.head_dim,
         kv_dtype=g.kv_dtype,
         device=torch.device("cpu"),
-        host_slots=g.host_slots,
+        num_host_pages=g.num_host_pages,
         poison=poison,
     )
 
@@ -157,4 +157,5 @@ def make_prepare(
         offload_pages=_i32([p for p, _ in offload]),
         offload_slots=_i32([s for _, s in offload]),
         poison_pages=_i32(poison),
+        feedback=np.zeros(len(seqs), dtype=np.uint8),
     )

@@ -27,6 +27,6 @@ def test_the_executor_applies_it_before_loading(monkeypatch):
         assert called, "retain_freed_memory must run before the weights are loaded"
         raise Loaded
 
-    options = worker.ExecutorOptions(model="m", num_pages=4, max_num_seqs=1, max_tokens_per_step=1, max_model_len=8)
+    options = worker.ExecutorOptions(model="m", num_kv_pages=4, max_num_seqs=1, max_num_batched_tokens=1, max_model_len=8)
     with pytest.raises(Loaded):
         worker.run_executor(options, rank=0, world_size=1, address="ipc:///nonexistent", key=b"k" * 32, run_id="r", load=load)

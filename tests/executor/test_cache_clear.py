@@ -14,16 +14,16 @@ HEADS = 2
 HEAD_DIM = 8
 
 
-def make_cache(kv_dtype: str, host_slots: int = 0, poison: bool = False) -> KVCache:
+def make_cache(kv_dtype: str, num_host_pages: int = 0, poison: bool = False) -> KVCache:
     return KVCache(
-        num_pages=NUM_PAGES,
+        num_kv_pages=NUM_PAGES,
         page_size=PAGE_SIZE,
         num_layers=LAYERS,
         num_kv_heads=HEADS,
         head_dim=HEAD_DIM,
         kv_dtype=kv_dtype,
         device=torch.device("cpu"),
-        host_slots=host_slots,
+        num_host_pages=num_host_pages,
         poison=poison,
     )
 
@@ -91,7 +91,7 @@ def test_clear_of_nothing_changes_nothing():
 
 @pytest.mark.parametrize("kv_dtype", ALL_DTYPES)
 def test_offload_then_restore_is_byte_identical(kv_dtype):
-    cache = make_cache(kv_dtype, host_slots=4)
+    cache = make_cache(kv_dtype, num_host_pages=4)
     fill_random(cache, seed=1)
     before = raw(cache)
     cache.offload(np.array([3, 6, 9], dtype=np.int32), np.array([2, 0, 3], dtype=np.int32))

@@ -54,9 +54,9 @@ def test_only_pure_decode_steps_that_fit_use_a_graph():
 
 
 def test_graph_widths_are_powers_of_two_up_to_the_widest_table():
-    assert graph_widths(replace(G, max_context=8192, page_size=16)) == [16, 32, 64, 128, 256, 512]
-    assert graph_widths(replace(G, max_context=1000, page_size=16)) == [16, 32, 63]
-    assert graph_widths(replace(G, max_context=100, page_size=16)) == [7]
+    assert graph_widths(replace(G, max_model_len=8192, page_size=16)) == [16, 32, 64, 128, 256, 512]
+    assert graph_widths(replace(G, max_model_len=1000, page_size=16)) == [16, 32, 63]
+    assert graph_widths(replace(G, max_model_len=100, page_size=16)) == [7]
 
 
 def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffers():
@@ -68,7 +68,7 @@ def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffer
     config = ModelConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=KV_HEADS,
         head_dim=G.head_dim, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5, tie_embeddings=True,
-        max_position=256, bos_token_id=None, eos_token_ids=(0,),
+        max_position_embeddings=256, bos_token_id=None, eos_token_ids=(0,),
     )
     g = torch.Generator().manual_seed(0)
 

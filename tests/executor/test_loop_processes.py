@@ -53,14 +53,14 @@ pytestmark = pytest.mark.timeout(120)
 def base_options(**overrides) -> ExecutorOptions:
     options = ExecutorOptions(
         model="stand-in-v1",
-        num_pages=GEOMETRY.num_pages,
+        num_kv_pages=GEOMETRY.num_kv_pages,
         page_size=GEOMETRY.page_size,
-        max_num_seqs=GEOMETRY.max_seqs,
-        max_tokens_per_step=GEOMETRY.max_tokens_per_step,
-        max_model_len=GEOMETRY.max_context,
+        max_num_seqs=GEOMETRY.max_num_seqs,
+        max_num_batched_tokens=GEOMETRY.max_num_batched_tokens,
+        max_model_len=GEOMETRY.max_model_len,
         kv_cache_dtype=GEOMETRY.kv_dtype,
         dtype="fp32",
-        host_slots=GEOMETRY.host_slots,
+        num_host_pages=GEOMETRY.num_host_pages,
         device="cpu",
         debug_poison_cache=True,
         heartbeat_interval_s=HEARTBEAT_S,
@@ -180,13 +180,13 @@ def cluster(tmp_path: Path, world_size: int, options_of=lambda rank: base_option
 
 
 def test_two_ranks_refuse_a_geometry_mismatch_at_the_handshake(tmp_path):
-    other = lambda rank: base_options(num_pages=32 if rank == 1 else GEOMETRY.num_pages)  # noqa: E731
+    other = lambda rank: base_options(num_kv_pages=32 if rank == 1 else GEOMETRY.num_kv_pages)  # noqa: E731
     with cluster(tmp_path, 2, other) as c:
         hellos = c.handshake()
-        assert hellos[1].body.geometry.num_pages == 32
+        assert hellos[1].body.geometry.num_kv_pages == 32
         assert c.wait_exit(1, 20) == ExitCode.HANDSHAKE_REFUSED
         refusal = c.log(1)
-        assert "[rank 1] handshake refused" in refusal and "num_pages 16 (expected 32)" in refusal
+        assert "[rank 1] handshake refused" in refusal and "num_kv_pages 16 (expected 32)" in refusal
         c.endpoint.send(0, Shutdown("rank 1 refused the geometry"), step=0)
         assert c.wait_exit(0, 20) == ExitCode.OK
 
@@ -226,7 +226,7 @@ def test_three_ranks_rejects_abort_everywhere_and_the_next_step_runs(tmp_path):
                 assert isinstance(body, Reject) and body.rank == rank, f"rank {rank}: {body}"
                 assert (answers[rank].step, RejectCode(body.code)) == (step, code), body.message
 
-        bad_page = make_prepare([Seq(1, (11,), 3, (0, GEOMETRY.num_pages))])
+        bad_page = make_prepare([Seq(1, (11,), 3, (0, GEOMETRY.num_kv_pages))])
         assert_all_rejected(c.step(2, bad_page), 2, RejectCode.PAGE_OUT_OF_RANGE)
 
         good = make_prepare([Seq(1, (11,), 3, (0,))])

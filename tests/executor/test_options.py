@@ -6,18 +6,18 @@ from executor.options import ExecutorOptions, OptionsError
 from executor.worker import ExecutorStartError, build_geometry, pick_device
 from tests.executor.executor_standin import StandInConfig
 
-BASE = ExecutorOptions(model="m", num_pages=64, max_num_seqs=8, max_tokens_per_step=256, max_model_len=128)
+BASE = ExecutorOptions(model="m", num_kv_pages=64, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128)
 
 
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"num_pages": 0}, "num_pages must be at least 1"),
+        ({"num_kv_pages": 0}, "num_kv_pages must be at least 1"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
         ({"dtype": "fp8"}, "dtype must be one of"),
         ({"weight_format": "int3"}, "weight_format must be one of"),
         ({"device": "tpu"}, "device must be"),
-        ({"host_slots": -1}, "host_slots"),
+        ({"num_host_pages": -1}, "num_host_pages"),
         ({"heartbeat_interval_s": 2.0, "peer_timeout_s": 1.0}, "must exceed heartbeat_interval_s"),
     ],
 )
@@ -27,12 +27,12 @@ def test_bad_options_are_refused_with_the_field_named(change, words):
 
 
 def test_geometry_comes_from_the_model_and_the_options():
-    g = build_geometry(replace(BASE, kv_cache_dtype="fp8-e4m3", host_slots=4), StandInConfig())
+    g = build_geometry(replace(BASE, kv_cache_dtype="fp8-e4m3", num_host_pages=4), StandInConfig())
     config = StandInConfig()
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (
         config.num_layers, config.num_kv_heads, config.head_dim, config.vocab_size,
     )
-    assert (g.num_pages, g.max_context, g.kv_dtype, g.host_slots) == (64, 128, "fp8-e4m3", 4)
+    assert (g.num_kv_pages, g.max_model_len, g.kv_dtype, g.num_host_pages) == (64, 128, "fp8-e4m3", 4)
 
 
 def test_a_context_longer_than_the_model_is_refused():

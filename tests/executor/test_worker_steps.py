@@ -71,13 +71,13 @@ def welcome(g=GEOMETRY, *, version=PROTOCOL_VERSION, layout=LAYOUT_VERSION, worl
 def options(**overrides) -> ExecutorOptions:
     base = ExecutorOptions(
         model="stand-in",
-        num_pages=GEOMETRY.num_pages,
+        num_kv_pages=GEOMETRY.num_kv_pages,
         page_size=GEOMETRY.page_size,
-        max_num_seqs=GEOMETRY.max_seqs,
-        max_tokens_per_step=GEOMETRY.max_tokens_per_step,
-        max_model_len=GEOMETRY.max_context,
+        max_num_seqs=GEOMETRY.max_num_seqs,
+        max_num_batched_tokens=GEOMETRY.max_num_batched_tokens,
+        max_model_len=GEOMETRY.max_model_len,
         kv_cache_dtype=GEOMETRY.kv_dtype,
-        host_slots=GEOMETRY.host_slots,
+        num_host_pages=GEOMETRY.num_host_pages,
         device="cpu",
         heartbeat_interval_s=0.05,
         peer_timeout_s=2.0,
@@ -126,7 +126,7 @@ def test_hello_carries_this_rank_and_a_clean_step_returns_a_result():
 @pytest.mark.parametrize(
     "bad_welcome, words",
     [
-        (welcome(replace(GEOMETRY, num_pages=32)), "num_pages 32"),
+        (welcome(replace(GEOMETRY, num_kv_pages=32)), "num_kv_pages 32"),
         (welcome(replace(GEOMETRY, kv_dtype="bf16")), "kv_dtype"),
         (welcome(version=99), "protocol version 99"),
         (welcome(layout=7), "cache layout 7"),
@@ -145,7 +145,7 @@ def test_handshake_mismatch_is_refused_with_a_clear_error(bad_welcome, words, ca
 
 def test_rejects_keep_the_executor_up_and_the_next_valid_step_runs():
     good = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
-    out_of_range = make_prepare([Seq(1, (20,), 0, (GEOMETRY.num_pages,))])
+    out_of_range = make_prepare([Seq(1, (20,), 0, (GEOMETRY.num_kv_pages,))])
     script = [
         welcome(),
         frame(1, out_of_range),

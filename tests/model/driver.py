@@ -29,7 +29,7 @@ class Driver:
         self,
         model: LlamaModel,
         *,
-        num_pages: int = 64,
+        num_kv_pages: int = 64,
         page_size: int = 4,
         kv_dtype: str = "fp32",
         poison: bool = False,
@@ -40,7 +40,7 @@ class Driver:
         self.page_size = page_size
         self.clear = clear
         self.cache = KVCache(
-            num_pages=num_pages,
+            num_kv_pages=num_kv_pages,
             page_size=page_size,
             num_layers=model.config.num_layers,
             num_kv_heads=model.shard.local_kv_heads,
@@ -49,7 +49,7 @@ class Driver:
             device=model.device,
             poison=poison,
         )
-        self.free = list(np.random.default_rng(seed).permutation(num_pages))
+        self.free = list(np.random.default_rng(seed).permutation(num_kv_pages))
         self.seqs: dict[int, Sequence] = {}
 
     def step(self, chunks: list[tuple[int, list[int], bool]]) -> torch.Tensor | None:

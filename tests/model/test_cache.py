@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 def _cache(kv_dtype: str, **overrides) -> KVCache:
     options = dict(
-        num_pages=10, page_size=4, num_layers=2, num_kv_heads=3, head_dim=8, kv_dtype=kv_dtype, device=CPU
+        num_kv_pages=10, page_size=4, num_layers=2, num_kv_heads=3, head_dim=8, kv_dtype=kv_dtype, device=CPU
     )
     options.update(overrides)
     return KVCache(**options)
@@ -29,14 +29,14 @@ def test_poison_is_nan_and_clear_zeroes_exactly_the_listed_pages(kv_dtype):
     cache = _cache(kv_dtype, poison=True)
     assert cache.data.shape == (11, 2, 2, 4, 3, 8)
     assert cache.page_bytes == 2 * 2 * 4 * 3 * 8 * cache.data.element_size()
-    assert torch.isnan(cache.data[: cache.num_pages].float()).all(), "0xFF bytes read as NaN"
+    assert torch.isnan(cache.data[: cache.num_kv_pages].float()).all(), "0xFF bytes read as NaN"
     assert not cache.data[cache.pad_page].float().any(), "the pad page is always zero"
 
     cleared = np.array([1, 2, 3, 6, 9], dtype=np.int32)
     before = cache.data.view(torch.uint8).clone()
     cache.clear_pages(cleared)
     after = cache.data.view(torch.uint8)
-    for page in range(cache.num_pages + 1):
+    for page in range(cache.num_kv_pages + 1):
         if page in cleared or page == cache.pad_page:
             assert not after[page].any()
         else:
@@ -66,7 +66,7 @@ def test_write_lands_in_the_addressed_slots_and_fp8_applies_the_scale():
 
 
 def test_offload_and_restore_round_trip_whole_pages():
-    cache = _cache("bf16", host_slots=2, poison=True)
+    cache = _cache("bf16", num_host_pages=2, poison=True)
     original = cache.data[5].clone()
     cache.offload([5], [1])
     cache.clear_pages(np.array([5], dtype=np.int32))
@@ -77,7 +77,7 @@ def test_offload_and_restore_round_trip_whole_pages():
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [({"kv_dtype": "int4"}, "unknown KV cache dtype"), ({"num_pages": 0}, "num_pages"), ({"scale": 0.0}, "scale")],
+    [({"kv_dtype": "int4"}, "unknown KV cache dtype"), ({"num_kv_pages": 0}, "num_kv_pages"), ({"scale": 0.0}, "scale")],
 )
 def test_bad_geometry_is_a_clear_error(overrides, message):
     with pytest.raises(CacheConfigError, match=message):

@@ -38,6 +38,7 @@ def _prepare(**overrides) -> Prepare:
         offload_pages=_i32(),
         offload_slots=_i32(),
         poison_pages=_i32(),
+        feedback=np.zeros(2, dtype=np.uint8),
     )
     fields.update(overrides)
     return Prepare(**fields)
@@ -83,7 +84,7 @@ def _config(num_heads: int, num_kv_heads: int, vocab: int = 49152, ffn: int = 15
     return ModelConfig(
         vocab_size=vocab, hidden_size=576, intermediate_size=ffn, num_layers=1, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=64, rope_theta=1e4, rope_scaling=None, rms_eps=1e-5,
-        tie_embeddings=True, max_position=2048, bos_token_id=1, eos_token_ids=(2,),
+        tie_embeddings=True, max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,),
     )
 
 

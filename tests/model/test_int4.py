@@ -147,7 +147,7 @@ def test_smollm2_answers_the_same_with_int4_weights():
     prompt = tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": "What is 2+2?"}]), add_special_tokens=False)
     answers = {}
     for fmt in ("dense", "int4"):
-        _, generated = Driver(load(path, fmt), num_pages=32, page_size=16).greedy({0: prompt}, 12)
+        _, generated = Driver(load(path, fmt), num_kv_pages=32, page_size=16).greedy({0: prompt}, 12)
         answers[fmt] = tokenizer.decode(generated[0])
     assert answers["int4"] == answers["dense"]
     assert answers["int4"].startswith("The answer to this classic math problem is 4.")

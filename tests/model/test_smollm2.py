@@ -71,7 +71,7 @@ def test_config_read_from_gguf(model):
 def test_last_token_logits_match_reference(model, reference, tokenizer):
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     # All prompts in one batched prefill step of ours; one forward each for the reference.
-    ours = Driver(model, num_pages=32, page_size=16).step(
+    ours = Driver(model, num_kv_pages=32, page_size=16).step(
         [(index, ids, True) for index, ids in enumerate(prompts)]
     )
     with torch.no_grad():
@@ -84,7 +84,7 @@ def test_greedy_chat_answer_matches_reference(model, reference, tokenizer):
     text = render_chat(tokenizer, [{"role": "user", "content": QUESTION}])
     prompt = tokenizer.encode(text, add_special_tokens=False)
     answer_len = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1  # and <|im_end|>
-    logits, generated = Driver(model, num_pages=32, page_size=16).greedy({0: prompt}, answer_len - 1)
+    logits, generated = Driver(model, num_kv_pages=32, page_size=16).greedy({0: prompt}, answer_len - 1)
     tokens = generated[0] + [int(logits[-1].argmax())]
     assert tokens[-1] in model.config.eos_token_ids
     assert tokenizer.decode(tokens) == ANSWER

@@ -26,7 +26,7 @@ DECODE_STEPS = 5
 
 def scenario(model: LlamaModel) -> tuple[list[torch.Tensor | None], dict[int, list[int]]]:
     """Batched prefill of two prompts, then batched greedy decode; the same on every world size."""
-    return Driver(model, num_pages=32, page_size=4).greedy(PROMPTS, DECODE_STEPS)
+    return Driver(model, num_kv_pages=32, page_size=4).greedy(PROMPTS, DECODE_STEPS)
 
 
 def free_port() -> int:

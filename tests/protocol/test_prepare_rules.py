@@ -28,15 +28,15 @@ def test_an_empty_step_passes() -> None:
 
 
 def test_a_step_at_every_limit_passes() -> None:
-    n = G.max_seqs
-    q = G.max_tokens_per_step // n
-    prepare = valid_prepare((q,) * n, (G.max_context,) * n, cleared_pages=(0, G.num_pages - 1))
+    n = G.max_num_seqs
+    q = G.max_num_batched_tokens // n
+    prepare = valid_prepare((q,) * n, (G.max_model_len,) * n, cleared_pages=(0, G.num_kv_pages - 1))
     validate_prepare(prepare, G)
 
 
 P = valid_prepare((3, 1, 1, 2), (3, 20, 33, 50))  # a mixed prefill/decode step, valid
 LAST_PAGES = G.max_pages_per_seq + 1
-MANY = G.max_seqs + 1
+MANY = G.max_num_seqs + 1
 
 RULES: list[tuple[str, Prepare, RejectCode]] = [
     # array lengths agree
@@ -55,7 +55,7 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
     ("too many sequences", valid_prepare((1,) * MANY, (5,) * MANY), RejectCode.LIMIT_EXCEEDED),
     (
         "too many tokens",
-        valid_prepare((G.max_tokens_per_step + 1,), (G.max_tokens_per_step + 1,)),
+        valid_prepare((G.max_num_batched_tokens + 1,), (G.max_num_batched_tokens + 1,)),
         RejectCode.LIMIT_EXCEEDED,
     ),
     (
@@ -71,8 +71,8 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
     ),
     ("context shorter than query", with_arrays(P, context_lens=[2, 20, 33, 50]), RejectCode.BAD_CONTEXT_LEN),
     (
-        "context beyond max_context",
-        with_arrays(P, context_lens=[3, 20, 33, G.max_context + 1]),
+        "context beyond max_model_len",
+        with_arrays(P, context_lens=[3, 20, 33, G.max_model_len + 1]),
         RejectCode.BAD_CONTEXT_LEN,
     ),
     (
@@ -81,20 +81,23 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
         RejectCode.PAGE_TABLE_TOO_SHORT,
     ),
     ("duplicate seq id", with_arrays(P, seq_ids=[1, 2, 3, 2]), RejectCode.DUPLICATE_SEQ_ID),
-    # page ids in [0, num_pages)
+    # feedback: 0 or 1, and 1 only where a sequence takes one new token
+    ("feedback on a prefill row", with_arrays(P, feedback=[1, 0, 0, 0]), RejectCode.BAD_FEEDBACK),
+    ("feedback value 2", with_arrays(P, feedback=[0, 2, 0, 0]), RejectCode.BAD_FEEDBACK),
+    # page ids in [0, num_kv_pages)
     (
         "page table id too big",
-        with_arrays(P, page_table=np.append(P.page_table[:-1], G.num_pages)),
+        with_arrays(P, page_table=np.append(P.page_table[:-1], G.num_kv_pages)),
         RejectCode.PAGE_OUT_OF_RANGE,
     ),
     ("page table id negative", with_arrays(P, page_table=np.append(-1, P.page_table[1:])), RejectCode.PAGE_OUT_OF_RANGE),
-    ("cleared page outside", with_arrays(P, cleared_pages=[7, 8, G.num_pages]), RejectCode.PAGE_OUT_OF_RANGE),
+    ("cleared page outside", with_arrays(P, cleared_pages=[7, 8, G.num_kv_pages]), RejectCode.PAGE_OUT_OF_RANGE),
     ("cleared page negative", with_arrays(P, cleared_pages=[-1, 7]), RejectCode.PAGE_OUT_OF_RANGE),
-    ("restore page outside", with_arrays(P, restore_pages=[100, G.num_pages + 5]), RejectCode.PAGE_OUT_OF_RANGE),
+    ("restore page outside", with_arrays(P, restore_pages=[100, G.num_kv_pages + 5]), RejectCode.PAGE_OUT_OF_RANGE),
     ("offload page outside", with_arrays(P, offload_pages=[-3]), RejectCode.PAGE_OUT_OF_RANGE),
-    ("poison page outside", with_arrays(P, poison_pages=[G.num_pages]), RejectCode.PAGE_OUT_OF_RANGE),
-    # host slots in [0, host_slots)
-    ("restore slot outside", with_arrays(P, restore_slots=[1, G.host_slots]), RejectCode.SLOT_OUT_OF_RANGE),
+    ("poison page outside", with_arrays(P, poison_pages=[G.num_kv_pages]), RejectCode.PAGE_OUT_OF_RANGE),
+    # host slots in [0, num_host_pages)
+    ("restore slot outside", with_arrays(P, restore_slots=[1, G.num_host_pages]), RejectCode.SLOT_OUT_OF_RANGE),
     ("offload slot negative", with_arrays(P, offload_slots=[-1]), RejectCode.SLOT_OUT_OF_RANGE),
     # cleared pages sorted, unique, disjoint from restore targets
     ("cleared not sorted", with_arrays(P, cleared_pages=[8, 7, 40]), RejectCode.CLEARED_NOT_SORTED_UNIQUE),
@@ -109,8 +112,8 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
     ("token id negative", with_arrays(P, token_ids=np.append(-1, P.token_ids[1:])), RejectCode.TOKEN_OUT_OF_RANGE),
     ("position negative", with_arrays(P, positions=np.append(-1, P.positions[1:])), RejectCode.POSITION_OUT_OF_RANGE),
     (
-        "position = max_context",
-        with_arrays(P, positions=np.append(P.positions[:-1], G.max_context)),
+        "position = max_model_len",
+        with_arrays(P, positions=np.append(P.positions[:-1], G.max_model_len)),
         RejectCode.POSITION_OUT_OF_RANGE,
     ),
     (
@@ -157,8 +160,8 @@ def test_every_validation_code_has_a_rule_test() -> None:
 
 
 def test_messages_name_the_offending_entry() -> None:
-    bad = with_arrays(P, cleared_pages=[7, 8, G.num_pages])
-    with pytest.raises(ProtocolError, match=rf"cleared_pages\[2\] = {G.num_pages} is outside \[0, {G.num_pages}\)"):
+    bad = with_arrays(P, cleared_pages=[7, 8, G.num_kv_pages])
+    with pytest.raises(ProtocolError, match=rf"cleared_pages\[2\] = {G.num_kv_pages} is outside \[0, {G.num_kv_pages}\)"):
         validate_prepare(bad, G)
 
 
@@ -174,6 +177,10 @@ def test_validation_does_not_need_writable_arrays() -> None:
 
 def frame(**changes: object) -> Frame:
     return dataclasses.replace(Frame(1, 1, "run-a", 5, 1, Go()), **changes)
+
+
+def test_feedback_on_one_token_rows_is_valid() -> None:
+    validate_prepare(with_arrays(P, feedback=[0, 1, 1, 0]), G)
 
 
 def test_check_envelope_accepts_its_own_run() -> None:
@@ -207,7 +214,7 @@ def test_negotiate_version_picks_the_highest_common_one() -> None:
 
 def test_check_geometry_lists_every_difference() -> None:
     check_geometry(G, G, who="rank 1")
-    other = dataclasses.replace(G, num_pages=10, kv_dtype="bf16")
-    with pytest.raises(ProtocolError, match="rank 1 .*num_pages 10 \\(expected 512\\).*kv_dtype 'bf16'") as info:
+    other = dataclasses.replace(G, num_kv_pages=10, kv_dtype="bf16")
+    with pytest.raises(ProtocolError, match="rank 1 .*num_kv_pages 10 \\(expected 512\\).*kv_dtype 'bf16'") as info:
         check_geometry(G, other, who="rank 1")
     assert info.value.code == RejectCode.GEOMETRY_MISMATCH

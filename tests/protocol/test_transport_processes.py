@@ -75,13 +75,13 @@ def test_prepare_ready_go_done_across_processes(cluster: SchedulerEndpoint) -> N
 def test_a_reject_ends_the_step_in_abort_and_the_next_step_runs(cluster: SchedulerEndpoint) -> None:
     run_step(cluster, 1, seed=1)
     good = valid_prepare(seed=2)
-    bad = with_arrays(good, cleared_pages=[7, 8, GEOMETRY.num_pages + 3])
+    bad = with_arrays(good, cleared_pages=[7, 8, GEOMETRY.num_kv_pages + 3])
     cluster.send(0, good, step=2)
     cluster.send(1, good, step=2)
     cluster.send(2, bad, step=2)
     answers = collect(cluster, Ready, Reject)
     assert [type(answers[r].body) for r in range(WORLD)] == [Ready, Ready, Reject]
     reject = answers[2].body
-    assert reject.code == RejectCode.PAGE_OUT_OF_RANGE and str(GEOMETRY.num_pages + 3) in reject.message
+    assert reject.code == RejectCode.PAGE_OUT_OF_RANGE and str(GEOMETRY.num_kv_pages + 3) in reject.message
     cluster.send_all(range(WORLD), Abort("rank 2 rejected step 2"), step=2)
     run_step(cluster, 3, seed=3)

@@ -223,8 +223,8 @@ def test_mistyped_fields_are_refused(path: tuple[str, ...], value: object) -> No
 
 def test_missing_and_extra_fields_are_refused() -> None:
     env, arrays = envelope_of(Frame(1, 1, "r", 1, 1, Welcome(1, 1, 2, GEOMETRY)))
-    del env["body"]["geometry"]["host_slots"]
-    with pytest.raises(ProtocolError, match="missing \\['host_slots'\\]"):
+    del env["body"]["geometry"]["num_host_pages"]
+    with pytest.raises(ProtocolError, match="missing \\['num_host_pages'\\]"):
         decode(signed(env, arrays), KEY)
     env, arrays = envelope_of(Frame(1, 1, "r", 1, 1, Ready(0)))
     env["body"]["extra"] = 1

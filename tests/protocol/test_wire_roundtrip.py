@@ -49,17 +49,17 @@ def arrays_of(cls: type) -> dict[str, st.SearchStrategy[np.ndarray]]:
 
 geometries = st.builds(
     CacheGeometry,
-    num_pages=small_ints,
+    num_kv_pages=small_ints,
     page_size=st.integers(1, 1024),
     num_layers=small_ints,
     num_kv_heads=small_ints,
     head_dim=small_ints,
     kv_dtype=st.sampled_from(["fp32", "bf16", "fp16", "fp8-e4m3"]),
     vocab_size=small_ints,
-    max_context=small_ints,
-    max_seqs=small_ints,
-    max_tokens_per_step=small_ints,
-    host_slots=small_ints,
+    max_model_len=small_ints,
+    max_num_seqs=small_ints,
+    max_num_batched_tokens=small_ints,
+    num_host_pages=small_ints,
 )
 
 BODY_STRATEGIES: dict[type, st.SearchStrategy] = {
@@ -75,7 +75,7 @@ BODY_STRATEGIES: dict[type, st.SearchStrategy] = {
     Welcome: st.builds(Welcome, version=small_ints, layout=small_ints, world_size=small_ints, geometry=geometries),
     Prepare: st.builds(Prepare, **arrays_of(Prepare)),
     Ready: st.builds(Ready, rank=small_ints),
-    Reject: st.builds(Reject, rank=small_ints, code=small_ints, message=texts),
+    Reject: st.builds(Reject, rank=small_ints, code=small_ints, message=texts, **arrays_of(Reject)),
     Go: st.just(Go()),
     Abort: st.builds(Abort, reason=texts),
     Result: st.builds(Result, **arrays_of(Result), step_time_us=int64s),

@@ -12,17 +12,17 @@ KEY = bytes(range(32))
 RUN_ID = "run-test"
 
 GEOMETRY = CacheGeometry(
-    num_pages=512,
+    num_kv_pages=512,
     page_size=16,
     num_layers=2,
     num_kv_heads=2,
     head_dim=8,
     kv_dtype="fp32",
     vocab_size=1000,
-    max_context=1024,
-    max_seqs=64,
-    max_tokens_per_step=512,
-    host_slots=32,
+    max_model_len=1024,
+    max_num_seqs=64,
+    max_num_batched_tokens=512,
+    num_host_pages=32,
 )
 
 _PREPARE_DTYPES = ARRAY_DTYPES[Prepare]
@@ -56,7 +56,7 @@ def valid_prepare(
         positions=_arr("positions", positions),
         page_table_lens=_arr("page_table_lens", page_table_lens),
         page_table_base=_arr("page_table_base", np.zeros(n)),
-        page_table=_arr("page_table", rng.integers(0, geometry.num_pages, sum(page_table_lens))),
+        page_table=_arr("page_table", rng.integers(0, geometry.num_kv_pages, sum(page_table_lens))),
         sample=_arr("sample", np.ones(n)),
         temperature=_arr("temperature", np.linspace(0.0, 1.5, n)),
         top_p=_arr("top_p", np.ones(n)),
@@ -68,6 +68,7 @@ def valid_prepare(
         offload_pages=_arr("offload_pages", [p for p, _ in offload]),
         offload_slots=_arr("offload_slots", [s for _, s in offload]),
         poison_pages=_arr("poison_pages", poison_pages),
+        feedback=_arr("feedback", np.zeros(n)),
     )
 
 

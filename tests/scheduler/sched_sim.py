@@ -28,9 +28,9 @@ class ShadowViolation(AssertionError):
 
 @dataclass
 class Shadow:
-    num_pages: int
+    num_kv_pages: int
     page_size: int
-    host_slots: int
+    num_host_pages: int
     pages: list[list[object]] = field(init=False)
     host: dict[int, list[object]] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)  # request id -> known tokens
@@ -40,7 +40,7 @@ class Shadow:
 
     def __post_init__(self) -> None:
         # Cache memory starts uninitialized.
-        self.pages = [[GARBAGE] * self.page_size for _ in range(self.num_pages)]
+        self.pages = [[GARBAGE] * self.page_size for _ in range(self.num_kv_pages)]
 
     def add(self, request_id: int, prompt: list[int]) -> None:
         self.tokens[request_id] = list(prompt)
@@ -156,7 +156,7 @@ def check_pool(s: Scheduler, inflight: StepPlan | None = None) -> None:
     if len(set(free)) != len(free):
         raise ShadowViolation("the free list holds a page twice")
     free_set = set(free)
-    for page in range(pool.num_pages):
+    for page in range(pool.num_kv_pages):
         rc = int(pool.refcount[page])
         if rc != held[page]:
             raise ShadowViolation(f"page {page}: refcount {rc}, held by {held[page]} rows")
@@ -174,10 +174,10 @@ def check_pool(s: Scheduler, inflight: StepPlan | None = None) -> None:
             raise ShadowViolation(f"page {page} is in a page table but still marked")
     slots = list(s._host_free)
     for req in s._waiting:
-        slots.extend(req.host_slots)
+        slots.extend(req.slot_ids)
     if inflight is not None:
         slots.extend(inflight.restore_slots)
-    if sorted(slots) != list(range(s.config.host_slots)):
+    if sorted(slots) != list(range(s.config.num_host_pages)):
         raise ShadowViolation(f"host slots leaked or double-owned: {sorted(slots)}")
 
 
@@ -187,7 +187,7 @@ class Driver:
     def __init__(self, s: Scheduler, vocab: int = 50, seed: int = 0) -> None:
         cfg = s.config
         self.s = s
-        self.shadow = Shadow(cfg.num_pages, cfg.page_size, cfg.host_slots)
+        self.shadow = Shadow(cfg.num_kv_pages, cfg.page_size, cfg.num_host_pages)
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
         self.inflight: StepPlan | None = None

@@ -37,7 +37,7 @@ def state(s: Scheduler) -> dict:
         "free_stack": s.pool.free_pages().tolist(),
         "lru": list(s.cache._lru),
         "cached_pages": sorted(s.cache._key_of),
-        "waiting": [(r.request_id, r.state, r.num_computed, tuple(r.host_slots)) for r in s._waiting],
+        "waiting": [(r.request_id, r.state, r.num_computed, tuple(r.slot_ids)) for r in s._waiting],
         "registered": {r.request_id: r.num_registered for r in s._requests.values()},
         "host_free": list(s._host_free),
         "stats": dataclasses.asdict(s.stats()),
@@ -86,21 +86,21 @@ op = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     page_size=st.sampled_from([2, 4]),
-    num_pages=st.integers(8, 40),
+    num_kv_pages=st.integers(8, 40),
     max_num_seqs=st.integers(1, 8),
     extra_budget=st.integers(0, 24),
-    host_slots=st.sampled_from([0, 16]),
+    num_host_pages=st.sampled_from([0, 16]),
     lookahead=st.integers(0, 2),
     prefix=st.booleans(),
     ops=st.lists(op, min_size=1, max_size=40),
 )
 def test_staged_admission_equals_one_by_one(
-    page_size, num_pages, max_num_seqs, extra_budget, host_slots, lookahead, prefix, ops
+    page_size, num_kv_pages, max_num_seqs, extra_budget, num_host_pages, lookahead, prefix, ops
 ):
     cfg = SchedulerConfig(
-        num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-        max_tokens_per_step=max_num_seqs + extra_budget, max_model_len=32, eos_token_ids=(2,),
-        host_slots=host_slots, enable_prefix_cache=prefix, decode_lookahead=lookahead,
+        num_kv_pages=num_kv_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs + extra_budget, max_model_len=32, eos_token_ids=(2,),
+        num_host_pages=num_host_pages, enable_prefix_cache=prefix, decode_lookahead=lookahead,
     )
     batched, single = Scheduler(cfg), Scheduler(cfg)
     single._admit_batch = 0

@@ -9,7 +9,7 @@ from tests.scheduler.sched_sim import Driver
 
 
 def make(**kw) -> Driver:
-    base = dict(num_pages=8, page_size=4, max_num_seqs=4, max_tokens_per_step=64, max_model_len=64)
+    base = dict(num_kv_pages=8, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     base.update(kw)
     return Driver(Scheduler(SchedulerConfig(**base)))
 
@@ -33,7 +33,7 @@ def first_use(d: Driver) -> dict[int, int]:
 
 
 def test_fresh_pages_listed_on_first_use_only():
-    d = make(max_tokens_per_step=4)
+    d = make(max_num_batched_tokens=4)
     d.add(0, list(range(3, 12)), SamplingParams(max_tokens=8))  # 9 tokens, chunks of 4
     d.run_to_end()
     listed = listed_in(d)
@@ -45,7 +45,7 @@ def test_fresh_pages_listed_on_first_use_only():
 
 
 def test_released_snapshot_pages_listed_exactly_once_when_first_committed():
-    d = make(num_pages=4, max_tokens_per_step=4)
+    d = make(num_kv_pages=4, max_num_batched_tokens=4)
     d.add(0, [9, 9, 9, 9, 8, 8, 8, 8], SamplingParams(max_tokens=1))
     d.run_to_end()
     s = d.s
@@ -107,7 +107,7 @@ def test_mark_survives_cancelled_reservation():
 
 
 def test_mark_survives_reservation_dropped_under_pressure():
-    d = make(num_pages=6, decode_lookahead=2)
+    d = make(num_kv_pages=6, decode_lookahead=2)
     d.add(0, [5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True))
     d.step()
     d.step()
@@ -124,7 +124,7 @@ def test_mark_survives_reservation_dropped_under_pressure():
 
 
 def test_snapshot_reuse_lists_nothing_and_keeps_marks():
-    d = make(num_pages=8)
+    d = make(num_kv_pages=8)
     shared = [11, 12, 13, 14, 15, 16, 17, 18]
     d.add(0, shared + [3], SamplingParams(max_tokens=6, ignore_eos=True))
     d.step()
@@ -147,7 +147,7 @@ def test_snapshot_reuse_lists_nothing_and_keeps_marks():
 
 
 def test_restore_targets_never_listed():
-    d = make(num_pages=6, max_num_seqs=2, host_slots=8)
+    d = make(num_kv_pages=6, max_num_seqs=2, num_host_pages=8)
     d.add(0, list(range(3, 10)), SamplingParams(max_tokens=10, ignore_eos=True))
     d.add(1, list(range(20, 27)), SamplingParams(max_tokens=10, ignore_eos=True))
     d.run_to_end()

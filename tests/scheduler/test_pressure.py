@@ -9,14 +9,14 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig
 from tests.scheduler.sched_sim import Driver
 
 
-@pytest.mark.parametrize("host_slots", [0, 6, 64])
+@pytest.mark.parametrize("num_host_pages", [0, 6, 64])
 @pytest.mark.parametrize("lookahead", [0, 2])
-def test_every_request_finishes_once_under_pressure(host_slots, lookahead):
+def test_every_request_finishes_once_under_pressure(num_host_pages, lookahead):
     cfg = SchedulerConfig(
-        num_pages=12, page_size=4, max_num_seqs=6, max_tokens_per_step=16, max_model_len=48,
-        eos_token_ids=(1,), host_slots=host_slots, decode_lookahead=lookahead, poison_freed_pages=True,
+        num_kv_pages=12, page_size=4, max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48,
+        eos_token_ids=(1,), num_host_pages=num_host_pages, decode_lookahead=lookahead, poison_freed_pages=True,
     )
-    d = Driver(Scheduler(cfg), vocab=30, seed=host_slots + lookahead)
+    d = Driver(Scheduler(cfg), vocab=30, seed=num_host_pages + lookahead)
     rng = np.random.default_rng(7)
     shared = [5, 6, 7, 8, 9, 10, 11, 12]
     n = 40
@@ -30,16 +30,16 @@ def test_every_request_finishes_once_under_pressure(host_slots, lookahead):
     d.check_outputs()
     st = d.s.stats()
     assert st.preemptions_total > 0
-    if host_slots >= 6:
+    if num_host_pages >= 6:
         assert st.offloads_total > 0 and st.restores_total > 0
     else:
         assert st.offloads_total == 0
     d.s.cache.evict(d.s.cache.evictable_count)
-    assert d.s.pool.free_count == cfg.num_pages
+    assert d.s.pool.free_count == cfg.num_kv_pages
 
 
 def test_lone_request_that_fills_the_pool_always_progresses():
-    cfg = SchedulerConfig(num_pages=4, page_size=4, max_num_seqs=4, max_tokens_per_step=8, max_model_len=64)
+    cfg = SchedulerConfig(num_kv_pages=4, page_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
     d = Driver(Scheduler(cfg))
     d.add(0, list(range(3, 10)), SamplingParams(max_tokens=10, ignore_eos=True))  # 16 KV slots: 4 pages
     d.add(1, list(range(3, 10)), SamplingParams(max_tokens=10, ignore_eos=True))
@@ -50,7 +50,7 @@ def test_lone_request_that_fills_the_pool_always_progresses():
 
 
 def test_fcfs_victim_is_the_newest_running_request():
-    cfg = SchedulerConfig(num_pages=6, page_size=4, max_num_seqs=3, max_tokens_per_step=8, max_model_len=64)
+    cfg = SchedulerConfig(num_kv_pages=6, page_size=4, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=64)
     d = Driver(Scheduler(cfg))
     for rid in range(3):
         d.add(rid, [30 + rid] * 4, SamplingParams(max_tokens=8, ignore_eos=True))

@@ -22,7 +22,7 @@ from scheduler import (
 
 
 def cfg(**kw) -> SchedulerConfig:
-    base = dict(num_pages=16, page_size=4, max_num_seqs=4, max_tokens_per_step=32, max_model_len=32, eos_token_ids=(2,))
+    base = dict(num_kv_pages=16, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, eos_token_ids=(2,))
     base.update(kw)
     return SchedulerConfig(**base)
 
@@ -47,7 +47,7 @@ def test_admission_errors_are_clear():
     s = Scheduler(cfg())
     with pytest.raises(AdmissionError, match="prompt of 30 tokens \\+ max_tokens 5 exceeds max_model_len 32"):
         s.add_request(0, [3] * 30, SamplingParams(max_tokens=5))
-    small = Scheduler(cfg(num_pages=2))
+    small = Scheduler(cfg(num_kv_pages=2))
     with pytest.raises(AdmissionError, match="needs 3 pages of 4 tokens but the cache has only 2"):
         small.add_request(0, [3] * 9, SamplingParams(max_tokens=2))
     with pytest.raises(AdmissionError, match="empty prompt"):
@@ -74,8 +74,8 @@ def test_a_prompt_is_the_same_whatever_sequence_type_carries_it():
 
 
 def test_bad_config_and_params_are_refused():
-    with pytest.raises(SchedulerConfigError, match="max_tokens_per_step"):
-        cfg(max_tokens_per_step=2)
+    with pytest.raises(SchedulerConfigError, match="max_num_batched_tokens"):
+        cfg(max_num_batched_tokens=2)
     with pytest.raises(SchedulerConfigError, match="page_size"):
         cfg(page_size=0)
     with pytest.raises(InvalidSamplingParams, match="top_p"):
@@ -143,7 +143,7 @@ def test_non_finite_row_fails_only_that_request_and_emits_nothing():
 
 
 def test_cancel_waiting_running_and_in_flight():
-    s = Scheduler(cfg(max_num_seqs=1, max_tokens_per_step=8))
+    s = Scheduler(cfg(max_num_seqs=1, max_num_batched_tokens=8))
     s.add_request(0, [3, 4], SamplingParams())
     s.add_request(1, [3, 4], SamplingParams())
     s.add_request(2, [3, 4], SamplingParams())
@@ -189,7 +189,7 @@ def test_result_that_does_not_match_the_plan_fails_the_step():
 
 
 def test_chunked_prefill_mixes_with_decode_under_the_budget():
-    s = Scheduler(cfg(max_tokens_per_step=6, max_model_len=64, num_pages=32))
+    s = Scheduler(cfg(max_num_batched_tokens=6, max_model_len=64, num_kv_pages=32))
     s.add_request(0, [3, 4], SamplingParams(max_tokens=20, ignore_eos=True))
     plan = s.plan_step()
     s.on_result(plan, result_for(plan, [5]))
@@ -217,7 +217,7 @@ def test_pages_of_a_non_finite_row_never_become_snapshots():
 
 
 def test_decode_steps_send_only_the_pages_the_executors_do_not_hold():
-    s = Scheduler(cfg(num_pages=32, max_num_seqs=3))
+    s = Scheduler(cfg(num_kv_pages=32, max_num_seqs=3))
     for rid, n in ((0, 3), (1, 6), (2, 9)):
         s.add_request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=12, ignore_eos=True))
     held: dict[int, int] = {}
@@ -250,7 +250,7 @@ def test_after_an_aborted_step_every_table_is_sent_whole():
 
 
 def test_an_admission_round_shares_each_prompt_s_own_prefix_hit():
-    s = Scheduler(cfg(num_pages=32, max_num_seqs=5, max_tokens_per_step=64))
+    s = Scheduler(cfg(num_kv_pages=32, max_num_seqs=5, max_num_batched_tokens=64))
     cached = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three full pages
     s.add_request(0, cached + [5], SamplingParams(max_tokens=1))
     plan = s.plan_step()

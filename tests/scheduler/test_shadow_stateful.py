@@ -23,24 +23,24 @@ EOS = 2  # sampled now and then: stop by eos
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         page_size=st.sampled_from([2, 4]),
-        num_pages=st.integers(8, 16),
+        num_kv_pages=st.integers(8, 16),
         max_num_seqs=st.integers(1, 4),
         extra_budget=st.integers(0, 12),
-        host_slots=st.sampled_from([0, 8, 16, 32]),
+        num_host_pages=st.sampled_from([0, 8, 16, 32]),
         lookahead=st.integers(0, 2),
         poison=st.booleans(),
         prefix=st.booleans() | st.just(True),
         seed=st.integers(0, 2**16),
     )
-    def setup(self, page_size, num_pages, max_num_seqs, extra_budget, host_slots, lookahead, poison, prefix, seed):
+    def setup(self, page_size, num_kv_pages, max_num_seqs, extra_budget, num_host_pages, lookahead, poison, prefix, seed):
         self.cfg = SchedulerConfig(
-            num_pages=num_pages,
+            num_kv_pages=num_kv_pages,
             page_size=page_size,
             max_num_seqs=max_num_seqs,
-            max_tokens_per_step=max_num_seqs + extra_budget,
+            max_num_batched_tokens=max_num_seqs + extra_budget,
             max_model_len=32,
             eos_token_ids=(EOS,),
-            host_slots=host_slots,
+            num_host_pages=num_host_pages,
             enable_prefix_cache=prefix,
             poison_freed_pages=poison,
             decode_lookahead=lookahead,
@@ -67,7 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop)
         pages = -(-(len(prompt) + max_tokens - 1) // self.cfg.page_size)
-        fits = len(prompt) + max_tokens <= self.cfg.max_model_len and pages <= self.cfg.num_pages
+        fits = len(prompt) + max_tokens <= self.cfg.max_model_len and pages <= self.cfg.num_kv_pages
         try:
             self.d.add(rid, prompt, params)
         except AdmissionError:
@@ -123,9 +123,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             event(f"{name} > 0: {getattr(st_, name) > 0}")
         assert st_.running == st_.waiting == st_.preempted == 0
         s.cache.evict(s.cache.evictable_count)
-        if s.pool.free_count != self.cfg.num_pages:
-            raise ShadowViolation(f"{self.cfg.num_pages - s.pool.free_count} pages never came back")
-        assert len(s._host_free) == self.cfg.host_slots
+        if s.pool.free_count != self.cfg.num_kv_pages:
+            raise ShadowViolation(f"{self.cfg.num_kv_pages - s.pool.free_count} pages never came back")
+        assert len(s._host_free) == self.cfg.num_host_pages
 
 
 SLOW = os.environ.get("SCHED_SLOW") == "1"
@@ -157,7 +157,7 @@ def test_machine_long_runs():
 
 def test_shadow_catches_a_missing_clear():
     """The shadow model can fail: drop one cleared page from a PREPARE and it sees garbage."""
-    cfg = SchedulerConfig(num_pages=8, page_size=4, max_num_seqs=2, max_tokens_per_step=16, max_model_len=32)
+    cfg = SchedulerConfig(num_kv_pages=8, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
     d = Driver(Scheduler(cfg))
     d.add(0, [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=4))
     plan = d.s.plan_step()
