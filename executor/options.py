@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass
 
 from protocol.frames import KVDtype
 
@@ -42,6 +44,12 @@ class ExecutorOptions:
     peer_timeout_s: float = 5.0
     # How long to wait for WELCOME after HELLO: other ranks may still be loading weights.
     handshake_timeout_s: float = 600.0
+
+    def fingerprint(self) -> str:
+        """A digest of every option, but the device: the ranks of one launch must agree on all of them
+        (the device differs by rank: cuda:LOCAL_RANK)."""
+        shared = {k: v for k, v in asdict(self).items() if k != "device"}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
     def __post_init__(self) -> None:
         positive = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,6 +156,8 @@ class Worker:
                 layout=LAYOUT_VERSION,
                 model_fingerprint=self.model.fingerprint,
                 geometry=self.geometry,
+                config_fingerprint=self.options.fingerprint(),
+                host=socket.gethostname(),
             ),
             step=0,
         )

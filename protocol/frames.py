@@ -76,6 +76,10 @@ class Hello:
     layout: int
     model_fingerprint: str
     geometry: CacheGeometry
+    # A digest of the options every rank must share (dtype, weight format, debug switches...):
+    # hosts launched with different flags are refused at the handshake, naming the host.
+    config_fingerprint: str = ""
+    host: str = ""  # the rank's host name, for errors that must say which machine disagrees
 
 
 @dataclass(frozen=True)

@@ -344,6 +344,12 @@ class Engine:
                 raise HandshakeError(
                     f"rank {rank} speaks protocol versions {list(hello.versions)}, this frontend {list(SUPPORTED_VERSIONS)}"
                 )
+            if hello.config_fingerprint != first.config_fingerprint:
+                raise HandshakeError(
+                    f"rank {rank} on host {hello.host or '?'} was started with other options (fingerprint "
+                    f"{hello.config_fingerprint}) than rank 0 on host {first.host or '?'} ({first.config_fingerprint}): "
+                    "every host must be given the same model and options"
+                )
             if hello.model_fingerprint != first.model_fingerprint:
                 raise HandshakeError(
                     f"rank {rank} loaded other weights (fingerprint {hello.model_fingerprint}) than rank 0 "

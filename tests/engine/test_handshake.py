@@ -75,6 +75,7 @@ def test_matching_ranks_are_welcomed_with_rank_zeros_geometry() -> None:
         (hello(1, model_fingerprint="other"), "other weights"),
         (hello(1, geometry={"num_kv_heads": 4}), "cache geometry"),
         (hello(1, world=3), "world size 3"),
+        (hello(1, config_fingerprint="f00d", host="node-b"), "rank 1 on host node-b was started with other options"),
     ],
 )
 def test_ranks_that_disagree_are_refused_with_the_difference(rank1: Hello, needle: str) -> None:

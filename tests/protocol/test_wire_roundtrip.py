@@ -71,6 +71,8 @@ BODY_STRATEGIES: dict[type, st.SearchStrategy] = {
         layout=small_ints,
         model_fingerprint=texts,
         geometry=geometries,
+        config_fingerprint=texts,
+        host=texts,
     ),
     Welcome: st.builds(Welcome, version=small_ints, layout=small_ints, world_size=small_ints, geometry=geometries),
     Prepare: st.builds(Prepare, **arrays_of(Prepare)),
