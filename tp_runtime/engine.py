@@ -248,6 +248,8 @@ class Engine:
             return Health(False, "the ranks are still starting")
         if self._draining:
             return Health(False, "draining")
+        if self._stopping.is_set():
+            return Health(False, "shutting down")
         return Health(True, "ok")
 
     def stats(self) -> EngineStats:

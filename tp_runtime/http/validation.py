@@ -220,7 +220,7 @@ def prepare(prompt_token_ids: list[int], sampling: SamplingRequest, limits: Limi
     elif prompt_len + max_tokens > limit:
         raise context_too_long(
             f"this model's context is {limit} tokens, but {prompt_len + max_tokens} were requested "
-            f"({prompt_len} in the prompt, {max_tokens} to generate): lower the max tokens",
+            f"({prompt_len} in the prompt, {max_tokens} to generate): lower the max tokens ('{sampling.param('max_tokens')}')",
             param=sampling.param("max_tokens"),
         )
     ends = sampling.stop_token_ids + (() if sampling.ignore_eos else limits.eos_token_ids)
