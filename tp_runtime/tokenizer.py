@@ -327,8 +327,10 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, which may be part of one UTF-8 character (OpenAI's
-        logprobs `bytes`)."""
-        return self._byte_table[token_id]
+        logprobs `bytes`). A model's vocabulary may be padded past the tokenizer's: such an id
+        stands for no bytes, as decode() gives it no text."""
+        table = self._byte_table
+        return table[token_id] if 0 <= token_id < len(table) else b""
 
     @functools.cached_property
     def _byte_table(self) -> tuple[bytes, ...]:
