@@ -35,7 +35,7 @@ class HistogramSnapshot:
     def cumulative(self) -> list[tuple[str, int]]:
         """(le, count of values <= le) pairs, +Inf last, as Prometheus exposes them."""
         running, out = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
         return out

@@ -208,7 +208,7 @@ def test_logprobs_through_the_openai_client(server_tp2: Server) -> None:
 
 
 def test_models_are_named_as_vllm_names_them(server_tp2: Server, tiny_model) -> None:
+    # vLLM reports a local model by the --model argument as given, and labels its metrics with it.
     cards = client(server_tp2).models.list().data
-    assert [card.id for card in cards] == [str(tiny_model)]
-    names = {"/metrics": f'model_name="{tiny_model}"'}
-    assert names["/metrics"] in httpx.get(f"{server_tp2.url}/metrics", timeout=10).text
+    assert [(card.id, card.root) for card in cards] == [(str(tiny_model), str(tiny_model))]
+    assert f'vllm:num_requests_running{{model_name="{tiny_model}"}}' in httpx.get(f"{server_tp2.url}/metrics", timeout=10).text

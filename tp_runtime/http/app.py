@@ -40,11 +40,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     openai.register(app, service, settings.served_model_names)
 
     # add_middleware wraps what is there already: the last added runs first.
-    app.add_middleware(BodyLimits, max_bytes=settings.body_size_limit(prompt_chars), timeout_s=settings.request_body_timeout_s)
+    app.add_middleware(
+        BodyLimits, max_bytes=settings.body_size_limit(prompt_chars), timeout_s=settings.request_body_timeout_s
+    )
     if settings.api_key:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key, protect_metrics=settings.require_api_key_for_metrics)
     if settings.bind_host is not None and is_loopback(settings.bind_host):
         app.add_middleware(HostCheck)
     routes = frozenset(route.path for route in app.routes if hasattr(route, "path"))
-    app.add_middleware(RequestCounter, count=lambda endpoint, code: metrics.http_requests.labels(endpoint, str(code)).inc(), routes=routes)
+    app.add_middleware(RequestCounter, count=metrics.count_http_answer, routes=routes)
     return app

@@ -8,6 +8,7 @@ into its response by the handler `install` registers; the ASGI middlewares send 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -129,7 +130,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     return invalid_request("; ".join(dict.fromkeys(sentences)) or "the request is invalid", param=first_param)
 
 
-def install(app: FastAPI, count_invalid) -> None:  # noqa: ANN001 (a zero-argument callable)
+def install(app: FastAPI, count_invalid: Callable[[], None]) -> None:
     """Registers the handlers that answer every error as JSON; `count_invalid` is called for each
     request refused as invalid (admission refusals are counted where the engine raises them)."""
 

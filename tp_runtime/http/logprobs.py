@@ -34,7 +34,8 @@ def for_completion(tokenizer: Tokenizer, tokens: Sequence[SampledToken], text_en
 
 
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
-    return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob, bytes=list(tokenizer.token_bytes(token_id)))
+    spelling = list(tokenizer.token_bytes(token_id))
+    return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob, bytes=spelling)
 
 
 def for_chat(tokenizer: Tokenizer, tokens: Sequence[SampledToken]) -> ChatLogprobs:

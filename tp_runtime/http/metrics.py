@@ -97,7 +97,9 @@ class EngineCollector(Collector):
         for suffix, field, help_text in _SCHEDULER_COUNTERS:
             yield _counter(f"{PREFIX}_{suffix}", help_text, getattr(stats.scheduler, field))
         yield _counter(
-            f"{PREFIX}_step_rejects", "Steps that a rank rejected or did not get ready for in time.", stats.rejects_total
+            f"{PREFIX}_step_rejects",
+            "Steps that a rank rejected or did not get ready for in time.",
+            stats.rejects_total,
         )
         yield _counter(f"{PREFIX}_step_aborts", "Steps aborted on every rank.", stats.aborts_total)
         yield _counter(f"{PREFIX}_generation_tokens", "Tokens generated.", stats.tokens_generated_total)
@@ -110,7 +112,9 @@ class EngineCollector(Collector):
             "Time from a planned step to GO: encode, send, validation on every rank, READY.",
             stats.protocol_time_s_total,
         )
-        yield _counter(f"{PREFIX}_step_seconds", "Time from PREPARE sent to the step's result.", stats.step_time_s_total)
+        yield _counter(
+            f"{PREFIX}_step_seconds", "Time from PREPARE sent to the step's result.", stats.step_time_s_total
+        )
         yield _gauge(
             f"{PREFIX}_generation_tokens_per_second",
             "Tokens generated per second since the previous scrape.",
@@ -132,20 +136,16 @@ class EngineCollector(Collector):
         # As vLLM counts it: a cached page nobody holds is as good as free.
         usage = (s.pages_used - s.pages_evictable) / total_pages if total_pages else 0.0
         yield _gauge("vllm:num_requests_running", "Requests in the running batch.", s.running, labels)
-        yield _gauge(
-            "vllm:num_requests_waiting", "Requests waiting for a slot, preempted ones included.", s.waiting + s.preempted,
-            labels,
-        )
+        waiting = s.waiting + s.preempted
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting for a slot, preempted ones too.", waiting, labels)
         yield _gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (0 to 1).", usage, labels)
-        yield _counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries_total,
-            labels,
-        )
+        queries = stats.prefix_cache_queries_total
+        yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries, labels)
         yield _counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits_total, labels
         )
         yield _counter("vllm:num_preemptions", "Requests preempted to free KV pages.", s.preemptions_total, labels)
-        yield _counter("vllm:prompt_tokens", "Prompt tokens of the requests admitted.", stats.prompt_tokens_total, labels)
+        yield _counter("vllm:prompt_tokens", "Prompt tokens of requests admitted.", stats.prompt_tokens_total, labels)
         yield _counter("vllm:generation_tokens", "Tokens generated.", stats.tokens_generated_total, labels)
         if stats.queue_time is not None:
             yield _histogram(
@@ -242,6 +242,9 @@ class Metrics:
             "vllm:request_success", "Requests that ended, by finish reason (stop, length, abort, error).",
             (MODEL_LABEL, "finished_reason"), registry=registry,
         )
+
+    def count_http_answer(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint, str(status)).inc()
 
     def timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)

@@ -10,11 +10,14 @@ switch interval. The prompt-length cap (validation.check_prompt_chars) bounds th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from tp_runtime.chat import ChatMessage, render_chat
 from tp_runtime.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class TextWorker:
@@ -34,7 +37,7 @@ class TextWorker:
         # The template writes the special tokens (BOS, turn markers) itself.
         return self._tokenizer.encode(render_chat(self._tokenizer, messages), add_special_tokens=False)
 
-    async def _run(self, function, *args):  # noqa: ANN001, ANN202 (a thin executor hop)
+    async def _run(self, function: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
     def close(self) -> None:

@@ -56,7 +56,8 @@ def check_sampling(sampling: SamplingRequest, vocab_size: int) -> None:
     t = sampling.temperature
     if not (t == 0 or (math.isfinite(t) and TEMPERATURE_MIN <= t <= sampling.temperature_max)):
         raise invalid_request(
-            f"'{p('temperature')}' must be 0 (greedy) or in [{TEMPERATURE_MIN}, {sampling.temperature_max:g}], got {t!r}",
+            f"'{p('temperature')}' must be 0 (greedy) or in [{TEMPERATURE_MIN}, {sampling.temperature_max:g}], "
+            f"got {t!r}",
             param=p("temperature"),
         )
     if not TOP_P_MIN <= sampling.top_p <= 1.0:
@@ -84,7 +85,8 @@ def check_stops(stops: Sequence[str], param: str) -> None:
     for stop in stops:
         if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
             raise invalid_request(
-                f"'{param}' takes up to {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_STRING_CHARS} characters",
+                f"'{param}' takes up to {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_STRING_CHARS} "
+                "characters",
                 param=param,
             )
         check_text(stop, param)
@@ -93,7 +95,8 @@ def check_stops(stops: Sequence[str], param: str) -> None:
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
     for token in ids:
         if not 0 <= token < vocab_size:
-            raise invalid_request(f"token id {token} in '{param}' is outside the vocabulary [0, {vocab_size})", param=param)
+            message = f"token id {token} in '{param}' is outside the vocabulary [0, {vocab_size})"
+            raise invalid_request(message, param=param)
 
 
 def check_text(text: str, param: str) -> None:
@@ -173,7 +176,8 @@ def completion_logprobs(body: CompletionRequest) -> bool:
     if body.logprobs is None:
         return False
     if not 0 <= body.logprobs <= COMPLETIONS_LOGPROBS_MAX:
-        raise invalid_request(f"'logprobs' must be in [0, {COMPLETIONS_LOGPROBS_MAX}], got {body.logprobs}", param="logprobs")
+        message = f"'logprobs' must be in [0, {COMPLETIONS_LOGPROBS_MAX}], got {body.logprobs}"
+        raise invalid_request(message, param="logprobs")
     _check_alternatives("logprobs", body.logprobs)
     return True
 
@@ -182,7 +186,8 @@ def chat_logprobs(body: ChatCompletionRequest) -> bool:
     top = body.top_logprobs
     if top is not None:
         if not 0 <= top <= CHAT_TOP_LOGPROBS_MAX:
-            raise invalid_request(f"'top_logprobs' must be in [0, {CHAT_TOP_LOGPROBS_MAX}], got {top}", param="top_logprobs")
+            message = f"'top_logprobs' must be in [0, {CHAT_TOP_LOGPROBS_MAX}], got {top}"
+            raise invalid_request(message, param="top_logprobs")
         if top and not body.logprobs:
             raise invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         _check_alternatives("top_logprobs", top)
@@ -218,10 +223,11 @@ def prepare(prompt_token_ids: list[int], sampling: SamplingRequest, limits: Limi
     if max_tokens is None:
         max_tokens = limit - prompt_len
     elif prompt_len + max_tokens > limit:
+        param = sampling.param("max_tokens")
         raise context_too_long(
             f"this model's context is {limit} tokens, but {prompt_len + max_tokens} were requested "
-            f"({prompt_len} in the prompt, {max_tokens} to generate): lower the max tokens ('{sampling.param('max_tokens')}')",
-            param=sampling.param("max_tokens"),
+            f"({prompt_len} in the prompt, {max_tokens} to generate): lower the max tokens ('{param}')",
+            param=param,
         )
     ends = sampling.stop_token_ids + (() if sampling.ignore_eos else limits.eos_token_ids)
     try:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -25,7 +26,9 @@ from tp_runtime.http.api_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     OpenAISampling,
@@ -37,6 +40,8 @@ from tp_runtime.http.generation import Generation, Piece, SampledToken
 from tp_runtime.http.routes.generate import CLIENT_CLOSED
 from tp_runtime.http.service import Collected, GenerationService, arrival_time
 from tp_runtime.http.sse import DONE, sse
+
+Body = TypeVar("Body", bound=OpenAISampling)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class Reply:
     generation: Generation
 
 
-class OpenAIEndpoint:
+class OpenAIEndpoint(ABC, Generic[Body]):
     path: ClassVar[str]
     body_type: ClassVar[type[OpenAISampling]]
     id_prefix: ClassVar[str]
@@ -70,7 +75,8 @@ class OpenAIEndpoint:
         prompt, prompt_param = await self.prompt_ids(body)
         generation = service.start(service.prepare(prompt, sampling, prompt_param), arrival)
         # vLLM's semantics: a request may name any served name; answers carry the first.
-        reply = Reply(f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.served[0], want_logprobs, generation)
+        request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        reply = Reply(request_id, int(time.time()), self.served[0], want_logprobs, generation)
         if not body.stream:
             collected = await service.collect(request, generation)
             if collected is None:
@@ -97,35 +103,37 @@ class OpenAIEndpoint:
 
     # ---- what each endpoint says for itself -----------------------------------------------------
 
-    def wants_logprobs(self, body) -> bool:  # noqa: ANN001 (the endpoint's body_type)
-        raise NotImplementedError
+    @abstractmethod
+    def wants_logprobs(self, body: Body) -> bool: ...
 
-    def max_tokens(self, body) -> tuple[int | None, str]:  # noqa: ANN001
-        raise NotImplementedError
+    @abstractmethod
+    def max_tokens(self, body: Body) -> tuple[int | None, str]:
+        """The limit on generated tokens and the field that set it."""
 
-    async def prompt_ids(self, body) -> tuple[list[int], str]:  # noqa: ANN001
+    @abstractmethod
+    async def prompt_ids(self, body: Body) -> tuple[list[int], str]:
         """The prompt's token ids and the field that holds it."""
-        raise NotImplementedError
 
-    def response(self, body, reply: Reply, collected: Collected) -> dict:  # noqa: ANN001
-        raise NotImplementedError
+    @abstractmethod
+    def response(self, body: Body, reply: Reply, collected: Collected) -> dict: ...
 
     def opening(self, reply: Reply) -> list[str]:
+        """Chunks a stream starts with, before any text."""
         return []
 
-    def chunks(self, body, reply: Reply, piece: Piece, sent: int) -> list[str]:  # noqa: ANN001
+    @abstractmethod
+    def chunks(self, body: Body, reply: Reply, piece: Piece, sent: int) -> list[str]:
         """The stream's chunks for one piece; `sent` characters of text went before it."""
-        raise NotImplementedError
 
-    def usage_chunk(self, reply: Reply, usage: Usage) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def usage_chunk(self, reply: Reply, usage: Usage) -> str: ...
 
 
 def _tokens(collected: Collected) -> list[SampledToken]:
     return [token for piece in collected.pieces for token in piece.tokens]
 
 
-class Completions(OpenAIEndpoint):
+class Completions(OpenAIEndpoint[CompletionRequest]):
     path = "/v1/completions"
     body_type = CompletionRequest
     id_prefix = "cmpl"
@@ -177,11 +185,11 @@ class Completions(OpenAIEndpoint):
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage)
         return chunk.model_dump_json()
 
-    def _logprobs(self, reply: Reply, tokens: Sequence[SampledToken], text_end: int):  # noqa: ANN202
+    def _logprobs(self, reply: Reply, tokens: Sequence[SampledToken], text_end: int) -> CompletionLogprobs | None:
         return logprobs.for_completion(self.service.tokenizer, tokens, text_end) if reply.logprobs else None
 
 
-class ChatCompletions(OpenAIEndpoint):
+class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
     path = "/v1/chat/completions"
     body_type = ChatCompletionRequest
     id_prefix = "chatcmpl"
@@ -225,17 +233,19 @@ class ChatCompletions(OpenAIEndpoint):
         logprobs_ = self._logprobs(reply, piece.tokens) if piece.tokens else None
         out = []
         if piece.text:
-            out.append(self._chunk(reply, ChatChunkChoice(delta=ChatDelta(content=piece.text), logprobs=logprobs_, finish_reason=None)))
+            choice = ChatChunkChoice(delta=ChatDelta(content=piece.text), logprobs=logprobs_, finish_reason=None)
+            out.append(self._chunk(reply, choice))
             logprobs_ = None
         if piece.finish_reason is not None:
-            out.append(self._chunk(reply, ChatChunkChoice(delta=ChatDelta(), logprobs=logprobs_, finish_reason=piece.finish_reason)))
+            choice = ChatChunkChoice(delta=ChatDelta(), logprobs=logprobs_, finish_reason=piece.finish_reason)
+            out.append(self._chunk(reply, choice))
         return out
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
         chunk = ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage)
         return chunk.model_dump_json()
 
-    def _logprobs(self, reply: Reply, tokens: Sequence[SampledToken]):  # noqa: ANN202
+    def _logprobs(self, reply: Reply, tokens: Sequence[SampledToken]) -> ChatLogprobs | None:
         return logprobs.for_chat(self.service.tokenizer, tokens) if reply.logprobs else None
 
 

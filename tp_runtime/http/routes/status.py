@@ -34,7 +34,9 @@ def models(engine: Engine, served_model_names: Sequence[str], model_path: str, c
     )
 
 
-def register(app: FastAPI, engine: Engine, metrics: Metrics, served_model_names: Sequence[str], model_path: str) -> None:
+def register(
+    app: FastAPI, engine: Engine, metrics: Metrics, served_model_names: Sequence[str], model_path: str
+) -> None:
     created = int(time.time())
 
     @app.get("/health")
