@@ -32,7 +32,9 @@ def test_the_model_id_defaults_to_the_model_path_as_vllm_reports_it():
 
 
 def test_the_api_key_leaves_the_command_line_for_the_environment(monkeypatch):
-    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    # setenv first, so that the variable _hide_api_key sets is undone after the test.
+    monkeypatch.setenv(cli.API_KEY_ENV, "")
+    monkeypatch.delenv(cli.API_KEY_ENV)
     argv = ["serve", "--api-key", "k1", "--port", "9000"]
     assert cli._hide_api_key(cli.build_parser().parse_args(argv), argv) == ["serve", "--port", "9000"]
     assert os.environ[cli.API_KEY_ENV] == "k1"
