@@ -262,6 +262,8 @@ def test_openai_routes_want_json(client, engine):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
         ("/generate", {"text": "hi", "rid": "abc"}, "rid"),
+        ("/v1/completions", {"prompt": "hi", "str": 1}, "str"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "list[int]": 0}]}, "messages.0.list[int]"),
     ],
 )
 def test_unknown_fields_are_refused_naming_them(client, engine, path, body, param):

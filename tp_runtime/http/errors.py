@@ -96,11 +96,12 @@ def model_not_found(name: str, served: str) -> ApiError:
     )
 
 
-def _path(location: tuple) -> str:
+def _path(location: tuple, *, last_is_a_key: bool) -> str:
     # Pydantic adds the union member it tried ("str", "list[int]", "function-after[...]") to the
-    # location: the client wrote neither.
-    parts = [str(part) for part in location if part != "body" and not _is_union_tag(part)]
-    return ".".join(parts)
+    # location: the client wrote none of them. An unknown field's own name is kept, whatever it is.
+    parts = list(location[:-1] if last_is_a_key else location)
+    kept = [str(part) for part in parts if part != "body" and not _is_union_tag(part)]
+    return ".".join(kept + ([str(location[-1])] if last_is_a_key and location else []))
 
 
 def _is_union_tag(part: object) -> bool:
@@ -114,7 +115,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     first_param = None
     for error in exc.errors():
         kind = error.get("type")
-        path = _path(tuple(error.get("loc", ())))
+        path = _path(tuple(error.get("loc", ())), last_is_a_key=kind == "extra_forbidden")
         if kind == "json_invalid":
             ctx = error.get("ctx", {})
             sentences.append(f"the request body is not valid JSON ({ctx.get('error', 'parse error')})")
