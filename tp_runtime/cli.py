@@ -18,6 +18,7 @@ from executor.options import WEIGHT_FORMATS
 from tp_runtime.config import DTYPES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
 
 EXIT_USAGE = 2
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: the server's API key when --api-key is not given
 TOOL_SCRIPTS = {"soak": "soak", "bench": "bench_serving"}
 
 
@@ -56,6 +57,40 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
 
 
+def _add_http_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP server (docs/http_api.md)")
+    g.add_argument("--api-key", help=f"require 'Authorization: Bearer <key>' on /v1 and /generate (default: ${API_KEY_ENV})")
+    g.add_argument("--require-api-key-for-metrics", action="store_true", help="/metrics needs the key too")
+    g.add_argument(
+        "--served-model-name", nargs="+", default=(), metavar="NAME",
+        help="names requests may give as `model`; answers report the first (default: the --model path)",
+    )
+    g.add_argument(
+        "--max-num-queued-reqs", type=int, default=0,
+        help="requests in flight (waiting + running) before new ones get 429 (default: 8 x --max-num-seqs)",
+    )
+    g.add_argument("--max-request-body-size", type=parse_size, default=0, help="largest request body (default: from --max-prompt-chars)")
+    g.add_argument("--max-prompt-chars", type=int, default=0, help="longest prompt text (default: --max-model-len x the longest token)")
+    g.add_argument("--request-body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (default 30)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
+
+
+def _hide_api_key(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """Moves --api-key into the environment that every process of the launch inherits, and out of
+    the argv handed on to them, so that the key shows in no command line but the one it was typed on."""
+    if getattr(args, "api_key", None):
+        os.environ[API_KEY_ENV] = args.api_key
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--api-key":
+            skip = True
+        elif not arg.startswith("--api-key="):
+            out.append(arg)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tp-runtime", description="Tensor-parallel LLM inference that never reads unwritten KV bytes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -63,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_options(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    _add_http_options(serve)
     gen = sub.add_parser("generate", help="generate a completion of one prompt and exit")
     gen.add_argument("prompt")
     _add_runtime_options(gen)
@@ -103,6 +139,13 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         debug_poison_freed_pages=args.debug_poison_freed_pages,
         debug_skip_clears=args.debug_skip_clears,
         log_level=args.log_level,
+        served_model_name=tuple(getattr(args, "served_model_name", ())),
+        max_num_queued_reqs=getattr(args, "max_num_queued_reqs", 0),
+        max_request_body_size=getattr(args, "max_request_body_size", 0),
+        max_prompt_chars=getattr(args, "max_prompt_chars", 0),
+        request_body_timeout=getattr(args, "request_body_timeout", 30.0),
+        timeout_keep_alive=getattr(args, "timeout_keep_alive", 5),
+        require_api_key_for_metrics=getattr(args, "require_api_key_for_metrics", False),
     )
 
 
@@ -131,10 +174,26 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     if args.command == "serve":
         _check_port_free(config.host, config.port)
+        _check_http_options(config)
     try:
         return resolve(config)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_http_options(config: RuntimeConfig) -> None:
+    names = config.served_model_name
+    if any(not name for name in names) or len(set(names)) != len(names):
+        raise ConfigError(f"--served-model-name takes distinct, non-empty names, got {list(names)}")
+    for flag, value in (
+        ("--max-num-queued-reqs", config.max_num_queued_reqs),
+        ("--max-request-body-size", config.max_request_body_size),
+        ("--max-prompt-chars", config.max_prompt_chars),
+    ):
+        if value < 0:
+            raise ConfigError(f"{flag} must be at least 1, or 0 for its default; got {value}")
+    if not config.request_body_timeout > 0 or config.timeout_keep_alive < 1:
+        raise ConfigError("--request-body-timeout must be positive and --timeout-keep-alive at least 1 second")
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -197,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_script(TOOL_SCRIPTS[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    argv = _hide_api_key(args, argv)
     from executor.model import ModelLoadError
     from tp_runtime.launch import launch, run_worker, under_torchrun
 

@@ -42,6 +42,15 @@ class RuntimeConfig:
     debug_poison_freed_pages: bool = False
     debug_skip_clears: bool = False
     log_level: str = "info"
+    # The HTTP server's (docs/http_api.md). The API key is not here: this config travels on a
+    # command line, the key in VLLM_API_KEY.
+    served_model_name: tuple[str, ...] = ()  # () : the --model path, as vLLM reports it
+    max_num_queued_reqs: int = 0  # requests in flight before 429; 0: 8 x max_num_seqs
+    max_request_body_size: int = 0  # bytes; 0: derived from the prompt cap
+    max_prompt_chars: int = 0  # 0: max_model_len x the longest token's characters
+    request_body_timeout: float = 30.0  # seconds for a whole request body to arrive
+    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open (uvicorn's)
+    require_api_key_for_metrics: bool = False
 
     @property
     def resolved_kv_dtype(self) -> str:

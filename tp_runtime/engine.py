@@ -16,11 +16,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, TPRuntimeError
 from protocol.frames import (
     SUPPORTED_VERSIONS,
     Abort,
@@ -38,13 +38,22 @@ from protocol.frames import (
 )
 from protocol.transport import SchedulerEndpoint
 from scheduler.request import SamplingParams, token_array
-from scheduler.scheduler import AdmissionError, RequestOutput, Scheduler, SchedulerStats, StepPlan
+from scheduler.scheduler import AdmissionError, RequestOutput, Scheduler, StepPlan
+from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter, EngineStats  # EngineStats: stats()'s type
 
 log = logging.getLogger("tp_runtime.engine")
 
 
 class EngineUnavailable(Exception):
     """The runtime cannot take requests: a rank failed, it is draining, or it has stopped."""
+
+
+class EngineOverloaded(TPRuntimeError):
+    """As many requests are in flight as the engine was told to hold: retry later."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class HandshakeError(Exception):
@@ -73,19 +82,6 @@ class EngineTimeouts:
     step_s: float = 120.0  # GO -> RESULT/DONE; a long CPU prefill chunk is slow
     peer_silence_s: float = 5.0  # no frame from a rank for this long while idle: it is gone
     heartbeat_s: float = 0.5
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    scheduler: SchedulerStats
-    rejects_total: int
-    aborts_total: int
-    tokens_generated_total: int
-    requests_finished_total: int
-    step_latency_s: tuple[float, ...]  # steps since the previous stats() call
-    plan_time_s_total: float  # scheduler planning, summed
-    protocol_time_s_total: float  # encode + send + the READY round trip, summed
-    step_time_s_total: float  # PREPARE sent -> RESULT in, summed
 
 
 class RequestStream:
@@ -150,7 +146,7 @@ class _Counters:
     plan_s: float = 0.0
     protocol_s: float = 0.0
     step_s: float = 0.0
-    latencies: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
 
 
 class Engine:
@@ -163,7 +159,10 @@ class Engine:
         model_name: str,
         max_model_len: int,
         timeouts: EngineTimeouts = EngineTimeouts(),
+        max_num_queued_reqs: int = 0,
     ):
+        """max_num_queued_reqs bounds the requests in flight (waiting + running, as vLLM's flag of
+        that name): submit raises EngineOverloaded past it. 0 leaves it unbounded."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._scheduler = scheduler
@@ -175,7 +174,13 @@ class Engine:
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count(1)
         self._counters = _Counters()
-        self._stats_lock = threading.Lock()
+        self._step_latency = BucketCounter(STEP_LATENCY_BUCKETS)
+        self._max_in_flight = max_num_queued_reqs
+        # submit() counts on the caller's thread, _apply() on the engine thread: submitted - applied
+        # are in the inbox, the rest of the requests in flight are in _streams.
+        self._submit_lock = threading.Lock()
+        self._submitted = 0
+        self._applied = 0
         self._last_heard: dict[int, float] = {}
         self._last_heartbeat = 0.0
         self._shutdown_reason = "shutdown"
@@ -184,6 +189,7 @@ class Engine:
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._snapshot = self._make_stats()
 
     # ---- called from other threads -------------------------------------------------------------
 
@@ -212,8 +218,16 @@ class Engine:
             prompt = token_array(prompt_token_ids)
         except ValueError as exc:
             raise AdmissionError(f"invalid prompt: {exc}") from exc
-        stream = RequestStream(next(self._ids), prompt.shape[0], loop)
         self._scheduler.check_admission(prompt.shape[0], params)
+        with self._submit_lock:
+            in_flight = self._submitted - self._applied + len(self._streams)
+            if self._max_in_flight and in_flight >= self._max_in_flight:
+                raise EngineOverloaded(
+                    f"{in_flight} requests are in flight, the most this server takes (--max-num-queued-reqs): retry later",
+                    retry_after_s=1.0,
+                )
+            self._submitted += 1
+        stream = RequestStream(next(self._ids), prompt.shape[0], loop)
         self._inbox.put(_Submit(stream, prompt, params))
         return stream
 
@@ -234,23 +248,13 @@ class Engine:
             return Health(False, "the ranks are still starting")
         if self._draining:
             return Health(False, "draining")
+        if self._stopping.is_set():
+            return Health(False, "shutting down")
         return Health(True, "ok")
 
     def stats(self) -> EngineStats:
-        with self._stats_lock:
-            c = self._counters
-            latencies, c.latencies = tuple(c.latencies), []
-            return EngineStats(
-                scheduler=self._scheduler.stats(),
-                rejects_total=c.rejects,
-                aborts_total=c.aborts,
-                tokens_generated_total=c.tokens,
-                requests_finished_total=c.finished,
-                step_latency_s=latencies,
-                plan_time_s_total=c.plan_s,
-                protocol_time_s_total=c.protocol_s,
-                step_time_s_total=c.step_s,
-            )
+        """The snapshot the engine thread published last (after its latest step or idle tick)."""
+        return self._snapshot
 
     def drain(self, timeout_s: float) -> None:
         """Takes no new requests, lets the running ones finish for up to timeout_s, then stops."""
@@ -292,6 +296,7 @@ class Engine:
                 if plan is not None:
                     self._run_step(plan, t1)
                 self._check_liveness()
+                self._snapshot = self._make_stats()
         except _RankFailure as exc:
             self._failure = self._failure or str(exc)
             log.error("%s", exc)
@@ -305,7 +310,27 @@ class Engine:
             self._ready.set()
             reason = self._failure or self._shutdown_reason
             self._fail_all(reason)
+            self._snapshot = self._make_stats()
             self._shutdown_ranks(reason)
+
+    def _make_stats(self) -> EngineStats:
+        """Called on the engine thread only (and in __init__, before it starts)."""
+        c, scheduler = self._counters, self._scheduler.stats()
+        cfg = self._scheduler.config
+        return EngineStats(
+            scheduler=scheduler,
+            rejects_total=c.rejects,
+            aborts_total=c.aborts,
+            tokens_generated_total=c.tokens,
+            requests_finished_total=c.finished,
+            step_latency=self._step_latency.snapshot(),
+            plan_time_s_total=c.plan_s,
+            protocol_time_s_total=c.protocol_s,
+            step_time_s_total=c.step_s,
+            prompt_tokens_total=c.prompt_tokens,
+            prefix_cache_queries_total=c.prompt_tokens if cfg.enable_prefix_cache else 0,
+            prefix_cache_hits_total=scheduler.prefix_hit_pages_total * cfg.page_size,
+        )
 
     def _handshake(self) -> None:
         hellos: dict[int, Hello] = {}
@@ -384,8 +409,10 @@ class Engine:
                 self._scheduler.add_request(stream.request_id, command.prompt_token_ids, command.params)
             except Exception as exc:  # admission checks raced with the pool's state: say why
                 stream.push(TokenEvent((), (), True, "error", str(exc)))
-                return
-            self._streams[stream.request_id] = stream
+            else:
+                self._streams[stream.request_id] = stream
+                self._counters.prompt_tokens += stream.prompt_len
+            self._applied += 1
         elif isinstance(command, _Cancel):
             if command.request_id in self._streams:
                 self._scheduler.cancel(command.request_id)
@@ -436,17 +463,15 @@ class Engine:
         assert result is not None
         t_done = time.perf_counter()
         outputs = self._scheduler.on_result(plan, result)
-        with self._stats_lock:
-            self._counters.step_s += t_done - t_planned
-            self._counters.latencies.append(t_done - t_planned)
+        self._counters.step_s += t_done - t_planned
+        self._step_latency.observe(t_done - t_planned)
         self._deliver(outputs)
 
     def _abort(self, plan: StepPlan, reason: str) -> None:
         log.warning("step %d aborted: %s", plan.step, reason)
         self._endpoint.send_all(self._ranks, Abort(reason), plan.step)
-        with self._stats_lock:
-            self._counters.rejects += 1
-            self._counters.aborts += 1
+        self._counters.rejects += 1
+        self._counters.aborts += 1
         self._deliver(self._scheduler.on_abort(plan, reason))
 
     def _next_frame(self, deadline: float, step: int, waiting_for: str) -> tuple[int, Frame, ProtocolError | None] | None:
@@ -513,10 +538,8 @@ class Engine:
             if out.finished:
                 finished += 1
                 del self._streams[out.request_id]
-        if tokens or finished:
-            with self._stats_lock:
-                self._counters.tokens += tokens
-                self._counters.finished += finished
+        self._counters.tokens += tokens
+        self._counters.finished += finished
 
     def _fail_all(self, reason: str) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -29,6 +29,7 @@ log = logging.getLogger("tp_runtime.frontend")
 PARENT_DIED = signal.SIGHUP
 DRAIN_TIMEOUT_S = 30.0
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
+QUEUED_REQS_PER_SEQ = 8  # the default bound on requests in flight, per running slot
 
 
 def _die_with_parent() -> None:
@@ -67,9 +68,15 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: 
         scheduler=scheduler,
         endpoint=endpoint,
         world_size=config.tensor_parallel_size,
-        model_name=os.path.basename(config.model.rstrip("/")),
+        model_name=served_model_names(config)[0],
         max_model_len=config.max_model_len,
+        max_num_queued_reqs=config.max_num_queued_reqs or QUEUED_REQS_PER_SEQ * config.max_num_seqs,
     )
+
+
+def served_model_names(config: RuntimeConfig) -> tuple[str, ...]:
+    """--served-model-name, or the --model path as given: what vLLM reports for a local model."""
+    return tuple(config.served_model_name) or (config.model,)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,10 +112,26 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
     import uvicorn
 
-    from tp_runtime.server import create_app
+    from tp_runtime.cli import API_KEY_ENV
+    from tp_runtime.http import ServerSettings, create_app
 
-    app = create_app(engine, tokenizer, engine.model_name)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off"))
+    settings = ServerSettings(
+        served_model_names(config),
+        model_path=config.model,
+        api_key=os.environ.get(API_KEY_ENV) or None,
+        require_api_key_for_metrics=config.require_api_key_for_metrics,
+        bind_host=config.host,
+        max_request_body_size=config.max_request_body_size,
+        max_prompt_chars=config.max_prompt_chars,
+        request_body_timeout_s=config.request_body_timeout,
+    )
+    app = create_app(engine, tokenizer, settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
+            timeout_keep_alive=config.timeout_keep_alive,
+        )
+    )
     # uvicorn in a non-main thread installs no signal handlers: the main thread owns SIGTERM (drain)
     # and PARENT_DIED (fail fast).
     thread = threading.Thread(target=server.run, name="http", daemon=True)
