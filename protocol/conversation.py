@@ -73,7 +73,7 @@ import enum
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -102,16 +102,12 @@ from protocol.validate import check_envelope, check_geometry, negotiate_version,
 _ABORTED_REMEMBERED = 64
 
 
-@dataclass(frozen=True)
-class Outgoing:
-    """A frame to send: the body and the step its envelope carries. Unpacks as (body, step), which
-    is the order the endpoints' send and send_all take them in."""
+class Outgoing(NamedTuple):
+    """A frame to send: the body and the step its envelope carries, in the order the endpoints'
+    send(body, step) and send_all(ranks, body, step) take them."""
 
     body: Body
     step: int
-
-    def __iter__(self):
-        return iter((self.body, self.step))
 
 
 class Phase(enum.Enum):
