@@ -98,7 +98,8 @@ from protocol.frames import (
 )
 from protocol.validate import check_envelope, check_geometry, negotiate_version, validate_prepare
 
-# Late answers to aborted steps are ignored rather than reported; a rank cannot lag further behind.
+# Late answers to the last aborted steps are dropped rather than reported as violations; a rank that
+# lags further behind has long been declared silent by the caller's timeouts.
 _ABORTED_REMEMBERED = 64
 
 

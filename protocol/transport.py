@@ -63,6 +63,7 @@ _MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _HANDSHAKE_FAILED = _MONITORED & ~(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+_IGNORED_PAST_DEADLINE = 64
 
 # ipc directories made by ipc_address(), removed by the endpoint that binds there when it closes.
 _PRIVATE_DIRS: set[str] = set()
@@ -253,17 +254,20 @@ class SchedulerEndpoint:
 
     def recv(self, timeout_ms: int) -> Received | None:
         """The next frame from a launched rank, or None after timeout_ms (-1: wait for ever).
-        What strangers send is ignored on the way and does not end the wait early."""
+        What strangers send is ignored on the way: it does not end the wait early, and frames queued
+        behind it are still read (up to _IGNORED_PAST_DEADLINE ignored ones after the deadline, so a
+        flood cannot hold the caller's loop)."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
-        while True:
+        late = 0
+        while late <= _IGNORED_PAST_DEADLINE:
             left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             if not self._sock.poll(left, zmq.POLLIN):
                 return None
             received = self._accept(self._sock.recv_multipart(copy=False))
             if received is not None:
                 return received
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+            late += deadline is not None and time.monotonic() >= deadline
+        return None
 
     def _accept(self, msg: list[zmq.Frame]) -> Received | None:
         # Connection events that precede this message are in the monitor by now: a disconnect of a

@@ -157,3 +157,17 @@ def test_a_flood_of_garbage_does_not_end_the_wait_early_or_fill_the_log(endpoint
     assert endpoint.peer_stats().unauthenticated_frames == 300
     assert len([r for r in caplog.records if "unauthenticated" in r.getMessage()]) == 3  # the 1st, 10th, 100th
     stranger.close()
+
+
+def test_a_ranks_frame_queued_behind_garbage_is_read_by_a_zero_timeout_recv(endpoint: SchedulerEndpoint) -> None:
+    # One connection, so the order is fixed: rank 0's HELLO, 40 frames that fail the MAC, a READY.
+    peer = Stranger(endpoint.address).send(*signed(hello(0, world=1), seq=1))
+    assert endpoint.recv(5000).rank == 0
+    for _ in range(40):
+        peer.send(b"garbage", bytes(32))
+    peer.send(*signed(Ready(0), step=1, seq=2))
+    time.sleep(0.3)  # everything is queued at the scheduler's socket
+    got = endpoint.recv(0)
+    assert got is not None and got.frame.body == Ready(0)
+    assert endpoint.peer_stats().unauthenticated_frames == 40
+    peer.close()

@@ -203,7 +203,7 @@ def test_every_offending_sequence_is_named_whatever_rule_it_broke() -> None:
     ids = P.seq_ids.tolist()
     assert info.value.code == RejectCode.BAD_SAMPLING and info.value.seq_ids == (ids[1], ids[2], ids[3])
     message = info.value.message
-    assert f"temperature must be 0 (greedy) or in [1e-05, " in message and f"sequence {ids[1]} (index 1)" in message
+    assert "temperature must be 0 (greedy) or in [1e-05, " in message and f"sequence {ids[1]} (index 1)" in message
     assert f"token_ids must be every new token in [0, {G.vocab_size}): sequence {ids[3]} (index 3) has {G.vocab_size}" in message
 
 
