@@ -353,7 +353,7 @@ class Engine:
         self._check_hellos(hellos)
         version = max(set(SUPPORTED_VERSIONS).intersection(*(h.versions for h in hellos.values())))
         self._endpoint.version = version
-        self._endpoint.disconnected()  # connections that came and went during start-up
+        self._endpoint.disconnected_ranks()  # connections that came and went during start-up
         self._endpoint.send_all(self._ranks, Welcome(version, LAYOUT_VERSION, self._world_size, hellos[0].geometry), 0)
 
     def _check_hellos(self, hellos: dict[int, Hello]) -> None:
@@ -480,8 +480,8 @@ class Engine:
         A closed connection is checked before every receive, not only when one times out: the
         surviving ranks' heartbeats would otherwise keep the receive busy and hide a dead peer."""
         while True:
-            if self._endpoint.disconnected():
-                raise _RankFailure("a rank's connection closed: its process ended")
+            if closed := self._endpoint.disconnected_ranks():
+                raise _RankFailure(f"the connection of ranks {sorted(closed)} closed: their process ended")
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -507,8 +507,8 @@ class Engine:
         """A rank whose connection closed has died; while idle every rank heartbeats, and one that
         stays silent is gone (a hang). During a step the collective's own failure shows up as a
         SHUTDOWN from a rank, a closed connection, or the step timeout."""
-        if self._endpoint.disconnected():
-            raise _RankFailure("a rank's connection closed: its process ended")
+        if closed := self._endpoint.disconnected_ranks():
+            raise _RankFailure(f"the connection of ranks {sorted(closed)} closed: their process ended")
         while not busy:
             received = self._endpoint.recv(0)
             if received is None:
