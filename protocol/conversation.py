@@ -866,7 +866,10 @@ class ExecutorConversation:
         if step == self.staged:
             self._pending = self._staged = None
             return AbortReceived(step, abort.reason, dropped=True)
-        if step == self.last_step + 1:  # its PREPARE never reached this rank intact
+        if step > self.last_step:
+            # Its PREPARE never reached this rank intact, or this rank refused it as out of sequence
+            # (BAD_STEP uses no number): every number up to it is used up, and the two sides agree
+            # on the next one again.
             self.last_step = step
             return AbortReceived(step, abort.reason, dropped=False)
         if step == self._refused and step == self.last_step:

@@ -404,6 +404,14 @@ class ExecutorEndpoint:
             self._sock.close(0)
             self._context.term()
             raise TransportError(f"cannot connect rank {rank} to {address}: {exc}") from exc
+        # The socket belongs to one thread (the executor's link); another thread that has something
+        # to send writes a byte into this pipe, which the socket's poller watches beside it.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_read, zmq.POLLIN)
         self._closed = False
 
     @property
@@ -420,13 +428,27 @@ class ExecutorEndpoint:
         except zmq.ZMQError as exc:
             raise TransportError(f"rank {self.rank} cannot send to {self.address}: {exc}") from exc
 
+    def wake(self) -> None:
+        """Make a recv that is waiting, or the next one, return at once: any thread may call it."""
+        try:
+            os.write(self._wake_write, b"w")
+        except BlockingIOError:  # the pipe is full of wake-ups nobody has read yet: one is enough
+            pass
+
     def recv(self, timeout_ms: int) -> Frame | None:
-        """The next frame from the scheduler, or None after timeout_ms (-1: wait for ever).
+        """The next frame from the scheduler, or None after timeout_ms (-1: wait for ever) or a wake().
 
         Raises ProtocolError for a frame that fails the MAC, decoding or the replay check, so the
         caller can answer REJECT (only the scheduler can send on this connection).
         """
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+        ready = dict(self._poller.poll(None if timeout_ms < 0 else timeout_ms))
+        if self._wake_read in ready:
+            try:
+                while os.read(self._wake_read, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._sock not in ready:
             return None
         parts = self._sock.recv_multipart(copy=False)
         frame = decode_verified(verify(parts, self._stamp.key, self._stamp.limits), self._stamp.limits)
@@ -439,6 +461,8 @@ class ExecutorEndpoint:
         self._closed = True
         self._sock.close()
         self._context.term()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
     def __enter__(self) -> ExecutorEndpoint:
         return self
