@@ -1,7 +1,12 @@
 """The frontend process: rank 0's child that runs the scheduler and the HTTP server or the CLI job.
 
 It imports no torch, so its Python work never competes with rank 0's model step for a GIL. It dies
-with rank 0 (PR_SET_PDEATHSIG), failing every request in flight with a clear error first.
+with rank 0 (PR_SET_PDEATHSIG), failing every request in flight with a clear error and removing its
+ipc directory first.
+
+Its endpoint: on one host an ipc:// socket in a 0700 directory; across hosts tcp on the address the
+other hosts reach this one by (tp_runtime.hosts.scheduler_address), never a loopback address when a
+peer is on another host.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import uuid
@@ -19,15 +23,15 @@ import uuid
 from protocol.auth import new_key
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tp_runtime.config import RuntimeConfig
+from tp_runtime import hosts
+from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
-from tp_runtime.launch import pack_secrets
+from tp_runtime.launch import Bootstrap
 from tp_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")
 
 PARENT_DIED = signal.SIGHUP
-DRAIN_TIMEOUT_S = 30.0
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
 
 
@@ -38,15 +42,19 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, int(PARENT_DIED), 0, 0, 0)
 
 
-def _bind_endpoint(key: bytes, run_id: str) -> SchedulerEndpoint:
-    single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
-    if single_host:
-        return SchedulerEndpoint(ipc_address(), key, run_id)
-    endpoint = SchedulerEndpoint("tcp://0.0.0.0:0", key, run_id)
-    port = endpoint.address.rsplit(":", 1)[1]
-    host = os.environ.get("TP_RUNTIME_ADVERTISE_HOST") or socket.gethostbyname(socket.gethostname())
-    endpoint.advertised_address = f"tcp://{host}:{port}"
-    return endpoint
+def single_host() -> bool:
+    return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
+
+
+def _bind_endpoint(config: RuntimeConfig, key: bytes, run_id: str) -> tuple[SchedulerEndpoint, str]:
+    """The bound endpoint and the address the ranks connect to."""
+    if single_host():
+        endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
+        return endpoint, endpoint.address
+    ip = hosts.scheduler_address(config.advertise_host, os.environ.get("MASTER_ADDR", config.master_addr))
+    host = f"[{ip}]" if ":" in ip else ip
+    endpoint = SchedulerEndpoint(f"tcp://{host}:{config.frame_port}", key, run_id)
+    return endpoint, endpoint.address
 
 
 def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer) -> Engine:
@@ -74,7 +82,7 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tp_runtime.frontend")
-    parser.add_argument("--secrets-fd", type=int, required=True)
+    parser.add_argument("--bootstrap-fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--mode", choices=("serve", "generate"), required=True)
     parser.add_argument("job", nargs=argparse.REMAINDER)
@@ -83,13 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
 
+    run_id = uuid.uuid4().hex
+    with os.fdopen(args.bootstrap_fd, "wb") as pipe:
+        try:
+            key, shared_key = _frame_key(config)
+            endpoint, address = _bind_endpoint(config, key, run_id)
+        except ConfigError as exc:
+            pipe.write(Bootstrap(error=str(exc)).pack())
+            return 2
+        pipe.write(Bootstrap(run_id, address, key.hex() if shared_key else "").pack())
     tokenizer = Tokenizer.from_model_path(config.model)
-    key, run_id = new_key(), uuid.uuid4().hex
-    endpoint = _bind_endpoint(key, run_id)
-    address = getattr(endpoint, "advertised_address", endpoint.address)
-    with os.fdopen(args.secrets_fd, "wb") as pipe:
-        pipe.write(pack_secrets(key, run_id, address))
     engine = build_engine(config, endpoint, tokenizer)
+    # Rank 0 gone: fail what runs, then leave through the finally below (it removes the ipc directory).
+    signal.signal(PARENT_DIED, lambda _signum, _frame: engine.fail("rank 0 exited: the runtime is down"))
     engine.start()
     try:
         if args.mode == "serve":
@@ -100,6 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown("the frontend exited")
         endpoint.close()
+
+
+def _frame_key(config: RuntimeConfig) -> tuple[bytes, bool]:
+    """The HMAC key, and whether it is to be shared with the ranks: made here on one host, read from
+    the operator's key directory across hosts (each rank reads its own copy)."""
+    if single_host():
+        return new_key(), True
+    from tp_runtime.frame_keys import load_key_dir
+
+    if not config.frame_key_dir:
+        raise ConfigError("across hosts every host needs the operator's keys: pass --frame-key-dir (docs/deployment.md)")
+    return load_key_dir(config.frame_key_dir).hmac_key, False
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
@@ -115,8 +141,8 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
     stop = threading.Event()
 
     def drain(signum: int, _frame: object) -> None:
-        log.info("SIGTERM: draining (up to %.0f s)", DRAIN_TIMEOUT_S)
-        threading.Thread(target=lambda: (engine.drain(DRAIN_TIMEOUT_S), stop.set()), daemon=True).start()
+        log.info("SIGTERM: draining (up to %g s)", config.shutdown_timeout)
+        threading.Thread(target=lambda: (engine.drain(config.shutdown_timeout), stop.set()), daemon=True).start()
 
     def parent_died(signum: int, _frame: object) -> None:
         engine.fail("rank 0 exited: the runtime is down")
@@ -129,7 +155,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
     log.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)
     while not stop.wait(0.2):
         if engine.failed:
-            log.error("runtime failed: %s", engine.health().reason)
+            sys.stderr.write(f"tp-runtime: error: the runtime failed: {engine.health().reason}\n")
             stop.wait(FAILED_LINGER_S)
             break
     server.should_exit = True

@@ -1,26 +1,45 @@
 """Process launch: torchrun workers (one executor per rank) and rank 0's frontend child.
 
 `tp-runtime serve|generate` outside torchrun re-enters itself through torch.distributed's own
-launcher (`torch.distributed.run`), so that the canonical `torchrun --nproc-per-node N -m tp_runtime
-serve` and the convenience command are the same code path.
+launcher (`torch.distributed.run`, c10d rendezvous), so that the canonical `torchrun ... -m
+tp_runtime serve` and the convenience command are the same code path. Across hosts the same command
+runs on every host (`--nnodes N --node-rank K --master-addr H --master-port P`); the host that the
+rendezvous gives global rank 0 runs the frontend, the others only executors.
 
-Bootstrap secrets: the frontend process (the scheduler) makes the HMAC key and the run id and binds
-its endpoint; it hands them to rank 0 over a private pipe, and rank 0 broadcasts them to the other
-ranks as a uint8 tensor over the torch.distributed group. The key never travels on a frame socket.
+Where things listen: torch's TCPStore binds every interface whatever host it is given, and gloo
+binds the address the host name resolves to. So the launcher hosts the rendezvous store itself, on
+a socket bound to loopback (one host) or to --master-addr (host 0 of several), and has torchrun's
+agent join it as a client; rank 0 hosts the process group's store the same way on MASTER_ADDR; and
+gloo is bound to the interface that reaches MASTER_ADDR. On one host nothing listens beyond
+loopback but the HTTP server.
+
+Bootstrap: the frontend (the scheduler) makes the run id and binds its endpoint; on one host it also
+makes the HMAC key. It hands them to rank 0 over a private pipe, and rank 0 broadcasts them over the
+gloo group. Across hosts the key is not in that message: every process reads it from the operator's
+key directory (tp_runtime.frame_keys). The key never travels on a frame socket.
+
+Stopping: SIGTERM drains for at most --shutdown-timeout seconds, and the launcher gives torchrun a
+grace period STOP_MARGIN_S longer, so that the drain always ends before torchrun kills the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
-
 from typing import TYPE_CHECKING
 
+from tp_runtime import hosts
 from tp_runtime.config import ConfigError, RuntimeConfig
 
 if TYPE_CHECKING:
@@ -28,7 +47,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tp_runtime.launch")
 
-FRONTEND_GRACE_S = 10.0  # rank 0 waits this long for its frontend to drain and exit
+# torch.distributed.elastic waits this long after passing SIGTERM on before it SIGKILLs the ranks,
+# unless torchrun's --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise (torch 2.13:
+# LaunchConfig.shutdown_timeout).
+TORCHRUN_DEFAULT_GRACE_S = 30
+# What a stop takes after the drain: SHUTDOWN to every rank, their exit, the frontend's exit.
+STOP_MARGIN_S = 10.0
+FRONTEND_GRACE_S = 5.0  # rank 0 waits this long for its frontend to exit once its executor has
+STORE_TIMEOUT_S = 60.0
+RDZV_ID = "tp-runtime"
 
 
 def under_torchrun() -> bool:
@@ -103,34 +130,136 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     )
 
 
+def torchrun_grace_s(config: RuntimeConfig) -> int:
+    """The grace period the launcher gives torchrun: the drain plus the stop, at least torch's own."""
+    return max(TORCHRUN_DEFAULT_GRACE_S, math.ceil(config.shutdown_timeout + STOP_MARGIN_S))
+
+
+def check_drain_fits(config: RuntimeConfig) -> None:
+    """Under plain torchrun: the drain must end before torchrun's grace period does."""
+    raw = os.environ.get("PET_SHUTDOWN_TIMEOUT") or os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    grace = float(raw) if raw else TORCHRUN_DEFAULT_GRACE_S
+    if config.shutdown_timeout + STOP_MARGIN_S <= grace:
+        return
+    needed = math.ceil(config.shutdown_timeout + STOP_MARGIN_S)
+    if raw:
+        raise ConfigError(
+            f"--shutdown-timeout {config.shutdown_timeout:g} does not fit torchrun's grace period of {grace:g} s "
+            f"(stopping takes up to {STOP_MARGIN_S:g} s more): give torchrun --shutdown-timeout {needed} or lower ours"
+        )
+    log.warning(
+        "--shutdown-timeout %g needs torchrun's grace period to be at least %d s; torch's default is %d s unless "
+        "torchrun was given --shutdown-timeout", config.shutdown_timeout, needed, TORCHRUN_DEFAULT_GRACE_S,
+    )
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@contextlib.contextmanager
+def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
+    """(rendezvous endpoint, this host's address) for torchrun, with the store listening on the
+    endpoint's own address only while the launch runs (host 0 hosts it)."""
+    import torch.distributed as dist
+
+    if config.multi_node:
+        local_addr = hosts.route_address(config.master_addr, config.master_port)
+        endpoint = _host_port(config.master_addr, config.master_port)
+        if config.node_rank != 0:
+            yield endpoint, local_addr
+            return
+        master_ip = hosts.resolve(config.master_addr)
+        if master_ip != local_addr:
+            raise ConfigError(
+                f"--node-rank 0 hosts the rendezvous on --master-addr {config.master_addr} ({master_ip}), "
+                "which is not an address of this host"
+            )
+        listener = hosts.listen_socket(master_ip, config.master_port)
+    else:
+        local_addr = "127.0.0.1"
+        listener = hosts.listen_socket(local_addr, 0)
+        endpoint = _host_port(local_addr, listener.getsockname()[1])
+    port = listener.getsockname()[1]
+    # The store owns the descriptor from here (libuv closes it); it lives as long as the launch.
+    store = dist.TCPStore(
+        local_addr if not config.multi_node else master_ip, port, is_master=True, multi_tenant=True,
+        wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=listener.detach(),
+    )
+    try:
+        yield endpoint, local_addr
+    finally:
+        del store
+
+
+def torchrun_argv(config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str]) -> list[str]:
+    return [
+        f"--nnodes={config.nnodes}",
+        f"--nproc-per-node={config.ranks_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={RDZV_ID}",
+        "--rdzv-conf=is_host=false",  # the launcher hosts the store (above), the agent joins it
+        f"--local-addr={local_addr}",  # the address rank 0's agent publishes as MASTER_ADDR
+        "--max-restarts=0",
+        "--monitor-interval=0.2",
+        f"--shutdown-timeout={torchrun_grace_s(config)}",
+        "-m",
+        "tp_runtime",
+        *argv,
+    ]
+
+
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
-    """Starts `python -m tp_runtime <argv>` on tensor_parallel_size ranks through torchrun's launcher."""
+    """Starts `python -m tp_runtime <argv>` on this host's ranks through torchrun's launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)))
-    torchrun_args = get_args_parser().parse_args(
-        [
-            "--standalone",
-            f"--nproc-per-node={config.tensor_parallel_size}",
-            "--max-restarts=0",
-            "--monitor-interval=0.2",
-            "-m",
-            "tp_runtime",
-            *argv,
-        ]
-    )
-    try:
-        run(torchrun_args)
-    except SignalException as exc:
-        # SIGTERM/SIGINT: torchrun passed it to the ranks, whose frontend drained before exiting.
-        log.info("stopped by %s", exc.sigval.name)
-        return 0
-    except ChildFailedError:  # torchrun has printed which rank failed and why
-        return 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
+    if config.log_level in ("warning", "error"):
+        # The ranks and the frontend say what failed in one sentence; torchrun's agent would add its
+        # own lines (which process it signalled, which exit code it saw) and c10d its C++ warnings.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # The ranks check their drain against the grace period (check_drain_fits).
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
+    # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with _rendezvous(config) as (endpoint, local_addr):
+        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
+        try:
+            run(torchrun_args)
+        except SignalException as exc:
+            # SIGTERM/SIGINT: torchrun passed it to the ranks, whose frontend drained before exiting.
+            log.info("stopped by %s", exc.sigval.name)
+            return 0
+        except ChildFailedError:  # torchrun has printed which rank failed and why
+            return 1
+        except RendezvousError as exc:
+            sys.stderr.write(f"tp-runtime: error: the rendezvous at {endpoint} failed: {exc}\n")
+            return 1
     return 0
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """What rank 0 broadcasts to every rank once its frontend is up. Across hosts `key_hex` is empty:
+    each process reads the key from the operator's key directory instead."""
+
+    run_id: str = ""
+    address: str = ""
+    key_hex: str = ""
+    error: str = ""  # the frontend could not start: every rank exits with this sentence
+
+    def pack(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> Bootstrap:
+        return cls(**json.loads(payload.decode()))
 
 
 def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
@@ -138,34 +267,44 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from executor.options import ExecutorOptions
     from executor.worker import run_executor
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    single_host = os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world)
     if world != config.tensor_parallel_size:
         raise ConfigError(f"torchrun started {world} ranks but --tensor-parallel-size is {config.tensor_parallel_size}")
     logging.basicConfig(
         level=config.log_level.upper(), format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
     )
+    if mode == "serve":
+        check_drain_fits(config)
+    keys = None
+    if not single_host:
+        from tp_runtime.frame_keys import load_key_dir
+
+        if not config.frame_key_dir:
+            raise ConfigError("across hosts every host needs the operator's keys: pass --frame-key-dir (docs/deployment.md)")
+        keys = load_key_dir(config.frame_key_dir)
     config = resolve(config)
     use_cuda = uses_cuda(config)
     if world > 1:
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
-            timeout=timedelta(seconds=60),
-            device_id=torch.device("cuda", local_rank) if use_cuda else None,
-        )
-    bootstrap = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
+        _bind_gloo(single_host)
+        _init_process_group("nccl" if use_cuda else "gloo", rank, world, use_cuda)
+    bootstrap_group = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
 
     frontend: subprocess.Popen[bytes] | None = None
-    secrets = b""
+    payload = b""
     if rank == 0:
-        frontend, secrets = _start_frontend(config, mode, job)
+        frontend, payload = _start_frontend(config, mode, job)
     if world > 1:
-        secrets = _broadcast_bytes(secrets, bootstrap)
-    key, run_id, address = _unpack_secrets(secrets)
+        payload = _broadcast_bytes(payload, bootstrap_group)
+    info = Bootstrap.unpack(payload)
+    if info.error:
+        if frontend is not None:
+            frontend.wait()
+        raise ConfigError(info.error)
+    key = bytes.fromhex(info.key_hex) if info.key_hex else keys.hmac_key  # type: ignore[union-attr]
 
     def on_sigterm(signum: int, _frame: object) -> None:
         # Keep stepping: the frontend drains its running requests and then sends SHUTDOWN to all.
@@ -174,7 +313,52 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
             frontend.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    options = ExecutorOptions(
+    code = 1
+    try:
+        code = run_executor(
+            executor_options(config, use_cuda), rank=rank, world_size=world, address=info.address, key=key,
+            run_id=info.run_id,
+        )
+    finally:
+        if frontend is not None:
+            try:
+                frontend_code = frontend.wait(timeout=FRONTEND_GRACE_S)
+            except subprocess.TimeoutExpired:
+                frontend.kill()
+                frontend_code = frontend.wait()
+            code = frontend_code or code
+            # The frontend removes its ipc directory as it exits; one that was killed cannot.
+            remove_ipc_dir(info.address)
+    if world > 1:
+        code = _agree_on_exit(code, bootstrap_group)
+        dist.destroy_process_group()
+    return code
+
+
+def _agree_on_exit(code: int, group: object) -> int:
+    """Every rank exits with rank 0's code unless it has a failure of its own: a failed launch fails
+    on every host, so that no host's torchrun agent waits in its exit barrier for one that failed."""
+    import torch
+    import torch.distributed as dist
+
+    status = torch.tensor([code], dtype=torch.int32)
+    try:
+        dist.broadcast(status, src=0, group=group, async_op=True).wait(timedelta(seconds=FRONTEND_GRACE_S * 2))
+    except Exception:  # noqa: BLE001 - rank 0 is gone: that is a failure whatever this rank saw
+        return code or 1
+    rank_zero = int(status.item())
+    if code == 0 and rank_zero != 0 and os.environ.get("LOCAL_RANK") == "0" and os.environ.get("GROUP_RANK") != "0":
+        sys.stderr.write(
+            f"tp-runtime: error: the launch failed on the host of rank 0 ({os.environ.get('MASTER_ADDR')}), "
+            f"exit code {rank_zero}: its error is there\n"
+        )
+    return code or rank_zero
+
+
+def executor_options(config: RuntimeConfig, use_cuda: bool):  # noqa: ANN201 (executor.options is imported late)
+    from executor.options import ExecutorOptions
+
+    return ExecutorOptions(
         model=config.model,
         dtype=config.dtype,
         weight_format=config.weight_format,
@@ -191,27 +375,75 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         debug_poison_freed=config.debug_poison_freed_pages,
         debug_skip_clears=config.debug_skip_clears,
     )
+
+
+def remove_ipc_dir(address: str) -> None:
+    """Removes the private directory of an ipc:// scheduler address if it is still there: one that
+    this user owns with mode 0700, as protocol.transport.ipc_address makes it."""
+    if not address.startswith("ipc://"):
+        return
+    directory = os.path.dirname(address[len("ipc://") :])
     try:
-        code = run_executor(options, rank=rank, world_size=world, address=address, key=key, run_id=run_id)
-    finally:
-        if frontend is not None:
-            try:
-                frontend_code = frontend.wait(timeout=FRONTEND_GRACE_S)
-            except subprocess.TimeoutExpired:
-                frontend.kill()
-                frontend_code = frontend.wait()
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-    return frontend_code if frontend is not None and frontend_code else code
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _bind_gloo(single_host: bool) -> None:
+    """gloo listens on the interface that reaches MASTER_ADDR (loopback on one host) unless the
+    operator chose one with GLOO_SOCKET_IFNAME."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    if single_host:
+        address = "127.0.0.1"
+    else:
+        address = hosts.route_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    interface = hosts.interface_of(address)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _init_process_group(backend: str, rank: int, world: int, use_cuda: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
+    timeout = timedelta(seconds=60)
+    store = _process_group_store(rank, world)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
+
+
+def _process_group_store(rank: int, world: int):  # noqa: ANN202 (torch.distributed.Store)
+    """The store the process group bootstraps through. torchrun's agent hosts it unless told not
+    to (the launcher does, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE); then rank 0 hosts it here, on
+    MASTER_ADDR only, rather than on every interface as init_process_group would."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None  # env:// joins the agent's store
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=STORE_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    listener = hosts.listen_socket(host, port)
+    return dist.TCPStore(
+        host, port, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
 
 
 def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[subprocess.Popen[bytes], bytes]:
+    """The frontend process and its packed Bootstrap (one with `error` set if it did not start)."""
     read_fd, write_fd = os.pipe()
     command = [
         sys.executable,
         "-m",
         "tp_runtime.frontend",
-        "--secrets-fd",
+        "--bootstrap-fd",
         str(write_fd),
         "--config",
         config.to_json(),
@@ -223,11 +455,11 @@ def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[s
     child = subprocess.Popen(command, pass_fds=(write_fd,))
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as pipe:
-        secrets = pipe.read()
-    if not secrets:
+        payload = pipe.read()
+    if not payload:
         code = child.wait()
-        raise RuntimeError(f"the frontend process exited with code {code} before it was ready")
-    return child, secrets
+        return child, Bootstrap(error=f"the frontend process exited with code {code} before it was ready").pack()
+    return child, payload
 
 
 def _broadcast_bytes(payload: bytes, group: object) -> bytes:
@@ -241,12 +473,3 @@ def _broadcast_bytes(payload: bytes, group: object) -> bytes:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buffer, src=0, group=group)
     return buffer.numpy().tobytes()
-
-
-def pack_secrets(key: bytes, run_id: str, address: str) -> bytes:
-    return b"\n".join((key.hex().encode(), run_id.encode(), address.encode()))
-
-
-def _unpack_secrets(payload: bytes) -> tuple[bytes, str, str]:
-    key_hex, run_id, address = payload.decode().split("\n")
-    return bytes.fromhex(key_hex), run_id, address
