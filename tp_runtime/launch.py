@@ -34,6 +34,8 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -54,6 +56,7 @@ TORCHRUN_DEFAULT_GRACE_S = 30
 # What a stop takes after the drain: SHUTDOWN to every rank, their exit, the frontend's exit.
 STOP_MARGIN_S = 10.0
 FRONTEND_GRACE_S = 5.0  # rank 0 waits this long for its frontend to exit once its executor has
+FRONTEND_GONE_S = 10.0  # longer than an executor's peer timeout: rank 0 then ends on its own
 STORE_TIMEOUT_S = 60.0
 RDZV_ID = "tp-runtime"
 
@@ -313,6 +316,8 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
             frontend.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if frontend is not None:
+        _watch_frontend(frontend, info.address)
     code = 1
     try:
         code = run_executor(
@@ -333,6 +338,22 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         code = _agree_on_exit(code, bootstrap_group)
         dist.destroy_process_group()
     return code
+
+
+def _watch_frontend(frontend: subprocess.Popen[bytes], address: str) -> None:
+    """Ends rank 0 if it outlives its frontend by FRONTEND_GONE_S. After the handshake the executor
+    notices a silent scheduler by itself (within its peer timeout); before it, it would wait for a
+    WELCOME for as long as weights may take to load."""
+
+    def watch() -> None:
+        code = frontend.wait()
+        time.sleep(FRONTEND_GONE_S)
+        remove_ipc_dir(address)
+        sys.stderr.write(f"tp-runtime: error: the frontend exited with code {code}; rank 0 stops too\n")
+        sys.stderr.flush()
+        os._exit(code or 1)
+
+    threading.Thread(target=watch, name="frontend-watch", daemon=True).start()
 
 
 def _agree_on_exit(code: int, group: object) -> int:
