@@ -267,7 +267,6 @@ class Bootstrap:
 
 def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     """Body of one torchrun worker: rank 0 also owns the frontend process."""
-    import torch
     import torch.distributed as dist
 
     from executor.worker import run_executor
@@ -376,7 +375,7 @@ def _agree_on_exit(code: int, group: object) -> int:
     return code or rank_zero
 
 
-def executor_options(config: RuntimeConfig, use_cuda: bool):  # noqa: ANN201 (executor.options is imported late)
+def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptions, imported late
     from executor.options import ExecutorOptions
 
     return ExecutorOptions(
@@ -439,7 +438,7 @@ def _init_process_group(backend: str, rank: int, world: int, use_cuda: bool) -> 
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
 
 
-def _process_group_store(rank: int, world: int):  # noqa: ANN202 (torch.distributed.Store)
+def _process_group_store(rank: int, world: int):  # -> torch.distributed.Store | None, imported late
     """The store the process group bootstraps through. torchrun's agent hosts it unless told not
     to (the launcher does, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE); then rank 0 hosts it here, on
     MASTER_ADDR only, rather than on every interface as init_process_group would."""

@@ -149,9 +149,10 @@ def test_a_host_started_with_other_options_is_refused(tiny_model: Path, key_dirs
     try:
         results = wait_all(nodes, 180)
         assert all(code != 0 for code, _, _ in results), results
-        frontend_err = next(err for node, (_, _, err) in zip(nodes, results) if "tp-runtime: error:" in err)
-        last = frontend_err.strip().splitlines()[-1]
-        assert "other options" in last and "every host must be given the same model and options" in last, frontend_err
+        frontend_err = next(err for _, _, err in results if "tp-runtime: error:" in err)
+        sentences = [line for line in frontend_err.splitlines() if line.startswith("tp-runtime: error:")]
+        assert len(sentences) == 1, frontend_err  # one sentence; the lines around it are the ranks' logs
+        assert "other options" in sentences[0] and "every host must be given the same model and options" in sentences[0]
         assert "Traceback" not in frontend_err
         assert_nothing_left(nodes)
     finally:
