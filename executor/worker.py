@@ -25,7 +25,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from protocol.frames import (
     Welcome,
 )
 from protocol.page_tables import HeldPageTables
+
+if TYPE_CHECKING:
+    from protocol.curve import ClientCurve
 
 logger = logging.getLogger("tp_runtime.executor")
 
@@ -432,11 +435,13 @@ def run_executor(
     key: bytes,
     run_id: str,
     load: Callable[..., Any] | None = None,
+    curve: ClientCurve | None = None,
 ) -> int:
     """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps.
 
     torch.distributed must already be initialized when world_size > 1 (the launcher does it).
     `load` replaces executor.model.load_model (same signature); the loop tests pass a stand-in.
+    `curve` (protocol.curve.ClientCurve) makes the connection a CurveZMQ client, across hosts.
     """
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ExecutorStartError(
@@ -483,7 +488,7 @@ def run_executor(
         step_model = DecodeGraphRunner(
             model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes
         )
-    endpoint = ExecutorEndpoint(address, key, run_id, rank)
+    endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(
             rank=rank,

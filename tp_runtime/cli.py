@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import socket
 import sys
@@ -90,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
-    keys = sub.add_parser("keys", help="make the key directory --frame-key-dir names (copy it to every host)")
-    keys.add_argument("directory", help="a directory that does not exist yet")
+    keys = sub.add_parser("keys", help="make the key directories --frame-key-dir names, one per host")
+    keys.add_argument("directory", help="a directory that does not exist yet; OUT/<host> is for that host")
+    keys.add_argument("--hosts", nargs="+", required=True, help="a name for each host (the directories' names)")
     sub.add_parser("soak", help="soak run under KV pressure with fault injection (scripts/soak.py)", add_help=False)
     sub.add_parser("bench", help="serving benchmark (scripts/bench_serving.py)", add_help=False)
     return parser
@@ -196,6 +198,8 @@ def _check_hosts(config: RuntimeConfig) -> None:
         )
     if config.frame_key_dir:
         frame_keys.load_key_dir(config.frame_key_dir)
+    elif importlib.util.find_spec("cryptography") is None:
+        raise ConfigError("--trust-rendezvous-store needs the `cryptography` package: pip install 'tp-runtime[multinode]'")
     hosts.resolve(config.master_addr)
     if config.advertise_host:
         hosts.resolve(config.advertise_host)
@@ -275,10 +279,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "keys":
-            from tp_runtime.frame_keys import create_key_dir
+            from tp_runtime.frame_keys import create_key_dirs
 
-            create_key_dir(args.directory)
-            sys.stdout.write(f"made the frame keys in {args.directory}: copy it to every host (docs/deployment.md)\n")
+            for host, directory in create_key_dirs(args.directory, args.hosts).items():
+                sys.stdout.write(f"{host}: copy {directory} to that host and pass --frame-key-dir with its path\n")
             return 0
         config = config_from_args(args)
         if under_torchrun():

@@ -19,14 +19,16 @@ import signal
 import sys
 import threading
 import uuid
+from dataclasses import replace
 
 from protocol.auth import new_key
+from protocol.curve import ServerCurve
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tp_runtime import hosts
+from tp_runtime import frame_keys, hosts
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
-from tp_runtime.launch import Bootstrap
+from tp_runtime.launch import Bootstrap, KeyMode
 from tp_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")
@@ -46,15 +48,28 @@ def single_host() -> bool:
     return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
 
 
-def _bind_endpoint(config: RuntimeConfig, key: bytes, run_id: str) -> tuple[SchedulerEndpoint, str]:
-    """The bound endpoint and the address the ranks connect to."""
+def _bind_endpoint(config: RuntimeConfig, key: bytes, run_id: str, curve: ServerCurve | None) -> SchedulerEndpoint:
     if single_host():
-        endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
-        return endpoint, endpoint.address
+        return SchedulerEndpoint(ipc_address(), key, run_id)
     ip = hosts.scheduler_address(config.advertise_host, os.environ.get("MASTER_ADDR", config.master_addr))
     host = f"[{ip}]" if ":" in ip else ip
-    endpoint = SchedulerEndpoint(f"tcp://{host}:{config.frame_port}", key, run_id)
-    return endpoint, endpoint.address
+    return SchedulerEndpoint(f"tcp://{host}:{config.frame_port}", key, run_id, curve=curve)
+
+
+def _frame_keys(config: RuntimeConfig, run_id: str, clients: list[bytes]) -> tuple[bytes, ServerCurve | None, Bootstrap]:
+    """The HMAC key, the CURVE server keys (none on one host), and what the ranks learn of them."""
+    if single_host():
+        key = new_key()
+        return key, None, Bootstrap(key_mode=KeyMode.PIPE, key_hex=key.hex())
+    if config.frame_key_dir:
+        keys = frame_keys.load_key_dir(config.frame_key_dir)
+        return keys.frame_key, keys.server, Bootstrap(key_mode=KeyMode.DIRECTORY)
+    if not config.trust_rendezvous_store:
+        raise ConfigError("across hosts pass --frame-key-dir or --trust-rendezvous-store (docs/deployment.md)")
+    pair, key = frame_keys.new_pair(), new_key()
+    sealed = tuple(frame_keys.seal_frame_key(key, pair, public, run_id, rank).hex() for rank, public in enumerate(clients))
+    curve = ServerCurve(pair.public, pair.secret, frozenset(clients))
+    return key, curve, Bootstrap(key_mode=KeyMode.STORE, server_key=pair.public.decode(), sealed_keys=sealed)
 
 
 def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer) -> Engine:
@@ -85,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap-fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--mode", choices=("serve", "generate"), required=True)
+    parser.add_argument("--client-keys", default="", help="the ranks' CURVE public keys (Z85), comma-separated, in rank order")
     parser.add_argument("job", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     _die_with_parent()
@@ -92,14 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
 
     run_id = uuid.uuid4().hex
+    clients = [k.encode() for k in args.client_keys.split(",") if k]
     with os.fdopen(args.bootstrap_fd, "wb") as pipe:
         try:
-            key, shared_key = _frame_key(config)
-            endpoint, address = _bind_endpoint(config, key, run_id)
+            key, curve, keys_bootstrap = _frame_keys(config, run_id, clients)
+            endpoint = _bind_endpoint(config, key, run_id, curve)
         except ConfigError as exc:
             pipe.write(Bootstrap(error=str(exc)).pack())
             return 2
-        pipe.write(Bootstrap(run_id, address, key.hex() if shared_key else "").pack())
+        pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
     tokenizer = Tokenizer.from_model_path(config.model)
     engine = build_engine(config, endpoint, tokenizer)
     # Rank 0 gone: fail what runs, then leave through the finally below (it removes the ipc directory).
@@ -114,18 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown("the frontend exited")
         endpoint.close()
-
-
-def _frame_key(config: RuntimeConfig) -> tuple[bytes, bool]:
-    """The HMAC key, and whether it is to be shared with the ranks: made here on one host, read from
-    the operator's key directory across hosts (each rank reads its own copy)."""
-    if single_host():
-        return new_key(), True
-    from tp_runtime.frame_keys import load_key_dir
-
-    if not config.frame_key_dir:
-        raise ConfigError("across hosts every host needs the operator's keys: pass --frame-key-dir (docs/deployment.md)")
-    return load_key_dir(config.frame_key_dir).hmac_key, False
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:

@@ -25,6 +25,7 @@ grace period STOP_MARGIN_S longer, so that the drain always ends before torchrun
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import math
@@ -41,11 +42,12 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from tp_runtime import hosts
+from tp_runtime import frame_keys, hosts
 from tp_runtime.config import ConfigError, RuntimeConfig
 
 if TYPE_CHECKING:
     from executor.model.config import ModelConfig
+    from protocol.curve import LaunchKeys
 
 log = logging.getLogger("tp_runtime.launch")
 
@@ -247,14 +249,36 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     return 0
 
 
+class KeyMode(str, enum.Enum):
+    """How the ranks get the frame keys (tp_runtime.frame_keys)."""
+
+    PIPE = "pipe"  # one host: the frontend's key, over the pipe and the loopback gloo group
+    DIRECTORY = "directory"  # --frame-key-dir: every process reads its host's copy
+    STORE = "store"  # --trust-rendezvous-store: public keys through the store, the key sealed to each rank
+
+    @classmethod
+    def of(cls, config: RuntimeConfig, single_host: bool) -> KeyMode:
+        if single_host:
+            return cls.PIPE
+        if config.frame_key_dir:
+            return cls.DIRECTORY
+        if config.trust_rendezvous_store:
+            return cls.STORE
+        raise ConfigError("across hosts pass --frame-key-dir or --trust-rendezvous-store (docs/deployment.md)")
+
+
 @dataclass(frozen=True)
 class Bootstrap:
-    """What rank 0 broadcasts to every rank once its frontend is up. Across hosts `key_hex` is empty:
-    each process reads the key from the operator's key directory instead."""
+    """What rank 0 broadcasts to every rank once its frontend is up: nothing secret in cleartext.
+    `key_hex` is set on one host only (the gloo group is on loopback there); with keys through the
+    store the frame key is in `sealed_keys`, one per rank, each sealed to that rank's own key."""
 
     run_id: str = ""
     address: str = ""
+    key_mode: str = ""
     key_hex: str = ""
+    server_key: str = ""  # the scheduler's CURVE public key (Z85), with keys through the store
+    sealed_keys: tuple[str, ...] = ()
     error: str = ""  # the frontend could not start: every rank exits with this sentence
 
     def pack(self) -> bytes:
@@ -262,7 +286,8 @@ class Bootstrap:
 
     @classmethod
     def unpack(cls, payload: bytes) -> Bootstrap:
-        return cls(**json.loads(payload.decode()))
+        data = json.loads(payload.decode())
+        return cls(**{**data, "sealed_keys": tuple(data.get("sealed_keys", ()))})
 
 
 def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
@@ -281,24 +306,26 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     )
     if mode == "serve":
         check_drain_fits(config)
-    keys = None
-    if not single_host:
-        from tp_runtime.frame_keys import load_key_dir
-
-        if not config.frame_key_dir:
-            raise ConfigError("across hosts every host needs the operator's keys: pass --frame-key-dir (docs/deployment.md)")
-        keys = load_key_dir(config.frame_key_dir)
+    key_mode = KeyMode.of(config, single_host)
+    keys = frame_keys.load_key_dir(config.frame_key_dir) if key_mode == KeyMode.DIRECTORY else None
     config = resolve(config)
     use_cuda = uses_cuda(config)
     if world > 1:
         _bind_gloo(single_host)
         _init_process_group("nccl" if use_cuda else "gloo", rank, world, use_cuda)
     bootstrap_group = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
+    own_pair, client_keys = None, []
+    if key_mode == KeyMode.STORE:
+        store = _store_client()
+        own_pair = frame_keys.new_pair()
+        frame_keys.publish_client_key(store, rank, own_pair)
+        if rank == 0:
+            client_keys = frame_keys.client_keys(store, world)
 
     frontend: subprocess.Popen[bytes] | None = None
     payload = b""
     if rank == 0:
-        frontend, payload = _start_frontend(config, mode, job)
+        frontend, payload = _start_frontend(config, mode, job, client_keys)
     if world > 1:
         payload = _broadcast_bytes(payload, bootstrap_group)
     info = Bootstrap.unpack(payload)
@@ -306,7 +333,12 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         if frontend is not None:
             frontend.wait()
         raise ConfigError(info.error)
-    key = bytes.fromhex(info.key_hex) if info.key_hex else keys.hmac_key  # type: ignore[union-attr]
+    if info.key_mode != key_mode:
+        raise ConfigError(
+            f"this host was told to key frames by {key_mode.value} and the frontend's host by {info.key_mode}: "
+            "every host must be given the same options"
+        )
+    key, curve = _rank_keys(info, key_mode, keys, own_pair, rank)
 
     def on_sigterm(signum: int, _frame: object) -> None:
         # Keep stepping: the frontend drains its running requests and then sends SHUTDOWN to all.
@@ -321,7 +353,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     try:
         code = run_executor(
             executor_options(config, use_cuda), rank=rank, world_size=world, address=info.address, key=key,
-            run_id=info.run_id,
+            run_id=info.run_id, curve=curve,
         )
     finally:
         if frontend is not None:
@@ -373,6 +405,29 @@ def _agree_on_exit(code: int, group: object) -> int:
             f"exit code {rank_zero}: its error is there\n"
         )
     return code or rank_zero
+
+
+def _rank_keys(info: Bootstrap, mode: KeyMode, keys: LaunchKeys | None, pair: frame_keys.CurvePair | None, rank: int):  # noqa: ANN202
+    """This rank's HMAC key and CURVE client keys (None on one host)."""
+    from protocol.curve import ClientCurve
+
+    if mode == KeyMode.PIPE:
+        return bytes.fromhex(info.key_hex), None
+    if mode == KeyMode.DIRECTORY:
+        assert keys is not None and keys.client is not None  # load_key_dir checked
+        return keys.frame_key, keys.client
+    assert pair is not None
+    server_key = info.server_key.encode()
+    key = frame_keys.open_frame_key(bytes.fromhex(info.sealed_keys[rank]), pair, server_key, info.run_id, rank)
+    return key, ClientCurve(pair.public, pair.secret, server_key)
+
+
+def _store_client():  # -> torch.distributed.TCPStore, imported late
+    """A connection to the store torchrun's rendezvous set up for this launch (MASTER_ADDR:MASTER_PORT)."""
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
 
 
 def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptions, imported late
@@ -456,7 +511,9 @@ def _process_group_store(rank: int, world: int):  # -> torch.distributed.Store |
     )
 
 
-def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[subprocess.Popen[bytes], bytes]:
+def _start_frontend(
+    config: RuntimeConfig, mode: str, job: list[str], client_keys: list[bytes]
+) -> tuple[subprocess.Popen[bytes], bytes]:
     """The frontend process and its packed Bootstrap (one with `error` set if it did not start)."""
     read_fd, write_fd = os.pipe()
     command = [
@@ -469,6 +526,8 @@ def _start_frontend(config: RuntimeConfig, mode: str, job: list[str]) -> tuple[s
         config.to_json(),
         "--mode",
         mode,
+        "--client-keys",  # public keys
+        b",".join(client_keys).decode(),
         "--",
         *job,
     ]

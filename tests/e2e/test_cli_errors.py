@@ -107,7 +107,10 @@ def test_bad_multi_host_options(tiny: str, tmp_path) -> None:
     assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--node-rank", "2"), "--node-rank")
     assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "3", *hosts), "--tensor-parallel-size 3")
     keys = tmp_path / "keys"
-    assert run_cli("keys", str(keys)).returncode == 0
-    assert_usage_error(run_cli("keys", str(keys)), "already exists")
-    os.chmod(keys, 0o755)
-    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--frame-key-dir", str(keys)), "mode 755")
+    assert run_cli("keys", str(keys), "--hosts", "a", "b").returncode == 0
+    assert_usage_error(run_cli("keys", str(keys), "--hosts", "a"), "exists")
+    os.chmod(keys / "a" / "frame.key", 0o644)
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--frame-key-dir", str(keys / "a")), "0644")
+    os.chmod(keys / "a" / "frame.key", 0o600)
+    os.remove(keys / "b" / "server.key_secret")
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--frame-key-dir", str(keys / "b")), "server.key_secret")

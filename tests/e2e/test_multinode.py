@@ -13,7 +13,6 @@ tested directly below. Also here: on one host nothing of the group listens beyon
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,29 +28,27 @@ from tests.e2e.serving import Server, alive, descendants, free_port
 from tests.e2e.test_poison import POISON, PROMPTS, greedy
 from tp_runtime import hosts
 from tp_runtime.config import ConfigError
-from tp_runtime.frame_keys import create_key_dir
+from tp_runtime import frame_keys
+from tp_runtime.frame_keys import create_key_dirs
 
 GENERATE = ("--dtype", "fp32", "--num-kv-pages", "64", "--max-model-len", "256", "--max-tokens", "12", "--raw")
 
 
 @pytest.fixture(scope="module")
 def key_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """One key directory made once and copied to each "host", as the operator would."""
-    base = tmp_path_factory.mktemp("keys")
-    create_key_dir(str(base / "host0"))
-    shutil.copytree(base / "host0", base / "host1")
-    os.chmod(base / "host1", 0o700)
-    return str(base / "host0"), str(base / "host1")
+    """The operator's key directories, one per "host", as `tp-runtime keys OUT --hosts` makes them."""
+    dirs = create_key_dirs(str(tmp_path_factory.mktemp("keys") / "out"), ["host0", "host1"])
+    return str(dirs["host0"]), str(dirs["host1"])
 
 
 class Node:
     """One `tp-runtime` launch of a two-host group, in a session of its own, stopped by its pids."""
 
-    def __init__(self, command: list[str], rank: int, port: int, key_dir: str, extra: tuple[str, ...] = ()):
+    def __init__(self, command: list[str], rank: int, port: int, key_dir: str | None, extra: tuple[str, ...] = ()):
+        keys = ["--frame-key-dir", key_dir] if key_dir else ["--trust-rendezvous-store"]
         argv = [
             sys.executable, "-m", "tp_runtime", *command, "--tensor-parallel-size", "2", "--nnodes", "2",
-            "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--frame-key-dir", key_dir, *extra,
+            "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), *keys, *extra,
         ]
         self.rank = rank
         # The two "hosts" share this machine's cores: one thread per rank, as one host's launch sets.
@@ -94,9 +91,13 @@ class Node:
             pass
 
 
-def two_nodes(command: list[str], key_dirs: tuple[str, str], extra: tuple[str, ...] = (), extra1: tuple[str, ...] = ()) -> list[Node]:
+def two_nodes(
+    command: list[str], key_dirs: tuple[str, str] | None, extra: tuple[str, ...] = (), extra1: tuple[str, ...] = ()
+) -> list[Node]:
+    """Two "hosts" with the operator's key directories, or (key_dirs None) with keys through the store."""
     port = free_port()
-    return [Node(command, 0, port, key_dirs[0], extra), Node(command, 1, port, key_dirs[1], (*extra, *extra1))]
+    dirs = key_dirs or (None, None)
+    return [Node(command, 0, port, dirs[0], extra), Node(command, 1, port, dirs[1], (*extra, *extra1))]
 
 
 def wait_all(nodes: list[Node], timeout_s: float) -> list[tuple[int, str, str]]:
@@ -129,9 +130,9 @@ def test_two_hosts_generate_what_one_host_generates(tiny_model: Path, key_dirs: 
             node.stop()
 
 
-def test_two_hosts_detect_skipped_clears(tiny_model: Path, key_dirs: tuple[str, str]) -> None:
+def test_two_hosts_detect_skipped_clears_with_keys_through_the_store(tiny_model: Path) -> None:
     nodes = two_nodes(
-        ["generate", "The quick brown fox", "--model", str(tiny_model), *GENERATE, *POISON, "--debug-skip-clears"], key_dirs
+        ["generate", "The quick brown fox", "--model", str(tiny_model), *GENERATE, *POISON, "--debug-skip-clears"], None
     )
     try:
         results = wait_all(nodes, 180)
@@ -200,6 +201,35 @@ def test_two_hosts_with_poison_and_clears_match_one_unpoisoned_host(
             assert clean.status_code == dirty.status_code == 200, dirty.text
             assert dirty.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"], prompt
     assert "tp_runtime_kv_pages_cleared_total 0.0" not in httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def test_a_stranger_on_the_frame_port_is_ignored(poisoned_two_hosts: tuple[list[Node], str]) -> None:
+    """Frames on tcp need the scheduler's CURVE handshake: a peer without an admitted key (here, none
+    at all) gets no frame through and ends nothing."""
+    import zmq
+
+    nodes, url = poisoned_two_hosts
+    frontend = next(node for node in nodes if node.runs_frontend())
+    http_port = url.rsplit(":", 1)[1]
+    frontend_pids = [pid for pid in descendants(frontend.process.pid) if b"tp_runtime.frontend" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    frame_ports = [a for a in listening_addresses(frontend_pids) if not a.endswith(f":{http_port}")]
+    assert len(frame_ports) == 1, frame_ports
+    context = zmq.Context()
+    try:
+        for curve_client in (False, True):
+            stranger = context.socket(zmq.DEALER)
+            stranger.setsockopt(zmq.LINGER, 0)
+            if curve_client:  # a CURVE client with a key of its own: the scheduler does not admit it
+                stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+                stranger.curve_serverkey = zmq.curve_keypair()[0]
+            stranger.connect(f"tcp://{frame_ports[0]}")
+            stranger.send_multipart([b"HELLO", b"\xff" * 64])
+            time.sleep(0.5)
+            stranger.close()
+    finally:
+        context.term()
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert greedy(type("Remote", (), {"url": url})(), "Hello").status_code == 200  # type: ignore[arg-type]
 
 
 def test_losing_the_other_host_fails_requests_fast_and_leaves_nothing(poisoned_two_hosts: tuple[list[Node], str]) -> None:
@@ -301,3 +331,14 @@ def test_across_hosts_the_scheduler_takes_the_interface_of_the_rendezvous() -> N
     assert not ip.startswith("127."), ip
     assert hosts.scheduler_address("", ip) == ip
     assert hosts.interface_of(ip) not in (None, "lo")
+
+
+def test_a_frame_key_sealed_to_one_rank_opens_for_that_rank_only() -> None:
+    server, rank1, other = frame_keys.new_pair(), frame_keys.new_pair(), frame_keys.new_pair()
+    key = os.urandom(32)
+    sealed = frame_keys.seal_frame_key(key, server, rank1.public, "run", 1)
+    assert key not in sealed
+    assert frame_keys.open_frame_key(sealed, rank1, server.public, "run", 1) == key
+    for pair, run, rank in ((other, "run", 1), (rank1, "other-run", 1), (rank1, "run", 2)):
+        with pytest.raises(ConfigError, match="cannot open the frame key"):
+            frame_keys.open_frame_key(sealed, pair, server.public, run, rank)
