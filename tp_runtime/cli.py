@@ -274,8 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_script(TOOL_SCRIPTS[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    from tp_runtime.launch import launch, quiet_torchrun, run_worker, under_torchrun
+
+    if args.command in ("serve", "generate") and not under_torchrun():
+        quiet_torchrun(args.log_level)
     from executor.model import ModelLoadError
-    from tp_runtime.launch import launch, run_worker, under_torchrun
 
     try:
         if args.command == "keys":

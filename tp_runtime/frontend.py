@@ -103,34 +103,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-keys", default="", help="the ranks' CURVE public keys (Z85), comma-separated, in rank order")
     parser.add_argument("job", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    _die_with_parent()
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
+    engine: Engine | None = None
 
+    def parent_died(_signum: int, _frame: object) -> None:
+        # Rank 0 gone: fail what runs, or stop starting; either way out through the finally below,
+        # which removes the ipc directory.
+        if engine is None:
+            raise SystemExit(1)
+        engine.fail("rank 0 exited: the runtime is down")
+
+    signal.signal(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
+    _die_with_parent()
     run_id = uuid.uuid4().hex
     clients = [k.encode() for k in args.client_keys.split(",") if k]
-    with os.fdopen(args.bootstrap_fd, "wb") as pipe:
-        try:
-            key, curve, keys_bootstrap = _frame_keys(config, run_id, clients)
-            endpoint = _bind_endpoint(config, key, run_id, curve)
-        except ConfigError as exc:
-            pipe.write(Bootstrap(error=str(exc)).pack())
-            return 2
-        pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
-    tokenizer = Tokenizer.from_model_path(config.model)
-    engine = build_engine(config, endpoint, tokenizer)
-    # Rank 0 gone: fail what runs, then leave through the finally below (it removes the ipc directory).
-    signal.signal(PARENT_DIED, lambda _signum, _frame: engine.fail("rank 0 exited: the runtime is down"))
-    engine.start()
+    endpoint: SchedulerEndpoint | None = None
     try:
+        with os.fdopen(args.bootstrap_fd, "wb") as pipe:
+            try:
+                key, curve, keys_bootstrap = _frame_keys(config, run_id, clients)
+                endpoint = _bind_endpoint(config, key, run_id, curve)
+            except ConfigError as exc:
+                pipe.write(Bootstrap(error=str(exc)).pack())
+                return 2
+            pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
+        tokenizer = Tokenizer.from_model_path(config.model)
+        engine = build_engine(config, endpoint, tokenizer)
+        engine.start()
         if args.mode == "serve":
             return _serve(engine, tokenizer, config)
         from tp_runtime.cli import run_generate_job
 
         return run_generate_job(engine, tokenizer, [a for a in args.job if a != "--"])
     finally:
-        engine.shutdown("the frontend exited")
-        endpoint.close()
+        if engine is not None:
+            engine.shutdown("the frontend exited")
+        if endpoint is not None:
+            endpoint.close()
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:

@@ -209,10 +209,22 @@ def torchrun_argv(config: RuntimeConfig, endpoint: str, local_addr: str, argv: l
         "--max-restarts=0",
         "--monitor-interval=0.2",
         f"--shutdown-timeout={torchrun_grace_s(config)}",
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the launcher's (_Stop)
         "-m",
         "tp_runtime",
         *argv,
     ]
+
+
+def quiet_torchrun(log_level: str) -> None:
+    """At --log-level warning or error, the ranks and the frontend say what failed in one sentence;
+    torchrun's agent would add its own lines (which process it signalled, which exit code it saw)
+    and c10d its C++ warnings. c10d and some of the agent's loggers read these variables when torch
+    loads: call this before it does."""
+    if log_level in ("warning", "error"):
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
@@ -224,29 +236,77 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
 
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
-    if config.log_level in ("warning", "error"):
-        # The ranks and the frontend say what failed in one sentence; torchrun's agent would add its
-        # own lines (which process it signalled, which exit code it saw) and c10d its C++ warnings.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # The ranks check their drain against the grace period (check_drain_fits).
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
     # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
     with _rendezvous(config) as (endpoint, local_addr):
         torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
         try:
             run(torchrun_args)
         except SignalException as exc:
-            # SIGTERM/SIGINT: torchrun passed it to the ranks, whose frontend drained before exiting.
+            if stop.forced:
+                sys.stderr.write(
+                    f"tp-runtime: error: the ranks did not stop within {stop.after_s:g} s of SIGTERM: stopped by force\n"
+                )
+                return 1
             log.info("stopped by %s", exc.sigval.name)
             return 0
-        except ChildFailedError:  # torchrun has printed which rank failed and why
+        except ChildFailedError:  # the ranks or the frontend have said why
             return 1
         except RendezvousError as exc:
             sys.stderr.write(f"tp-runtime: error: the rendezvous at {endpoint} failed: {exc}\n")
             return 1
     return 0
+
+
+class _Stop:
+    """SIGTERM to the launcher: the launcher, not torchrun's agent, passes it on to this host's ranks.
+
+    They drain and exit by themselves, so every host's agent sees its ranks succeed and meets the
+    others in torchrun's exit barrier; an agent stopped by a signal skips that barrier, and the
+    other hosts' agents would wait there for it (torch's exit_barrier_timeout, 300 s). If the ranks
+    are still there `after_s` seconds later, or at a second SIGTERM, the launcher hands the stop to
+    torchrun (SIGINT: it signals the ranks and SIGKILLs them after its grace period)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.forced = False
+        self._signalled = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, _signum: int, _frame: object) -> None:
+        if self._signalled:
+            self._force()
+            return
+        self._signalled = True
+        for pid in _child_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        timer = threading.Timer(self.after_s, self._force)
+        timer.daemon = True
+        timer.start()
+
+    def _force(self) -> None:
+        self.forced = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _child_pids() -> list[int]:
+    """This process's children: the ranks torchrun's agent started (it runs in this process)."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            children.append(int(entry))
+    return children
 
 
 class KeyMode(str, enum.Enum):

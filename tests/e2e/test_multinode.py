@@ -275,6 +275,41 @@ def test_losing_the_other_host_fails_requests_fast_and_leaves_nothing(poisoned_t
     assert_nothing_left(nodes)
 
 
+def test_a_sigterm_to_the_frontend_host_stops_every_host_cleanly(tiny_model: Path, key_dirs: tuple[str, str]) -> None:
+    """Node 1 starts first, so that it gets global rank 0 and the frontend while node 0 hosts the
+    rendezvous: the host that would otherwise wait out torchrun's exit barrier for 300 s."""
+    port, http_port = free_port(), free_port()
+    command = ["serve", "--model", str(tiny_model), "--dtype", "fp32", "--num-kv-pages", "64", "--max-model-len", "256",
+               "--port", str(http_port)]
+    nodes = [Node(command, 1, port, key_dirs[1])]
+    time.sleep(1.0)
+    nodes.append(Node(command, 0, port, key_dirs[0]))
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert all(node.process.poll() is None for node in nodes), "a host exited during start-up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the two-host server did not become healthy"
+            time.sleep(0.3)
+        for node in nodes:
+            node.tree()
+        frontend = next(node for node in nodes if node.runs_frontend())
+        stopped_at = time.monotonic()
+        os.kill(frontend.process.pid, signal.SIGTERM)
+        results = wait_all(nodes, 60)
+        assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+        assert time.monotonic() - stopped_at < 30, "a host waited for the others to stop"
+        assert all("Traceback" not in err for _, _, err in results), [err[-2000:] for _, _, err in results]
+        assert_nothing_left(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 def listening_addresses(pids: list[int]) -> set[str]:
     """host:port of every listening TCP socket the processes hold (from /proc, IPv4 and IPv6)."""
     listening: dict[str, str] = {}
