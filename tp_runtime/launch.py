@@ -174,22 +174,21 @@ def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
         if config.node_rank != 0:
             yield endpoint, local_addr
             return
-        master_ip = hosts.resolve(config.master_addr)
-        if master_ip != local_addr:
+        store_ip = hosts.resolve(config.master_addr)
+        if store_ip != local_addr:
             raise ConfigError(
-                f"--node-rank 0 hosts the rendezvous on --master-addr {config.master_addr} ({master_ip}), "
+                f"--node-rank 0 hosts the rendezvous on --master-addr {config.master_addr} ({store_ip}), "
                 "which is not an address of this host"
             )
-        listener = hosts.listen_socket(master_ip, config.master_port)
+        listener = hosts.listen_socket(store_ip, config.master_port)
     else:
-        local_addr = "127.0.0.1"
-        listener = hosts.listen_socket(local_addr, 0)
-        endpoint = _host_port(local_addr, listener.getsockname()[1])
-    port = listener.getsockname()[1]
+        local_addr = store_ip = "127.0.0.1"
+        listener = hosts.listen_socket(store_ip, 0)
+        endpoint = _host_port(store_ip, listener.getsockname()[1])
     # The store owns the descriptor from here (libuv closes it); it lives as long as the launch.
     store = dist.TCPStore(
-        local_addr if not config.multi_node else master_ip, port, is_master=True, multi_tenant=True,
-        wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=listener.detach(),
+        store_ip, listener.getsockname()[1], is_master=True, multi_tenant=True, wait_for_workers=False,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=listener.detach(),
     )
     try:
         yield endpoint, local_addr
