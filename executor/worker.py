@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from executor.steps import StepModel, StepRunner
 from protocol.conversation import ExecutorConversation
 from protocol.errors import TPRuntimeError
 from protocol.frames import CacheGeometry
+
+if TYPE_CHECKING:
+    from protocol.curve import ClientCurve
 
 logger = logging.getLogger("tp_runtime.executor")
 
@@ -156,11 +159,13 @@ def run_executor(
     key: bytes,
     run_id: str,
     load: Callable[..., Any] | None = None,
+    curve: ClientCurve | None = None,
 ) -> int:
     """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps.
 
     torch.distributed must already be initialized when world_size > 1 (the launcher does it).
     `load` replaces executor.model.load_model (same signature); the loop tests pass a stand-in.
+    `curve` (protocol.curve.ClientCurve) makes the connection a CurveZMQ client, across hosts.
     """
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ExecutorStartError(
@@ -207,7 +212,7 @@ def run_executor(
         step_model = DecodeGraphRunner(
             model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes
         )
-    endpoint = ExecutorEndpoint(address, key, run_id, rank)
+    endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(
             rank=rank,

@@ -262,7 +262,7 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
-        self.shutdown("drained")
+        self.shutdown(f"the server is shutting down: the request did not finish within the {timeout_s:g} s drain")
 
     def shutdown(self, reason: str = "shutdown") -> None:
         """Fails what is still running, tells every rank to exit and joins the loop."""
