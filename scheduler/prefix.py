@@ -78,6 +78,10 @@ class PrefixCache:
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 
+    def evictable_pages(self) -> list[int]:
+        """Unreferenced snapshot pages, first to be evicted first."""
+        return list(self._lru)
+
     def match(self, keys: list[PageKey], known: np.ndarray | None = None) -> np.ndarray:
         """Take a reference on the longest cached run of pages named by keys[0], keys[1], ...
 

@@ -136,31 +136,36 @@ class Shadow:
 
 def check_pool(s: Scheduler, inflight: StepPlan | None = None) -> None:
     """Ownership and refcounts: every page is free, referenced by rows, or an evictable snapshot."""
-    pool, cache = s.pool, s.cache
-    n = s._n
+    pool, cache, ps = s.pool, s.cache, s.config.page_size
     held: Counter[int] = Counter()
     committed: set[int] = set()
-    for r in range(n):
-        req = s._rows[r]
-        if req is None or req.row != r or req.state is not RequestState.RUNNING:
-            raise ShadowViolation(f"row {r} is out of sync with its request")
-        np_, nr = int(s._row_npages[r]), int(s._row_nres[r])
-        pages = s._row_pages[r, : np_ + nr].tolist()
+    views = [s.request_state(rid) for rid in s.request_ids()]
+    for v in views:
+        pages = list(v.page_table + v.reserved_pages)
         if len(set(pages)) != len(pages):
-            raise ShadowViolation(f"request {req.request_id} holds a page twice: {pages}")
+            raise ShadowViolation(f"request {v.request_id} holds a page twice: {pages}")
         held.update(pages)
-        committed.update(pages[:np_])
-        if np_ != -(-int(s._row_ncomp[r]) // s.config.page_size) and inflight is None:
-            raise ShadowViolation(f"request {req.request_id} has {np_} pages for {int(s._row_ncomp[r])} tokens")
+        if not v.live:
+            continue
+        if v.state is not RequestState.RUNNING:
+            raise ShadowViolation(f"request {v.request_id} has a live row but is {v.state}")
+        committed.update(v.page_table)
+        if len(v.page_table) != -(-v.num_computed // ps):
+            raise ShadowViolation(f"request {v.request_id} has {len(v.page_table)} pages for {v.num_computed} tokens")
+        if not pool.marked[list(v.reserved_pages)].all():
+            raise ShadowViolation(f"request {v.request_id} reserves unmarked pages {v.reserved_pages}")
+    if sorted(s.running_requests()) != sorted(v.request_id for v in views if v.live):
+        raise ShadowViolation("running_requests() is not the set of live rows")
     free = pool.free_pages().tolist()
     if len(set(free)) != len(free):
         raise ShadowViolation("the free list holds a page twice")
     free_set = set(free)
+    lru = set(cache.evictable_pages())
     for page in range(pool.num_kv_pages):
         rc = int(pool.refcount[page])
         if rc != held[page]:
             raise ShadowViolation(f"page {page}: refcount {rc}, held by {held[page]} rows")
-        in_lru = page in cache._lru
+        in_lru = page in lru
         if page in free_set:
             if rc or cache.is_cached(page) or not pool.marked[page]:
                 raise ShadowViolation(f"free page {page} is referenced, cached or unmarked")
@@ -170,11 +175,11 @@ def check_pool(s: Scheduler, inflight: StepPlan | None = None) -> None:
             raise ShadowViolation(f"evictable page {page} is referenced or not a snapshot")
         if cache.is_cached(page) and pool.marked[page]:
             raise ShadowViolation(f"snapshot page {page} is marked")
-        if page in committed and pool.marked[page] and inflight is None:
+        if page in committed and pool.marked[page]:
             raise ShadowViolation(f"page {page} is in a page table but still marked")
-    slots = list(s._host_free)
-    for req in s._waiting:
-        slots.extend(req.slot_ids)
+    slots = list(s.kv.host_free)
+    for v in views:
+        slots.extend(v.host_slots)
     if inflight is not None:
         slots.extend(inflight.restore_slots)
     if sorted(slots) != list(range(s.config.num_host_pages)):
@@ -229,8 +234,8 @@ class Driver:
         """The tables the executors rebuild from the deltas are the scheduler's page tables."""
         p, s = plan.prepare, self.s
         rebuilt = np.split(self.shadow.full_table, np.cumsum(p.page_table_lens)[:-1])
-        for i, r in enumerate(plan.rows.tolist()):
-            want = s._row_pages[r, : int(s._row_npages[r])].tolist()
+        for i, rid in enumerate(p.seq_ids.tolist()):
+            want = list(s.request_state(rid).page_table)
             if rebuilt[i].tolist() != want:
                 raise ShadowViolation(
                     f"request {int(p.seq_ids[i])}: the executors rebuild page table {rebuilt[i].tolist()} "

@@ -125,7 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         s.cache.evict(s.cache.evictable_count)
         if s.pool.free_count != self.cfg.num_kv_pages:
             raise ShadowViolation(f"{self.cfg.num_kv_pages - s.pool.free_count} pages never came back")
-        assert len(s._host_free) == self.cfg.num_host_pages
+        assert s.stats().host_pages_free == self.cfg.num_host_pages
 
 
 SLOW = os.environ.get("SCHED_SLOW") == "1"

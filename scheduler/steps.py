@@ -1,0 +1,232 @@
+"""Steps in flight and what happens when one ends: its RESULT (tokens, stops, prefix snapshots), or
+its abort (the requests it fails, what it undoes).
+
+A request that ends while a step in flight still reads or writes its pages is finished at once (its
+last output is emitted, later plans leave it out) but its row and pages are held, and so are host
+slots it holds, until that step has ended: `retired` lists them, in the order they ended, with the
+step whose end releases them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protocol.frames import Result
+from scheduler.errors import SchedulerStateError
+from scheduler.plan import StepPlan
+from scheduler.request import Request, RequestOutput, RequestState
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
+
+_I32 = np.int32
+
+
+class Steps:
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.batch = sched.batch
+        self.kv = sched.kv
+        self.counters = sched.counters
+        self.step = 0
+        self.inflight: deque[StepPlan] = deque()
+        self.retired: list[tuple[int, Request]] = []
+        self.outputs: list[RequestOutput] = []
+
+    # ---------------------------------------------------------------------------------- planning
+
+    def check_can_plan(self) -> None:
+        if self.inflight:
+            raise SchedulerStateError(
+                f"plan_step called while step {self.inflight[-1].step} is still in flight: call "
+                "on_result or on_abort first"
+            )
+
+    def next_step(self) -> int:
+        self.step += 1
+        return self.step
+
+    def planned(self, plan: StepPlan) -> None:
+        self.inflight.append(plan)
+        self.counters.pages_cleared_last_step = int(plan.prepare.cleared_pages.shape[0])
+
+    def busy(self) -> bool:
+        return bool(self.inflight or self.outputs)
+
+    def in_flight(self) -> int:
+        return len(self.inflight)
+
+    def drain(self) -> list[RequestOutput]:
+        out, self.outputs = self.outputs, []
+        return out
+
+    # ------------------------------------------------------------------------- ending requests
+
+    def end(self, req: Request, reason: str, error: str | None, outputs: list[RequestOutput]) -> None:
+        """Finish a request now and report it; release what it holds once no step in flight uses it."""
+        if req.state in (RequestState.WAITING, RequestState.OFFLOADED):
+            self.s._waiting.remove(req)
+            if req.preempted:
+                self.counters.preempted -= 1
+            else:
+                self.counters.waiting -= 1
+        req.state = RequestState.FINISHED
+        outputs.append(RequestOutput(req.request_id, (), (), True, reason, error))
+        self._release_when_done(req)
+
+    def release_row(self, req: Request) -> None:
+        """A preempted request's row goes (its pages with it) once no step in flight uses them."""
+        self._release_when_done(req)
+
+    def _release_when_done(self, req: Request) -> None:
+        if self.inflight:
+            self.retired.append((self.inflight[-1].step, req))
+            if req.row >= 0:
+                self.batch.hold(req.row)
+        else:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req.row >= 0:
+            self.kv.free_row(req.row)
+            self.batch.remove(req.row)
+        if req.state is RequestState.FINISHED:
+            if req.host is not None:
+                self.kv.free_slots(req.host.slots)
+                req.host = None
+            del self.s._requests[req.request_id]
+
+    def _release_due(self, step: int) -> None:
+        due = [req for until, req in self.retired if until <= step]
+        if due:
+            self.retired = [(until, req) for until, req in self.retired if until > step]
+            for req in due:
+                self._release(req)
+
+    # ---------------------------------------------------------------------------------- results
+
+    def _rows_of(self, plan: StepPlan) -> np.ndarray:
+        """The plan's rows now (a removal since it was planned may have moved some)."""
+        if plan.moves == self.batch.moves:
+            return plan.rows
+        reqs = self.s._requests
+        return np.array([reqs[rid].row for rid in plan.prepare.seq_ids.tolist()], dtype=_I32)
+
+    def on_result(self, plan: StepPlan, result: Result) -> list[RequestOutput]:
+        if not self.inflight or self.inflight[0] is not plan:
+            raise SchedulerStateError(f"step {plan.step} is not the step in flight")
+        self.inflight.popleft()
+        prep = plan.prepare
+        sampled = np.flatnonzero(prep.sample)
+        lengths = {len(result.token_ids), len(result.logprobs), len(result.finite)}
+        if lengths != {sampled.shape[0]} or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled]):
+            return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")
+        rows = self._rows_of(plan)
+        finite = np.asarray(result.finite).astype(bool)
+        if self.s.config.enable_prefix_cache:
+            self._register(prep, rows, sampled, finite)
+        self.kv.free_slots(plan.restore_slots)
+        outputs: list[RequestOutput] = []
+        done = self._take_tokens(plan, rows[sampled], result, finite, outputs)
+        for req, error in done:
+            if error is None:
+                req.state = RequestState.FINISHED
+                self._release_when_done(req)
+            else:
+                self.end(req, "error", error, outputs)
+        self._release_due(plan.step)
+        return outputs
+
+    def _register(self, prep, rows: np.ndarray, sampled: np.ndarray, finite: np.ndarray) -> None:
+        """Full pages the step wrote become prefix snapshots; a row with non-finite logits may
+        have written NaN into its KV: none of it is shared."""
+        ps = self.s.config.page_size
+        after = prep.context_lens
+        crossed = after // ps > (after - prep.query_lens) // ps
+        if not finite.all():
+            crossed[sampled[~finite]] = False
+        at = np.flatnonzero(crossed)
+        if at.shape[0]:
+            self.kv.register(rows[at].tolist(), (after[at] // ps).tolist())
+
+    def _take_tokens(
+        self, plan: StepPlan, srows: np.ndarray, result: Result, good: np.ndarray, outputs: list[RequestOutput]
+    ) -> list[tuple[Request, str | None]]:
+        """Append each sampled token to its request and emit it; returns the requests that end."""
+        batch = self.batch
+        reqs = batch.reqs
+        batch.pending[srows] -= 1
+        if batch.num_live != batch.n:
+            # Rows held for a finished request: the token of a step planned before it ended is dropped.
+            good = good & np.array([reqs[r].state is not RequestState.FINISHED for r in srows.tolist()], dtype=bool)
+        tok = np.asarray(result.token_ids, dtype=_I32)
+        kept = srows if good.all() else srows[good]
+        batch.ntok[kept] += 1
+        batch.last[kept] = tok if kept is srows else tok[good]
+        done: list[tuple[Request, str | None]] = []
+        emit = outputs.append
+        lps = np.asarray(result.logprobs).tolist()
+        for r, n, t, lp, ok in zip(srows.tolist(), batch.ntok[srows].tolist(), tok.tolist(), lps, good.tolist()):
+            req = reqs[r]
+            if not ok:
+                if req.state is not RequestState.FINISHED:
+                    rid = req.request_id
+                    done.append((req, f"step {plan.step}: the logits of request {rid} were not finite (NaN or inf)"))
+                continue
+            req.tokens[n - 1] = t
+            if t in req.stop_ids:
+                emit(RequestOutput(req.request_id, (t,), (lp,), True, "stop"))
+                done.append((req, None))
+            elif n >= req.limit:
+                emit(RequestOutput(req.request_id, (t,), (lp,), True, "length"))
+                done.append((req, None))
+            else:
+                emit(RequestOutput(req.request_id, (t,), (lp,), False, None))
+        return done
+
+    # ----------------------------------------------------------------------------------- aborts
+
+    def on_abort(self, plan: StepPlan, reason: str) -> list[RequestOutput]:
+        if not self.inflight or self.inflight[-1] is not plan:
+            raise SchedulerStateError(f"step {plan.step} is not the newest step in flight")
+        self.inflight.pop()
+        return self._fail_step(plan, reason)
+
+    def _fail_step(self, plan: StepPlan, reason: str) -> list[RequestOutput]:
+        self.counters.aborted += 1
+        batch, kv = self.batch, self.kv
+        # Executors forget every page table at an ABORT (and this one may come from a bad RESULT
+        # that they ran): whoever is still running is sent whole next step.
+        batch.sent[: batch.n] = 0
+        # Some ranks may have zeroed these pages and others not: they must be listed again.
+        kv.pool.remark(plan.prepare.cleared_pages)
+        # Restore targets die with their requests below; the host slots they read are free again.
+        kv.free_slots(plan.restore_slots)
+        # An offload may have run on some ranks only: its host copy is worthless, recompute instead.
+        for rid in plan.offloaded:
+            req = self.s._requests.get(rid)
+            if req is not None and req.state is RequestState.OFFLOADED:
+                kv.free_slots(req.host.slots)
+                req.host = None
+                req.state = RequestState.WAITING
+        victims = [batch.reqs[r] for r in self._rows_of(plan).tolist()]
+        outputs: list[RequestOutput] = []
+        error = f"step {plan.step} was aborted: {reason}"
+        for req in victims:
+            if req.state is RequestState.FINISHED:
+                self._release_retired(req, plan.step)
+            else:
+                self.end(req, "error", error, outputs)
+        self._release_due(plan.step)
+        return outputs
+
+    def _release_retired(self, req: Request, step: int) -> None:
+        """A request the aborted step held for: released now, if no other step in flight holds it."""
+        for i, (until, held) in enumerate(self.retired):
+            if held is req and until <= step:
+                del self.retired[i]
+                self._release(req)
+                return
