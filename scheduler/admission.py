@@ -117,7 +117,7 @@ class Admitter:
         targets = self.kv.restore_targets(len(host.slots))
         b.restore_pages.append(targets)
         b.restore_slots.extend(host.slots)
-        b.restored.append(req.request_id)
+        b.restored.append((req.request_id, host))
         req.host = None
         return targets, 0, host.num_computed, 0
 

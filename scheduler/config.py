@@ -19,6 +19,9 @@ class SchedulerConfig:
     enable_prefix_cache: bool = True
     poison_freed_pages: bool = False  # debug: list pages freed since the last step in poison_pages
     decode_lookahead: int = 0  # pages reserved ahead of a decoding request's committed pages
+    # Steps planned before the oldest one's RESULT is in: 1 is serial, 2 plans step N+1 while step
+    # N runs (its continuing rows feed back the token N samples).
+    max_inflight_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_kv_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -31,6 +34,8 @@ class SchedulerConfig:
             )
         if self.num_host_pages < 0 or self.decode_lookahead < 0:
             raise SchedulerConfigError("num_host_pages and decode_lookahead must be >= 0")
+        if self.max_inflight_steps not in (1, 2):
+            raise SchedulerConfigError(f"max_inflight_steps must be 1 or 2, got {self.max_inflight_steps}")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -71,20 +71,15 @@ class KVManager:
         the pages to clear."""
         b = self.batch
         cols = b.npages[rows]
-        if self.config.decode_lookahead:
-            bare = rows[b.nres[rows] == 0]
-            if bare.shape[0]:
-                b.pages[bare, b.npages[bare]] = self.take(bare.shape[0])
-                b.nres[bare] = 1
-                self.reserved += bare.shape[0]
-            b.nres[rows] -= 1
-            self.reserved -= rows.shape[0]
-            opened = b.pages[rows, cols]
-        else:
-            opened = self.take(rows.shape[0])
-            b.pages[rows, cols] = opened
+        bare = rows[b.nres[rows] == 0] if self.reserved else rows
+        if bare.shape[0]:
+            b.pages[bare, b.npages[bare]] = self.take(bare.shape[0])
+            b.nres[bare] += 1
+            self.reserved += bare.shape[0]
+        b.nres[rows] -= 1
+        self.reserved -= rows.shape[0]
         b.npages[rows] = cols + 1
-        return self.pool.commit(opened)
+        return self.pool.commit(b.pages[rows, cols])
 
     def grow(self, r: int, max_chunk: int, keep: int, cleared: list[np.ndarray]) -> int:
         """Size row r's next chunk to `max_chunk` and to the pages available beyond `keep`, then

@@ -15,6 +15,7 @@ import numpy as np
 from protocol.frames import Prepare
 from protocol.page_tables import delta_index
 from scheduler.batch import Batch, frozen
+from scheduler.request import HostCopy
 
 _I32 = np.int32
 EMPTY_I32 = frozen(np.empty(0, dtype=_I32))
@@ -29,7 +30,7 @@ class StepPlan:
     rows: np.ndarray  # int32[n]: batch row of each PREPARE sequence, valid while moves is Batch.moves
     moves: int
     restore_slots: tuple[int, ...]  # host slots this step reads; free again once it has ended
-    restored: tuple[int, ...]  # request ids this step restores from host slots
+    restored: tuple[tuple[int, HostCopy], ...]  # requests this step restores, and from where
     offloaded: tuple[int, ...]  # request ids whose KV this step copies out to host slots
 
 
@@ -48,7 +49,7 @@ class StepBuilder:
         self.offloaded: list[int] = []
         self.restore_pages: list[np.ndarray] = []
         self.restore_slots: list[int] = []
-        self.restored: list[int] = []
+        self.restored: list[tuple[int, HostCopy]] = []
         self.preempted = 0
         self.rows: list[int] = []  # rows that are not plain decodes, in order
         self.chunks: list[int] = []

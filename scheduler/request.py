@@ -81,6 +81,7 @@ class Request:
     page_keys: list[tuple[int, int]] = field(default_factory=list)  # prefix keys of full pages
     hash_state: tuple[int, int] = (0, 0)  # running sums after the last keyed page
     leader: Request | None = None  # the request whose prompt pages this one waits to share
+    kv_suspect: bool = False  # its logits were not finite: none of its KV is shared
 
     @classmethod
     def create(

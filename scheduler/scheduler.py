@@ -40,6 +40,11 @@ __all__ = [
 _I32 = np.int32
 
 
+def _pick(sel: slice | np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The rows of sel where mask (over sel) holds."""
+    return np.flatnonzero(mask) if isinstance(sel, slice) else sel[mask]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -125,59 +130,91 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- planning
 
     def plan_step(self) -> StepPlan | None:
-        """The next step, or None when there is nothing to run."""
+        """The next step, or None when nothing can run now (with a step in flight: nothing that can
+        run before that step's RESULT is in)."""
         self._steps.check_can_plan()
         b = StepBuilder()
         batch, kv, ps = self.batch, self.kv, self.config.page_size
-        n = batch.n
-        ncomp = batch.ncomp[:n]
+        sel = self._candidates()
         # Rows whose next position starts a page commit one: from the reservation, else fresh.
-        opens = ncomp >= batch.npages[:n] * ps
+        opens = batch.ncomp[sel] >= batch.npages[sel] * ps
+        deferred = EMPTY_I32
         if self.config.decode_lookahead or int(np.count_nonzero(opens)) > kv.available():
-            self._relieve_pressure(b)
-            n = batch.n
-            ncomp = batch.ncomp[:n]
-            opens = ncomp >= batch.npages[:n] * ps
-        dec_mask = ncomp == batch.ntok[:n] - 1
-        all_decode = bool(dec_mask.all())
+            deferred = self._relieve_pressure(b)
+            if deferred is None:
+                return None
+            sel = self._candidates(deferred)
+            opens = batch.ncomp[sel] >= batch.npages[sel] * ps
+        known = batch.ntok[sel] + batch.pending[sel] if self._steps.inflight else batch.ntok[sel]
+        dec_mask = batch.ncomp[sel] == known - 1
+        all_decode = isinstance(sel, slice) and bool(dec_mask.all())
         if all_decode:
             dec_rows = EMPTY_I32
             need = np.flatnonzero(opens)
         else:
-            dec_rows = np.flatnonzero(dec_mask)
-            need = np.flatnonzero(opens & dec_mask)
+            dec_rows = _pick(sel, dec_mask)
+            need = _pick(sel, opens & dec_mask)
         if need.shape[0]:
             b.cleared.append(kv.open_pages(need))
-        budget = self.config.max_num_batched_tokens - (n if all_decode else dec_rows.shape[0])
+        budget = self.config.max_num_batched_tokens - (batch.n if all_decode else dec_rows.shape[0])
         if not all_decode:
-            budget = self._plan_prefills(np.flatnonzero(~dec_mask), budget, b)
-        if not b.preempted:
+            budget = self._plan_prefills(_pick(sel, ~dec_mask), budget, b)
+        if not b.preempted and not deferred.shape[0]:
             self._admitter.admit(budget, b)
         if self.config.decode_lookahead and need.shape[0]:
             kv.reserve_lookahead(need)
-        if batch.n == 0:
-            return None
         if all_decode and b.rows:
-            dec_rows = np.arange(n, dtype=_I32)
+            dec_rows = np.arange(sel.stop, dtype=_I32)
+        if not (all_decode and batch.n) and not dec_rows.shape[0] and not b.rows:
+            return None
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
         plan = assemble(batch, self._steps.next_step(), None if all_decode and not b.rows else dec_rows, b, poison)
         self._steps.planned(plan)
         return plan
 
-    def _relieve_pressure(self, b: StepBuilder) -> None:
-        """Make sure every running row can get the page its next token needs, preempting if not."""
+    def _candidates(self, deferred: np.ndarray = EMPTY_I32) -> slice | np.ndarray:
+        """The rows this step may plan: live, with a token to compute (a row whose last sample is
+        in flight has none), not deferred. slice(0, n) when that is every row."""
+        batch = self.batch
+        n = batch.n
+        if batch.num_live == n and not self._steps.inflight and not deferred.shape[0]:
+            return slice(0, n)
+        work = batch.live[:n] & (batch.ntok[:n] + batch.pending[:n] < batch.limit[:n])
+        work[deferred] = False
+        return slice(0, n) if work.all() else np.flatnonzero(work)
+
+    def _relieve_pressure(self, b: StepBuilder) -> np.ndarray | None:
+        """Make sure every row this step plans can get the page its next token needs: take back
+        reservations, then preempt the newest running requests. With a step in flight, a victim's
+        pages come back only once that step has ended: the needy rows that the pages available now
+        cannot serve wait for a later step (they are returned), and None says that no row can run
+        before the step in flight ends."""
         batch, kv, ps = self.batch, self.kv, self.config.page_size
-        lookahead = self.config.decode_lookahead
-        while batch.n:
-            n = batch.n
-            held = batch.npages[:n] + batch.nres[:n] if lookahead else batch.npages[:n]
-            need = int(np.count_nonzero(batch.ncomp[:n] >= held * ps))
-            if need <= kv.available():
-                return
-            if lookahead and kv.reserved:
+        inflight = bool(self._steps.inflight)
+        returning = self._steps.returning_pages() if inflight else 0
+        while True:
+            sel = self._candidates()
+            rows = np.arange(batch.n) if isinstance(sel, slice) else sel
+            if not rows.shape[0]:
+                return EMPTY_I32
+            needy = rows[batch.ncomp[rows] >= (batch.npages[rows] + batch.nres[rows]) * ps]
+            avail = kv.available()
+            if needy.shape[0] <= avail:
+                return EMPTY_I32
+            if kv.reserved:
                 kv.drop_reservations()
                 continue
-            self._preempt(int(np.argmax(batch.arrival[:n])), b)
+            if inflight:
+                if not avail:
+                    # No needy row can run in this step whoever is preempted: the others run, and
+                    # the plan after the step in flight ends preempts if it must.
+                    return None if needy.shape[0] == rows.shape[0] else needy
+                if needy.shape[0] <= avail + returning:
+                    return needy[np.argsort(batch.arrival[needy], kind="stable")][avail:]
+            victim = int(rows[np.argmax(batch.arrival[rows])])
+            if inflight:
+                returning += self._steps.sole_pages(victim)
+            self._preempt(victim, b)
 
     def _preempt(self, r: int, b: StepBuilder) -> None:
         """The request of row r leaves the batch: its KV copied to host slots by this step if enough
@@ -197,7 +234,7 @@ class Scheduler:
             self.counters.pages_offloaded += len(slots)
         else:
             req.state = RequestState.WAITING
-        self._steps.release_row(req)
+        self._steps.release_row(req, offloaded=off is not None)
         req.preempted = True
         self._waiting.appendleft(req)
         self.counters.preemptions += 1
@@ -225,9 +262,12 @@ class Scheduler:
         """The RESULT of the oldest step in flight: the tokens it sampled, as outputs."""
         return self._steps.on_result(plan, result)
 
-    def on_abort(self, plan: StepPlan, reason: str) -> list[RequestOutput]:
-        """The step never ran: fail exactly its requests and undo what it did to the pool."""
-        return self._steps.on_abort(plan, reason)
+    def on_abort(self, plan: StepPlan, reason: str, failed_seq_ids: Sequence[int] | None = None) -> list[RequestOutput]:
+        """The newest step in flight never ran (a REJECT, a timeout): undo what it did to the pool.
+        Without failed_seq_ids every request of the step fails; with them, only those do, and the
+        others are rolled back and planned again by the next step."""
+        failed = None if failed_seq_ids is None else frozenset(int(i) for i in failed_seq_ids)
+        return self._steps.on_abort(plan, reason, failed)
 
     # ---------------------------------------------------------------------------------- read-only
 
