@@ -2,7 +2,9 @@
 
 The head of the queue is admitted when the pages for all its known tokens (minus its prefix hit)
 can be had, taking back lookahead reservations if that is what it takes; nothing behind it jumps
-ahead. An offloaded request comes back with a restore into fresh pages.
+ahead. An offloaded request comes back with a restore into fresh pages. A request that follows a
+prompt leader (the n samples of one prompt) steps aside until the leader's prompt pages are
+snapshots, then comes in with a prefix hit on them.
 
 Admissions of one plan are gathered in a Round and enter the batch together: one `allocate` and
 one `commit` for all their fresh pages, one write per column, and per run of consecutive requests
@@ -77,10 +79,14 @@ class Admitter:
         last_hit: tuple[Request, np.ndarray] | None = None  # the previous prefix hit of this call
         rnd = Round()
         waiting, kv, pool, cache = self.waiting, self.kv, self.kv.pool, self.kv.cache
-        while waiting and self.batch.n + len(rnd.reqs) < seats and budget > 0:
-            req = waiting[0]
+        i = 0  # waiting requests before it wait for their prompt leaders
+        while i < len(waiting) and self.batch.n + len(rnd.reqs) < seats and budget > 0:
+            req = waiting[i]
             if req.row >= 0:  # preempted while a step in flight still uses its pages
                 break
+            if req.leader is not None and self._follows(req):
+                i += 1
+                continue
             restore = req.state is RequestState.OFFLOADED
             if restore:
                 self._apply(rnd, b)
@@ -102,13 +108,22 @@ class Admitter:
                     cache.release(head[known:])
                     break
                 kv.make_free(extra)
-            waiting.popleft()
+            del waiting[i]
             self._count(req, head.shape[0], ncomp, restore)
             b.rows.append(self.batch.n + len(rnd.reqs))
             b.chunks.append(chunk)
             rnd.add(req, head, known, ncomp, extra, not restore)
             budget -= chunk
         self._apply(rnd, b)
+
+    def _follows(self, req: Request) -> bool:
+        """Whether req still waits for its leader: until the pages of the prompt it can share are
+        snapshots, or the leader has ended."""
+        leader = req.leader
+        if leader.state is RequestState.FINISHED or leader.num_registered >= (req.prompt_len - 1) // self.config.page_size:
+            req.leader = None
+            return False
+        return True
 
     def _restore(self, req: Request, b: StepBuilder) -> tuple[np.ndarray, int, int, int]:
         """Fresh pages for an offloaded request's host copy, restored by this step."""

@@ -9,7 +9,8 @@ progresses once it is the oldest.
 
 This module is the facade: requests come in, steps go out, results come back. The running rows
 live in batch.py, their pages in kv_manager.py, the PREPARE is assembled in plan.py, and what
-happens when a step ends is in steps.py.
+happens when a step ends is in steps.py; running.py plans the running rows' share of a step
+(pressure, preemption, prefill chunks) and admission.py the newcomers'.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from scheduler.kv_manager import KVManager
 from scheduler.pages import PagePool
 from scheduler.plan import EMPTY_I32, StepBuilder, StepPlan, assemble
 from scheduler.prefix import PrefixCache
-from scheduler.request import HostCopy, Request, RequestOutput, RequestState, SamplingParams, max_kv_len
+from scheduler.request import Request, RequestOutput, RequestState, SamplingParams, max_kv_len
+from scheduler.running import RunningRows
 from scheduler.stats import Counters, RequestView, SchedulerStats
 from scheduler.steps import Steps
 
@@ -38,11 +40,6 @@ __all__ = [
 ]
 
 _I32 = np.int32
-
-
-def _pick(sel: slice | np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """The rows of sel where mask (over sel) holds."""
-    return np.flatnonzero(mask) if isinstance(sel, slice) else sel[mask]
 
 
 class Scheduler:
@@ -56,6 +53,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._admitter = Admitter(config, self.batch, self.kv, self._waiting, self.counters)
         self._steps = Steps(self)
+        self._running = RunningRows(config, self.batch, self.kv, self._steps, self._waiting, self.counters)
         self._arrivals = 0
 
     @property
@@ -68,7 +66,21 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------- requests
 
-    def add_request(self, request_id: int, prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        *,
+        prompt_leader: int | None = None,
+    ) -> None:
+        """Queue a request (AdmissionError if it could never run).
+
+        prompt_leader: the id of a request with the same prompt (the first of n samples). This
+        one waits until the leader's prompt is computed and its full pages are prefix snapshots,
+        then shares them by reference and computes only the prompt's tail; requests behind it are
+        not held up meanwhile. If the leader ends first (or is unknown, or prefix caching is off)
+        it goes on alone."""
         if request_id in self._requests:
             raise AdmissionError(f"request id {request_id} is already in use")
         if not 0 <= request_id < 2**63:
@@ -81,6 +93,9 @@ class Scheduler:
         if n and req.tokens[:n].min() < 0:
             raise AdmissionError(f"request {request_id} has a negative token id in its prompt")
         self.check_admission(n, params)
+        leader = self._requests.get(prompt_leader) if prompt_leader is not None else None
+        if leader is not None and leader.state is not RequestState.FINISHED and self.config.enable_prefix_cache:
+            req.leader = leader
         self._arrivals += 1
         self._requests[request_id] = req
         self._waiting.append(req)
@@ -134,127 +149,21 @@ class Scheduler:
         run before that step's RESULT is in)."""
         self._steps.check_can_plan()
         b = StepBuilder()
-        batch, kv, ps = self.batch, self.kv, self.config.page_size
-        sel = self._candidates()
-        # Rows whose next position starts a page commit one: from the reservation, else fresh.
-        opens = batch.ncomp[sel] >= batch.npages[sel] * ps
-        deferred = EMPTY_I32
-        if self.config.decode_lookahead or int(np.count_nonzero(opens)) > kv.available():
-            deferred = self._relieve_pressure(b)
-            if deferred is None:
-                return None
-            sel = self._candidates(deferred)
-            opens = batch.ncomp[sel] >= batch.npages[sel] * ps
-        known = batch.ntok[sel] + batch.pending[sel] if self._steps.inflight else batch.ntok[sel]
-        dec_mask = batch.ncomp[sel] == known - 1
-        all_decode = isinstance(sel, slice) and bool(dec_mask.all())
-        if all_decode:
-            dec_rows = EMPTY_I32
-            need = np.flatnonzero(opens)
-        else:
-            dec_rows = _pick(sel, dec_mask)
-            need = _pick(sel, opens & dec_mask)
-        if need.shape[0]:
-            b.cleared.append(kv.open_pages(need))
-        budget = self.config.max_num_batched_tokens - (batch.n if all_decode else dec_rows.shape[0])
-        if not all_decode:
-            budget = self._plan_prefills(_pick(sel, ~dec_mask), budget, b)
-        if not b.preempted and not deferred.shape[0]:
-            self._admitter.admit(budget, b)
-        if self.config.decode_lookahead and need.shape[0]:
-            kv.reserve_lookahead(need)
-        if all_decode and b.rows:
-            dec_rows = np.arange(sel.stop, dtype=_I32)
-        if not (all_decode and batch.n) and not dec_rows.shape[0] and not b.rows:
+        rows = self._running.plan(b)
+        if rows is None:
             return None
+        if not b.preempted and not rows.deferred:
+            self._admitter.admit(rows.budget, b)
+        if self.config.decode_lookahead and rows.opened.shape[0]:
+            self.kv.reserve_lookahead(rows.opened)
+        if not rows.dec_rows.shape[0] and not b.rows:
+            return None
+        kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
-        plan = assemble(batch, self._steps.next_step(), None if all_decode and not b.rows else dec_rows, b, poison)
+        every = rows.every_row_decodes and not b.rows
+        plan = assemble(self.batch, self._steps.next_step(), None if every else rows.dec_rows, b, poison)
         self._steps.planned(plan)
         return plan
-
-    def _candidates(self, deferred: np.ndarray = EMPTY_I32) -> slice | np.ndarray:
-        """The rows this step may plan: live, with a token to compute (a row whose last sample is
-        in flight has none), not deferred. slice(0, n) when that is every row."""
-        batch = self.batch
-        n = batch.n
-        if batch.num_live == n and not self._steps.inflight and not deferred.shape[0]:
-            return slice(0, n)
-        work = batch.live[:n] & (batch.ntok[:n] + batch.pending[:n] < batch.limit[:n])
-        work[deferred] = False
-        return slice(0, n) if work.all() else np.flatnonzero(work)
-
-    def _relieve_pressure(self, b: StepBuilder) -> np.ndarray | None:
-        """Make sure every row this step plans can get the page its next token needs: take back
-        reservations, then preempt the newest running requests. With a step in flight, a victim's
-        pages come back only once that step has ended: the needy rows that the pages available now
-        cannot serve wait for a later step (they are returned), and None says that no row can run
-        before the step in flight ends."""
-        batch, kv, ps = self.batch, self.kv, self.config.page_size
-        inflight = bool(self._steps.inflight)
-        returning = self._steps.returning_pages() if inflight else 0
-        while True:
-            sel = self._candidates()
-            rows = np.arange(batch.n) if isinstance(sel, slice) else sel
-            if not rows.shape[0]:
-                return EMPTY_I32
-            needy = rows[batch.ncomp[rows] >= (batch.npages[rows] + batch.nres[rows]) * ps]
-            avail = kv.available()
-            if needy.shape[0] <= avail:
-                return EMPTY_I32
-            if kv.reserved:
-                kv.drop_reservations()
-                continue
-            if inflight:
-                if not avail:
-                    # No needy row can run in this step whoever is preempted: the others run, and
-                    # the plan after the step in flight ends preempts if it must.
-                    return None if needy.shape[0] == rows.shape[0] else needy
-                if needy.shape[0] <= avail + returning:
-                    return needy[np.argsort(batch.arrival[needy], kind="stable")][avail:]
-            victim = int(rows[np.argmax(batch.arrival[rows])])
-            if inflight:
-                returning += self._steps.sole_pages(victim)
-            self._preempt(victim, b)
-
-    def _preempt(self, r: int, b: StepBuilder) -> None:
-        """The request of row r leaves the batch: its KV copied to host slots by this step if enough
-        are free, else dropped for recompute. It waits at the head of the queue."""
-        batch = self.batch
-        req = batch.reqs[r]
-        assert req is not None
-        off = self.kv.offload(r)
-        if off is not None:
-            pages, slots = off
-            b.offload_pages.append(pages)
-            b.offload_slots.extend(slots)
-            b.offloaded.append(req.request_id)
-            req.host = HostCopy(slots, int(batch.ncomp[r]))
-            req.state = RequestState.OFFLOADED
-            self.counters.offloads += 1
-            self.counters.pages_offloaded += len(slots)
-        else:
-            req.state = RequestState.WAITING
-        self._steps.release_row(req, offloaded=off is not None)
-        req.preempted = True
-        self._waiting.appendleft(req)
-        self.counters.preemptions += 1
-        self.counters.preempted += 1
-        b.preempted += 1
-
-    def _plan_prefills(self, rows: np.ndarray, budget: int, b: StepBuilder) -> int:
-        """Chunks for running rows that are still prefilling, oldest first; returns the budget left."""
-        batch, ps = self.batch, self.config.page_size
-        rows = rows[np.argsort(batch.arrival[rows], kind="stable")]
-        held = batch.npages[rows] + batch.nres[rows]
-        first_page = (batch.ncomp[rows] >= held * ps).astype(np.int64)
-        later_need = (np.cumsum(first_page[::-1])[::-1] - first_page).tolist()
-        count = rows.shape[0]
-        for i, r in enumerate(rows.tolist()):
-            chunk = self.kv.grow(r, budget - (count - i - 1), later_need[i], b.cleared)
-            b.rows.append(r)
-            b.chunks.append(chunk)
-            budget -= chunk
-        return budget
 
     # ------------------------------------------------------------------------------------ results
 
@@ -292,14 +201,15 @@ class Scheduler:
             return None
         b, r = self.batch, req.row
         host = req.host.slots if req.host is not None else ()
+        leader = req.leader.request_id if req.leader is not None else None
         if r < 0:
             ncomp = req.host.num_computed if req.host is not None else 0
-            return RequestView(request_id, req.state, req.num_tokens, ncomp, 0, (), (), host, False, None)
+            return RequestView(request_id, req.state, req.num_tokens, ncomp, 0, (), (), host, False, leader)
         np_, nr = int(b.npages[r]), int(b.nres[r])
         pages = b.pages[r, : np_ + nr].tolist()
         return RequestView(
             request_id, req.state, int(b.ntok[r]), int(b.ncomp[r]), int(b.pending[r]), tuple(pages[:np_]),
-            tuple(pages[np_:]), host, bool(b.live[r]), None,
+            tuple(pages[np_:]), host, bool(b.live[r]), leader,
         )
 
     def stats(self) -> SchedulerStats:

@@ -157,7 +157,10 @@ class Steps:
         outputs: list[RequestOutput] = []
         done = self._take_tokens(plan, rows[sampled], result, finite, outputs)
         for req, error in done:
-            self.end(req, "error", error, outputs) if error else self.end(req, None, None, None)
+            if error is None:
+                self.end(req, None, None, None)  # its last output is out already
+            else:
+                self.end(req, "error", error, outputs)
         self._release_due(plan.step)
         return outputs
 

@@ -135,15 +135,19 @@ class Shadow:
                             f"{content!r:.60} instead of {want!r:.60}"
                         )
 
-    def sample(self, p: Prepare, rng: np.random.Generator | None, vocab: int) -> Result:
+    def sample(self, p: Prepare, rng: np.random.Generator | None, vocab: int, forced: dict[int, int]) -> Result:
         """A token for each sampled row: random, or (rng None) a function of the request's seed and
-        of the KV it attends to, as a seeded model would give. Each becomes the request's next token."""
+        of the KV it attends to, as a seeded model would give; `forced` overrides (and is consumed).
+        Each becomes the request's next token."""
         idx = np.flatnonzero(p.sample)
         ids = p.seq_ids[idx]
         if rng is not None:
             toks = rng.integers(0, vocab, size=idx.shape[0]).astype(np.int32)
         else:
             toks = np.array([model_token(int(p.seeds[i]), self.tokens[int(p.seq_ids[i])], vocab) for i in idx], dtype=np.int32)
+        for j, rid in enumerate(ids.tolist()):
+            if rid in forced:
+                toks[j] = forced.pop(rid)
         self.last_samples = dict(zip(ids.tolist(), toks.tolist()))
         for rid, t in self.last_samples.items():
             self.tokens[rid].append(t)
@@ -241,6 +245,7 @@ class Driver:
         self.stops: dict[int, frozenset[int]] = {}
         self.plans: list[StepPlan] = []
         self.tables: dict[int, list[int]] = {}  # step -> its page tables, whole and concatenated
+        self.forced: dict[int, int] = {}  # request id -> the token its next sample will be
 
     def add(self, rid: int, prompt: list[int], params, **kw) -> None:
         self.s.add_request(rid, prompt, params, **kw)
@@ -310,7 +315,7 @@ class Driver:
         self.shadow.prepare_effects(p)
         self.shadow.forward(p, f.table)
         f.ran = True
-        f.result = self.shadow.sample(p, None if self.seeded_model else self.rng, self.vocab)
+        f.result = self.shadow.sample(p, None if self.seeded_model else self.rng, self.vocab, self.forced)
 
     def complete(self, bad_rows: frozenset[int] = frozenset()) -> list:
         """The oldest step in flight runs (if it has not yet) and its RESULT comes back; bad_rows

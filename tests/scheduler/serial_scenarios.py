@@ -77,7 +77,7 @@ class Run:
                 entry.append((o.finish_reason, o.error))
 
     def add(self) -> None:
-        rng, cfg = self.rng, self.cfg
+        rng = self.rng
         head = SHARED[int(rng.integers(0, len(SHARED)))]
         tail = rng.integers(3, VOCAB, size=int(rng.integers(0, 30 if self.big else 12))).tolist()
         prompt = (head + tail) or [4]

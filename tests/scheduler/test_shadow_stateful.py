@@ -62,12 +62,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 12),
         ignore_eos=st.booleans(),
         stop=st.sampled_from([(), (5,)]),
+        samples=st.booleans(),
     )
-    def admit(self, count, prefix, tail, max_tokens, ignore_eos, stop):
+    def admit(self, count, prefix, tail, max_tokens, ignore_eos, stop, samples):
+        """count requests, or (samples) count samples of one prompt: the others follow the first."""
+        first = self.next_id
         for k in range(count):
-            self._admit_one(PREFIXES[prefix] + tail[k:], max_tokens, ignore_eos, stop)
+            leader = first if samples and k else None
+            self._admit_one(PREFIXES[prefix] + tail[0 if samples else k :], max_tokens, ignore_eos, stop, leader)
 
-    def _admit_one(self, prompt, max_tokens, ignore_eos, stop):
+    def _admit_one(self, prompt, max_tokens, ignore_eos, stop, leader=None):
         if not prompt:
             prompt = [4]
         rid = self.next_id
@@ -76,7 +80,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         pages = -(-(len(prompt) + max_tokens - 1) // self.cfg.page_size)
         fits = len(prompt) + max_tokens <= self.cfg.max_model_len and pages <= self.cfg.num_kv_pages
         try:
-            self.d.add(rid, prompt, params)
+            self.d.add(rid, prompt, params, prompt_leader=leader)
         except AdmissionError:
             assert not fits
             return
