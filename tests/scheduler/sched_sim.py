@@ -188,6 +188,14 @@ def check_pool(s: Scheduler, inflight: list[StepPlan] | StepPlan | None = None) 
             raise ShadowViolation(f"request {v.request_id} reserves unmarked pages {v.reserved_pages}")
     if sorted(s.running_requests()) != sorted(v.request_id for v in views if v.live):
         raise ShadowViolation("running_requests() is not the set of live rows")
+    st = s.stats()  # counted as things happen: they must agree with the state
+    counted = (st.running, st.waiting + st.preempted, st.pages_reserved, st.pages_marked)
+    actual = (
+        len(s.running_requests()), len(s.waiting_requests()), sum(len(v.reserved_pages) for v in views),
+        int(np.count_nonzero(pool.marked)),
+    )
+    if counted != actual:
+        raise ShadowViolation(f"stats() counts (running, waiting, reserved, marked) {counted}, the state holds {actual}")
     free = pool.free_pages().tolist()
     if len(set(free)) != len(free):
         raise ShadowViolation("the free list holds a page twice")
