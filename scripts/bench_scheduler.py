@@ -15,6 +15,9 @@ Cases
   with int32 arrays (what the engine passes: it converts on the HTTP thread) and with tuples of
   ints (a direct caller's lists).
 - pressure: a pool too small for the load (evictions, preemptions by recompute and offload).
+- decode_pipelined_N: the decode_N case with max_inflight_steps 2, as the overlapped engine drives
+  it: step N+1 is planned and encoded (every row feeding back step N's sample) before step N's
+  RESULT is taken (only on trees whose scheduler has the setting).
 """
 
 from __future__ import annotations
@@ -130,6 +133,38 @@ def decode_case(n_seqs: int, num_kv_pages: int, steps: int, seed: int = 0, ctx: 
     }
 
 
+def pipelined_case(n_seqs: int, steps: int, seed: int = 0) -> dict | None:
+    """plan + encode of step N+1 while step N is in flight, then N's on_result."""
+    if "max_inflight_steps" not in SchedulerConfig.__dataclass_fields__:
+        return None
+    rng = np.random.default_rng(seed)
+    cfg = SchedulerConfig(
+        num_kv_pages=65536, page_size=PAGE, max_num_seqs=n_seqs, max_num_batched_tokens=max(8192, n_seqs),
+        max_model_len=4096, max_inflight_steps=2,
+    )
+    s = Scheduler(cfg)
+    for rid in range(n_seqs):
+        prompt = rng.integers(10, 30000, size=int(rng.integers(256, 768)), dtype=np.int32)
+        s.add_request(rid, prompt, SamplingParams(max_tokens=2048, ignore_eos=True))
+    pages = run_until_decoding(s)
+    plan_t, result_t = [], []
+    older = s.plan_step()
+    for i in range(steps):
+        t0 = time.perf_counter()
+        plan = s.plan_step()
+        encode_plan(plan, i)
+        t1 = time.perf_counter()
+        res = fake_result(older)
+        t2 = time.perf_counter()
+        s.on_result(older, res)
+        t3 = time.perf_counter()
+        plan_t.append(t1 - t0)
+        result_t.append(t3 - t2)
+        older = plan
+    assert int(older.prepare.feedback.sum()) == n_seqs
+    return {"seqs": n_seqs, "pages_in_tables": pages, "plan_encode": summary(plan_t), "on_result": summary(result_t)}
+
+
 def plan_only(n_seqs: int, steps: int) -> dict:
     """plan_step alone (no encode), for the split of the cost."""
     rng = np.random.default_rng(1)
@@ -242,6 +277,7 @@ def main() -> None:
     for pages in (16384, 262144):
         out["pool_size"].append(decode_case(256, pages, steps, seed=5, ctx=(128, 224)))
     out["plan_only_256"] = plan_only(256, steps)
+    out["decode_pipelined"] = [r for r in (pipelined_case(n, steps) for n in (256, 1024)) if r is not None]
     out["prefix_sharing"] = [prefix_case(repeats=reps), prefix_case(as_tuple=True, repeats=reps)]
     out["pressure"] = pressure_case(steps // 2)
     out["calibration"] = calibration()
@@ -257,6 +293,12 @@ def main() -> None:
             f"on_result median {r['median_us']:.0f} us"
         )
     print(f"plan_step alone, 256 seqs: median {out['plan_only_256']['median_us']:.0f} us")
+    for row in out["decode_pipelined"]:
+        pe, r = row["plan_encode"], row["on_result"]
+        print(
+            f"decode {row['seqs']:5d} seqs, next step planned while one is in flight: plan+encode median "
+            f"{pe['median_us']:.0f} us p99 {pe['p99_us']:.0f} us; on_result median {r['median_us']:.0f} us"
+        )
     for p in out["prefix_sharing"]:
         print(
             f"prefix sharing ({p['prompts_as']} prompts): {p['requests']} requests x {p['prefix_tokens']}-token prefix: "
