@@ -52,7 +52,7 @@ class Scheduler:
         self._requests: dict[int, Request] = {}
         self._waiting: deque[Request] = deque()
         self._admitter = Admitter(config, self.batch, self.kv, self._waiting, self.counters)
-        self._steps = Steps(self)
+        self._steps = Steps(config, self.batch, self.kv, self.counters, self._requests, self._waiting)
         self._running = RunningRows(config, self.batch, self.kv, self._steps, self._waiting, self.counters)
         self._arrivals = 0
 

@@ -13,27 +13,32 @@ rows, a late token be dropped, and an aborted step be rolled back.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from protocol.frames import Result
+from protocol.frames import Prepare, Result
+from scheduler.batch import Batch
+from scheduler.config import SchedulerConfig
 from scheduler.errors import SchedulerStateError
+from scheduler.kv_manager import KVManager
 from scheduler.plan import StepPlan
 from scheduler.request import Request, RequestOutput, RequestState
-
-if TYPE_CHECKING:
-    from scheduler.scheduler import Scheduler
+from scheduler.stats import Counters
 
 _I32 = np.int32
 
 
 class Steps:
-    def __init__(self, sched: Scheduler) -> None:
-        self.s = sched
-        self.batch = sched.batch
-        self.kv = sched.kv
-        self.counters = sched.counters
+    def __init__(
+        self, config: SchedulerConfig, batch: Batch, kv: KVManager, counters: Counters, requests: dict[int, Request],
+        waiting: deque[Request],
+    ) -> None:
+        self.config = config
+        self.batch = batch
+        self.kv = kv
+        self.counters = counters
+        self.requests = requests
+        self.waiting = waiting
         self.step = 0
         self.inflight: deque[StepPlan] = deque()
         self.retired: list[tuple[int, Request]] = []
@@ -42,11 +47,11 @@ class Steps:
     # ---------------------------------------------------------------------------------- planning
 
     def check_can_plan(self) -> None:
-        if len(self.inflight) >= self.s.config.max_inflight_steps:
+        if len(self.inflight) >= self.config.max_inflight_steps:
             steps = " and ".join(str(p.step) for p in self.inflight)
             raise SchedulerStateError(
                 f"plan_step called while step {steps} {'is' if len(self.inflight) == 1 else 'are'} still in "
-                f"flight (max_inflight_steps {self.s.config.max_inflight_steps}): call on_result or on_abort first"
+                f"flight (max_inflight_steps {self.config.max_inflight_steps}): call on_result or on_abort first"
             )
 
     def next_step(self) -> int:
@@ -82,7 +87,7 @@ class Steps:
         """Finish a request now (and report it in outputs, when given); what it holds is released
         once no step in flight uses it."""
         if req.state in (RequestState.WAITING, RequestState.OFFLOADED):
-            self.s._waiting.remove(req)
+            self.waiting.remove(req)
             if req.preempted:
                 self.counters.preempted -= 1
             else:
@@ -115,7 +120,7 @@ class Steps:
             if req.host is not None:
                 self.kv.free_slots(req.host.slots)
                 req.host = None
-            del self.s._requests[req.request_id]
+            del self.requests[req.request_id]
 
     def _release_due(self, step: int, retarget: bool = False) -> None:
         """Release what waited for `step` to end. retarget: that step was aborted, and what it held
@@ -137,7 +142,7 @@ class Steps:
         """The plan's rows now (a removal since it was planned may have moved some)."""
         if plan.moves == self.batch.moves:
             return plan.rows
-        reqs = self.s._requests
+        reqs = self.requests
         return np.array([reqs[rid].row for rid in plan.prepare.seq_ids.tolist()], dtype=_I32)
 
     def on_result(self, plan: StepPlan, result: Result) -> list[RequestOutput]:
@@ -151,7 +156,7 @@ class Steps:
             return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")
         rows = self._rows_of(plan)
         finite = np.asarray(result.finite).astype(bool)
-        if self.s.config.enable_prefix_cache:
+        if self.config.enable_prefix_cache:
             self._register(prep, rows, sampled, finite)
         self.kv.free_slots(plan.restore_slots)
         outputs: list[RequestOutput] = []
@@ -164,10 +169,10 @@ class Steps:
         self._release_due(plan.step)
         return outputs
 
-    def _register(self, prep, rows: np.ndarray, sampled: np.ndarray, finite: np.ndarray) -> None:
+    def _register(self, prep: Prepare, rows: np.ndarray, sampled: np.ndarray, finite: np.ndarray) -> None:
         """Full pages the step wrote become prefix snapshots; a row with non-finite logits may
         have written NaN into its KV: none of it is shared."""
-        ps = self.s.config.page_size
+        ps = self.config.page_size
         # A row held for a finished request may have written a token it never learned (the sample
         # of a step whose RESULT it no longer took): only pages of tokens it knows are keyed.
         after = np.minimum(prep.context_lens, self.batch.ntok[rows])
@@ -232,7 +237,7 @@ class Steps:
         """The step's requests fail (those in `failed`, when given; the others are rolled back),
         and what it did to the pool is undone."""
         self.counters.aborted += 1
-        batch, kv, requests = self.batch, self.kv, self.s._requests
+        batch, kv, requests = self.batch, self.kv, self.requests
         # Executors forget every page table at an ABORT (and this one may come from a bad RESULT
         # that they ran): whoever is still running is sent whole next step.
         batch.sent[: batch.n] = 0
@@ -283,7 +288,7 @@ class Steps:
             req.host = hosts[req.request_id]
             req.state = RequestState.OFFLOADED
             self.counters.preempted += 1
-        self.s._waiting.extendleft(reversed(back))
+        self.waiting.extendleft(reversed(back))
 
     def _release_retired(self, req: Request, step: int) -> None:
         """A request the aborted step held for: released now, in the order of the step's rows."""
