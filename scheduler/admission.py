@@ -73,6 +73,8 @@ class Admitter:
 
     def admit(self, budget: int, b: StepBuilder) -> None:
         """Admit waiting requests while seats, budget and pages allow; their rows and chunks go to b."""
+        if not self.waiting:
+            return
         ps = self.config.page_size
         seats = self.config.max_num_seqs
         prefix_cache = self.config.enable_prefix_cache

@@ -73,8 +73,9 @@ def _new_pages(batch: Batch, rows: np.ndarray, base: np.ndarray, lens: np.ndarra
     return batch.pages[rows[at], cols]
 
 
-def _decode_all(batch: Batch) -> dict:
-    """The arrays of a step in which every row of the batch decodes one token."""
+def _decode_all(batch: Batch, fed: bool) -> dict:
+    """The arrays of a step in which every row of the batch decodes one token (fed: some may
+    feed back a sample of a step in flight)."""
     n = batch.n
     snap = batch.snapshot()
     start = batch.ncomp[:n].copy()
@@ -82,10 +83,10 @@ def _decode_all(batch: Batch) -> dict:
     base = batch.sent[:n].copy()
     batch.sent[:n] = lens
     pending = batch.pending[:n]
-    if not pending.any():
-        tokens, feedback = batch.last[:n].copy(), np.zeros(n, dtype=np.uint8)
-    elif pending.all():
+    if fed and pending.all():
         tokens, feedback = snap.zeros, snap.ones_u8
+    elif not fed or not pending.any():
+        tokens, feedback = batch.last[:n].copy(), np.zeros(n, dtype=np.uint8)
     else:
         feedback = (pending > 0).astype(np.uint8)
         tokens = np.where(feedback, 0, batch.last[:n]).astype(_I32)
@@ -93,7 +94,7 @@ def _decode_all(batch: Batch) -> dict:
     return dict(
         rows=snap.rows, seq_ids=cols["req_id"], query_lens=snap.ones, context_lens=start + 1, token_ids=tokens,
         positions=start, page_table_lens=lens, page_table_base=base,
-        page_table=_new_pages(batch, np.arange(n), base, lens), sample=snap.ones_u8,
+        page_table=_new_pages(batch, snap.rows, base, lens), sample=snap.ones_u8,
         temperature=cols["temperature"], top_p=cols["top_p"], top_k=cols["top_k"], seeds=cols["seed"],
         feedback=feedback,
     )
@@ -130,13 +131,22 @@ def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder) -> dict:
     )
 
 
-def assemble(batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray) -> StepPlan:
+def assemble(
+    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, fed: bool
+) -> StepPlan:
     """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
-    The rows advance by what they compute, and count the samples the step will produce."""
-    a = _decode_all(batch) if dec_rows is None else _mixed(batch, dec_rows, b)
-    rows = a.pop("rows")
-    batch.ncomp[rows] = a["context_lens"]
-    batch.pending[rows] += a["sample"]
+    fed: a step is in flight, so rows may feed back its samples. The rows advance by what they
+    compute, and count the samples the step will produce."""
+    if dec_rows is None:
+        a = _decode_all(batch, fed)
+        rows = a.pop("rows")
+        batch.ncomp[: batch.n] += 1
+        batch.pending[: batch.n] += 1
+    else:
+        a = _mixed(batch, dec_rows, b)
+        rows = a.pop("rows")
+        batch.ncomp[rows] = a["context_lens"]
+        batch.pending[rows] += a["sample"]
     cleared = cat(b.cleared)
     if cleared.shape[0] > 1:
         cleared.sort()

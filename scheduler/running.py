@@ -11,7 +11,7 @@ running request is preempted until it can.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,10 +24,9 @@ from scheduler.stats import Counters
 from scheduler.steps import Steps
 
 
-@dataclass(frozen=True)
-class RowsPlan:
+class RowsPlan(NamedTuple):
     every_row_decodes: bool  # every row of the batch decodes one token (the fast PREPARE)
-    dec_rows: np.ndarray  # otherwise: the decoding rows, in row order
+    dec_rows: np.ndarray  # the decoding rows, in row order (unless every row decodes)
     opened: np.ndarray  # decoding rows whose token opened a page
     budget: int  # tokens left for admissions
     deferred: bool  # a needy row waits for pages that a step in flight still holds
@@ -68,14 +67,15 @@ class RunningRows:
         dec_mask = batch.ncomp[sel] == known - 1
         every = isinstance(sel, slice) and bool(dec_mask.all())
         if every:
-            dec_rows = np.arange(sel.stop, dtype=np.int32)
+            dec_rows = EMPTY_I32
             need = np.flatnonzero(opens)
+            budget = self.config.max_num_batched_tokens - batch.n
         else:
             dec_rows = _pick(sel, dec_mask)
             need = _pick(sel, opens & dec_mask)
+            budget = self.config.max_num_batched_tokens - dec_rows.shape[0]
         if need.shape[0]:
             b.cleared.append(kv.open_pages(need))
-        budget = self.config.max_num_batched_tokens - dec_rows.shape[0]
         if not every:
             budget = self._plan_prefills(_pick(sel, ~dec_mask), budget, b)
         return RowsPlan(every, dec_rows, need, budget, bool(deferred.shape[0]))

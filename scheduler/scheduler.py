@@ -156,12 +156,18 @@ class Scheduler:
             self._admitter.admit(rows.budget, b)
         if self.config.decode_lookahead and rows.opened.shape[0]:
             self.kv.reserve_lookahead(rows.opened)
-        if not rows.dec_rows.shape[0] and not b.rows:
-            return None
+        if rows.every_row_decodes:
+            if not self.batch.n:
+                return None
+            # None: the fast PREPARE; with admissions, the rows that were there decode first.
+            dec_rows = np.arange(self.batch.n - len(b.rows), dtype=_I32) if b.rows else None
+        else:
+            dec_rows = rows.dec_rows
+            if not dec_rows.shape[0] and not b.rows:
+                return None
         kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
-        every = rows.every_row_decodes and not b.rows
-        plan = assemble(self.batch, self._steps.next_step(), None if every else rows.dec_rows, b, poison)
+        plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, bool(self._steps.inflight))
         self._steps.planned(plan)
         return plan
 
