@@ -89,7 +89,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.d.can_plan)
     @rule()
     def plan(self):
-        self.d.plan()
+        ahead = bool(self.d.inflight)
+        before = self.d.s.stats()
+        plan = self.d.plan()
+        if ahead and plan is not None:
+            after = self.d.s.stats()
+            event("planned ahead")
+            if plan.prepare.feedback.any():
+                event("planned ahead: feedback rows")
+            if after.preemptions_total > before.preemptions_total:
+                event(f"planned ahead: preempted ({'offload' if plan.offloaded else 'recompute'})")
+            if after.prefix_hit_pages_total > before.prefix_hit_pages_total:
+                event("planned ahead: prefix hit")
 
     @precondition(lambda self: any(not f.ran for f in self.d.inflight) and len(self.d.inflight) > 1)
     @rule()
