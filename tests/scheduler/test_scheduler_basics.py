@@ -276,3 +276,13 @@ def test_an_admission_round_shares_each_prompt_s_own_prefix_hit():
     assert not set(got[4]) & set(snapshot)
     assert s.stats().prefix_hit_pages_total == 8
     assert [int(s.pool.refcount[page]) for page in snapshot] == [3, 3, 2]
+
+
+def test_errors_derive_from_the_runtime_base_and_misuse_stays_apart():
+    from protocol.errors import TPRuntimeError
+    from scheduler import PagePoolError
+
+    for err in (AdmissionError, SchedulerStateError, SchedulerConfigError, InvalidSamplingParams, PagePoolError):
+        assert issubclass(err, TPRuntimeError), err
+    assert not issubclass(AdmissionError, SchedulerStateError) and not issubclass(SchedulerStateError, AdmissionError)
+    assert issubclass(SchedulerConfigError, ValueError) and issubclass(InvalidSamplingParams, ValueError)
