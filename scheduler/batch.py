@@ -81,6 +81,7 @@ class Batch:
     def __init__(self, max_rows: int, max_pages: int) -> None:
         for col in COLUMNS:
             setattr(self, col.name, np.zeros(max_rows, dtype=col.dtype))
+        self._columns = [(col, getattr(self, col.name)) for col in COLUMNS]
         self.pages = np.zeros((max_rows, max_pages), dtype=np.int32)
         self.reqs: list[Request | None] = [None] * max_rows
         self.n = 0
@@ -97,8 +98,7 @@ class Batch:
         `given` sets the other columns (0 otherwise). Returns the first new row."""
         r0, k = self.n, len(reqs)
         sl = slice(r0, r0 + k)
-        for col in COLUMNS:
-            arr = getattr(self, col.name)
+        for col, arr in self._columns:
             if col.name in given:
                 arr[sl] = given[col.name]
             elif col.source is not None:
@@ -124,8 +124,7 @@ class Batch:
         self.num_live -= bool(self.live[r])
         last = self.n - 1
         if r != last:
-            for col in COLUMNS:
-                arr = getattr(self, col.name)
+            for _, arr in self._columns:
                 arr[r] = arr[last]
             k = int(self.npages[last] + self.nres[last])
             self.pages[r, :k] = self.pages[last, :k]

@@ -153,7 +153,8 @@ class KVManager:
         npages = int(self.batch.npages[r])
         if not 0 < npages <= len(self.host_free):
             return None
-        slots = tuple(self.host_free.pop() for _ in range(npages))
+        slots = tuple(self.host_free[: -npages - 1 : -1])  # popped from the end, one by one
+        del self.host_free[-npages:]
         return self.batch.pages[r, :npages].copy(), slots
 
     def restore_targets(self, k: int) -> np.ndarray:

@@ -100,15 +100,19 @@ def _decode_all(batch: Batch, fed: bool) -> dict:
     )
 
 
-def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder) -> dict:
-    """The arrays of a step with decodes (dec_rows, first) and chunks (b.rows)."""
+def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder, fed: bool) -> dict:
+    """The arrays of a step with decodes (dec_rows, first) and chunks (b.rows); fed as in assemble."""
     n_dec = dec_rows.shape[0]
     rows = np.concatenate((dec_rows.astype(_I32), np.array(b.rows, dtype=_I32)))
     start = batch.ncomp[rows]
     qlens = np.concatenate((np.ones(n_dec, dtype=_I32), np.array(b.chunks, dtype=_I32)))
-    fed = batch.pending[dec_rows] > 0
-    feedback = np.concatenate((fed, np.zeros(len(b.rows), dtype=bool))).astype(np.uint8)
-    token_parts = [np.where(fed, 0, batch.last[dec_rows]) if fed.any() else batch.last[dec_rows]]
+    fed_rows = batch.pending[dec_rows] > 0 if fed else None
+    if fed_rows is not None and fed_rows.any():
+        feedback = np.concatenate((fed_rows, np.zeros(len(b.rows), dtype=bool))).astype(np.uint8)
+        token_parts = [np.where(fed_rows, 0, batch.last[dec_rows])]
+    else:
+        feedback = np.zeros(rows.shape[0], dtype=np.uint8)
+        token_parts = [batch.last[dec_rows]]
     reqs = batch.reqs
     for s0, r, chunk in zip(start[n_dec:].tolist(), b.rows, b.chunks):
         token_parts.append(reqs[r].tokens[s0 : s0 + chunk])
@@ -117,7 +121,8 @@ def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder) -> dict:
     ends = np.cumsum(qlens)
     positions = (np.arange(int(ends[-1]), dtype=_I32) + np.repeat(start - (ends - qlens), qlens)).astype(_I32, copy=False)
     context_lens = start + qlens
-    sample = (context_lens == batch.ntok[rows] + batch.pending[rows]).astype(np.uint8)
+    known = batch.ntok[rows] + batch.pending[rows] if fed else batch.ntok[rows]
+    sample = (context_lens == known).astype(np.uint8)
     lens = batch.npages[rows]
     base = batch.sent[rows]
     # Executors forget a sequence absent from a step.
@@ -143,7 +148,7 @@ def assemble(
         batch.ncomp[: batch.n] += 1
         batch.pending[: batch.n] += 1
     else:
-        a = _mixed(batch, dec_rows, b)
+        a = _mixed(batch, dec_rows, b, fed)
         rows = a.pop("rows")
         batch.ncomp[rows] = a["context_lens"]
         batch.pending[rows] += a["sample"]

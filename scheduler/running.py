@@ -102,10 +102,10 @@ class RunningRows:
         returning = self.steps.returning_pages() if inflight else 0
         while True:
             sel = self.candidates()
-            rows = np.arange(batch.n) if isinstance(sel, slice) else sel
-            if not rows.shape[0]:
+            count = sel.stop if isinstance(sel, slice) else sel.shape[0]
+            if not count:
                 return EMPTY_I32
-            needy = rows[batch.ncomp[rows] >= (batch.npages[rows] + batch.nres[rows]) * ps]
+            needy = _pick(sel, batch.ncomp[sel] >= (batch.npages[sel] + batch.nres[sel]) * ps)
             avail = kv.available()
             if needy.shape[0] <= avail:
                 return EMPTY_I32
@@ -116,10 +116,11 @@ class RunningRows:
                 if not avail:
                     # No needy row can run in this step whoever is preempted: the others run, and
                     # the plan after the step in flight ends preempts if it must.
-                    return None if needy.shape[0] == rows.shape[0] else needy
+                    return None if needy.shape[0] == count else needy
                 if needy.shape[0] <= avail + returning:
                     return needy[np.argsort(batch.arrival[needy], kind="stable")][avail:]
-            victim = int(rows[np.argmax(batch.arrival[rows])])
+            newest = int(np.argmax(batch.arrival[sel]))
+            victim = newest if isinstance(sel, slice) else int(sel[newest])
             if inflight:
                 returning += self.steps.sole_pages(victim)
             self._preempt(victim, b)
