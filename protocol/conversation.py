@@ -506,7 +506,9 @@ class SchedulerConversation:
                 have, planned = getattr(hello.geometry, name), getattr(self._planned, name)
                 if have != planned:
                     raise ProtocolError(
-                        RejectCode.GEOMETRY_MISMATCH, f"its cache has {name} {have}, the scheduler plans with {planned}"
+                        RejectCode.GEOMETRY_MISMATCH,
+                        f"was started with other options than the scheduler: its cache has {name} {have}, the "
+                        f"scheduler plans with {planned}; every host must be given the same model and options",
                     )
 
     def _check_against_rank0(self, rank: int, hello: Hello) -> None:

@@ -156,6 +156,41 @@ class _IgnoredLog:
             log.warning("%s (%d so far): %s", kind.replace("_", " "), n, what)
 
 
+class _Waker:
+    """A pipe that a socket's poller watches beside the socket: a socket belongs to the one thread
+    that polls it, and any other thread that has news for that one writes a byte here."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._read, zmq.POLLIN)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write, b"w")
+        except BlockingIOError:  # the pipe is full of wake-ups nobody has read yet: one is enough
+            pass
+
+    def poll(self, timeout_ms: int) -> bool:
+        """Whether the socket has a message; False after timeout_ms (-1: for ever) or a wake."""
+        ready = dict(self._poller.poll(None if timeout_ms < 0 else timeout_ms))
+        if self._read in ready:
+            try:
+                while os.read(self._read, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        return self._sock in ready
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
 class SchedulerEndpoint:
     """The scheduler's side: binds, learns which connection is which rank from its HELLO, and
     talks to every rank by its rank number."""
@@ -192,6 +227,7 @@ class SchedulerEndpoint:
             self._teardown()
             raise TransportError(f"cannot bind the scheduler endpoint to {address}: {exc}") from exc
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._waker = _Waker(self._sock)
         self._route_of: dict[int, bytes] = {}  # rank -> routing id
         self._rank_of: dict[bytes, int] = {}  # routing id -> rank
         self._fd_of: dict[int, int] = {}  # rank -> its connection's file descriptor
@@ -208,6 +244,10 @@ class SchedulerEndpoint:
     @version.setter
     def version(self, value: int) -> None:
         self._stamp.version = value
+
+    @property
+    def run_id(self) -> str:
+        return self._stamp.run_id
 
     @property
     def ranks(self) -> frozenset[int]:
@@ -252,16 +292,21 @@ class SchedulerEndpoint:
                     raise TransportError(f"rank {rank} is not connected to {self.address}") from exc
                 raise TransportError(f"cannot send to rank {rank}: {exc}") from exc
 
+    def wake(self) -> None:
+        """Make a recv that is waiting, or the next one, return None at once; any thread may call it
+        (the frontend's HTTP thread does when it hands the engine thread a request)."""
+        self._waker.wake()
+
     def recv(self, timeout_ms: int) -> Received | None:
-        """The next frame from a launched rank, or None after timeout_ms (-1: wait for ever).
-        What strangers send is ignored on the way: it does not end the wait early, and frames queued
-        behind it are still read (up to _IGNORED_PAST_DEADLINE ignored ones after the deadline, so a
-        flood cannot hold the caller's loop)."""
+        """The next frame from a launched rank, or None after timeout_ms (-1: wait for ever) or a
+        wake(). What strangers send is ignored on the way: it does not end the wait early, and
+        frames queued behind it are still read (up to _IGNORED_PAST_DEADLINE ignored ones after the
+        deadline, so a flood cannot hold the caller's loop)."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         late = 0
         while late <= _IGNORED_PAST_DEADLINE:
             left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sock.poll(left, zmq.POLLIN):
+            if not self._waker.poll(left):
                 return None
             received = self._accept(self._sock.recv_multipart(copy=False))
             if received is not None:
@@ -365,6 +410,8 @@ class SchedulerEndpoint:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
+        if hasattr(self, "_waker"):
+            self._waker.close()
 
     def __enter__(self) -> SchedulerEndpoint:
         return self
@@ -404,14 +451,7 @@ class ExecutorEndpoint:
             self._sock.close(0)
             self._context.term()
             raise TransportError(f"cannot connect rank {rank} to {address}: {exc}") from exc
-        # The socket belongs to one thread (the executor's link); another thread that has something
-        # to send writes a byte into this pipe, which the socket's poller watches beside it.
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._wake_read, zmq.POLLIN)
+        self._waker = _Waker(self._sock)
         self._closed = False
 
     @property
@@ -429,11 +469,8 @@ class ExecutorEndpoint:
             raise TransportError(f"rank {self.rank} cannot send to {self.address}: {exc}") from exc
 
     def wake(self) -> None:
-        """Make a recv that is waiting, or the next one, return at once: any thread may call it."""
-        try:
-            os.write(self._wake_write, b"w")
-        except BlockingIOError:  # the pipe is full of wake-ups nobody has read yet: one is enough
-            pass
+        """Make a recv that is waiting, or the next one, return None at once; any thread may call it."""
+        self._waker.wake()
 
     def recv(self, timeout_ms: int) -> Frame | None:
         """The next frame from the scheduler, or None after timeout_ms (-1: wait for ever) or a wake().
@@ -441,14 +478,7 @@ class ExecutorEndpoint:
         Raises ProtocolError for a frame that fails the MAC, decoding or the replay check, so the
         caller can answer REJECT (only the scheduler can send on this connection).
         """
-        ready = dict(self._poller.poll(None if timeout_ms < 0 else timeout_ms))
-        if self._wake_read in ready:
-            try:
-                while os.read(self._wake_read, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-        if self._sock not in ready:
+        if not self._waker.poll(timeout_ms):
             return None
         parts = self._sock.recv_multipart(copy=False)
         frame = decode_verified(verify(parts, self._stamp.key, self._stamp.limits), self._stamp.limits)
@@ -461,8 +491,7 @@ class ExecutorEndpoint:
         self._closed = True
         self._sock.close()
         self._context.term()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._waker.close()
 
     def __enter__(self) -> ExecutorEndpoint:
         return self

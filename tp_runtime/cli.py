@@ -51,6 +51,10 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--swap-space", type=parse_size, default=0, help="host buffer for preempted pages (0: recompute)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="plan and stage step N+1 while step N runs (default on; --no-async-scheduling runs steps in series)",
+    )
     g = p.add_argument_group("fault injection (debug)")
     g.add_argument("--debug-poison-kv-cache", action="store_true", help="fill the cache with 0xFF (NaN) at allocation")
     g.add_argument("--debug-poison-freed-pages", action="store_true", help="fill every page freed to the pool with 0xFF")
@@ -152,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         device=args.device,
         enforce_eager=args.enforce_eager,
         host=getattr(args, "host", "127.0.0.1"),

@@ -34,6 +34,8 @@ class RuntimeConfig:
     swap_space: int = 0  # bytes of host offload buffer per rank; 0 preempts by recompute
     num_host_pages: int = 0  # derived from swap_space by the launcher
     enable_prefix_caching: bool = True
+    # Plan step N+1 while step N runs (vLLM's --async-scheduling); off runs every step in series.
+    async_scheduling: bool = True
     device: str = "auto"
     enforce_eager: bool = False
     # Launch across hosts (torchrun's names; docs/deployment.md). One host of nnodes: the options

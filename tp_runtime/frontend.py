@@ -84,6 +84,7 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: 
             eos_token_ids=tuple(tokenizer.eos_token_ids),
             num_host_pages=config.num_host_pages,
             enable_prefix_cache=config.enable_prefix_caching,
+            max_inflight_steps=2 if config.async_scheduling else 1,
             poison_freed_pages=config.debug_poison_freed_pages,
         )
     )

@@ -17,6 +17,8 @@ from scheduler.scheduler import SchedulerStats
 # Decode steps take milliseconds on a GPU and tens of milliseconds on a CPU at TP=2; a long
 # prefill chunk takes seconds.
 STEP_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's buckets for vllm:request_queue_time_seconds.
+QUEUE_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,17 @@ class EngineStats:
     tokens_generated_total: int
     requests_finished_total: int
     step_latency: HistogramSnapshot  # PREPARE sent -> RESULT in, per step
-    plan_time_s_total: float  # scheduler planning, summed
-    protocol_time_s_total: float  # encode + send + the READY round trip, summed
+    plan_time_s_total: float  # the scheduler's work: planning steps and taking their results, summed
+    protocol_time_s_total: float  # PREPARE sent -> GO sent (encode, send, validation on every rank, READY)
     step_time_s_total: float  # PREPARE sent -> RESULT in, summed
     prompt_tokens_total: int  # prompt tokens of the requests the scheduler accepted
     prefix_cache_queries_total: int  # prompt tokens looked up in the prefix cache (0 when it is off)
     prefix_cache_hits_total: int  # tokens found there: whole pages of a cached prefix
+    # Rank 0's model, over steps that followed each other with work waiting: the time it ran them
+    # (forward and sampling) and the time it sat idle between them, waiting for the control plane
+    # (results, planning, PREPARE, READY, GO): the share that planning ahead hides.
+    model_busy_s_total: float = 0.0
+    model_idle_s_total: float = 0.0
     # Filled in by the engine once it times them (the metrics export each one that is set):
     queue_time: HistogramSnapshot | None = None  # seconds from submit to the first scheduled step
     pages_cleared_per_step: HistogramSnapshot | None = None  # len(cleared_pages) of each PREPARE

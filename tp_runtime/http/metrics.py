@@ -106,14 +106,29 @@ class EngineCollector(Collector):
         yield _counter(
             f"{PREFIX}_requests_finished", "Requests that ended, for any reason.", stats.requests_finished_total
         )
-        yield _counter(f"{PREFIX}_plan_seconds", "Time the scheduler spent planning steps.", stats.plan_time_s_total)
+        yield _counter(
+            f"{PREFIX}_plan_seconds", "Time the scheduler spent planning steps and taking their results.",
+            stats.plan_time_s_total,
+        )
         yield _counter(
             f"{PREFIX}_protocol_seconds",
-            "Time from a planned step to GO: encode, send, validation on every rank, READY.",
+            "Time from a step's PREPARE to its GO: encode, send, validation on every rank, READY.",
             stats.protocol_time_s_total,
         )
         yield _counter(
             f"{PREFIX}_step_seconds", "Time from PREPARE sent to the step's result.", stats.step_time_s_total
+        )
+        yield _counter(
+            f"{PREFIX}_model_busy_seconds",
+            "Time rank 0's model spent running steps that followed each other with work waiting (forward and "
+            "sampling).",
+            stats.model_busy_s_total,
+        )
+        yield _counter(
+            f"{PREFIX}_model_idle_seconds",
+            "Time rank 0's model sat idle between those steps, waiting for the control plane (results, planning, "
+            "PREPARE, READY, GO): what planning ahead hides.",
+            stats.model_idle_s_total,
         )
         yield _gauge(
             f"{PREFIX}_generation_tokens_per_second",
