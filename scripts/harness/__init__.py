@@ -7,6 +7,10 @@ of it by pid, signal them one by one, read their memory and metrics, and always 
   `signal(target, sig)`, `survivors()` (orphans included), `wait_gone(timeout)`, `rss()`,
   `health()`, `wait_health(until, timeout)`, `metrics()`; `stop()` drains with SIGTERM and then
   kills by pid whatever is left. A context manager.
+- `executors`: `ExecutorCluster(world_size, address=, key=, run_id=, options=, load=)` is N bare
+  `run_executor` processes with a stand-in model, for a caller that speaks the protocol itself;
+  `processes` (Popen by rank), `process_of(rank)`, `signal`, `wait_exit`, `survivors`, `rss`,
+  `log(rank)`, `stop(grace_s)`. A context manager.
 - `processes`: `ProcessRef` (pid + start time: never signals a reused pid), `descendants`, `alive`,
   `tagged`, `wait_gone`, `rss_bytes`, `spawn`, `ProcessTracker`, `free_port`.
 - `client`: the OpenAI-compatible streaming client (`CompletionRequest`, `stream_completion`,
