@@ -17,6 +17,8 @@ of it by pid, signal them one by one, read their memory and metrics, and always 
   `StreamResult`), `served_model`, `health_status`, `wait_for_health`.
 - `metrics`: `parse_metrics`, `scrape_metrics`, `read_metrics`, the runtime's metric names.
 - `output`: `percentile`, `write_json`, `default_out_dir`.
+- `leak_check`: the pytest plugin (tests/conftest.py loads it) that fails a session which leaves a
+  process running, and kills it.
 
 Import from the modules (`from scripts.harness.runtime import RuntimeServer`); scripts put the
 checkout's root on sys.path, the tests have it through pytest's `pythonpath`.
