@@ -165,9 +165,19 @@ def check_run(
     swap_space: bool,
     prefix_caching: bool = True,
 ) -> list[Check]:
+    """The checks of CHECKS, in that order."""
     results = [(r, record.results[r.index]) for r in record.requests]
-    checks: list[Check] = []
+    return [
+        *_stream_checks(results),
+        _reference_check(comparisons),
+        _rss_check(rss),
+        *_metrics_checks(record.final_metrics, swap_space=swap_space, prefix_caching=prefix_caching),
+    ]
 
+
+def _stream_checks(results: Sequence[tuple[SoakRequest, StreamResult]]) -> list[Check]:
+    """What the client saw: every request accounted for, answered once, none failed."""
+    checks: list[Check] = []
     lost = [f"#{r.index}: {res.error or 'the stream ended without a finish reason'}" for r, res in results if outcome_of(res) == "lost"]
     checks.append(Check("accounted", not lost, f"{len(results) - len(lost)}/{len(results)} requests accounted for", tuple(lost)))
 
@@ -202,43 +212,45 @@ def check_run(
             tuple(no_ids),
         )
     )
+    return checks
 
+
+def _reference_check(comparisons: Sequence[Comparison]) -> Check:
     diverged = [c for c in comparisons if not c.identical and not c.near_tie]
     near = [c for c in comparisons if c.near_tie]
-    checks.append(
-        Check(
-            "greedy_reference",
-            not diverged,
-            f"{len(comparisons)} greedy outputs compared: {len(comparisons) - len(near) - len(diverged)} identical, "
-            f"{len(near)} near-ties, {len(diverged)} diverged",
-            tuple(
-                f"#{c.index}: position {c.position}: soak token {c.soak_token}, reference {c.reference_token}, "
-                f"reference top-2 {c.top2}, gaps {c.gap_soak}/{c.gap_reference}"
-                for c in diverged
-            ),
-        )
+    return Check(
+        "greedy_reference",
+        not diverged,
+        f"{len(comparisons)} greedy outputs compared: {len(comparisons) - len(near) - len(diverged)} identical, "
+        f"{len(near)} near-ties, {len(diverged)} diverged",
+        tuple(
+            f"#{c.index}: position {c.position}: soak token {c.soak_token}, reference {c.reference_token}, "
+            f"reference top-2 {c.top2}, gaps {c.gap_soak}/{c.gap_reference}"
+            for c in diverged
+        ),
     )
 
+
+def _rss_check(rss: Sequence[RssVerdict]) -> Check:
     grown = [
         f"{v.label}: {v.note}" if v.note else f"{v.label}: +{v.growth_mib} MiB after warm-up (slope {v.slope_mib_per_min} MiB/min)"
         for v in rss
         if not v.flat
     ]
-    checks.append(
-        Check(
-            "rss_flat",
-            bool(rss) and not grown,
-            "; ".join(f"{v.label} {v.warmup_peak_mib}->{v.after_peak_mib} MiB" for v in rss) or "no rank RSS was sampled",
-            tuple(grown),
-        )
+    return Check(
+        "rss_flat",
+        bool(rss) and not grown,
+        "; ".join(f"{v.label} {v.warmup_peak_mib}->{v.after_peak_mib} MiB" for v in rss) or "no rank RSS was sampled",
+        tuple(grown),
     )
 
-    final = record.final_metrics
+
+def _metrics_checks(final: dict[str, float] | None, *, swap_space: bool, prefix_caching: bool) -> list[Check]:
+    """What /metrics counted by the end: no REJECT or ABORT, nothing left over, the pressure claimed."""
     if final is None:
-        checks.append(Check("no_rejects_aborts", False, "/metrics was not readable at the end of the run"))
-        checks.append(Check("drained", False, "/metrics was not readable at the end of the run"))
-        checks.append(Check("pressure", False, "/metrics was not readable at the end of the run"))
-        return checks
+        unreadable = "/metrics was not readable at the end of the run"
+        return [Check(name, False, unreadable) for name in ("no_rejects_aborts", "drained", "pressure")]
+    checks: list[Check] = []
     counts = {name: final.get(name, 0.0) for name in (M_REJECTS, M_ABORTS, M_ABORTED_STEPS, M_REQUEST_REJECTS)}
     bad = tuple(f"{name} = {value:g}" for name, value in counts.items() if value)
     checks.append(Check("no_rejects_aborts", not bad, ", ".join(f"{k} = {v:g}" for k, v in counts.items()), bad))

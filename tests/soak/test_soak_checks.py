@@ -23,7 +23,7 @@ from scripts.harness.metrics import (
     M_WAITING,
     MetricsSample,
 )
-from scripts.soak_checks import Comparison, check_run, first_difference, judge_difference, rss_verdict, token_at
+from scripts.soak_checks import CHECKS, Comparison, check_run, first_difference, judge_difference, rss_verdict, token_at
 from scripts.soak_report import request_rows, summarize, write_plots
 from scripts.soak_workload import RunRecord, SoakRequest, outcome_of
 
@@ -84,6 +84,7 @@ def verdicts(record, comparisons=(), rss=None, swap_space=True):
 def test_a_clean_run_passes_every_check():
     checks = verdicts(clean_record(), [Comparison(index=0, identical=True)])
     assert all(c.passed for c in checks.values()), [c for c in checks.values() if not c.passed]
+    assert list(checks) == list(CHECKS)
 
 
 def test_a_stream_without_an_end_is_lost():
