@@ -168,12 +168,6 @@ class RuntimeServer:
         """The process of a label (`launcher`, `frontend`, `rank1`) or of a rank number."""
         return self._tracker.get(rank_label(target) if isinstance(target, int) else target)
 
-    def rank_pids(self) -> dict[int, int]:
-        return {r: self.process_of(r).pid for r in range(self.options.tensor_parallel_size)}
-
-    def frontend_pid(self) -> int:
-        return self.process_of(FRONTEND).pid
-
     def signal(self, target: str | int, sig: signal.Signals) -> ProcessRef:
         """Sends sig to one process (SIGSTOP a rank, SIGKILL the frontend, SIGTERM the launcher)."""
         ref = self.process_of(target)
