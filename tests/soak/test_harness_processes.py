@@ -125,12 +125,12 @@ def test_a_server_is_known_by_pid_and_stopped_with_its_orphans(tmp_path):
         server.signal("rank1", signal.SIGCONT)
         assert wait_until(lambda: not server.process_of(1).stopped())
 
-        # Killed by -9, torchrun's agent cannot stop its workers: they and the frontend live on,
-        # reparented, out of reach of a walk down from the launcher.
+        # Killed by -9, torchrun's agent cannot stop its workers: whatever of them and of the
+        # frontend lives on is reparented, out of reach of a walk down from the launcher.
         server.signal("launcher", signal.SIGKILL)
         server.process.wait(timeout=10)
-        orphans = {ref.label for ref in server.survivors()}
-        assert {"rank0", "rank1", "frontend"} <= orphans, orphans
+        orphans = {label for label, ref in processes.items() if ref.alive()}
+        assert orphans <= {ref.label for ref in server.survivors()}, orphans
         assert descendants(server.pid) == []
         assert server.stop() == -signal.SIGKILL
     assert server.survivors() == [] and not any(ref.alive() for ref in processes.values())
