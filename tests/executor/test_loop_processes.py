@@ -1,20 +1,18 @@
 """The step loop across real processes: 2 and 3 executors (gloo) and a scheduler-side driver.
 
 The driver here plays the engine's part over a real SchedulerEndpoint; the executors run
-run_executor with the stand-in model of executor_standin.py.
+run_executor with the stand-in model of executor_standin.py, started and stopped by pid by
+scripts/harness/executors.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -40,9 +38,9 @@ from protocol.frames import (
 )
 from protocol.transport import SchedulerEndpoint, ipc_address
 from protocol.validate import negotiate_version
+from scripts.harness.executors import ExecutorCluster
 from tests.executor.executor_standin import Seq, geometry, make_prepare
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "loop-test"
 HEARTBEAT_S = 0.2
 GEOMETRY = geometry()
@@ -68,12 +66,6 @@ def base_options(**overrides) -> ExecutorOptions:
         handshake_timeout_s=60.0,
     )
     return replace(options, **overrides)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -143,39 +135,21 @@ class Cluster:
 @contextmanager
 def cluster(tmp_path: Path, world_size: int, options_of=lambda rank: base_options()):
     endpoint = SchedulerEndpoint(ipc_address(), new_key(), RUN_ID)
-    key = endpoint._stamp.key
-    port = free_port()
-    procs, logs = [], []
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    executors = ExecutorCluster(
+        world_size,
+        address=endpoint.address,
+        key=endpoint._stamp.key,
+        run_id=RUN_ID,
+        options=options_of,
+        load="tests.executor.executor_standin:load_standin",
+        log_dir=tmp_path,
+    )
     try:
-        for rank in range(world_size):
-            spec = {
-                "rank": rank,
-                "world_size": world_size,
-                "master_port": port,
-                "address": endpoint.address,
-                "key_hex": key.hex(),
-                "run_id": RUN_ID,
-                "options": {k: v for k, v in asdict(options_of(rank)).items()},
-            }
-            log = tmp_path / f"rank{rank}.log"
-            logs.append(log)
-            with open(log, "w") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.executor.executor_proc", json.dumps(spec)],
-                        cwd=REPO,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        yield Cluster(endpoint, procs, logs, list(range(world_size)), {})
+        executors.start()
+        logs = [executors.log_path(rank) for rank in range(world_size)]
+        yield Cluster(endpoint, executors.processes, logs, list(range(world_size)), {})
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        executors.stop()
         endpoint.close()
 
 
