@@ -390,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dtype == "auto":
         from tp_runtime.config import RuntimeConfig
-        from tp_runtime.launch import pick_dtype
+        from tp_runtime.resolve import pick_dtype
 
         args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
     exit_on_sigterm()
