@@ -15,7 +15,13 @@ import time
 from datetime import timedelta
 
 from tp_runtime import frame_keys, hosts
-from tp_runtime.bootstrap import Bootstrap, KeyMode, broadcast_bytes, rank_keys, start_frontend
+from tp_runtime.bootstrap import (
+    Bootstrap,
+    KeyMode,
+    broadcast_bytes,
+    rank_keys,
+    start_frontend,
+)
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.launcher import STORE_TIMEOUT_S, check_drain_fits
 from tp_runtime.resolve import executor_options, resolve, uses_cuda
@@ -50,13 +56,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         _bind_gloo(single_host)
         _init_process_group("nccl" if use_cuda else "gloo", rank, world, use_cuda)
     bootstrap_group = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
-    own_pair, client_keys = None, []
-    if key_mode == KeyMode.STORE:
-        store = store_client()
-        own_pair = frame_keys.new_pair()
-        frame_keys.publish_client_key(store, rank, own_pair)
-        if rank == 0:
-            client_keys = frame_keys.client_keys(store, world)
+    own_pair, client_keys = _exchange_store_keys(rank, world) if key_mode == KeyMode.STORE else (None, [])
 
     frontend: subprocess.Popen[bytes] | None = None
     payload = b""
@@ -75,14 +75,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
             "every host must be given the same options"
         )
     key, curve = rank_keys(info, key_mode, keys, own_pair, rank)
-
-    def on_sigterm(signum: int, _frame: object) -> None:
-        # Keep stepping: the frontend drains its running requests and then sends SHUTDOWN to all.
-        log.info("SIGTERM: draining through the frontend")
-        if frontend is not None and frontend.poll() is None:
-            frontend.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    _drain_on_sigterm(frontend)
     if frontend is not None:
         _watch_frontend(frontend, info.address)
     code = 1
@@ -93,18 +86,45 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         )
     finally:
         if frontend is not None:
-            try:
-                frontend_code = frontend.wait(timeout=FRONTEND_GRACE_S)
-            except subprocess.TimeoutExpired:
-                frontend.kill()
-                frontend_code = frontend.wait()
-            code = frontend_code or code
-            # The frontend removes its ipc directory as it exits; one that was killed cannot.
-            remove_ipc_dir(info.address)
+            code = _reap_frontend(frontend, info.address) or code
     if world > 1:
         code = _agree_on_exit(code, bootstrap_group)
         dist.destroy_process_group()
     return code
+
+
+def _exchange_store_keys(rank: int, world: int) -> tuple[frame_keys.CurvePair, list[bytes]]:
+    """With keys through the rendezvous store: this rank's new pair, its public half published,
+    and on rank 0 every rank's public key, for the frontend."""
+    store = store_client()
+    own_pair = frame_keys.new_pair()
+    frame_keys.publish_client_key(store, rank, own_pair)
+    return own_pair, frame_keys.client_keys(store, world) if rank == 0 else []
+
+
+def _drain_on_sigterm(frontend: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM keeps the executor stepping: the frontend drains its running requests and then sends
+    SHUTDOWN to every rank."""
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        log.info("SIGTERM: draining through the frontend")
+        if frontend is not None and frontend.poll() is None:
+            frontend.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _reap_frontend(frontend: subprocess.Popen[bytes], address: str) -> int:
+    """The frontend's exit code, once it has exited (killed after FRONTEND_GRACE_S)."""
+    try:
+        code = frontend.wait(timeout=FRONTEND_GRACE_S)
+    except subprocess.TimeoutExpired:
+        frontend.kill()
+        code = frontend.wait()
+    # The frontend removes its ipc directory as it exits; one that was killed cannot.
+    remove_ipc_dir(address)
+    return code
+
 
 def _watch_frontend(frontend: subprocess.Popen[bytes], address: str) -> None:
     """Ends rank 0 if it outlives its frontend by FRONTEND_GONE_S. After the handshake the executor
