@@ -227,6 +227,8 @@ class FakeEngine:
                     preemptions_total=5,
                     offloads_total=8,
                     restores_total=7,
+                    pages_offloaded_total=40,
+                    pages_restored_total=33,
                     evictions_total=2,
                     steps_total=len(self.submitted) * 10,
                     aborted_steps_total=1,
