@@ -280,3 +280,17 @@ def test_a_client_that_leaves_cancels_all_n(live_server):
     while len(engine.cancelled) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sorted(engine.cancelled) == [1, 2, 3]
+
+
+def test_completion_alternatives_that_read_alike_keep_the_sampled_tokens_logprob(tokenizer):
+    """Legacy top_logprobs is keyed by text: two byte tokens that are each part of a character both
+    read U+FFFD, and the sampled token's own logprob must not be overwritten by a likelier one."""
+    from tp_runtime.http import logprobs
+    from tp_runtime.http.generation import SampledToken
+
+    alike = [t for t in range(tokenizer.vocab_size) if token_text(tokenizer, t) == "\ufffd"][:2]
+    assert len(alike) == 2
+    sampled = SampledToken(alike[0], -2.0, 0, ((alike[1], -0.5), (alike[0], -2.0), (42, -3.0)))
+    shaped = logprobs.for_completion(tokenizer, [sampled], 1)
+    assert shaped.token_logprobs == [-2.0]
+    assert shaped.top_logprobs == [{"\ufffd": -2.0, token_text(tokenizer, 42): -3.0}]
