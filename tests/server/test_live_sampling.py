@@ -204,3 +204,42 @@ def test_metrics_count_a_known_workload(tp1: Server) -> None:
     assert delta("tp_runtime_kv_pages_cleared_per_step_count") == delta("tp_runtime_steps_total") > 0
     assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
     assert delta("vllm:num_preemptions_total") == 0
+
+
+def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny: Path) -> None:
+    """Four requests of 6 pages each in a pool of 12: the scheduler must preempt, and with host
+    memory it offloads; the metrics count requests and pages apart, and agree with each other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    options = (
+        "--dtype", "fp32", "--num-kv-pages", "12", "--max-model-len", "128", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128", "--swap-space", "1MiB", "--served-model-name", NAME,
+    )  # fmt: skip
+    server = Server(tiny, tp=1, extra=options)
+    try:
+        before = server.metrics()
+        prompt = "pressure " * 4  # 36 tokens or so, 3 pages; 48 more tokens make 6
+
+        def one(i: int) -> int:
+            result = api(server).completions.create(
+                model=NAME, prompt=f"{i} {prompt}", max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return result.usage.completion_tokens
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4))) == [48] * 4
+        after = server.metrics()
+    finally:
+        server.stop()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    preemptions = delta("vllm:num_preemptions_total")
+    assert preemptions > 0 and delta("tp_runtime_preemptions_total") == preemptions
+    offloads, pages = delta("tp_runtime_kv_offloads_total"), delta("tp_runtime_kv_pages_offloaded_total")
+    assert 0 < offloads <= preemptions and pages >= offloads, (offloads, pages)
+    restores, restored = delta("tp_runtime_kv_restores_total"), delta("tp_runtime_kv_pages_restored_total")
+    # Every offloaded request came back (all four finished), with the pages it took out.
+    assert restores == offloads and restored == pages, (restores, restored, offloads, pages)
+    assert delta("vllm:generation_tokens_total") == 4 * 48
