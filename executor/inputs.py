@@ -37,6 +37,10 @@ class StepInputs:
     top_k: torch.Tensor  # long[m]
     seeds: torch.Tensor  # long[m]; -1 means unseeded
     sample_positions: torch.Tensor  # long[m]: position of the token whose logits are sampled
+    # Alternatives each sampled row wants returned (uint8[m] on the host; on the device as long[m],
+    # or None when no row wants any).
+    num_logprobs_host: np.ndarray
+    num_logprobs: torch.Tensor | None
     is_decode: bool  # every sequence brings exactly one new token
     num_seqs: int
     num_tokens: int
@@ -132,6 +136,7 @@ class StepInputs:
             np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
         ).to(device, non_blocking=True)
         m = int(sampled.shape[0])
+        num_logprobs = p.num_logprobs[sampled]
         return cls(
             token_ids=views[0],
             positions=views[1],
@@ -148,6 +153,8 @@ class StepInputs:
             top_k=views[9],
             seeds=views[10],
             sample_positions=views[11],
+            num_logprobs_host=num_logprobs,
+            num_logprobs=torch.from_numpy(num_logprobs.astype(np.int64)).to(device) if num_logprobs.any() else None,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,

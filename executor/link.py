@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from executor.inputs import StepInputs, StepInputsError
+from executor.sampling_state import StatefulSequences
 from protocol.conversation import (
     AbortReceived,
     ExecutorConversation,
@@ -126,6 +127,7 @@ class SchedulerLink:
         self._codes = exit_codes
         self._force_exit = force_exit
         self._page_tables = HeldPageTables()
+        self._stateful = StatefulSequences()
         self._staged: StagedStep | None = None
         # Sequences sampled by the last step GOed here, in its sample order: feedback rows of the
         # next step read their tokens from that step's samples.
@@ -269,8 +271,10 @@ class SchedulerLink:
             if event.dropped:
                 logger.info("[rank %d] abort step %d: %s", self.rank, event.step, event.reason)
                 self._staged = None
-            # The scheduler sends whole page tables after an ABORT: hold nothing that could be stale.
+            # The scheduler sends whole page tables and sampling states after an ABORT: hold nothing
+            # that could be stale.
             self._page_tables.drop()
+            self._stateful.drop()
         elif isinstance(event, Refused):
             logger.error("[rank %d] reject step %d: %s", self.rank, event.step, event.error)
             self._send(conv.reject(event.step, event.error))
@@ -282,9 +286,11 @@ class SchedulerLink:
 
     def _stage(self, step: int, prepare: Prepare) -> StagedStep:
         """Everything of a step that needs no device work: nothing here changes if it is refused,
-        but for the held page tables, which the ABORT that follows a REJECT drops anyway."""
+        but for the held page tables and sampling-state ids, which the ABORT that follows a REJECT
+        drops anyway."""
         feedback_tokens, feedback_sources = self._feedback(prepare)
         table = self._page_tables.apply(prepare)
+        self._stateful.accept(prepare)
         try:
             inputs = StepInputs.from_prepare(
                 prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=table

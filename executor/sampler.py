@@ -1,4 +1,12 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling on rank 0: logits processing, greedy, temperature, top-k, top-p, per-request seeds,
+and the most likely alternatives of each sampled token.
+
+Logits processing comes first, on the rows that ask for it, in vLLM's order: logit bias, banned
+tokens (-inf: a request's stop tokens before its min_tokens), then the repetition penalty (a token
+seen in the prompt or the output has its positive logit divided by it, its negative one multiplied),
+the frequency penalty (minus penalty x its count in the output) and the presence penalty (minus
+penalty once it appears in the output). Rank 0 sees whole rows at any tensor-parallel size, so the
+result does not depend on it.
 
 Each random row is sampled by inverse CDF: one uniform number per row, a prefix sum and a binary
 search, instead of a noise vector over the whole vocabulary (which costs tens of milliseconds a
@@ -32,6 +40,26 @@ class SamplingError(ValueError):
 
 
 @dataclass(frozen=True)
+class LogitsProcessing:
+    """What is done to some rows' logits before temperature. Every tensor is on the logits' device;
+    `*_rows` index the logits rows, except prompt_rows/output_rows, which index penalty_rows."""
+
+    bias_rows: torch.Tensor  # long[b]: (row, token) pairs, unique, and the bias added there
+    bias_ids: torch.Tensor  # long[b]
+    bias_values: torch.Tensor  # float32[b]
+    banned_rows: torch.Tensor  # long[k]: (row, token) pairs set to -inf
+    banned_ids: torch.Tensor  # long[k]
+    penalty_rows: torch.Tensor  # long[r]: the rows with a penalty, ascending
+    presence: torch.Tensor  # float32[r]
+    frequency: torch.Tensor  # float32[r]
+    repetition: torch.Tensor  # float32[r]
+    prompt_rows: torch.Tensor  # long[P]: each prompt token of those rows, by its row among penalty_rows
+    prompt_ids: torch.Tensor  # long[P]
+    output_rows: torch.Tensor  # long[O]: each output token so far, likewise
+    output_ids: torch.Tensor  # long[O]
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """Per-row parameters, one entry per logits row, all on the logits' device."""
 
@@ -40,13 +68,20 @@ class SamplingBatch:
     top_k: torch.Tensor  # int[m]; 0 means off
     seeds: torch.Tensor  # int64[m]; -1 means unseeded
     positions: torch.Tensor  # int[m]; position of the token whose logits this row holds
+    processing: LogitsProcessing | None = None  # None: no row asks for any
+    num_logprobs: torch.Tensor | None = None  # long[m]: alternatives each row wants; None: none
 
 
 @dataclass(frozen=True)
 class SampleOutput:
     token_ids: torch.Tensor  # int64[m]; 0 where finite is False
-    logprobs: torch.Tensor  # float32[m]; log_softmax of the temperature-scaled row; nan where not finite
-    finite: torch.Tensor  # bool[m]; False: the logits row held a NaN or an inf
+    # float32[m]; log_softmax of the processed, temperature-scaled row; nan where not finite
+    logprobs: torch.Tensor
+    finite: torch.Tensor  # bool[m]; False: the logits row held a NaN or an inf (or nothing samplable)
+    # [m, k] for the largest k asked for, most likely first, from the same log_softmax (ids 0 and
+    # logprobs nan where not finite); None when no row asked.
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 def row_seed(seed: int, position: int) -> int:
@@ -67,6 +102,11 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
     logits = logits.float()
     finite = _finite_rows(logits)
+    if params.processing is not None:
+        logits = process_logits(logits, params.processing)
+        # A penalty may still overflow a huge logit to +inf, and banning every token leaves nothing
+        # to sample: such a row is not sampled either.
+        finite &= torch.isfinite(logits.amax(dim=-1))
     # A non-finite row is flagged, not sampled; zeroing it keeps NaN out of every reduction below.
     safe = logits if bool(finite.all()) else torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
     greedy = params.temperature <= 0
@@ -96,7 +136,53 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
     logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     logprobs = torch.where(finite, logprobs, torch.full_like(logprobs, float("nan")))
-    return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite)
+    top_ids, top_logprobs = _alternatives(log_probs, params.num_logprobs, finite)
+    return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
+    """logits after logit bias, banned tokens and the penalties (a new tensor; logits is unchanged)."""
+    out = logits.clone()
+    if p.bias_rows.numel():
+        out.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
+    if p.banned_rows.numel():
+        out.index_put_((p.banned_rows, p.banned_ids), torch.tensor(float("-inf"), device=out.device))
+    if p.penalty_rows.numel():
+        rows = out.index_select(0, p.penalty_rows)
+        counts = torch.zeros_like(rows)
+        if p.output_rows.numel():
+            ones = torch.ones_like(p.output_ids, dtype=rows.dtype)
+            counts.index_put_((p.output_rows, p.output_ids), ones, accumulate=True)
+        in_output = counts > 0
+        seen = in_output.clone()
+        if p.prompt_rows.numel():
+            seen[p.prompt_rows, p.prompt_ids] = True
+        repetition = torch.where(seen, p.repetition.unsqueeze(1), torch.ones((), device=rows.device))
+        rows = torch.where(rows > 0, rows / repetition, rows * repetition)
+        rows -= p.frequency.unsqueeze(1) * counts
+        rows -= p.presence.unsqueeze(1) * in_output
+        out[p.penalty_rows] = rows
+    return out
+
+
+def _alternatives(
+    log_probs: torch.Tensor, wanted: torch.Tensor | None, finite: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The most likely tokens of each row that wants alternatives, and their logprobs, as many as
+    the greediest row wants (a row that wants fewer reads a prefix; one that wants none, zeros)."""
+    if wanted is None or not wanted.numel():
+        return None, None
+    k = int(wanted.max())
+    if k == 0:
+        return None, None
+    rows = torch.nonzero(wanted > 0).squeeze(1)
+    values, ids = _rows(log_probs, rows).topk(k, dim=-1)
+    keep = finite[rows].unsqueeze(1)
+    top_ids = torch.zeros(log_probs.shape[0], k, dtype=torch.long, device=log_probs.device)
+    top_logprobs = torch.full((log_probs.shape[0], k), float("nan"), dtype=log_probs.dtype, device=log_probs.device)
+    top_ids[rows] = torch.where(keep, ids, torch.zeros_like(ids))
+    top_logprobs[rows] = torch.where(keep, values, torch.full_like(values, float("nan")))
+    return top_ids, top_logprobs
 
 
 def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

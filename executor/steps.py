@@ -2,7 +2,8 @@
 
 For each step: the tokens of its feedback rows (the samples of the step run before it), then the
 cache operations of its PREPARE in DESIGN.md's order (offload reads pages before anything in this
-step writes them, then poison, restore, clear), then the forward, then sampling on rank 0. Every
+step writes them, then poison, restore, clear), then the forward, then sampling on rank 0, after
+the logits processing its sampling states ask for (executor.sampling_state). Every
 rank runs the same collectives in the same order: the feedback broadcast happens exactly when the
 step has feedback rows, which every rank reads from the same PREPARE.
 
@@ -27,7 +28,8 @@ from executor.cache import KVCache
 from executor.inputs import StepInputs
 from executor.link import StagedStep
 from executor.options import ExecutorOptions
-from executor.sampler import SamplingBatch, sample
+from executor.sampler import SampleOutput, SamplingBatch, sample
+from executor.sampling_state import SamplingStates
 from protocol.frames import Result
 
 logger = logging.getLogger("tp_runtime.executor")
@@ -46,6 +48,7 @@ class _Samples:
     """The token each sampled row of the last step drew (rank 0 only), for the next step's feedback."""
 
     tokens: torch.Tensor  # int64[m] on the model's device
+    host: np.ndarray  # the same, on the host (the RESULT's copy)
 
 
 class StepRunner:
@@ -55,7 +58,8 @@ class StepRunner:
         self.model = model
         self.cache = cache
         self.options = options
-        self._samples = _Samples(torch.zeros(0, dtype=torch.long, device=cache.device))
+        self._samples = _Samples(torch.zeros(0, dtype=torch.long, device=cache.device), np.zeros(0, dtype=np.int32))
+        self.sampling_states = SamplingStates()  # rank 0's
         self._last_end: float | None = None
 
     def run(self, staged: StagedStep) -> Result | None:
@@ -66,7 +70,7 @@ class StepRunner:
         self._feed(staged)
         self._cache_operations(staged)
         logits = self.model.forward(inputs, self.cache)
-        result = self._sample(inputs, logits, started, gap_us) if self.rank == 0 else None
+        result = self._sample(staged, logits, started, gap_us) if self.rank == 0 else None
         self._last_end = time.perf_counter()
         return result
 
@@ -94,12 +98,20 @@ class StepRunner:
         if not options.debug_skip_clears and prepare.cleared_pages.size:
             cache.clear_pages(prepare.cleared_pages)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor | None, started: float, gap_us: int) -> Result:
+    def _fed_tokens(self, staged: StagedStep) -> dict[int, int]:
+        """The token each feedback row of the step receives, by sequence index (host side)."""
+        rows = np.flatnonzero(staged.prepare.feedback)
+        return dict(zip(rows.tolist(), self._samples.host[staged.feedback_sources].tolist()))
+
+    def _sample(self, staged: StagedStep, logits: torch.Tensor | None, started: float, gap_us: int) -> Result:
         if logits is None:
             raise RuntimeError("the model returned no logits on rank 0")
+        inputs, prepare, states = staged.inputs, staged.prepare, self.sampling_states
         rows = inputs.sample_rows.shape[0]
         if logits.shape[0] != rows:
             raise RuntimeError(f"the model returned {logits.shape[0]} logits rows for {rows} sampled rows")
+        fed = self._fed_tokens(staged) if prepare.sampling_state.any() and prepare.feedback.any() else {}
+        states.begin(prepare, fed)
         out = sample(
             logits,
             SamplingBatch(
@@ -108,14 +120,31 @@ class StepRunner:
                 top_k=inputs.top_k,
                 seeds=inputs.seeds,
                 positions=inputs.sample_positions,
+                processing=states.processing(prepare, logits.device),
+                num_logprobs=inputs.num_logprobs,
             ),
         )
-        self._samples = _Samples(out.token_ids)
+        tokens = out.token_ids.to("cpu", torch.int32).numpy()
+        finite = out.finite.to("cpu", torch.uint8).numpy()
+        self._samples = _Samples(out.token_ids, tokens)
+        states.append(inputs.sample_seq_ids, tokens, finite)
+        top_ids, top_logprobs = _alternatives(out, inputs.num_logprobs_host)
         return Result(
             seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
-            token_ids=out.token_ids.to("cpu", torch.int32).numpy(),
+            token_ids=tokens,
             logprobs=out.logprobs.to("cpu", torch.float32).numpy(),
-            finite=out.finite.to("cpu", torch.uint8).numpy(),
+            finite=finite,
             step_time_us=int((time.perf_counter() - started) * 1e6),
             gap_us=gap_us,
+            top_token_ids=top_ids,
+            top_logprobs=top_logprobs,
         )
+
+
+def _alternatives(out: SampleOutput, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """RESULT's flat alternatives: each sampled row's first wanted[j] entries, row by row."""
+    if out.top_ids is None:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)
+    take = np.arange(out.top_ids.shape[1])[None, :] < wanted[:, None]
+    ids = out.top_ids.to("cpu", torch.int32).numpy()[take]
+    return ids, out.top_logprobs.to("cpu", torch.float32).numpy()[take]

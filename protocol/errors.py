@@ -34,10 +34,11 @@ class RejectCode(enum.IntEnum):
     PAGE_TABLE_TOO_SHORT = 22  # page_table_lens * page_size < context_lens
     DUPLICATE_SEQ_ID = 23  # a sequence id twice in one step
     POSITION_MISMATCH = 24  # positions are not the last query_lens positions of the context
-    BAD_SAMPLING = 25  # temperature < 0 or not finite, top_p outside (0, 1], top_k < 0
+    BAD_SAMPLING = 25  # a sampling or logits-processing parameter out of its range
     PAGE_TABLE_BASE_MISMATCH = 26  # page_table_base is not what the receiver holds: state diverged
     BAD_FEEDBACK = 27  # feedback on a row with query_lens != 1, or a value other than 0 and 1
     FEEDBACK_WITHOUT_SAMPLE = 28  # feedback for a sequence the previous step run did not sample
+    SAMPLING_STATE_NOT_HELD = 29  # sampling_state 2 for a sequence whose state the receiver does not hold
 
 
 class TPRuntimeError(Exception):

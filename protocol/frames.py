@@ -16,7 +16,10 @@ import numpy as np
 # 3: one name per setting in CacheGeometry (vLLM's: num_kv_pages, max_model_len, max_num_seqs,
 #    max_num_batched_tokens, num_host_pages); PREPARE's `feedback` (a decode row's token is the one the
 #    executors sampled for it at the step before, so a step can be planned while that one runs);
-#    REJECT's `seq_ids` (the sequences a rank refuses, so that only their requests fail).
+#    REJECT's `seq_ids` (the sequences a rank refuses, so that only their requests fail); PREPARE's
+#    logits processing (alternatives wanted, penalties, logit bias, banned tokens and the sampling
+#    state rank 0 holds between steps) and RESULT's top alternatives, added before anything outside
+#    this repository spoke version 3.
 PROTOCOL_VERSION = 3
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
@@ -109,6 +112,17 @@ class Prepare:
 
     Before the forward, in this order: offload_pages -> host offload_slots; poison_pages filled with
     0xFF (debug fault injection); host restore_slots -> restore_pages; cleared_pages zeroed.
+
+    Logits processing, on rank 0, of each sampled row before temperature, top-k and top-p (vLLM's
+    order: logit bias and banned tokens, then repetition, frequency and presence penalties).
+    num_logprobs[i] alternatives come back with the sample. The penalties count the tokens of the
+    sequence's sampling state, which rank 0 holds between steps as page tables are held:
+    sampling_state[i] is 0 (none: no penalty, no bias), 1 (sent whole here: history_lens[i] tokens
+    of `history`, the first history_prompt_lens[i] of them the prompt's and the rest its output so
+    far, and logit_bias_lens[i] entries of logit_bias_ids/logit_bias; it replaces what was held)
+    or 2 (held from the previous step, which rank 0 extended with the tokens it sampled). A
+    sequence absent from a step is forgotten; an ABORT forgets every state. banned_ids are the
+    tokens this step's sample may not be (a request's stop tokens before its min_tokens).
     """
 
     seq_ids: np.ndarray  # int64[n]
@@ -131,6 +145,19 @@ class Prepare:
     offload_slots: np.ndarray  # int32[o]
     poison_pages: np.ndarray  # int32[], debug: pages that returned to the free pool
     feedback: np.ndarray  # uint8[n]; 1: the new token is this sequence's sample of the step before
+    num_logprobs: np.ndarray  # uint8[n]: alternatives to return with the sample (0..20)
+    presence_penalty: np.ndarray  # float32[n]; 0 means off
+    frequency_penalty: np.ndarray  # float32[n]; 0 means off
+    repetition_penalty: np.ndarray  # float32[n]; 1 means off
+    sampling_state: np.ndarray  # uint8[n]; 0 none, 1 sent whole in this PREPARE, 2 held
+    history_lens: np.ndarray  # int32[n]: tokens of the history sent here (state 1 only)
+    history_prompt_lens: np.ndarray  # int32[n]: how many of them are the prompt's
+    history: np.ndarray  # int32[sum(history_lens)]
+    logit_bias_lens: np.ndarray  # int32[n]: logit bias entries sent here (state 1 only)
+    logit_bias_ids: np.ndarray  # int32[sum(logit_bias_lens)]; strictly increasing per sequence
+    logit_bias: np.ndarray  # float32[sum(logit_bias_lens)]: added to those tokens' logits
+    banned_lens: np.ndarray  # int32[n]: tokens this step's sample may not be
+    banned_ids: np.ndarray  # int32[sum(banned_lens)]
 
     @classmethod
     def greedy(
@@ -176,6 +203,7 @@ class Prepare:
             offload_slots=empty,
             poison_pages=empty,
             feedback=np.zeros(n, dtype=np.uint8),
+            **plain_sampling(n),
         )
 
     @classmethod
@@ -187,6 +215,29 @@ class Prepare:
         return cls.greedy(np.ones(n), context_lens, token_ids, page_table_lens, page_table)
 
 
+def plain_sampling(n: int) -> dict[str, np.ndarray]:
+    """PREPARE's logits-processing fields for n sequences that use none of it: no alternatives, no
+    penalties, no sampling state, nothing banned. For PREPAREs built by hand."""
+    i32 = np.dtype("<i4")
+    zeros = np.zeros(n, dtype=i32)
+    empty = np.zeros(0, dtype=i32)
+    return dict(
+        num_logprobs=np.zeros(n, dtype=np.uint8),
+        presence_penalty=np.zeros(n, dtype=np.float32),
+        frequency_penalty=np.zeros(n, dtype=np.float32),
+        repetition_penalty=np.ones(n, dtype=np.float32),
+        sampling_state=np.zeros(n, dtype=np.uint8),
+        history_lens=zeros,
+        history_prompt_lens=zeros,
+        history=empty,
+        logit_bias_lens=zeros,
+        logit_bias_ids=empty,
+        logit_bias=np.zeros(0, dtype=np.float32),
+        banned_lens=zeros,
+        banned_ids=empty,
+    )
+
+
 @dataclass(frozen=True)
 class Ready:
     rank: int
@@ -194,6 +245,14 @@ class Ready:
 
 def _no_seq_ids() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
+
+
+def _no_token_ids() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
+def _no_logprobs() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -220,7 +279,11 @@ class Abort:
 
 @dataclass(frozen=True)
 class Result:
-    """Rank 0 -> scheduler after the forward: one row per sequence with sample[i] set."""
+    """Rank 0 -> scheduler after the forward: one row per sequence with sample[i] set.
+
+    top_token_ids/top_logprobs: the num_logprobs[i] most likely tokens of each sampled row (in the
+    PREPARE's num_logprobs, row by row, most likely first) and their log-probabilities, from the
+    distribution the token was drawn from."""
 
     seq_ids: np.ndarray  # int64[m]
     token_ids: np.ndarray  # int32[m]
@@ -230,6 +293,8 @@ class Result:
     # How long rank 0's model sat idle between the end of its previous step and this one's GO: the
     # share of the control plane (planning, PREPARE, READY, GO) that the model waited for.
     gap_us: int = 0
+    top_token_ids: np.ndarray = field(default_factory=_no_token_ids)  # int32[sum(num_logprobs of sampled rows)]
+    top_logprobs: np.ndarray = field(default_factory=_no_logprobs)  # float32[same]
 
 
 @dataclass(frozen=True)
@@ -289,6 +354,19 @@ ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
         "offload_slots": np.dtype("<i4"),
         "poison_pages": np.dtype("<i4"),
         "feedback": np.dtype("u1"),
+        "num_logprobs": np.dtype("u1"),
+        "presence_penalty": np.dtype("<f4"),
+        "frequency_penalty": np.dtype("<f4"),
+        "repetition_penalty": np.dtype("<f4"),
+        "sampling_state": np.dtype("u1"),
+        "history_lens": np.dtype("<i4"),
+        "history_prompt_lens": np.dtype("<i4"),
+        "history": np.dtype("<i4"),
+        "logit_bias_lens": np.dtype("<i4"),
+        "logit_bias_ids": np.dtype("<i4"),
+        "logit_bias": np.dtype("<f4"),
+        "banned_lens": np.dtype("<i4"),
+        "banned_ids": np.dtype("<i4"),
     },
     Reject: {"seq_ids": np.dtype("<i8")},
     Result: {
@@ -296,6 +374,8 @@ ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
         "token_ids": np.dtype("<i4"),
         "logprobs": np.dtype("<f4"),
         "finite": np.dtype("u1"),
+        "top_token_ids": np.dtype("<i4"),
+        "top_logprobs": np.dtype("<f4"),
     },
 }
 

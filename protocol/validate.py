@@ -20,7 +20,18 @@ import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import SUPPORTED_VERSIONS, CacheGeometry, Frame, Prepare
-from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN
+from protocol.sampling_limits import (
+    FLOAT32_MAX,
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    LOGIT_BIAS_MIN,
+    PENALTY_MAX,
+    PENALTY_MIN,
+    REPETITION_PENALTY_MIN,
+    TEMPERATURE_MIN,
+    TOP_LOGPROBS_MAX,
+    TOP_P_MIN,
+)
 
 _UNSIGNED = {1: np.dtype(np.uint8), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -35,6 +46,22 @@ _PER_SEQUENCE = (
     "top_k",
     "seeds",
     "feedback",
+    "num_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "sampling_state",
+    "history_lens",
+    "history_prompt_lens",
+    "logit_bias_lens",
+    "banned_lens",
+)
+# Per-sequence counts of PREPARE's flat logits-processing arrays: (counts, flat arrays, the most
+# one sequence may have, or None for max_model_len / vocab_size).
+_FLAT = (
+    ("history_lens", ("history",), None),
+    ("logit_bias_lens", ("logit_bias_ids", "logit_bias"), LOGIT_BIAS_MAX_ENTRIES),
+    ("banned_lens", ("banned_ids",), None),
 )
 
 
@@ -133,6 +160,7 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
         _check_length(name, getattr(p, name), n, "the number of sequences (len(seq_ids))")
     _check_length("restore_slots", p.restore_slots, len(p.restore_pages), "len(restore_pages)")
     _check_length("offload_slots", p.offload_slots, len(p.offload_pages), "len(offload_pages)")
+    _check_flat_lengths(p, g)
     if n > g.max_num_seqs:
         raise ProtocolError(RejectCode.LIMIT_EXCEEDED, f"{n} sequences exceed max_num_seqs {g.max_num_seqs}")
     if n == 0:
@@ -174,6 +202,35 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
     delta_pages = int(page_table_lens.sum(dtype=np.int64) - base.sum(dtype=np.int64))
     _check_length("page_table", p.page_table, delta_pages, "sum(page_table_lens - page_table_base)")
     return total_tokens
+
+
+def _check_flat_lengths(p: Prepare, g: CacheGeometry) -> None:
+    """Each flat logits-processing array holds what its per-sequence counts say (checked >= 0 and
+    under their limits first, so that the int64 sums are exact)."""
+    for counts_name, flat_names, most in _FLAT:
+        counts = getattr(p, counts_name)
+        if not counts.shape[0]:
+            limit = 0
+        else:
+            if counts.min() < 0:
+                i = _first_bad(counts < 0)
+                raise ProtocolError(RejectCode.LENGTH_MISMATCH, f"{counts_name}[{i}] = {counts[i]} is negative")
+            limit = most if most is not None else (g.max_model_len if counts_name == "history_lens" else g.vocab_size)
+            if counts.max() > limit:
+                i = _first_bad(counts > limit)
+                raise ProtocolError(
+                    RejectCode.LIMIT_EXCEEDED, f"{counts_name}[{i}] = {counts[i]} exceeds the limit of {limit}"
+                )
+        total = int(counts.sum(dtype=np.int64))
+        for name in flat_names:
+            _check_length(name, getattr(p, name), total, f"sum({counts_name})")
+    prompt = p.history_prompt_lens
+    if prompt.shape[0] and ((prompt < 0) | (prompt > p.history_lens)).any():
+        i = _first_bad((prompt < 0) | (prompt > p.history_lens))
+        raise ProtocolError(
+            RejectCode.LENGTH_MISMATCH,
+            f"history_prompt_lens[{i}] = {prompt[i]} is outside [0, history_lens[{i}] = {p.history_lens[i]}]",
+        )
 
 
 def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
@@ -274,16 +331,21 @@ def _check_own_fields(p: Prepare, g: CacheGeometry) -> None:
             (feedback > 1) | ((feedback != 0) & (p.query_lens != 1)),
         ),
     ]
-    tokens = p.token_ids
-    if tokens.view(np.uint32).max() >= g.vocab_size:
-        bad_token = (tokens < 0) | (tokens >= g.vocab_size)
-        owner = np.repeat(np.arange(len(p.seq_ids)), p.query_lens)
-        rules.append((
-            RejectCode.TOKEN_OUT_OF_RANGE,
-            "token_ids",
-            f"every new token in [0, {g.vocab_size})",
-            np.bincount(owner[bad_token], minlength=len(p.seq_ids)) > 0,
-        ))
+    rules += _processing_rules(p, g)
+    for name, counts in (
+        ("token_ids", p.query_lens),
+        ("history", p.history_lens),
+        ("logit_bias_ids", p.logit_bias_lens),
+        ("banned_ids", p.banned_lens),
+    ):
+        tokens = getattr(p, name)
+        if tokens.shape[0] and tokens.view(np.uint32).max() >= g.vocab_size:
+            rules.append((
+                RejectCode.TOKEN_OUT_OF_RANGE,
+                name,
+                f"every {'new token' if name == 'token_ids' else 'token id'} in [0, {g.vocab_size})",
+                _owners(counts, (tokens < 0) | (tokens >= g.vocab_size)),
+            ))
     broken = [(code, name, valid, mask) for code, name, valid, mask in rules if mask.any()]
     if not broken:
         return
@@ -297,10 +359,89 @@ def _check_own_fields(p: Prepare, g: CacheGeometry) -> None:
     raise ProtocolError(broken[0][0], "; ".join(reasons), seq_ids=tuple(p.seq_ids[offenders].tolist()))
 
 
+def _owners(counts: np.ndarray, flat_mask: np.ndarray) -> np.ndarray:
+    """Per sequence: whether any of its entries of a flat array (counts[i] of them, in order) is
+    set in flat_mask."""
+    owner = np.repeat(np.arange(counts.shape[0]), counts)
+    return np.bincount(owner[flat_mask], minlength=counts.shape[0]) > 0
+
+
+def _processing_rules(p: Prepare, g: CacheGeometry) -> list[tuple[RejectCode, str, str, np.ndarray]]:
+    """The logits-processing fields' rules (protocol/sampling_limits.py), as masks over sequences."""
+    presence, frequency, repetition = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+    state = p.sampling_state
+    penalized = (presence != 0) | (frequency != 0) | (repetition != 1)
+    sent_here = (p.history_lens != 0) | (p.logit_bias_lens != 0)
+    rules = [
+        (
+            RejectCode.BAD_SAMPLING,
+            "num_logprobs",
+            f"at most {min(TOP_LOGPROBS_MAX, g.vocab_size)}",
+            p.num_logprobs > min(TOP_LOGPROBS_MAX, g.vocab_size),
+        ),
+        (
+            RejectCode.BAD_SAMPLING,
+            "presence_penalty",
+            f"in [{PENALTY_MIN:g}, {PENALTY_MAX:g}]",
+            ~((presence >= PENALTY_MIN) & (presence <= PENALTY_MAX)),
+        ),
+        (
+            RejectCode.BAD_SAMPLING,
+            "frequency_penalty",
+            f"in [{PENALTY_MIN:g}, {PENALTY_MAX:g}]",
+            ~((frequency >= PENALTY_MIN) & (frequency <= PENALTY_MAX)),
+        ),
+        (
+            RejectCode.BAD_SAMPLING,
+            "repetition_penalty",
+            f"in [{REPETITION_PENALTY_MIN}, {FLOAT32_MAX:.7g}] (1: off)",
+            ~((repetition >= REPETITION_PENALTY_MIN) & (repetition <= FLOAT32_MAX)),
+        ),
+        (
+            RejectCode.BAD_SAMPLING,
+            "sampling_state",
+            "0 (none), 1 (sent here) or 2 (held); 1 or 2 with a penalty; 1 to carry a history or a logit bias",
+            (state > 2) | (penalized & (state == 0)) | (sent_here & (state != 1)),
+        ),
+    ]
+    bias, ids, counts = p.logit_bias, p.logit_bias_ids, p.logit_bias_lens
+    if bias.shape[0]:
+        rules.append((
+            RejectCode.BAD_SAMPLING,
+            "logit_bias",
+            f"in [{LOGIT_BIAS_MIN:g}, {LOGIT_BIAS_MAX:g}]",
+            _owners(counts, ~((bias >= LOGIT_BIAS_MIN) & (bias <= LOGIT_BIAS_MAX))),
+        ))
+        # Within a sequence each id follows a smaller one: the first entry of each sequence is
+        # exempt, being compared with the previous sequence's last.
+        starts = np.zeros(ids.shape[0], dtype=bool)
+        starts[(np.cumsum(counts, dtype=np.int64) - counts)[counts > 0]] = True
+        repeated = np.zeros(ids.shape[0], dtype=bool)
+        repeated[1:] = ids[1:] <= ids[:-1]
+        rules.append((
+            RejectCode.BAD_SAMPLING,
+            "logit_bias_ids",
+            "strictly increasing within a sequence",
+            _owners(counts, repeated & ~starts),
+        ))
+    return rules
+
+
 def _describe(p: Prepare, g: CacheGeometry, name: str, i: int) -> str:
     who = f"sequence {int(p.seq_ids[i])} (index {i})"
-    if name != "token_ids":
+    counts_of = {
+        "token_ids": p.query_lens, "history": p.history_lens, "logit_bias_ids": p.logit_bias_lens,
+        "logit_bias": p.logit_bias_lens, "banned_ids": p.banned_lens,
+    }
+    counts = counts_of.get(name)
+    if counts is None:
         return f"{who} has {getattr(p, name)[i]!r}"
-    start = int(p.query_lens[:i].sum(dtype=np.int64))
-    own = p.token_ids[start : start + int(p.query_lens[i])]
-    return f"{who} has {int(own[(own < 0) | (own >= g.vocab_size)][0])}"
+    start = int(counts[:i].sum(dtype=np.int64))
+    own = getattr(p, name)[start : start + int(counts[i])]
+    if name == "logit_bias":
+        bad = own[~((own >= LOGIT_BIAS_MIN) & (own <= LOGIT_BIAS_MAX))]
+    elif name == "logit_bias_ids" and not ((own < 0) | (own >= g.vocab_size)).any():
+        bad = own[1:][own[1:] <= own[:-1]]
+    else:
+        bad = own[(own < 0) | (own >= g.vocab_size)]
+    return f"{who} has {bad[0].item()!r}"

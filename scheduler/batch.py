@@ -38,6 +38,10 @@ def _last_token(req: Request) -> int:
     return req.tokens[req.num_tokens - 1]
 
 
+def _min_len(req: Request) -> int:
+    return req.prompt_len + req.params.min_tokens if req.params.min_tokens else 0
+
+
 COLUMNS = (
     Column("req_id", np.int64, attrgetter("request_id"), constant=True),
     Column("arrival", np.int64, attrgetter("arrival")),
@@ -54,6 +58,12 @@ COLUMNS = (
     Column("top_p", np.float32, attrgetter("params.top_p"), constant=True),
     Column("top_k", np.int32, attrgetter("params.top_k"), constant=True),
     Column("seed", np.int64, _seed, constant=True),
+    Column("nlogprobs", np.uint8, attrgetter("params.top_logprobs"), constant=True),
+    Column("presence", np.float32, attrgetter("params.presence_penalty"), constant=True),
+    Column("frequency", np.float32, attrgetter("params.frequency_penalty"), constant=True),
+    Column("repetition", np.float32, attrgetter("params.repetition_penalty"), constant=True),
+    Column("stateful", np.bool_, attrgetter("params.stateful")),  # the executors hold a sampling state
+    Column("min_len", np.int32, _min_len),  # ntok before which its stop tokens are banned (0: never)
 )
 CONSTANT = tuple(c.name for c in COLUMNS if c.constant)
 
@@ -74,7 +84,8 @@ class Snapshot:
     rows: np.ndarray  # arange(n)
     ones: np.ndarray  # int32 ones: query lengths
     ones_u8: np.ndarray  # uint8 ones: sample and feedback flags
-    zeros: np.ndarray  # int32 zeros: the placeholder tokens of feedback rows
+    zeros: np.ndarray  # int32 zeros: the placeholder tokens of feedback rows, and empty counts
+    zeros_u8: np.ndarray  # uint8 zeros: no sampling state
 
 
 class Batch:
@@ -88,6 +99,9 @@ class Batch:
         self.version = 0  # bumped whenever a row is added or removed
         self.moves = 0  # bumped whenever a removal moves another row
         self.num_live = 0
+        # Rows (live or held) whose PREPARE entries need more than the columns: a sampling state, or
+        # stop tokens banned before min_tokens. While there are none, a step skips that work.
+        self.num_processed = 0
         self._snapshot: Snapshot | None = None
 
     def column(self, name: str) -> np.ndarray:
@@ -109,6 +123,7 @@ class Batch:
         for r, req in enumerate(reqs, r0):
             req.row = r
             req.num_tokens = None
+        self.num_processed += int(np.count_nonzero(self.stateful[sl] | (self.min_len[sl] > 0)))
         self.n += k
         self.num_live += k
         self.version += 1
@@ -122,6 +137,7 @@ class Batch:
         req.num_tokens = int(self.ntok[r])
         req.row = -1
         self.num_live -= bool(self.live[r])
+        self.num_processed -= bool(self.stateful[r] or self.min_len[r])
         last = self.n - 1
         if r != last:
             for _, arr in self._columns:
@@ -163,6 +179,7 @@ class Batch:
                 frozen(np.ones(n, dtype=np.int32)),
                 frozen(np.ones(n, dtype=np.uint8)),
                 frozen(np.zeros(n, dtype=np.int32)),
+                frozen(np.zeros(n, dtype=np.uint8)),
             )
             self._snapshot = s
         return s

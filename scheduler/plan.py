@@ -19,6 +19,7 @@ from scheduler.request import HostCopy
 
 _I32 = np.int32
 EMPTY_I32 = frozen(np.empty(0, dtype=_I32))
+EMPTY_F32 = frozen(np.empty(0, dtype=np.float32))
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,57 @@ def _new_pages(batch: Batch, rows: np.ndarray, base: np.ndarray, lens: np.ndarra
     return batch.pages[rows[at], cols]
 
 
+def _unprocessed(zeros_i32: np.ndarray, zeros_u8: np.ndarray) -> dict:
+    """The processing fields of rows that need none: no sampling state, nothing sent, nothing banned."""
+    return dict(
+        sampling_state=zeros_u8, history_lens=zeros_i32, history_prompt_lens=zeros_i32, history=EMPTY_I32,
+        logit_bias_lens=zeros_i32, logit_bias_ids=EMPTY_I32, logit_bias=EMPTY_F32, banned_lens=zeros_i32,
+        banned_ids=EMPTY_I32,
+    )
+
+
+def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndarray) -> dict:
+    """The processing fields of a step's rows (base: the page-table pages the executors hold, from
+    before the step). A sampling state travels whole exactly when the page table does: both are
+    forgotten together (a new row, one absent from the last step, any row after an ABORT). It holds
+    the tokens the request knows; a feedback row's token is added by the executors. Stop tokens are
+    banned from a sample that would come before min_tokens."""
+    n = rows.shape[0]
+    state = np.where(batch.stateful[rows], np.where(base == 0, 1, 2), 0).astype(np.uint8)
+    history_lens, prompt_lens = np.zeros(n, dtype=_I32), np.zeros(n, dtype=_I32)
+    bias_lens, banned_lens = np.zeros(n, dtype=_I32), np.zeros(n, dtype=_I32)
+    history, bias_ids, bias, banned = [], [], [], []
+    reqs = batch.reqs
+    for i in np.flatnonzero(state == 1).tolist():
+        r = int(rows[i])
+        req = reqs[r]
+        params = req.params
+        if params.penalized:
+            # The prompt travels only for the repetition penalty; presence and frequency count the output.
+            start = 0 if params.repetition_penalty != 1 else req.prompt_len
+            known = int(batch.ntok[r])
+            history.append(req.tokens[start:known])
+            history_lens[i] = known - start
+            prompt_lens[i] = req.prompt_len - start
+        if params.logit_bias:
+            ids, values = req.bias_arrays
+            bias_ids.append(ids)
+            bias.append(values)
+            bias_lens[i] = ids.shape[0]
+    min_len = batch.min_len[rows]
+    early = (sample != 0) & (batch.ntok[rows] + batch.pending[rows] < min_len)
+    for i in np.flatnonzero(early).tolist():
+        stops = reqs[int(rows[i])].stop_array
+        banned.append(stops)
+        banned_lens[i] = stops.shape[0]
+    return dict(
+        sampling_state=state, history_lens=history_lens, history_prompt_lens=prompt_lens, history=cat(history),
+        logit_bias_lens=bias_lens, logit_bias_ids=cat(bias_ids),
+        logit_bias=np.concatenate(bias).astype(np.float32, copy=False) if bias else EMPTY_F32,
+        banned_lens=banned_lens, banned_ids=cat(banned),
+    )
+
+
 def _decode_all(batch: Batch, fed: bool) -> dict:
     """The arrays of a step in which every row of the batch decodes one token (fed: some may
     feed back a sample of a step in flight)."""
@@ -96,7 +148,13 @@ def _decode_all(batch: Batch, fed: bool) -> dict:
         positions=start, page_table_lens=lens, page_table_base=base,
         page_table=_new_pages(batch, snap.rows, base, lens), sample=snap.ones_u8,
         temperature=cols["temperature"], top_p=cols["top_p"], top_k=cols["top_k"], seeds=cols["seed"],
-        feedback=feedback,
+        feedback=feedback, num_logprobs=cols["nlogprobs"], presence_penalty=cols["presence"],
+        frequency_penalty=cols["frequency"], repetition_penalty=cols["repetition"],
+        **(
+            _processed(batch, snap.rows, base, snap.ones_u8)
+            if batch.num_processed
+            else _unprocessed(snap.zeros, snap.zeros_u8)
+        ),
     )
 
 
@@ -128,11 +186,17 @@ def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder, fed: bool) -> dic
     # Executors forget a sequence absent from a step.
     batch.sent[: batch.n] = 0
     batch.sent[rows] = lens
+    if batch.num_processed:
+        processing = _processed(batch, rows, base, sample)
+    else:
+        processing = _unprocessed(np.zeros(rows.shape[0], dtype=_I32), np.zeros(rows.shape[0], dtype=np.uint8))
     return dict(
         rows=rows, seq_ids=batch.req_id[rows], query_lens=qlens, context_lens=context_lens, token_ids=token_ids,
         positions=positions, page_table_lens=lens, page_table_base=base,
         page_table=_new_pages(batch, rows, base, lens), sample=sample, temperature=batch.temperature[rows],
         top_p=batch.top_p[rows], top_k=batch.top_k[rows], seeds=batch.seed[rows], feedback=feedback,
+        num_logprobs=batch.nlogprobs[rows], presence_penalty=batch.presence[rows],
+        frequency_penalty=batch.frequency[rows], repetition_penalty=batch.repetition[rows], **processing,
     )
 
 

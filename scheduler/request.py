@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,6 +11,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.errors import TPRuntimeError
+from protocol.sampling_limits import (
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    LOGIT_BIAS_MIN,
+    PENALTY_MAX,
+    PENALTY_MIN,
+    REPETITION_PENALTY_MIN,
+    TOP_LOGPROBS_MAX,
+)
 
 
 class InvalidSamplingParams(TPRuntimeError, ValueError):
@@ -18,6 +28,12 @@ class InvalidSamplingParams(TPRuntimeError, ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's sampling choices. The penalties follow vLLM: presence and frequency count the
+    output tokens, repetition the prompt's and the output's; min_tokens holds the stop tokens (eos
+    unless ignored, and stop_token_ids) back until that many tokens were generated; logit_bias is
+    (token id, bias) pairs, ids ascending; top_logprobs is how many alternatives come back with
+    each sampled token."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -25,6 +41,21 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the executors must hold a sampling state for it (a penalty or a logit bias)."""
+        return self.penalized or bool(self.logit_bias)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -37,6 +68,34 @@ class SamplingParams:
             raise InvalidSamplingParams(f"top_k must be >= 0 (0 is off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidSamplingParams(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not PENALTY_MIN <= getattr(self, name) <= PENALTY_MAX:
+                raise InvalidSamplingParams(
+                    f"{name} must be in [{PENALTY_MIN:g}, {PENALTY_MAX:g}], got {getattr(self, name)}"
+                )
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= REPETITION_PENALTY_MIN):
+            raise InvalidSamplingParams(
+                f"repetition_penalty must be finite and >= {REPETITION_PENALTY_MIN}, got {self.repetition_penalty}"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParams(
+                f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"
+            )
+        if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
+            raise InvalidSamplingParams(
+                f"logit_bias takes up to {LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(self.logit_bias)}"
+            )
+        previous = -1
+        for token, bias in self.logit_bias:
+            if token <= previous:
+                raise InvalidSamplingParams("logit_bias must list each token id once, in increasing order")
+            if not LOGIT_BIAS_MIN <= bias <= LOGIT_BIAS_MAX:
+                raise InvalidSamplingParams(
+                    f"logit_bias of token {token} must be in [{LOGIT_BIAS_MIN:g}, {LOGIT_BIAS_MAX:g}], got {bias}"
+                )
+            previous = token
+        if not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
+            raise InvalidSamplingParams(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}")
 
 
 class RequestState(enum.Enum):
@@ -98,10 +157,25 @@ class Request:
     def max_kv_len(self) -> int:
         return max_kv_len(self.prompt_len, self.params.max_tokens)
 
+    @functools.cached_property
+    def stop_array(self) -> np.ndarray:
+        """stop_ids, ascending: what its samples may not be before min_tokens."""
+        return np.array(sorted(self.stop_ids), dtype=np.int32)
+
+    @functools.cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Its logit bias as (token ids, biases)."""
+        bias = self.params.logit_bias
+        return np.array([t for t, _ in bias], dtype=np.int32), np.array([b for _, b in bias], dtype=np.float32)
+
+
+Alternatives = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one request produced at one step: the new tokens (a delta, stop tokens included)."""
+    """What one request produced at one step: the new tokens (a delta, stop tokens included), and
+    with each one the alternatives it asked for (top_logprobs: one entry per token, or empty)."""
 
     request_id: int
     token_ids: tuple[int, ...]
@@ -109,6 +183,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "length", "stop", "cancelled", "error"
     error: str | None = None
+    top_logprobs: tuple[Alternatives, ...] = ()
 
 
 def token_array(prompt: Sequence[int] | np.ndarray) -> np.ndarray:

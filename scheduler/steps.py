@@ -13,6 +13,7 @@ rows, a late token be dropped, and an aborted step be rolled back.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import SchedulerStateError
 from scheduler.kv_manager import KVManager
 from scheduler.plan import StepPlan
-from scheduler.request import Request, RequestOutput, RequestState
+from scheduler.request import Alternatives, Request, RequestOutput, RequestState
 from scheduler.stats import Counters
 
 _I32 = np.int32
@@ -154,13 +155,18 @@ class Steps:
         lengths = {len(result.token_ids), len(result.logprobs), len(result.finite)}
         if lengths != {sampled.shape[0]} or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled]):
             return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")
+        wanted = prep.num_logprobs[sampled]
+        alternatives = int(wanted.sum(dtype=np.int64))
+        if {len(result.top_token_ids), len(result.top_logprobs)} != {alternatives}:
+            return self._fail_step(plan, "its RESULT does not carry the alternatives its sequences asked for")
         rows = self._rows_of(plan)
         finite = np.asarray(result.finite).astype(bool)
         if self.config.enable_prefix_cache:
             self._register(prep, rows, sampled, finite)
         self.kv.free_slots(plan.restore_slots)
         outputs: list[RequestOutput] = []
-        done = self._take_tokens(plan, rows[sampled], result, finite, outputs)
+        tops = _alternatives(wanted, result) if alternatives else None
+        done = self._take_tokens(plan, rows[sampled], result, finite, outputs, tops)
         for req, error in done:
             if error is None:
                 self.end(req, None, None, None)  # its last output is out already
@@ -188,7 +194,8 @@ class Steps:
             self.kv.register(rows[at].tolist(), (after[at] // ps).tolist())
 
     def _take_tokens(
-        self, plan: StepPlan, srows: np.ndarray, result: Result, good: np.ndarray, outputs: list[RequestOutput]
+        self, plan: StepPlan, srows: np.ndarray, result: Result, good: np.ndarray, outputs: list[RequestOutput],
+        tops: list[tuple[Alternatives, ...]] | None,
     ) -> list[tuple[Request, str | None]]:
         """Append each sampled token to its request and emit it; returns the requests that end."""
         batch = self.batch
@@ -204,7 +211,9 @@ class Steps:
         done: list[tuple[Request, str | None]] = []
         emit = outputs.append
         lps = np.asarray(result.logprobs).tolist()
-        for r, n, t, lp, ok in zip(srows.tolist(), batch.ntok[srows].tolist(), tok.tolist(), lps, good.tolist()):
+        for r, n, t, lp, ok, top in zip(
+            srows.tolist(), batch.ntok[srows].tolist(), tok.tolist(), lps, good.tolist(), tops or repeat(())
+        ):
             req = reqs[r]
             if not ok:
                 if req.state is not RequestState.FINISHED:
@@ -214,13 +223,13 @@ class Steps:
                 continue
             req.tokens[n - 1] = t
             if t in req.stop_ids:
-                emit(RequestOutput(req.request_id, (t,), (lp,), True, "stop"))
+                emit(RequestOutput(req.request_id, (t,), (lp,), True, "stop", None, top))
                 done.append((req, None))
             elif n >= req.limit:
-                emit(RequestOutput(req.request_id, (t,), (lp,), True, "length"))
+                emit(RequestOutput(req.request_id, (t,), (lp,), True, "length", None, top))
                 done.append((req, None))
             else:
-                emit(RequestOutput(req.request_id, (t,), (lp,), False, None))
+                emit(RequestOutput(req.request_id, (t,), (lp,), False, None, None, top))
         return done
 
     # ----------------------------------------------------------------------------------- aborts
@@ -297,3 +306,15 @@ class Steps:
                 del self.retired[i]
                 self._release(req)
                 return
+
+
+def _alternatives(wanted: np.ndarray, result: Result) -> list[tuple[Alternatives, ...]]:
+    """Per sampled row, its alternatives as a one-token tuple (wanted[j] of them, or none)."""
+    ids = np.asarray(result.top_token_ids).tolist()
+    lps = np.asarray(result.top_logprobs).tolist()
+    out: list[tuple[Alternatives, ...]] = []
+    at = 0
+    for k in wanted.tolist():
+        out.append((tuple(zip(ids[at : at + k], lps[at : at + k])),) if k else ())
+        at += k
+    return out

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from protocol.codec import decode, encode, frame_mac  # noqa: E402
 from protocol.conversation import StepDone, StepReady  # noqa: E402
-from protocol.frames import ARRAY_DTYPES, PROTOCOL_VERSION, CacheGeometry, Frame, Prepare  # noqa: E402
+from protocol.frames import ARRAY_DTYPES, PROTOCOL_VERSION, CacheGeometry, Frame, Prepare, plain_sampling  # noqa: E402
 from protocol.page_tables import HeldPageTables  # noqa: E402
 from protocol.transport import SchedulerEndpoint, ipc_address  # noqa: E402
 from protocol.validate import validate_prepare  # noqa: E402
@@ -104,6 +104,7 @@ def decode_batch_prepare(n: int, *, delta: bool = False) -> Prepare:
         "offload_slots": [],
         "poison_pages": [],
         "feedback": np.zeros(n),
+        **plain_sampling(n),
     }
     return Prepare(**{name: np.asarray(v, dtype=dt[name]) for name, v in arrays.items()})
 

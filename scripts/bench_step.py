@@ -42,7 +42,7 @@ from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, sample  # noqa: E402
-from protocol.frames import CacheGeometry, Prepare  # noqa: E402
+from protocol.frames import CacheGeometry, Prepare, plain_sampling  # noqa: E402
 from protocol.validate import validate_prepare  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
@@ -148,6 +148,7 @@ def decode_prepare(step: int, seqs: int = DECODE_SEQS) -> Prepare:
         offload_slots=np.zeros(0, dtype=i32),
         poison_pages=np.zeros(0, dtype=i32),
         feedback=np.zeros(seqs, dtype=np.uint8),
+        **plain_sampling(seqs),
     )
 
 

@@ -42,7 +42,7 @@ class OfflineReference:
         """float32 [vocab]: the logits of the token that would follow token_ids."""
         from executor.cache import KVCache
         from executor.inputs import StepInputs
-        from protocol.frames import Prepare
+        from protocol.frames import Prepare, plain_sampling
 
         count = len(token_ids)
         if count == 0:
@@ -85,6 +85,7 @@ class OfflineReference:
             offload_slots=ints([]),
             poison_pages=ints([]),
             feedback=ints([0], "u1"),
+            **plain_sampling(1),
         )
         inputs = StepInputs.from_prepare(prepare, pad_page=cache.pad_page, page_size=self.page_size, device="cpu")
         logits = self.model.forward(inputs, cache)

@@ -56,6 +56,9 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    # Per token, the alternatives the request asked for: ((token id, logprob), ...), most likely
+    # first; empty when it asked for none (SamplingParams.top_logprobs).
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -368,7 +371,9 @@ class Engine:
             if stream is None:
                 continue
             tokens += len(out.token_ids)
-            stream.push(TokenEvent(out.token_ids, out.logprobs, out.finished, out.finish_reason, out.error))
+            stream.push(
+                TokenEvent(out.token_ids, out.logprobs, out.finished, out.finish_reason, out.error, out.top_logprobs)
+            )
             if out.finished:
                 finished += 1
                 del self._streams[out.request_id]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from executor.cache import KVCache
 from executor.inputs import StepInputs
-from protocol.frames import CacheGeometry, Prepare
+from protocol.frames import CacheGeometry, Prepare, plain_sampling
 
 VOCAB = 64
 LAYERS = 2
@@ -160,4 +160,5 @@ def make_prepare(
         offload_slots=_i32([s for _, s in offload]),
         poison_pages=_i32(poison),
         feedback=np.asarray([s.feedback for s in seqs], dtype=np.uint8),
+        **plain_sampling(len(seqs)),
     )

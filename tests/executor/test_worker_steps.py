@@ -473,3 +473,71 @@ def test_a_step_stuck_after_shutdown_ends_the_process():
     assert 0.3 <= time.monotonic() - started < 2.0
     model.gate.set()
     thread.join(10)
+
+
+class FixedLogits(StandInModel):
+    """Every sampled row: token 10 at 3.0, token 11 at 2.0, the rest 0, whatever the input, so that
+    a presence penalty of 2 on the tokens a sequence generated decides between them."""
+
+    def forward(self, inputs, cache):
+        super().forward(inputs, cache)
+        logits = torch.zeros(inputs.sample_rows.shape[0], GEOMETRY.vocab_size)
+        logits[:, 10], logits[:, 11] = 3.0, 2.0
+        return logits
+
+
+def with_presence(prepare, state: int, output: tuple[int, ...] = ()):
+    """Sequence 0 of `prepare` with a presence penalty of 2 and its sampling state: sent whole with
+    `output` (state 1) or held (state 2)."""
+    n = len(prepare.seq_ids)
+    presence = np.zeros(n, dtype=np.float32)
+    presence[0] = 2.0
+    states = np.zeros(n, dtype=np.uint8)
+    states[0] = state
+    lens = np.zeros(n, dtype=np.int32)
+    lens[0] = len(output) if state == 1 else 0
+    return replace(
+        prepare, presence_penalty=presence, sampling_state=states, history_lens=lens,
+        history=np.asarray(output if state == 1 else (), dtype=np.int32),
+    )
+
+
+def test_the_sampling_state_is_held_across_steps_and_rebuilt_after_an_abort_and_an_absence():
+    step = lambda start, held: make_prepare([Seq(1, (20,), start, (0,), held=held)], cleared=() if held else (0,))  # noqa: E731
+    other = make_prepare([Seq(2, (30,), 0, (1,))], cleared=(1,))
+    script = [
+        welcome(),
+        frame(1, with_presence(step(0, 0), 1)), frame(1, Go()),  # sent whole, no output yet: 10
+        frame(2, with_presence(step(1, 1), 2)), frame(2, Go()),  # held: 10 is penalized now: 11
+        frame(3, with_presence(step(2, 1), 2)), frame(3, Go()),  # held [10, 11]: 10
+        frame(4, with_presence(step(3, 1), 2)), frame(4, Abort("rank 1 rejected")),
+        frame(5, with_presence(step(3, 0), 2)),  # the abort dropped every state (the table travels whole)
+        frame(5, Abort("rank 0 rejected")),
+        frame(6, with_presence(step(3, 0), 1, (10,))), frame(6, Go()),  # rebuilt from the wire: 11
+        frame(7, other), frame(7, Go()),  # sequence 1 absent: forgotten (a preemption)
+        frame(8, with_presence(step(0, 0), 2)),
+        frame(8, Abort("rank 0 rejected")),
+        frame(9, with_presence(step(0, 0), 1, (11,))), frame(9, Go()),  # recomputed, its output sent: 10
+        frame(9, Shutdown("done")),
+    ]
+    code, endpoint, _ = run_worker(script, model=FixedLogits(0, 1))
+    assert code == ExitCode.OK
+    replies = endpoint.replies()
+    rejects = [(s, RejectCode(b.code)) for s, b in replies if isinstance(b, Reject)]
+    assert rejects == [(5, RejectCode.SAMPLING_STATE_NOT_HELD), (8, RejectCode.SAMPLING_STATE_NOT_HELD)]
+    results = {s: b.token_ids.tolist() for s, b in replies if isinstance(b, Result)}
+    assert results == {1: [10], 2: [11], 3: [10], 6: [11], 7: [10], 9: [10]}
+
+
+def test_alternatives_come_back_with_the_sample():
+    prepare = make_prepare([Seq(1, (20,), 0, (0,)), Seq(2, (30,), 0, (1,))], cleared=(0, 1))
+    prepare = replace(prepare, num_logprobs=np.array([3, 0], dtype=np.uint8))
+    code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("x"))], model=FixedLogits(0, 1))
+    assert code == ExitCode.OK
+    (result,) = [b for _, b in endpoint.replies() if isinstance(b, Result)]
+    assert result.top_token_ids.tolist()[:2] == [10, 11] and len(result.top_token_ids) == 3
+    row = torch.zeros(GEOMETRY.vocab_size)
+    row[10], row[11] = 3.0, 2.0
+    expected = torch.log_softmax(row, dim=-1)
+    np.testing.assert_allclose(result.top_logprobs[:2], [expected[10].item(), expected[11].item()], rtol=1e-6)
+    assert result.logprobs[0] == result.top_logprobs[0]

@@ -8,7 +8,7 @@ import pytest
 from executor.inputs import StepInputs, StepInputsError
 from executor.model.config import ModelConfig
 from executor.model.sharding import ShardingError, ShardPlan
-from protocol.frames import Prepare
+from protocol.frames import Prepare, plain_sampling
 
 
 def _i32(*values) -> np.ndarray:
@@ -39,6 +39,7 @@ def _prepare(**overrides) -> Prepare:
         offload_slots=_i32(),
         poison_pages=_i32(),
         feedback=np.zeros(2, dtype=np.uint8),
+        **plain_sampling(2),
     )
     fields.update(overrides)
     return Prepare(**fields)

@@ -16,7 +16,16 @@ from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import ARRAY_DTYPES, Frame, Prepare
 from protocol.page_tables import HeldPageTables
-from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN
+from protocol.sampling_limits import (
+    FLOAT32_MAX,
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    TEMPERATURE_MIN,
+    TOP_LOGPROBS_MAX,
+    TOP_P_MIN,
+)
 from protocol.validate import validate_prepare
 from tests.protocol.wire_samples import GEOMETRY as G
 from tests.protocol.wire_samples import KEY, valid_prepare
@@ -78,7 +87,9 @@ def assert_safe(p: Prepare) -> None:
     n = len(p.seq_ids)
     assert n <= G.max_num_seqs and len(set(p.seq_ids.tolist())) == n
     for name in ("query_lens", "context_lens", "page_table_lens", "page_table_base", "sample", "temperature", "top_p",
-                 "top_k", "seeds", "feedback"):
+                 "top_k", "seeds", "feedback", "num_logprobs", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "sampling_state", "history_lens", "history_prompt_lens", "logit_bias_lens",
+                 "banned_lens"):
         assert len(getattr(p, name)) == n
     q, c = p.query_lens.astype(np.int64), p.context_lens.astype(np.int64)
     assert (q >= 1).all() and (c >= q).all() and (c <= G.max_model_len).all()
@@ -102,12 +113,41 @@ def assert_safe(p: Prepare) -> None:
     assert ((t == 0) | ((t >= TEMPERATURE_MIN) & (t <= FLOAT32_MAX))).all()
     assert ((p.top_p >= TOP_P_MIN) & (p.top_p <= 1)).all() and (p.top_k >= 0).all() and (p.seeds >= -1).all()
     assert (p.feedback <= 1).all() and ((p.feedback == 0) | (p.query_lens == 1)).all()
+    # Logits processing: counts that match the flat arrays, ids in the vocabulary, values in range.
+    for counts, flats in (("history_lens", ("history",)), ("logit_bias_lens", ("logit_bias_ids", "logit_bias")),
+                          ("banned_lens", ("banned_ids",))):
+        c = getattr(p, counts).astype(np.int64)
+        assert (c >= 0).all() and all(len(getattr(p, f)) == c.sum() for f in flats)
+    assert (p.history_lens <= G.max_model_len).all() and (p.logit_bias_lens <= LOGIT_BIAS_MAX_ENTRIES).all()
+    assert ((p.history_prompt_lens >= 0) & (p.history_prompt_lens <= p.history_lens)).all()
+    for name in ("history", "logit_bias_ids", "banned_ids"):
+        v = getattr(p, name)
+        assert ((v >= 0) & (v < G.vocab_size)).all(), name
+    assert (np.abs(p.logit_bias) <= LOGIT_BIAS_MAX).all() and (p.num_logprobs <= TOP_LOGPROBS_MAX).all()
+    assert (np.abs(p.presence_penalty) <= PENALTY_MAX).all() and (np.abs(p.frequency_penalty) <= PENALTY_MAX).all()
+    assert ((p.repetition_penalty >= REPETITION_PENALTY_MIN) & (p.repetition_penalty <= FLOAT32_MAX)).all()
+    penalized = (p.presence_penalty != 0) | (p.frequency_penalty != 0) | (p.repetition_penalty != 1)
+    carries = (p.history_lens != 0) | (p.logit_bias_lens != 0)
+    assert (p.sampling_state <= 2).all() and not (penalized & (p.sampling_state == 0)).any()
+    assert not (carries & (p.sampling_state != 1)).any()
+    starts = np.cumsum(p.logit_bias_lens, dtype=np.int64) - p.logit_bias_lens
+    for start, count in zip(starts.tolist(), p.logit_bias_lens.tolist()):
+        assert (np.diff(p.logit_bias_ids[start : start + count].astype(np.int64)) > 0).all()
 
 
 def reset_own_fields(p: Prepare, seq_ids: tuple[int, ...]) -> Prepare:
     rows = np.isin(p.seq_ids, seq_ids)
-    tokens = p.token_ids.copy()
-    tokens[np.repeat(rows, p.query_lens)] = 0
+
+    def flat(name: str, counts: np.ndarray, value) -> np.ndarray:
+        out = getattr(p, name).copy()
+        out[np.repeat(rows, counts)] = value
+        return out
+
+    bias_ids = p.logit_bias_ids.copy()
+    starts = np.cumsum(p.logit_bias_lens, dtype=np.int64) - p.logit_bias_lens
+    for start, count in zip(starts[rows].tolist(), p.logit_bias_lens[rows].tolist()):
+        bias_ids[start : start + count] = np.arange(count)  # ascending, in the vocabulary
+    carries = (p.history_lens != 0) | (p.logit_bias_lens != 0)
     return dataclasses.replace(
         p,
         temperature=np.where(rows, 0, p.temperature).astype(np.float32),
@@ -115,7 +155,16 @@ def reset_own_fields(p: Prepare, seq_ids: tuple[int, ...]) -> Prepare:
         top_k=np.where(rows, 0, p.top_k).astype(np.int32),
         seeds=np.where(rows, -1, p.seeds).astype(np.int64),
         feedback=np.where(rows, 0, p.feedback).astype(np.uint8),
-        token_ids=tokens,
+        token_ids=flat("token_ids", p.query_lens, 0),
+        num_logprobs=np.where(rows, 0, p.num_logprobs).astype(np.uint8),
+        presence_penalty=np.where(rows, 0, p.presence_penalty).astype(np.float32),
+        frequency_penalty=np.where(rows, 0, p.frequency_penalty).astype(np.float32),
+        repetition_penalty=np.where(rows, 1, p.repetition_penalty).astype(np.float32),
+        sampling_state=np.where(rows, carries.astype(np.uint8), p.sampling_state).astype(np.uint8),
+        history=flat("history", p.history_lens, 0),
+        logit_bias_ids=bias_ids,
+        logit_bias=flat("logit_bias", p.logit_bias_lens, 0.0),
+        banned_ids=flat("banned_ids", p.banned_lens, 0),
     )
 
 

@@ -23,6 +23,10 @@ def test_a_step_with_page_table_deltas_passes() -> None:
     validate_prepare(with_arrays(p, page_table_base=[0, 1, 2, 4], page_table=p.page_table[[0, 2, 5]]), G)
 
 
+def test_a_step_with_logits_processing_passes() -> None:
+    validate_prepare(PP, G)
+
+
 def test_an_empty_step_passes() -> None:
     validate_prepare(valid_prepare((), (), cleared_pages=(), restore=(), offload=(), poison_pages=()), G)
 
@@ -35,6 +39,14 @@ def test_a_step_at_every_limit_passes() -> None:
 
 
 P = valid_prepare((3, 1, 1, 2), (3, 20, 33, 50))  # a mixed prefill/decode step, valid
+# The same with logits processing on: sequence 0 sends its state whole (a prompt of 3 and an output
+# of 1), 1 keeps its state, 3 sends a logit bias; 1 and 2 have stop tokens banned.
+PP = with_arrays(
+    P, num_logprobs=[0, 3, 0, 20], presence_penalty=[0.5, 0, 0, 0], repetition_penalty=[1, 1.3, 1, 1],
+    frequency_penalty=[0, 0, 0, -2], sampling_state=[1, 2, 0, 1], history_lens=[4, 0, 0, 0],
+    history_prompt_lens=[3, 0, 0, 0], history=[1, 2, 3, 4], logit_bias_lens=[0, 0, 0, 2], logit_bias_ids=[5, 999],
+    logit_bias=[-100, 100], banned_lens=[0, 1, 2, 0], banned_ids=[2, 0, 999],
+)
 LAST_PAGES = G.max_pages_per_seq + 1
 MANY = G.max_num_seqs + 1
 
@@ -146,6 +158,44 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
     ("page_table_lens INT32_MIN", with_arrays(P, page_table_lens=[-(2**31), 2, 3, 4]), RejectCode.LENGTH_MISMATCH),
     ("page_table_base INT32_MAX", with_arrays(P, page_table_base=[2**31 - 1, 0, 0, 0]), RejectCode.LENGTH_MISMATCH),
     ("position INT32_MIN", with_arrays(P, positions=np.append(-(2**31), P.positions[1:])), RejectCode.POSITION_OUT_OF_RANGE),
+    # logits processing: lengths (protocol/frames.py Prepare)
+    ("num_logprobs short", with_arrays(PP, num_logprobs=[0, 3, 0]), RejectCode.LENGTH_MISMATCH),
+    ("history != sum(history_lens)", with_arrays(PP, history=[1, 2, 3]), RejectCode.LENGTH_MISMATCH),
+    ("negative history_lens", with_arrays(PP, history_lens=[5, -1, 0, 0]), RejectCode.LENGTH_MISMATCH),
+    ("prompt part longer than the history", with_arrays(PP, history_prompt_lens=[5, 0, 0, 0]), RejectCode.LENGTH_MISMATCH),
+    ("logit_bias_ids != sum(logit_bias_lens)", with_arrays(PP, logit_bias_ids=[5]), RejectCode.LENGTH_MISMATCH),
+    ("logit_bias != sum(logit_bias_lens)", with_arrays(PP, logit_bias=[1, 2, 3]), RejectCode.LENGTH_MISMATCH),
+    ("banned_ids != sum(banned_lens)", with_arrays(PP, banned_ids=[2]), RejectCode.LENGTH_MISMATCH),
+    ("banned_lens INT32_MAX", with_arrays(PP, banned_lens=[0, 2**31 - 1, 2, 0]), RejectCode.LIMIT_EXCEEDED),
+    (
+        "history longer than max_model_len",
+        with_arrays(PP, history_lens=[G.max_model_len + 1, 0, 0, 0], history=np.ones(G.max_model_len + 1)),
+        RejectCode.LIMIT_EXCEEDED,
+    ),
+    (
+        "more than 300 biased tokens",
+        with_arrays(PP, logit_bias_lens=[0, 0, 0, 301], logit_bias_ids=np.arange(301), logit_bias=np.ones(301)),
+        RejectCode.LIMIT_EXCEEDED,
+    ),
+    # logits processing: a sequence's own values (protocol/sampling_limits.py)
+    ("21 alternatives", with_arrays(PP, num_logprobs=[0, 21, 0, 0]), RejectCode.BAD_SAMPLING),
+    ("presence_penalty above 2", with_arrays(PP, presence_penalty=[2.5, 0, 0, 0]), RejectCode.BAD_SAMPLING),
+    ("presence_penalty NaN", with_arrays(PP, presence_penalty=[np.nan, 0, 0, 0]), RejectCode.BAD_SAMPLING),
+    ("frequency_penalty below -2", with_arrays(PP, frequency_penalty=[0, 0, 0, -2.5]), RejectCode.BAD_SAMPLING),
+    ("repetition_penalty 0", with_arrays(PP, repetition_penalty=[1, 0, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("repetition_penalty under the floor", with_arrays(PP, repetition_penalty=[1, 1e-6, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("repetition_penalty inf", with_arrays(PP, repetition_penalty=[1, np.inf, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("sampling_state 3", with_arrays(PP, sampling_state=[1, 3, 0, 1]), RejectCode.BAD_SAMPLING),
+    ("a penalty without a state", with_arrays(PP, sampling_state=[1, 0, 0, 1]), RejectCode.BAD_SAMPLING),
+    ("a history with a held state", with_arrays(PP, sampling_state=[2, 2, 0, 1]), RejectCode.BAD_SAMPLING),
+    ("a logit bias without a state", with_arrays(PP, sampling_state=[1, 2, 0, 0]), RejectCode.BAD_SAMPLING),
+    ("logit bias above 100", with_arrays(PP, logit_bias=[-100, 100.5]), RejectCode.BAD_SAMPLING),
+    ("logit bias NaN", with_arrays(PP, logit_bias=[np.nan, 1]), RejectCode.BAD_SAMPLING),
+    ("logit bias ids not increasing", with_arrays(PP, logit_bias_ids=[999, 5]), RejectCode.BAD_SAMPLING),
+    ("logit bias id twice", with_arrays(PP, logit_bias_ids=[5, 5]), RejectCode.BAD_SAMPLING),
+    ("history token = vocab", with_arrays(PP, history=[1, 2, 3, G.vocab_size]), RejectCode.TOKEN_OUT_OF_RANGE),
+    ("logit bias id negative", with_arrays(PP, logit_bias_ids=[-1, 5]), RejectCode.TOKEN_OUT_OF_RANGE),
+    ("banned id = vocab", with_arrays(PP, banned_ids=[2, 0, G.vocab_size]), RejectCode.TOKEN_OUT_OF_RANGE),
 ]
 
 
@@ -189,6 +239,19 @@ def test_only_a_sequences_own_fields_name_sequences(bad: Prepare, code: RejectCo
         assert info.value.seq_ids and set(info.value.seq_ids) <= set(P.seq_ids.tolist())
     else:
         assert info.value.seq_ids == ()
+
+
+def test_a_logit_bias_belongs_to_its_own_sequence() -> None:
+    """Ids increase within a sequence only: a sequence's first id may be below the one before's last."""
+    two = with_arrays(
+        PP, sampling_state=[1, 2, 1, 1], logit_bias_lens=[0, 0, 2, 2], logit_bias_ids=[7, 900, 5, 999],
+        logit_bias=[1, 2, 3, 4],
+    )
+    validate_prepare(two, G)
+    with pytest.raises(ProtocolError) as info:
+        validate_prepare(with_arrays(two, logit_bias_ids=[7, 900, 999, 5]), G)
+    assert info.value.code == RejectCode.BAD_SAMPLING and info.value.seq_ids == (int(PP.seq_ids[3]),)
+    assert "logit_bias_ids must be strictly increasing within a sequence" in info.value.message
 
 
 def test_every_offending_sequence_is_named_whatever_rule_it_broke() -> None:

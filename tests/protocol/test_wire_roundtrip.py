@@ -164,3 +164,30 @@ def test_encode_casts_lossless_arrays_and_numpy_scalars() -> None:
     assert got.body.step_time_us == 17
     assert got.body.seq_ids.dtype == np.dtype("<i8") and got.body.seq_ids.tolist() == [1, 2]
     assert got.body.finite.tolist() == [1, 0]
+
+
+LOGITS_PROCESSING = {
+    Prepare: {
+        "num_logprobs": "u1", "presence_penalty": "<f4", "frequency_penalty": "<f4", "repetition_penalty": "<f4",
+        "sampling_state": "u1", "history_lens": "<i4", "history_prompt_lens": "<i4", "history": "<i4",
+        "logit_bias_lens": "<i4", "logit_bias_ids": "<i4", "logit_bias": "<f4", "banned_lens": "<i4", "banned_ids": "<i4",
+    },
+    Result: {"top_token_ids": "<i4", "top_logprobs": "<f4"},
+}
+
+
+def test_the_logits_processing_fields_travel_with_their_dtypes() -> None:
+    """The strategies above draw every array of ARRAY_DTYPES, these included; a valid step that uses
+    them all, and a RESULT with alternatives, round-trip as well."""
+    from tests.protocol.test_prepare_rules import PP
+
+    for cls, fields in LOGITS_PROCESSING.items():
+        assert {name: ARRAY_DTYPES[cls][name].str.replace("|", "") for name in fields} == fields
+    result = Result(
+        seq_ids=np.array([3, 4], dtype="<i8"), token_ids=np.array([9, 8], dtype="<i4"),
+        logprobs=np.array([-0.5, -1.5], dtype="<f4"), finite=np.array([1, 1], dtype="u1"),
+        top_token_ids=np.array([9, 1, 8], dtype="<i4"), top_logprobs=np.array([-0.5, -2.0, -1.5], dtype="<f4"),
+    )
+    for body in (PP, result):
+        frame = Frame(3, 1, "r", 2, 5, body)
+        assert_same_frame(decode(encode(frame, KEY), KEY), frame)

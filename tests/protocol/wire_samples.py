@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from protocol.frames import ARRAY_DTYPES, CacheGeometry, Prepare
+from protocol.frames import ARRAY_DTYPES, CacheGeometry, Prepare, plain_sampling
 
 KEY = bytes(range(32))
 RUN_ID = "run-test"
@@ -69,6 +69,7 @@ def valid_prepare(
         offload_slots=_arr("offload_slots", [s for _, s in offload]),
         poison_pages=_arr("poison_pages", poison_pages),
         feedback=_arr("feedback", np.zeros(n)),
+        **plain_sampling(n),
     )
 
 

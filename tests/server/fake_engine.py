@@ -2,7 +2,9 @@
 
 It keeps the Engine contract of tp_runtime/engine.py (submit/cancel/finish/health/
 stats, streams of TokenEvent) and is deterministic: it echoes the prompt's tokens back, cycling,
-one token per step, so every expected output can be computed from the prompt. Like the real
+one token per step, so every expected output can be computed from the prompt (a stop token that
+min_tokens holds back is replaced by the next id that is not one, as the executor would never
+sample it; alternatives are `alternatives_of`). Like the real
 runtime it cannot take what the wire cannot carry: a request that slips past the HTTP edge with
 such a value raises WireLimitViolation, which the server must never let happen (a 500).
 """
@@ -20,7 +22,19 @@ from pathlib import Path
 
 import pytest
 
-from protocol.sampling_limits import FLOAT32_MAX, INT32_MAX, SEED_MAX, TEMPERATURE_MIN, TOP_K_MAX, TOP_P_MIN
+from protocol.sampling_limits import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    SEED_MAX,
+    TEMPERATURE_MIN,
+    TOP_K_MAX,
+    TOP_LOGPROBS_MAX,
+    TOP_P_MIN,
+)
 from scheduler.request import SamplingParams
 from scheduler.scheduler import AdmissionError, SchedulerStats
 from tp_runtime.engine import EngineOverloaded, EngineStats, EngineUnavailable, Health, TokenEvent
@@ -51,6 +65,20 @@ def check_wire_limits(prompt: list[int], params: SamplingParams) -> None:
         bad.append(f"seed {params.seed}")
     if not 1 <= params.max_tokens <= INT32_MAX:
         bad.append(f"max_tokens {params.max_tokens}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not abs(getattr(params, name)) <= PENALTY_MAX:
+            bad.append(f"{name} {getattr(params, name)!r}")
+    if not REPETITION_PENALTY_MIN <= params.repetition_penalty <= FLOAT32_MAX:
+        bad.append(f"repetition_penalty {params.repetition_penalty!r}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        bad.append(f"min_tokens {params.min_tokens}")
+    ids = [t for t, _ in params.logit_bias]
+    if len(ids) > LOGIT_BIAS_MAX_ENTRIES or ids != sorted(set(ids)) or not all(0 <= t < VOCAB_SIZE for t in ids):
+        bad.append("logit_bias token ids")
+    if not all(abs(b) <= LOGIT_BIAS_MAX for _, b in params.logit_bias):
+        bad.append("logit_bias values")
+    if not 0 <= params.top_logprobs <= TOP_LOGPROBS_MAX:
+        bad.append(f"top_logprobs {params.top_logprobs}")
     if bad:
         raise WireLimitViolation(f"the HTTP edge let through {', '.join(bad)}")
 
@@ -58,6 +86,12 @@ def check_wire_limits(prompt: list[int], params: SamplingParams) -> None:
 def logprob_of(index: int) -> float:
     """The fake's log-probability for the index-th generated token."""
     return -0.25 * (1 + index % 4)
+
+
+def alternatives_of(token: int, index: int, k: int) -> tuple[tuple[int, float], ...]:
+    """The fake's k alternatives for the index-th generated token: the token itself (the most
+    likely), then the ids after it, each less likely."""
+    return tuple(((token + j) % VOCAB_SIZE, logprob_of(index) - j) for j in range(k))
 
 
 def default_model_path() -> Path:
@@ -72,6 +106,7 @@ class FakeStream:
 
     def __init__(self, engine: FakeEngine, request_id: int, prompt: list[int], params: SamplingParams):
         self.request_id = request_id
+        self.prompt_len = len(prompt)
         self._engine = engine
         self._prompt = prompt
         self._params = params
@@ -82,11 +117,15 @@ class FakeStream:
             if engine.fail_after is not None and i == engine.fail_after:
                 yield TokenEvent((), (), True, engine.failure_reason, engine.failure_message)
                 return
+            params = self._params
             token = self._prompt[i % len(self._prompt)]
-            last = i == self._params.max_tokens - 1
-            stop = token in self._params.stop_token_ids and not self._params.ignore_eos
+            while i < params.min_tokens and token in params.stop_token_ids:
+                token = (token + 1) % VOCAB_SIZE
+            last = i == params.max_tokens - 1
+            stop = token in params.stop_token_ids and not params.ignore_eos
             reason = "stop" if stop else ("length" if last else None)
-            yield TokenEvent((token,), (logprob_of(i),), reason is not None, reason, None)
+            top = (alternatives_of(token, i, params.top_logprobs),) if params.top_logprobs else ()
+            yield TokenEvent((token,), (logprob_of(i),), reason is not None, reason, None, top)
             if reason is not None:
                 return
 
@@ -126,6 +165,7 @@ class FakeEngine:
     max_in_flight: int | None = None  # submit raises EngineOverloaded with this many streams active
     health_state: Health = Health(True, "ok")
     submitted: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
+    leaders: list[int | None] = field(default_factory=list)  # each submit's prompt_leader
     cancelled: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     active: set[int] = field(default_factory=set)
@@ -136,7 +176,7 @@ class FakeEngine:
     pages_cleared_per_step: HistogramSnapshot | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> FakeStream:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt_leader: int | None = None) -> FakeStream:
         if self.unavailable is not None:
             raise EngineUnavailable(self.unavailable)
         if not prompt_token_ids:
@@ -149,8 +189,11 @@ class FakeEngine:
             )
         if self.max_in_flight is not None and len(self.active) >= self.max_in_flight:
             raise EngineOverloaded(f"{len(self.active)} requests are in flight: retry later", retry_after_s=2.0)
+        if prompt_leader is not None and not 1 <= prompt_leader <= len(self.submitted):
+            raise AssertionError(f"prompt_leader {prompt_leader} names no earlier request")
         with self._lock:
             self.submitted.append((list(prompt_token_ids), params))
+            self.leaders.append(prompt_leader)
             self.prompt_tokens_total += len(prompt_token_ids)
             request_id = len(self.submitted)
         return FakeStream(self, request_id, list(prompt_token_ids), params)
@@ -184,6 +227,8 @@ class FakeEngine:
                     preemptions_total=5,
                     offloads_total=8,
                     restores_total=7,
+                    pages_offloaded_total=40,
+                    pages_restored_total=33,
                     evictions_total=2,
                     steps_total=len(self.submitted) * 10,
                     aborted_steps_total=1,

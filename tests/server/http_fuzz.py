@@ -30,12 +30,13 @@ ROUTES = {
             "min_tokens", "repetition_penalty", "min_p", "response_format", "tools", "tool_choice", "user", "logprobs",
             "return_token_ids", "echo", "best_of", "suffix",
         ),
-        "wire": ("max_tokens", "temperature", "top_p", "top_k", "seed"),
-        "numeric": (
-            "logprobs", "n", "presence_penalty", "frequency_penalty", "min_tokens", "repetition_penalty", "min_p",
-            "best_of",
+        "wire": (
+            "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n", "presence_penalty",
+            "frequency_penalty", "min_tokens", "repetition_penalty",
         ),
+        "numeric": ("min_p", "best_of"),
         "id_lists": ("prompt", "stop_token_ids"),
+        "bias": True,
     },
     "/v1/chat/completions": {
         "base": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0},
@@ -45,11 +46,13 @@ ROUTES = {
             "logit_bias", "min_tokens", "repetition_penalty", "min_p", "response_format", "tools", "tool_choice",
             "user", "logprobs", "top_logprobs", "parallel_tool_calls", "functions", "function_call",
         ),
-        "wire": ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed"),
-        "numeric": (
-            "top_logprobs", "n", "presence_penalty", "frequency_penalty", "min_tokens", "repetition_penalty", "min_p",
+        "wire": (
+            "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "top_logprobs", "n",
+            "presence_penalty", "frequency_penalty", "min_tokens", "repetition_penalty",
         ),
+        "numeric": ("min_p",),
         "id_lists": ("stop_token_ids",),
+        "bias": True,
     },
     "/generate": {
         "base": {"text": "Hello", "sampling_params": {"max_completion_tokens": 4}},
@@ -57,6 +60,7 @@ ROUTES = {
         "wire": ("max_completion_tokens", "temperature", "top_p", "top_k", "seed"),  # in sampling_params
         "numeric": (),
         "id_lists": (),
+        "bias": False,
     },
 }
 GET_ROUTES = ("/health", "/metrics", "/v1/models")
@@ -107,7 +111,7 @@ def body_cases(draw) -> Case:
     path = draw(st.sampled_from(sorted(ROUTES)))
     route = ROUTES[path]
     body = json.loads(json.dumps(route["base"]))
-    actions = ("number",) * 4 + ("ids", "set", "set", "drop", "unknown", "message")
+    actions = ("number",) * 4 + ("ids", "bias", "set", "set", "drop", "unknown", "message")
     for _ in range(draw(st.integers(1, 3))):
         action = draw(st.sampled_from(actions))
         field = draw(st.sampled_from(route["fields"]))
@@ -118,6 +122,9 @@ def body_cases(draw) -> Case:
                 target[numeric] = draw(NUMBERS)
         elif action == "ids" and route["id_lists"]:
             body[draw(st.sampled_from(route["id_lists"]))] = draw(st.lists(st.sampled_from(TOKEN_IDS), min_size=1, max_size=4))
+        elif action == "bias" and route["bias"]:
+            ids = st.sampled_from(TOKEN_IDS).map(str) | st.text(max_size=4)
+            body["logit_bias"] = draw(st.dictionaries(ids, NUMBERS, max_size=4))
         elif action == "set":
             body[field] = draw(JSON_VALUES)
         elif action == "drop":
@@ -171,6 +178,11 @@ def edge_grid() -> list[Case]:
         for field in route["id_lists"]:
             for token in TOKEN_IDS:
                 cases.append(Case("POST", path, _dump({**route["base"], field: [5, token]})))
+        if route["bias"]:
+            for token in TOKEN_IDS:
+                cases.append(Case("POST", path, _dump({**route["base"], "logit_bias": {str(token): 1.0}})))
+            for value in (*FLOAT_EDGES, -100.0, 100.0, -100.5, 100.5, True, None, "5"):
+                cases.append(Case("POST", path, _dump({**route["base"], "logit_bias": {"5": value}})))
     return cases
 
 

@@ -58,6 +58,7 @@ def test_every_query_names_an_exported_metric(tokenizer):
         "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total", "tp_runtime_kv_offloads_total",
+        "tp_runtime_kv_pages_offloaded_total", "tp_runtime_kv_pages_restored_total",
         "tp_runtime_kv_pages_cleared_per_step_bucket",
     ):
         assert wanted in queried, wanted

@@ -138,10 +138,10 @@ class ThreadFedEngine:
         self.model_name = fake.model_name
         self.max_model_len = fake.max_model_len
 
-    def submit(self, prompt_token_ids, params):
+    def submit(self, prompt_token_ids, params, *, prompt_leader=None):
         from tp_runtime.engine import RequestStream
 
-        planned = self._fake.submit(prompt_token_ids, params)
+        planned = self._fake.submit(prompt_token_ids, params, prompt_leader=prompt_leader)
         stream = RequestStream(planned.request_id, len(prompt_token_ids), asyncio.get_running_loop())
 
         def feed():

@@ -102,6 +102,16 @@ def test_help_texts_say_what_is_counted(scrape):
     families, _ = read()
     assert "requests" in families["tp_runtime_kv_offloads"].documentation.lower()
     assert "requests" in families["tp_runtime_kv_restores"].documentation.lower()
+    assert "pages" in families["tp_runtime_kv_pages_offloaded"].documentation.lower()
+    assert "pages" in families["tp_runtime_kv_pages_restored"].documentation.lower()
+
+
+def test_pages_offloaded_and_restored_are_pages_not_requests(scrape):
+    _, _, read = scrape
+    _, samples = read()
+    # The fake's scheduler: 8 requests offloaded with 40 pages, 7 restored with 33.
+    assert (samples[("tp_runtime_kv_offloads_total", ())], samples[("tp_runtime_kv_pages_offloaded_total", ())]) == (8, 40)
+    assert (samples[("tp_runtime_kv_restores_total", ())], samples[("tp_runtime_kv_pages_restored_total", ())]) == (7, 33)
 
 
 def test_bucket_counter_is_prometheus_le():

@@ -114,10 +114,9 @@ def test_text_that_is_not_unicode_and_prompts_past_the_cap():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 2), ("n", True), ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
-        ("min_tokens", 3), ("min_p", 0.1), ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}),
+        ("min_p", 0.1), ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("echo", True),
-        ("best_of", 3), ("suffix", "tail"),
+        ("suffix", "tail"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(field, value):
@@ -129,27 +128,87 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 1), ("presence_penalty", 0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0),
-        ("logit_bias", {}), ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"),
-        ("echo", False), ("best_of", 1), ("suffix", ""), ("n", None),
+        ("min_p", 0), ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("echo", False),
+        ("suffix", ""),
     ],
 )
 def test_neutral_values_of_unsupported_fields_pass(field, value):
     validation.refuse_unsupported(CompletionRequest.model_validate({"prompt": "x", field: value}))
 
 
-def test_logprobs_of_the_sampled_token_only_for_now():
-    assert validation.completion_logprobs(CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}))
-    assert not validation.completion_logprobs(CompletionRequest.model_validate({"prompt": "x"}))
-    assert refusal(validation.completion_logprobs, CompletionRequest.model_validate({"prompt": "x", "logprobs": 2})).param == "logprobs"
-    assert refusal(validation.completion_logprobs, CompletionRequest.model_validate({"prompt": "x", "logprobs": -1})).param == "logprobs"
+def test_best_of_is_taken_only_as_n():
+    for body in ({"prompt": "x"}, {"prompt": "x", "best_of": 1}, {"prompt": "x", "n": 3, "best_of": 3}):
+        validation.check_best_of(CompletionRequest.model_validate(body))
+    for body in ({"prompt": "x", "best_of": 2}, {"prompt": "x", "n": 2, "best_of": 4}):
+        error = refusal(validation.check_best_of, CompletionRequest.model_validate(body))
+        assert (error.param, error.code) == ("best_of", "unsupported_parameter") and "n choices" in error.message
+
+
+def test_logprobs_and_how_many_alternatives():
+    assert validation.completion_logprobs(CompletionRequest.model_validate({"prompt": "x", "logprobs": 0})) == (True, 0)
+    assert validation.completion_logprobs(CompletionRequest.model_validate({"prompt": "x", "logprobs": 20})) == (True, 20)
+    assert validation.completion_logprobs(CompletionRequest.model_validate({"prompt": "x"})) == (False, 0)
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    assert validation.chat_logprobs(ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 0}))
-    for top in (3, 21, -1):
-        body = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": top})
-        assert refusal(validation.chat_logprobs, body).param == "top_logprobs"
+    assert validation.chat_logprobs(ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 3})) == (True, 3)
+    assert validation.chat_logprobs(ChatCompletionRequest.model_validate({**chat, "logprobs": True})) == (True, 0)
     no_logprobs = ChatCompletionRequest.model_validate({**chat, "top_logprobs": 1})
     assert "needs 'logprobs'" in refusal(validation.chat_logprobs, no_logprobs).message
+    for top in (21, -1):
+        error = refusal(validation.check_sampling, sampling(top_logprobs=top, top_logprobs_field="logprobs"), VOCAB)
+        assert error.param == "logprobs"
+
+
+@pytest.mark.parametrize(
+    "changes, param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-6}, "repetition_penalty"),  # dividing by it overflows a logit
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9}, "min_tokens"),  # above max_tokens 8
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, "logit_bias"),
+        ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),  # the same token twice
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"n": 0}, "n"),
+        ({"n": validation.MAX_N + 1}, "n"),
+    ],
+)
+def test_out_of_range_processing_is_refused_naming_the_field(changes, param):
+    assert refusal(validation.check_sampling, sampling(**changes), VOCAB).param == param
+
+
+def test_the_edges_of_the_processing_ranges_are_taken_and_reach_the_params():
+    edges = sampling(
+        presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-5, min_tokens=8, n=validation.MAX_N,
+        logit_bias={str(VOCAB - 1): 100, "0": -100, "7": 0.5, **{str(i): 1 for i in range(100, 397)}}, top_logprobs=20,
+    )
+    validation.check_sampling(edges, VOCAB)
+    prepared = validation.prepare([5, 6], edges, LIMITS, "prompt")
+    params = prepared.params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (-2.0, 2.0, 1e-5)
+    assert (params.min_tokens, params.top_logprobs, prepared.n) == (8, 20, validation.MAX_N)
+    assert params.logit_bias[:3] == ((0, -100.0), (7, 0.5), (100, 1.0)) and params.logit_bias[-1] == (VOCAB - 1, 100.0)
+    assert len(params.logit_bias) == 300
+
+
+def test_min_tokens_above_what_the_context_leaves_is_refused_after_tokenizing():
+    # max_tokens left out: the rest of a 64-token context, 62 after a two-token prompt.
+    error = refusal(validation.prepare, [5, 6], sampling(max_tokens=None, min_tokens=63), LIMITS, "prompt")
+    assert error.param == "min_tokens" and "62" in error.message
+
+
+def test_seeds_of_n_samples():
+    assert [validation.sample_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert validation.sample_seed(None, 2) is None
+    assert validation.sample_seed(2**63 - 1, 1) == 0  # wrapped into [0, 2**63)
 
 
 def test_model_must_be_one_of_the_served_names():

@@ -40,6 +40,14 @@ class SamplingRequest:
     temperature_max: float = FLOAT32_MAX
     field_prefix: str = ""  # "sampling_params." on /generate
     max_tokens_field: str = "max_tokens"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # as the body sent it: token ids as strings
+    top_logprobs: int = 0  # alternatives per sampled token
+    top_logprobs_field: str = "top_logprobs"
+    n: int = 1
 
     def param(self, name: str) -> str:
         """The body's name for a field: param("max_tokens") is "sampling_params.max_completion_tokens"
@@ -99,21 +107,24 @@ class OpenAISampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, changes nothing
+    n: int = 1  # choices, sharing the prompt's KV pages
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
+    min_tokens: int = 0  # vLLM's
+    repetition_penalty: float = 1.0  # vLLM's
     # Refused unless neutral (validation.refuse_unsupported says why); typed loosely on purpose, so
     # that the refusal names what is missing rather than a type.
-    n: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
-    repetition_penalty: Any = None
     min_p: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
 
     @field_validator(
-        *("temperature", "top_p", "top_k", "ignore_eos", "stream", "max_tokens", "logprobs"),
+        *(
+            "temperature", "top_p", "top_k", "ignore_eos", "stream", "max_tokens", "logprobs", "n", "presence_penalty",
+            "frequency_penalty", "min_tokens", "repetition_penalty",
+        ),
         mode="before",
         check_fields=False,
     )
@@ -122,7 +133,13 @@ class OpenAISampling(_Body):
         # Many OpenAI clients send null for an option they leave unset.
         return cls.model_fields[info.field_name].default if value is None else value
 
-    def sampling(self, max_tokens: int | None, max_tokens_field: str) -> SamplingRequest:
+    def sampling(
+        self,
+        max_tokens: int | None,
+        max_tokens_field: str,
+        top_logprobs: int = 0,
+        top_logprobs_field: str = "top_logprobs",
+    ) -> SamplingRequest:
         return SamplingRequest(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -134,6 +151,14 @@ class OpenAISampling(_Body):
             ignore_eos=self.ignore_eos,
             temperature_max=OPENAI_TEMPERATURE_MAX,
             max_tokens_field=max_tokens_field,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias,
+            top_logprobs=top_logprobs,
+            top_logprobs_field=top_logprobs_field,
+            n=self.n,
         )
 
     @property
@@ -147,8 +172,8 @@ class CompletionRequest(OpenAISampling):
     logprobs: int | None = None  # how many alternatives per token; 0: the sampled token's only
     # Extension (as vLLM's): the generated token ids in choices[].token_ids, for exact comparisons.
     return_token_ids: bool = False
+    best_of: int | None = None  # taken when it equals n: the n samples are the answer
     echo: Any = None
-    best_of: Any = None
     suffix: Any = None
 
 
@@ -199,7 +224,7 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    index: int = 0
+    index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
@@ -235,7 +260,7 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: int = 0
+    index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
@@ -261,7 +286,7 @@ class ChatDelta(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    index: int = 0
+    index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None

@@ -35,10 +35,11 @@ class StopStringMatcher:
         self._text = ""
         self._sent = 0
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """(text that is safe to send, whether a stop string ended the output)."""
+    def feed(self, delta: str, match: bool = True) -> tuple[str, bool]:
+        """(text that is safe to send, whether a stop string ended the output). match=False: the
+        text cannot end the output (before min_tokens) and goes out whole, never to be matched."""
         self._text += delta
-        if not self._stops:
+        if not self._stops or not match:
             out, self._sent = self._text[self._sent :], len(self._text)
             return out, False
         # Everything before _sent was checked not to start a stop string, so a match starts later.
@@ -69,8 +70,8 @@ class StopStringMatcher:
 @dataclass(frozen=True)
 class SampledToken:
     """One generated token: its id, its log-probability, and where its text starts in the output.
-    `top` holds the alternatives the executor returned with it (none yet: see
-    validation.TOP_LOGPROBS_SUPPORTED)."""
+    `top` holds the alternatives the executor returned with it, most likely first (as many as the
+    request asked for)."""
 
     token_id: int
     logprob: float
@@ -114,6 +115,7 @@ class Generation:
         prompt_token_ids: list[int],
         stops: tuple[str, ...],
         observer: RequestObserver | None = None,
+        min_tokens: int = 0,
     ):
         self.request_id = stream.request_id
         self.prompt_tokens = len(prompt_token_ids)
@@ -123,6 +125,8 @@ class Generation:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = StopStringMatcher(stops)
         self._observer = observer
+        # As vLLM: no stop string ends the output before min_tokens tokens were generated.
+        self._min_tokens = min_tokens
         self._decoded_chars = 0  # detokenized text so far, before stop strings cut it
         self._pending: list[SampledToken] = []  # tokens not yet handed out with a piece
 
@@ -148,10 +152,10 @@ class Generation:
                     ended = True
                     self._end("error")
                     raise GenerationFailed(self._failure(event.error))
-                text = self._add(event.token_ids, event.logprobs)
+                text = self._add(event.token_ids, event.logprobs, event.top_logprobs)
                 if event.finished:
                     text += self._detokenizer.flush()
-                out, stopped = self._stops.feed(text)
+                out, stopped = self._stops.feed(text, len(self.token_ids) >= self._min_tokens)
                 if stopped:
                     ended = True
                     self._engine.finish(self.request_id)
@@ -183,15 +187,23 @@ class Generation:
                 self._engine.cancel(self.request_id)
                 self._end("abort")
 
-    def _add(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> str:
+    def _add(
+        self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[tuple[tuple[int, float], ...], ...]
+    ) -> str:
         parts = []
-        for token, logprob in zip(token_ids, logprobs, strict=True):
-            self._pending.append(SampledToken(token, max(logprob, LOGPROB_FLOOR), self._decoded_chars))
+        for i, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+            top = tuple((t, max(lp, LOGPROB_FLOOR)) for t, lp in tops[i]) if tops else ()
+            self._pending.append(SampledToken(token, max(logprob, LOGPROB_FLOOR), self._decoded_chars, top))
             delta = self._detokenizer.add(token)
             self._decoded_chars += len(delta)
             parts.append(delta)
         self.token_ids.extend(token_ids)
         return "".join(parts)
+
+    def abandon(self) -> None:
+        """A request submitted but never read (a sibling of n could not be submitted): end it now."""
+        self._engine.cancel(self.request_id)
+        self._end("abort")
 
     def _piece(self, text: str, finish_reason: str | None) -> Piece:
         tokens, self._pending = tuple(self._pending), []

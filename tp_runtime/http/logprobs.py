@@ -25,12 +25,19 @@ def for_completion(tokenizer: Tokenizer, tokens: Sequence[SampledToken], text_en
     return CompletionLogprobs(
         tokens=[token_text(tokenizer, t.token_id) for t in tokens],
         token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[
-            {token_text(tokenizer, token_id): logprob for token_id, logprob in ((t.token_id, t.logprob), *t.top)}
-            for t in tokens
-        ],
+        top_logprobs=[_top_by_text(tokenizer, t) for t in tokens],
         text_offset=[min(t.text_offset, text_end) for t in tokens],
     )
+
+
+def _top_by_text(tokenizer: Tokenizer, token: SampledToken) -> dict[str, float]:
+    """The legacy shape keys alternatives by their text, which two tokens may share (pieces of one
+    character both read U+FFFD): the first keeps the key, so the sampled token's entry is its own
+    logprob and the others the most likely of that text."""
+    top: dict[str, float] = {}
+    for token_id, logprob in ((token.token_id, token.logprob), *token.top):
+        top.setdefault(token_text(tokenizer, token_id), logprob)
+    return top
 
 
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:

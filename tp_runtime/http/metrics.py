@@ -54,6 +54,8 @@ _SCHEDULER_COUNTERS = (
     ("preemptions", "preemptions_total", "Requests preempted to free KV pages."),
     ("kv_offloads", "offloads_total", "Preempted requests whose KV pages were copied to host memory."),
     ("kv_restores", "restores_total", "Requests whose KV pages were copied back from host memory to resume."),
+    ("kv_pages_offloaded", "pages_offloaded_total", "KV pages copied to host memory when their request was preempted."),
+    ("kv_pages_restored", "pages_restored_total", "KV pages copied back from host memory to resume their request."),
     ("prefix_evictions", "evictions_total", "Prefix snapshot pages evicted to free memory."),
     ("steps", "steps_total", "Model steps run."),
     ("aborted_steps", "aborted_steps_total", "Steps aborted (a rank rejected the frame or timed out)."),

@@ -5,12 +5,18 @@ Routes parse their body, turn it into a prompt and a SamplingRequest, and format
 here, once: the prompt cap and tokenizing off the event loop, validation, submit and its refusals,
 collecting the whole output while watching for a client that hangs up, and a stream whose failure is
 one last error event rather than a cut connection.
+
+A request for n choices is n engine requests: the first leads, the others name it as their prompt
+leader and share its prompt's KV pages (prefix snapshots: references, not copies), each with its
+own seed (validation.sample_seed). Their pieces are read together, in the order they come; when one
+fails, or the client goes, all n are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +25,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from scheduler.request import SamplingParams
 from scheduler.scheduler import AdmissionError
 from tp_runtime.chat import ChatMessage, ChatTemplateError, parse_messages
 from tp_runtime.engine import EngineOverloaded, EngineUnavailable
@@ -81,10 +88,26 @@ class GenerationService:
 
     # ---- submit ---------------------------------------------------------------------------------
 
-    def start(self, prepared: Prepared, arrival: float) -> Generation:
+    def start(self, prepared: Prepared, arrival: float) -> list[Generation]:
+        """Submit the request's n samples; if one cannot be submitted, those already are cancelled."""
+        started: list[Generation] = []
+        try:
+            for index in range(prepared.n):
+                params = prepared.params
+                if index:
+                    params = dataclasses.replace(params, seed=validation.sample_seed(params.seed, index))
+                leader = started[0].request_id if started else None
+                started.append(self._submit(prepared, params, leader, arrival))
+        except Exception:
+            for generation in started:
+                generation.abandon()
+            raise
+        return started
+
+    def _submit(self, prepared: Prepared, params: SamplingParams, leader: int | None, arrival: float) -> Generation:
         metrics = self.metrics
         try:
-            stream = self.engine.submit(prepared.prompt_token_ids, prepared.params)
+            stream = self.engine.submit(prepared.prompt_token_ids, params, prompt_leader=leader)
         except AdmissionError as exc:
             metrics.request_rejects.labels("admission").inc()
             raise invalid_request(str(exc), code=ADMISSION_CODE) from exc
@@ -95,18 +118,20 @@ class GenerationService:
             metrics.request_rejects.labels("unavailable").inc()
             raise unavailable(str(exc)) from exc
         return Generation(
-            self.engine, self.tokenizer, stream, prepared.prompt_token_ids, prepared.stops, metrics.timer(arrival)
+            self.engine, self.tokenizer, stream, prepared.prompt_token_ids, prepared.stops, metrics.timer(arrival),
+            min_tokens=params.min_tokens,
         )
 
     # ---- answers --------------------------------------------------------------------------------
 
-    async def collect(self, request: Request, generation: Generation) -> Collected | None:
-        """The whole output, or None if the client left first (the request is then cancelled)."""
+    async def collect(self, request: Request, generations: Sequence[Generation]) -> list[Collected] | None:
+        """Every choice's whole output, or None if the client left first (all are then cancelled)."""
 
-        async def run() -> Collected:
-            pieces = [piece async for piece in generation.pieces()]
-            reason = next((p.finish_reason for p in reversed(pieces) if p.finish_reason), None)
-            return Collected("".join(p.text for p in pieces), reason, tuple(pieces))
+        async def run() -> list[Collected]:
+            pieces: list[list[Piece]] = [[] for _ in generations]
+            async for index, piece in pieces_of(generations):
+                pieces[index].append(piece)
+            return [_collected(choice) for choice in pieces]
 
         try:
             return await _until_done_or_disconnected(request, run(), self.metrics.request_cancels.inc)
@@ -137,6 +162,50 @@ class GenerationService:
                     self.metrics.request_cancels.inc()
 
         return event_stream(guarded())
+
+
+def _collected(pieces: list[Piece]) -> Collected:
+    reason = next((p.finish_reason for p in reversed(pieces) if p.finish_reason), None)
+    return Collected("".join(p.text for p in pieces), reason, tuple(pieces))
+
+
+_END = object()
+
+
+async def pieces_of(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice index, piece) of every generation as each comes. The first failure ends them all
+    (the others are cancelled in the engine) and is raised; so does closing this iterator."""
+    if len(generations) == 1:
+        async for piece in generations[0].pieces():
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for piece in generation.pieces():
+                queue.put_nowait((index, piece))
+        except GenerationFailed as exc:
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, GenerationFailed):
+                raise item
+            else:
+                yield index, item
+    finally:
+        # A failed or abandoned request: each generation's own clean-up cancels it in the engine.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def arrival_time() -> float:

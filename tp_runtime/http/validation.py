@@ -12,7 +12,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protocol.sampling_limits import SEED_MAX, TEMPERATURE_MIN, TOP_K_MAX, TOP_P_MIN
+from protocol.sampling_limits import (
+    FLOAT32_MAX,
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MAX_ENTRIES,
+    LOGIT_BIAS_MIN,
+    PENALTY_MAX,
+    PENALTY_MIN,
+    REPETITION_PENALTY_MIN,
+    SEED_MAX,
+    TEMPERATURE_MIN,
+    TOP_K_MAX,
+    TOP_LOGPROBS_MAX,
+    TOP_P_MIN,
+)
 from scheduler.request import InvalidSamplingParams, SamplingParams
 from tp_runtime.http.api_models import ChatCompletionRequest, CompletionRequest, OpenAISampling, SamplingRequest
 from tp_runtime.http.errors import context_too_long, invalid_request, model_not_found, unsupported
@@ -21,12 +34,8 @@ MAX_STOP_STRINGS = 16
 # The stop matcher compares a held-back tail against each stop string's prefixes on every token:
 # the cap keeps that work per token small.
 MAX_STOP_STRING_CHARS = 256
-# OpenAI's ranges: completions' `logprobs` up to 5, chat's `top_logprobs` up to 20.
-COMPLETIONS_LOGPROBS_MAX = 5
-CHAT_TOP_LOGPROBS_MAX = 20
-# How many alternatives per token the executor returns besides the sampled token: none yet. When it
-# does, raise this and fill SampledToken.top in tp_runtime.http.generation.
-TOP_LOGPROBS_SUPPORTED = 0
+# OpenAI's limit on choices per request.
+MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -41,11 +50,12 @@ class Limits:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated request, ready to submit."""
+    """A validated request, ready to submit: n samples of one prompt."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     stops: tuple[str, ...]
+    n: int = 1
 
 
 # ---- the body's own fields ---------------------------------------------------------------------
@@ -77,6 +87,64 @@ def check_sampling(sampling: SamplingRequest, vocab_size: int) -> None:
         )
     check_stops(sampling.stop, p("stop"))
     check_token_ids(sampling.stop_token_ids, vocab_size, p("stop_token_ids"))
+    check_processing(sampling)
+    logit_bias(sampling, vocab_size)
+    if not 1 <= sampling.n <= MAX_N:
+        raise invalid_request(f"'{p('n')}' must be in [1, {MAX_N}], got {sampling.n}", param=p("n"))
+
+
+def check_processing(sampling: SamplingRequest) -> None:
+    """Penalties, min_tokens and alternatives against protocol/sampling_limits.py."""
+    p = sampling.param
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not PENALTY_MIN <= value <= PENALTY_MAX:
+            message = f"'{p(name)}' must be in [{PENALTY_MIN:g}, {PENALTY_MAX:g}], got {value!r}"
+            raise invalid_request(message, param=p(name))
+    repetition = sampling.repetition_penalty
+    if not REPETITION_PENALTY_MIN <= repetition <= FLOAT32_MAX:
+        raise invalid_request(
+            f"'{p('repetition_penalty')}' must be above 0 (1 is off; from {REPETITION_PENALTY_MIN}: a smaller one "
+            f"overflows the logits it divides), got {repetition!r}",
+            param=p("repetition_penalty"),
+        )
+    if sampling.min_tokens < 0:
+        message = f"'{p('min_tokens')}' must be at least 0, got {sampling.min_tokens}"
+        raise invalid_request(message, param=p("min_tokens"))
+    if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+        raise invalid_request(
+            f"'{p('min_tokens')}' ({sampling.min_tokens}) must not exceed '{p('max_tokens')}' ({sampling.max_tokens})",
+            param=p("min_tokens"),
+        )
+    if not 0 <= sampling.top_logprobs <= TOP_LOGPROBS_MAX:
+        param = p(sampling.top_logprobs_field)
+        raise invalid_request(f"'{param}' must be in [0, {TOP_LOGPROBS_MAX}], got {sampling.top_logprobs}", param=param)
+
+
+def logit_bias(sampling: SamplingRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The body's logit_bias ({"token id": bias}) as (id, bias) pairs, ids ascending."""
+    bias = sampling.logit_bias
+    if not bias:
+        return ()
+    param = sampling.param("logit_bias")
+    if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+        raise invalid_request(f"'{param}' takes up to {LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(bias)}", param=param)
+    pairs: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise invalid_request(
+                f"'{param}' maps token ids to biases: {key!r} is not a token id in [0, {vocab_size})", param=param
+            )
+        if token in pairs:
+            raise invalid_request(f"'{param}' names token {token} twice ({key!r})", param=param)
+        if not LOGIT_BIAS_MIN <= value <= LOGIT_BIAS_MAX:
+            raise invalid_request(
+                f"'{param}' biases must be in [{LOGIT_BIAS_MIN:g}, {LOGIT_BIAS_MAX:g}]: token {token} has {value!r}",
+                param=param,
+            )
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def check_stops(stops: Sequence[str], param: str) -> None:
@@ -142,18 +210,10 @@ def _neutral(value: object, *accepted: object) -> bool:
     return False
 
 
-_PENALTIES = "penalties are not applied by the sampler yet"
 _TOOLS = "is not supported: this server does not call tools"
 # field -> (neutral values, why any other is refused)
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "n": ((1,), "must be 1: one choice per request"),
-    "best_of": ((1,), "must be 1: one choice per request"),
-    "presence_penalty": ((0,), f"must be 0: {_PENALTIES}"),
-    "frequency_penalty": ((0,), f"must be 0: {_PENALTIES}"),
-    "repetition_penalty": ((1,), f"must be 1: {_PENALTIES}"),
-    "min_tokens": ((0,), "must be 0: a minimum length is not enforced yet"),
     "min_p": ((0,), "must be 0: min-p sampling is not supported"),
-    "logit_bias": (({},), "is not supported: the sampler applies no logit bias yet"),
     "response_format": (({"type": "text"},), "is not supported: output is not constrained to a format"),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none",), _TOOLS),
@@ -171,36 +231,29 @@ def refuse_unsupported(body: OpenAISampling) -> None:
             raise unsupported(name, reason)
 
 
-def completion_logprobs(body: CompletionRequest) -> bool:
-    """Whether to return logprobs; alternatives beyond the sampled token are refused for now."""
-    if body.logprobs is None:
-        return False
-    if not 0 <= body.logprobs <= COMPLETIONS_LOGPROBS_MAX:
-        message = f"'logprobs' must be in [0, {COMPLETIONS_LOGPROBS_MAX}], got {body.logprobs}"
-        raise invalid_request(message, param="logprobs")
-    _check_alternatives("logprobs", body.logprobs)
-    return True
-
-
-def chat_logprobs(body: ChatCompletionRequest) -> bool:
-    top = body.top_logprobs
-    if top is not None:
-        if not 0 <= top <= CHAT_TOP_LOGPROBS_MAX:
-            message = f"'top_logprobs' must be in [0, {CHAT_TOP_LOGPROBS_MAX}], got {top}"
-            raise invalid_request(message, param="top_logprobs")
-        if top and not body.logprobs:
-            raise invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        _check_alternatives("top_logprobs", top)
-    return body.logprobs
-
-
-def _check_alternatives(param: str, wanted: int) -> None:
-    if wanted > TOP_LOGPROBS_SUPPORTED:
+def check_best_of(body: CompletionRequest) -> None:
+    """best_of is taken when it is n (or unset): the n samples are then the answer. Ranking more
+    samples than are returned would need every sample's summed logprob and is not done."""
+    if body.best_of is not None and body.best_of != body.n:
         raise unsupported(
-            param,
-            f"asks for {wanted} alternatives per token; the executor returns only the sampled token's "
-            f"log-probability yet: send {TOP_LOGPROBS_SUPPORTED}",
+            "best_of",
+            f"must equal n ({body.n}) or be left out, got {body.best_of}: returning the best n of more samples "
+            "is not supported; ask for n choices instead",
         )
+
+
+def completion_logprobs(body: CompletionRequest) -> tuple[bool, int]:
+    """Whether to return logprobs, and how many alternatives per token (completions' `logprobs: k`)."""
+    if body.logprobs is None:
+        return False, 0
+    return True, body.logprobs
+
+
+def chat_logprobs(body: ChatCompletionRequest) -> tuple[bool, int]:
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:
+        raise invalid_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return body.logprobs, top
 
 
 # ---- after tokenizing --------------------------------------------------------------------------
@@ -229,6 +282,11 @@ def prepare(prompt_token_ids: list[int], sampling: SamplingRequest, limits: Limi
             f"({prompt_len} in the prompt, {max_tokens} to generate): lower the max tokens ('{param}')",
             param=param,
         )
+    if sampling.min_tokens > max_tokens:
+        param = sampling.param("min_tokens")
+        raise invalid_request(
+            f"'{param}' ({sampling.min_tokens}) must not exceed the {max_tokens} tokens left to generate", param=param
+        )
     ends = sampling.stop_token_ids + (() if sampling.ignore_eos else limits.eos_token_ids)
     try:
         params = SamplingParams(
@@ -239,7 +297,19 @@ def prepare(prompt_token_ids: list[int], sampling: SamplingRequest, limits: Limi
             seed=sampling.seed,
             stop_token_ids=tuple(dict.fromkeys(ends)),
             ignore_eos=sampling.ignore_eos,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            min_tokens=sampling.min_tokens,
+            logit_bias=logit_bias(sampling, limits.vocab_size),
+            top_logprobs=sampling.top_logprobs,
         )
     except InvalidSamplingParams as exc:  # check_sampling covers these ranges; this is its backstop
         raise invalid_request(str(exc)) from exc
-    return Prepared(list(prompt_token_ids), params, sampling.stop)
+    return Prepared(list(prompt_token_ids), params, sampling.stop, sampling.n)
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the index-th of n samples: vLLM's seed + index, wrapped into [0, 2**63) so that any
+    valid seed works; sample 0 keeps the request's seed, so n = 1 is unchanged."""
+    return None if seed is None else (seed + index) % (SEED_MAX + 1)

@@ -25,13 +25,13 @@ async def generate(service: GenerationService, request: Request) -> Response:
     sampling = body.sampling()
     service.check_sampling(sampling)
     prompt = await service.encode_prompt(body.text, "text")
-    generation = service.start(service.prepare(prompt, sampling, "text"), arrival)
+    (generation,) = service.start(service.prepare(prompt, sampling, "text"), arrival)
     if not body.stream:
-        result = await service.collect(request, generation)
-        if result is None:
+        results = await service.collect(request, [generation])
+        if results is None:
             return Response(status_code=CLIENT_CLOSED)
         # shortfin answers a whole generation as one `data: ` line, newlines and all.
-        return Response(f"data: {result.text}\n\n", media_type=SSE_MEDIA_TYPE)
+        return Response(f"data: {results[0].text}\n\n", media_type=SSE_MEDIA_TYPE)
 
     async def events() -> AsyncIterator[str]:
         async for piece in generation.pieces():

@@ -1,7 +1,9 @@
 """POST /v1/completions and /v1/chat/completions: OpenAI's API, both endpoints through one path.
 
 `OpenAIEndpoint.handle` is that path (validation, prompt, submit, whole answer or stream); the two
-subclasses say only how their body becomes a prompt and how their answers are shaped.
+subclasses say only how their body becomes a prompt and how their answers are shaped. A request for
+n choices answers n choices with their indexes; a stream interleaves their chunks as they come, each
+with its index, and the usage counts the prompt once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tp_runtime.http.body import read_json
 from tp_runtime.http.errors import ApiError, invalid_request, unsupported
 from tp_runtime.http.generation import Generation, Piece, SampledToken
 from tp_runtime.http.routes.generate import CLIENT_CLOSED
-from tp_runtime.http.service import Collected, GenerationService, arrival_time
+from tp_runtime.http.service import Collected, GenerationService, arrival_time, pieces_of
 from tp_runtime.http.sse import DONE, sse
 
 Body = TypeVar("Body", bound=OpenAISampling)
@@ -52,7 +54,13 @@ class Reply:
     created: int
     model: str
     logprobs: bool
-    generation: Generation
+    generations: tuple[Generation, ...]  # one per choice, in index order
+
+    @property
+    def usage(self) -> Usage:
+        prompt = self.generations[0].prompt_tokens
+        completion = sum(g.completion_tokens for g in self.generations)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 class OpenAIEndpoint(ABC, Generic[Body]):
@@ -69,16 +77,17 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         body = await read_json(request, self.body_type)
         validation.check_model(body.model, self.served)
         validation.refuse_unsupported(body)
-        want_logprobs = self.wants_logprobs(body)
-        sampling = body.sampling(*self.max_tokens(body))
+        self.check_choices(body)
+        want_logprobs, alternatives = self.wants_logprobs(body)
+        sampling = body.sampling(*self.max_tokens(body), alternatives, self.alternatives_field)
         service.check_sampling(sampling)
         prompt, prompt_param = await self.prompt_ids(body)
-        generation = service.start(service.prepare(prompt, sampling, prompt_param), arrival)
+        generations = service.start(service.prepare(prompt, sampling, prompt_param), arrival)
         # vLLM's semantics: a request may name any served name; answers carry the first.
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        reply = Reply(request_id, int(time.time()), self.served[0], want_logprobs, generation)
+        reply = Reply(request_id, int(time.time()), self.served[0], want_logprobs, tuple(generations))
         if not body.stream:
-            collected = await service.collect(request, generation)
+            collected = await service.collect(request, generations)
             if collected is None:
                 return Response(status_code=CLIENT_CLOSED)
             return JSONResponse(self.response(body, reply, collected))
@@ -86,13 +95,13 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         async def events() -> AsyncIterator[str]:
             for chunk in self.opening(reply):
                 yield sse(chunk)
-            sent = 0
-            async for piece in generation.pieces():
-                for chunk in self.chunks(body, reply, piece, sent):
+            sent = [0] * len(generations)
+            async for index, piece in pieces_of(generations):
+                for chunk in self.chunks(body, reply, index, piece, sent[index]):
                     yield sse(chunk)
-                sent += len(piece.text)
+                sent[index] += len(piece.text)
             if body.include_usage:
-                yield sse(self.usage_chunk(reply, generation.usage))
+                yield sse(self.usage_chunk(reply, reply.usage))
             yield sse(DONE)
 
         def error_events(error: ApiError) -> list[str]:
@@ -103,8 +112,14 @@ class OpenAIEndpoint(ABC, Generic[Body]):
 
     # ---- what each endpoint says for itself -----------------------------------------------------
 
+    alternatives_field: ClassVar[str]  # the body's field that asks for alternatives per token
+
     @abstractmethod
-    def wants_logprobs(self, body: Body) -> bool: ...
+    def wants_logprobs(self, body: Body) -> tuple[bool, int]:
+        """Whether to return logprobs, and how many alternatives per token."""
+
+    def check_choices(self, body: Body) -> None:
+        """Fields about the choices beyond n (completions' best_of)."""
 
     @abstractmethod
     def max_tokens(self, body: Body) -> tuple[int | None, str]:
@@ -115,15 +130,17 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         """The prompt's token ids and the field that holds it."""
 
     @abstractmethod
-    def response(self, body: Body, reply: Reply, collected: Collected) -> dict: ...
+    def response(self, body: Body, reply: Reply, collected: Sequence[Collected]) -> dict:
+        """The whole answer: collected[i] is choice i's."""
 
     def opening(self, reply: Reply) -> list[str]:
         """Chunks a stream starts with, before any text."""
         return []
 
     @abstractmethod
-    def chunks(self, body: Body, reply: Reply, piece: Piece, sent: int) -> list[str]:
-        """The stream's chunks for one piece; `sent` characters of text went before it."""
+    def chunks(self, body: Body, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
+        """The stream's chunks for one piece of choice `index`; `sent` characters of its text went
+        before it."""
 
     @abstractmethod
     def usage_chunk(self, reply: Reply, usage: Usage) -> str: ...
@@ -137,9 +154,13 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     path = "/v1/completions"
     body_type = CompletionRequest
     id_prefix = "cmpl"
+    alternatives_field = "logprobs"
 
-    def wants_logprobs(self, body: CompletionRequest) -> bool:
+    def wants_logprobs(self, body: CompletionRequest) -> tuple[bool, int]:
         return validation.completion_logprobs(body)
+
+    def check_choices(self, body: CompletionRequest) -> None:
+        validation.check_best_of(body)
 
     def max_tokens(self, body: CompletionRequest) -> tuple[int | None, str]:
         return body.max_tokens, "max_tokens"
@@ -158,21 +179,25 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     def _hidden(body: CompletionRequest) -> dict:
         return {} if body.return_token_ids else {"choices": {"__all__": {"token_ids"}}}
 
-    def response(self, body: CompletionRequest, reply: Reply, collected: Collected) -> dict:
-        tokens = _tokens(collected)
-        choice = CompletionChoice(
-            text=collected.text,
-            finish_reason=collected.finish_reason,
-            logprobs=self._logprobs(reply, tokens, len(collected.text)),
-            token_ids=[t.token_id for t in tokens] if body.return_token_ids else None,
-        )
+    def response(self, body: CompletionRequest, reply: Reply, collected: Sequence[Collected]) -> dict:
+        choices = []
+        for index, whole in enumerate(collected):
+            tokens = _tokens(whole)
+            choices.append(CompletionChoice(
+                index=index,
+                text=whole.text,
+                finish_reason=whole.finish_reason,
+                logprobs=self._logprobs(reply, tokens, len(whole.text)),
+                token_ids=[t.token_id for t in tokens] if body.return_token_ids else None,
+            ))
         answer = CompletionResponse(
-            id=reply.id, created=reply.created, model=reply.model, choices=[choice], usage=reply.generation.usage
+            id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=reply.usage
         )
         return answer.model_dump(exclude=self._hidden(body))
 
-    def chunks(self, body: CompletionRequest, reply: Reply, piece: Piece, sent: int) -> list[str]:
+    def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         choice = CompletionChoice(
+            index=index,
             text=piece.text,
             finish_reason=piece.finish_reason,
             logprobs=self._logprobs(reply, piece.tokens, sent + len(piece.text)),
@@ -193,8 +218,9 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
     path = "/v1/chat/completions"
     body_type = ChatCompletionRequest
     id_prefix = "chatcmpl"
+    alternatives_field = "top_logprobs"
 
-    def wants_logprobs(self, body: ChatCompletionRequest) -> bool:
+    def wants_logprobs(self, body: ChatCompletionRequest) -> tuple[bool, int]:
         return validation.chat_logprobs(body)
 
     def max_tokens(self, body: ChatCompletionRequest) -> tuple[int | None, str]:
@@ -210,14 +236,18 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                 )
         return await self.service.encode_chat([m.model_dump() for m in body.messages]), "messages"
 
-    def response(self, body: ChatCompletionRequest, reply: Reply, collected: Collected) -> dict:
-        choice = ChatChoice(
-            message=AssistantMessage(content=collected.text),
-            finish_reason=collected.finish_reason,
-            logprobs=self._logprobs(reply, _tokens(collected)),
-        )
+    def response(self, body: ChatCompletionRequest, reply: Reply, collected: Sequence[Collected]) -> dict:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=whole.text),
+                finish_reason=whole.finish_reason,
+                logprobs=self._logprobs(reply, _tokens(whole)),
+            )
+            for index, whole in enumerate(collected)
+        ]
         answer = ChatCompletionResponse(
-            id=reply.id, created=reply.created, model=reply.model, choices=[choice], usage=reply.generation.usage
+            id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=reply.usage
         )
         return answer.model_dump()
 
@@ -226,18 +256,27 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         return chunk.model_dump_json(exclude={"usage"})
 
     def opening(self, reply: Reply) -> list[str]:
-        return [self._chunk(reply, ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None))]
+        # As vLLM: each choice's first delta carries the role.
+        opening = ChatDelta(role="assistant", content="")
+        return [
+            self._chunk(reply, ChatChunkChoice(index=index, delta=opening, finish_reason=None))
+            for index in range(len(reply.generations))
+        ]
 
-    def chunks(self, body: ChatCompletionRequest, reply: Reply, piece: Piece, sent: int) -> list[str]:
+    def chunks(self, body: ChatCompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         # The piece's logprobs go with its text, or with the closing chunk when it has none.
         logprobs_ = self._logprobs(reply, piece.tokens) if piece.tokens else None
         out = []
         if piece.text:
-            choice = ChatChunkChoice(delta=ChatDelta(content=piece.text), logprobs=logprobs_, finish_reason=None)
+            choice = ChatChunkChoice(
+                index=index, delta=ChatDelta(content=piece.text), logprobs=logprobs_, finish_reason=None
+            )
             out.append(self._chunk(reply, choice))
             logprobs_ = None
         if piece.finish_reason is not None:
-            choice = ChatChunkChoice(delta=ChatDelta(), logprobs=logprobs_, finish_reason=piece.finish_reason)
+            choice = ChatChunkChoice(
+                index=index, delta=ChatDelta(), logprobs=logprobs_, finish_reason=piece.finish_reason
+            )
             out.append(self._chunk(reply, choice))
         return out
 
