@@ -25,6 +25,7 @@ grace period STOP_MARGIN_S longer, so that the drain always ends before torchrun
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import json
 import logging
@@ -61,6 +62,9 @@ FRONTEND_GRACE_S = 5.0  # rank 0 waits this long for its frontend to exit once i
 FRONTEND_GONE_S = 10.0  # longer than an executor's peer timeout: rank 0 then ends on its own
 STORE_TIMEOUT_S = 60.0
 RDZV_ID = "tp-runtime"
+# The launcher's pid, for its workers: torchrun's agent runs in the launcher, so it is their parent.
+LAUNCHER_PID_ENV = "TP_RUNTIME_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
 
 
 def under_torchrun() -> bool:
@@ -239,6 +243,7 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
     # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
     with _rendezvous(config) as (endpoint, local_addr):
         torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
@@ -349,12 +354,33 @@ class Bootstrap:
         return cls(**{**data, "sealed_keys": tuple(data.get("sealed_keys", ()))})
 
 
+def drain_when_parent_dies() -> None:
+    """Asks the kernel for SIGTERM when this worker's parent, torchrun's agent, dies.
+
+    torchrun starts each worker in a session of its own and stops its workers only while its agent
+    runs: an agent killed by SIGKILL (or the OOM killer) would leave them serving, reparented, with
+    the port, the devices and the frontend still held. With SIGTERM at the parent's death a worker
+    drains as after a user's SIGTERM (rank 0 passes it to its frontend, which lets running requests
+    finish and then sends SHUTDOWN to every rank) and exits. Before the handler is installed SIGTERM
+    just ends the worker: there is nothing to drain yet. The kernel ties the signal to the thread
+    that forked the worker; torchrun's agent starts its workers from its main thread, which lives as
+    long as the agent does."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request took effect: no signal would come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     """Body of one torchrun worker: rank 0 also owns the frontend process."""
     import torch.distributed as dist
 
     from executor.worker import run_executor
 
+    drain_when_parent_dies()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     single_host = os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world)
