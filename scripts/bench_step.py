@@ -1,17 +1,19 @@
 """Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
 
-    python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only]
+    python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only] [--forward-ms 10]
 
 1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
    byte fill (bytes written per second), measured here, side by side with
 2. clear_pages on a SmolLM2-shaped bf16 cache (30 layers, 3 KV heads of 64, pages of 16 slots):
    the cost per page when every page is its own run, and per run of 8 and 64 contiguous pages.
 3. The step loop itself at 1, 2 and 3 ranks: PREPARE -> validate + stage -> READY -> GO -> forward
-   -> RESULT/DONE, with a forward that does nothing but one all_reduce (and zero logits on rank 0),
-   so what is measured is the protocol, the staging and the sampler, not a model. Per world size:
+   -> RESULT/DONE, with a forward that is one all_reduce and a sleep of --forward-ms (and zero
+   logits on rank 0), so what is measured is the protocol, the staging and the sampler, not a model. Per world size:
    the step (median, p90), and the gap between two forwards (median, p90): from the end of forward
    N on the last rank to finish it to the start of forward N+1 on the last rank to start it, which
    each rank's model stamps itself; that is the PREPARE -> READY -> GO time no forward overlaps.
+   Each world size runs serially (the next PREPARE after the RESULT) and overlapped (the next
+   PREPARE as soon as GO is out, as --async-scheduling does): the gap is what overlapping saves.
    The executors are started and stopped by scripts/harness/executors.py.
 Also the in-process pieces of one step (validate_prepare, StepInputs.from_prepare, sample).
 """
@@ -40,8 +42,8 @@ from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, sample  # noqa: E402
-from protocol.frames import LAYOUT_VERSION, CacheGeometry, Go, Heartbeat, Prepare, Ready, Welcome  # noqa: E402
-from protocol.validate import negotiate_version, validate_prepare  # noqa: E402
+from protocol.frames import CacheGeometry, Prepare  # noqa: E402
+from protocol.validate import validate_prepare  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
@@ -190,6 +192,9 @@ class CollectiveShard:
 # one clock for every process of the machine), and for how many forwards.
 TIMES_DIR_ENV = "BENCH_STEP_FORWARD_TIMES"
 TIMES_CAPACITY_ENV = "BENCH_STEP_FORWARD_CAPACITY"
+# How long each forward takes besides its all_reduce: a real model's step, during which a planned
+# ahead PREPARE can be staged. It sleeps (a model's kernels leave the GIL to the link thread, too).
+FORWARD_MS_ENV = "BENCH_STEP_FORWARD_MS"
 
 
 def forward_times_path(directory: str | Path, rank: int) -> Path:
@@ -203,8 +208,9 @@ class CollectiveOnlyModel:
 
     fingerprint = "bench-collective-only"
 
-    def __init__(self, rank: int, world_size: int, times: np.ndarray) -> None:
+    def __init__(self, rank: int, world_size: int, times: np.ndarray, forward_s: float) -> None:
         self.rank = rank
+        self.forward_s = forward_s
         self.world_size = world_size
         self.config = CollectiveConfig()
         self.shard = CollectiveShard(local_kv_heads=len(range(rank, KV_HEADS, world_size)))
@@ -216,6 +222,8 @@ class CollectiveOnlyModel:
         started = time.perf_counter()
         if self.world_size > 1:
             torch.distributed.all_reduce(self.token)
+        if self.forward_s:
+            time.sleep(self.forward_s)
         logits = torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB) if self.rank == 0 else None
         if self.forwards < len(self.times):
             self.times[self.forwards] = (started, time.perf_counter())
@@ -229,7 +237,7 @@ def load_collective_only(path, *, rank, world_size, dtype, device, weight_format
         forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64, shape=(capacity, 2)
     )
     times[:] = np.nan
-    return CollectiveOnlyModel(rank, world_size, times)
+    return CollectiveOnlyModel(rank, world_size, times, float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000)
 
 
 def forward_gaps(times_by_rank: list[np.ndarray], steps: int) -> np.ndarray:
@@ -247,11 +255,12 @@ def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
     return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
 
 
-def loop_overhead(world_size: int, steps: int) -> dict[str, object]:
-    """The step loop at world_size ranks, driven here as the engine drives it: PREPARE to all,
-    every READY, GO to all, every RESULT/DONE, then the next step."""
+def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: float) -> dict[str, object]:
+    """The step loop at world_size ranks, driven as the engine drives it, through the protocol's
+    conversation: PREPARE to all, every READY, GO to all, every RESULT/DONE. With max_inflight 2
+    the next PREPARE goes out as soon as GO is out, as the engine does with async scheduling."""
     from protocol.auth import new_key
-    from protocol.frames import Shutdown
+    from protocol.conversation import HandshakeComplete, Phase, SchedulerConversation, StepDone, StepReady
     from protocol.transport import SchedulerEndpoint, ipc_address
     from scripts.harness.executors import ExecutorCluster
 
@@ -269,24 +278,23 @@ def loop_overhead(world_size: int, steps: int) -> dict[str, object]:
     )
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
-    ranks = list(range(world_size))
+    conv = SchedulerConversation(world_size=world_size, run_id="bench", max_inflight=max_inflight)
 
-    def collect(timeout_s: float = 120.0) -> dict:
-        got = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(ranks) - set(got))} did not answer")
-            received = endpoint.recv(100)
-            if received is None:
-                continue
-            if received.error is not None:
-                raise RuntimeError(f"rank {received.rank}: {received.error}")
-            if not isinstance(received.frame.body, Heartbeat):
-                got[received.rank] = received.frame.body
-        return got
+    def events(timeout_ms: int = 100) -> list[object]:
+        got = endpoint.recv(timeout_ms)
+        return [] if got is None else conv.receive(got.rank, got.frame or got.error, time.monotonic())
 
+    sent: dict[int, float] = {}
+    ready_at: dict[int, float] = {}
+    go_at: dict[int, float] = {}
     phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
+
+    def prepare_what_may_go() -> None:
+        while conv.next_step <= steps and conv.staged is None and len(conv.in_flight) < max_inflight:
+            step = conv.next_step
+            endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step)))
+            sent[step] = time.perf_counter()
+
     try:
         with tempfile.TemporaryDirectory(prefix="bench-step-") as times_dir:
             cluster = ExecutorCluster(
@@ -298,32 +306,38 @@ def loop_overhead(world_size: int, steps: int) -> dict[str, object]:
                 load="scripts.bench_step:load_collective_only",
                 collective_timeout_s=60.0,
                 log_level="WARNING",
-                env={TIMES_DIR_ENV: times_dir, TIMES_CAPACITY_ENV: str(steps)},
+                env={TIMES_DIR_ENV: times_dir, TIMES_CAPACITY_ENV: str(steps), FORWARD_MS_ENV: str(forward_ms)},
             )
             with cluster:
-                hellos = collect()
-                version = negotiate_version(hellos[0].versions)
-                endpoint.send_all(ranks, Welcome(version, LAYOUT_VERSION, world_size, hellos[0].geometry), step=0)
-                endpoint.version = version
-                for step in range(1, steps + 1):
-                    started = time.perf_counter()
-                    endpoint.send_all(ranks, decode_prepare(step), step=step)
-                    ready = collect()
-                    all_ready = time.perf_counter()
-                    if not all(isinstance(body, Ready) for body in ready.values()):
-                        raise RuntimeError(f"step {step} was not READY everywhere: {ready}")
-                    endpoint.send_all(ranks, Go(), step=step)
-                    go_sent = time.perf_counter()
-                    collect()
-                    done = time.perf_counter()
-                    phases["step"].append(done - started)
-                    phases["prepare_to_all_ready"].append(all_ready - started)
-                    phases["go_to_all_done"].append(done - go_sent)
-                endpoint.send_all(ranks, Shutdown("bench done"), step=steps)
+                deadline = time.monotonic() + 120
+                while conv.phase is Phase.HANDSHAKE and time.monotonic() < deadline:
+                    for event in events():
+                        if not isinstance(event, HandshakeComplete):
+                            raise RuntimeError(f"the handshake failed: {event}")
+                endpoint.version = conv.version
+                endpoint.send_all(conv.ranks, *conv.welcome())
+                finished = 0
+                while finished < steps:
+                    prepare_what_may_go()
+                    for event in events():
+                        now = time.perf_counter()
+                        if isinstance(event, StepReady):
+                            ready_at[event.step] = now
+                            endpoint.send_all(conv.ranks, *conv.go(event.step))
+                            go_at[event.step] = time.perf_counter()
+                        elif isinstance(event, StepDone):
+                            finished += 1
+                            n = event.step
+                            phases["step"].append(now - sent[n])
+                            phases["prepare_to_all_ready"].append(ready_at[n] - sent[n])
+                            phases["go_to_all_done"].append(now - go_at[n])
+                        else:
+                            raise RuntimeError(f"the step loop broke: {event}")
+                endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
                 codes = cluster.stop(grace_s=30.0)
             if any(codes.values()):
                 raise RuntimeError(f"the executors exited with codes {codes}")
-            times = [np.load(forward_times_path(times_dir, rank)) for rank in ranks]
+            times = [np.load(forward_times_path(times_dir, rank)) for rank in range(world_size)]
     finally:
         endpoint.close()
     warmup = min(10, steps // 4)
@@ -345,13 +359,26 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,3", help="world sizes for the loop benchmark")
     parser.add_argument("--steps", type=int, default=200, help="steps per world size")
     parser.add_argument("--loop-only", action="store_true", help="only the step loop (for before/after runs)")
+    parser.add_argument(
+        "--forward-ms", type=float, default=10.0,
+        help="each forward's length besides its all_reduce (default 10: a small model's decode step on a CPU)",
+    )
+    parser.add_argument(
+        "--modes", default="serial,overlap",
+        help="serial: the next PREPARE after the RESULT; overlap: after the GO, as --async-scheduling does",
+    )
     args = parser.parse_args()
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     torch.set_num_threads(1)
     report: dict[str, object] = {}
     if not args.loop_only:
         report |= {"bandwidth": bandwidth(), "clear_pages_bf16_smollm2_pages": clear_cost(), "step_pieces": step_pieces()}
-    report["loop"] = {str(w): loop_overhead(int(w), args.steps) for w in args.ranks.split(",")}
+    inflight = {"serial": 1, "overlap": 2}
+    report["loop"] = {
+        f"{mode}/{w}": loop_overhead(int(w), args.steps, inflight[mode], args.forward_ms)
+        for w in args.ranks.split(",")
+        for mode in args.modes.split(",")
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -360,7 +387,7 @@ def main() -> None:
     for world, loop in report["loop"].items():
         gap, ready, done = loop["forward_gap_us"], loop["prepare_to_all_ready_us"], loop["go_to_all_done_us"]
         print(
-            f"loop at {world} rank(s): median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}; "
+            f"loop {world} rank(s): median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}; "
             f"gap between two forwards median {gap['median']:.0f} us, p90 {gap['p90']:.0f} "
             f"(PREPARE to every READY {ready['median']:.0f} us, GO to every RESULT/DONE {done['median']:.0f} us)"
         )

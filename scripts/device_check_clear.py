@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scripts` importable
+    sys.path.insert(0, REPO_ROOT)
 
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.cuda_graphs import DecodeGraphRunner  # noqa: E402

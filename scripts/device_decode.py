@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scripts` importable
+    sys.path.insert(0, REPO_ROOT)
 
-from bench_model import copy_bandwidth, weight_bytes  # noqa: E402
+from scripts.bench_model import copy_bandwidth, weight_bytes  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.model.config import ModelConfig  # noqa: E402

@@ -34,10 +34,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scripts` importable
+    sys.path.insert(0, REPO_ROOT)
 
-from harness import RuntimeServer, ServerOptions, parse_metrics  # noqa: E402
+from scripts.harness.metrics import parse_metrics  # noqa: E402
+from scripts.harness.runtime import RuntimeServer, ServerOptions  # noqa: E402
 
 PROMPTS = ("The quick brown fox", "The quick brown fox jumps over", "Hello", "1, 2, 3, 4, 5, 6, 7, 8,", "Hello")
 REFERENCE = ("What is 2+2?", "The answer to this classic math problem is 4.")

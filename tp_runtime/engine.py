@@ -314,6 +314,7 @@ class Engine:
             step_time_s_total=lc.step_s,
             model_busy_s_total=lc.model_busy_s,
             model_idle_s_total=lc.model_idle_s,
+            steps_planned_ahead_total=lc.planned_ahead,
             prompt_tokens_total=c.prompt_tokens,
             prefix_cache_queries_total=scheduler.prefix_queries_total,
             prefix_cache_hits_total=scheduler.prefix_hits_total,

@@ -88,6 +88,7 @@ class LoopCounters:
 
     rejects: int = 0
     aborts: int = 0
+    planned_ahead: int = 0  # steps planned while the step before them was still in flight
     plan_s: float = 0.0  # scheduler work: planning and taking results
     protocol_s: float = 0.0  # PREPARE sent -> GO sent
     step_s: float = 0.0  # PREPARE sent -> RESULT in
@@ -213,6 +214,7 @@ class StepLoop:
             if plan is None:
                 return
             back_to_back = bool(self._inflight) or self._model_had_work
+            self.counters.planned_ahead += bool(self._inflight)
             self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
             self._inflight[plan.step] = _InFlight(plan, time.monotonic(), back_to_back=back_to_back)
             self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))

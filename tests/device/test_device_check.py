@@ -9,12 +9,10 @@ import json
 import sys
 import time
 
-import device_check
-import device_decode
-import device_runtime
-import device_setup
 import pytest
-from device_check import Part, plan, run
+
+from scripts import device_check, device_decode, device_runtime, device_setup
+from scripts.device_check import Part, plan, run
 
 PY = sys.executable
 
@@ -99,7 +97,7 @@ def test_decode_on_the_cpu_runs_the_same_code_and_its_failures_are_real(capsys: 
 
 
 def test_the_clear_checks_run_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    import device_check_clear
+    from scripts import device_check_clear
 
     assert device_check_clear.main(["--device", "cpu"]) == 0
     sections = [json.loads(line)["section"] for line in capsys.readouterr().out.splitlines()]

@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import Server, alive, descendants, free_port
+from scripts.harness.processes import free_port
+from tests.e2e.serving import Server, alive, descendants
 from tests.e2e.test_poison import POISON, PROMPTS, greedy
 from tp_runtime import hosts
 from tp_runtime.config import ConfigError

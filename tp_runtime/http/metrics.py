@@ -143,6 +143,11 @@ class EngineCollector(Collector):
             stats.model_busy_s_total,
         )
         yield _counter(
+            f"{PREFIX}_steps_planned_ahead",
+            "Steps planned, sent and staged on every rank while the step before them still ran (--async-scheduling).",
+            stats.steps_planned_ahead_total,
+        )
+        yield _counter(
             f"{PREFIX}_model_idle_seconds",
             "Time rank 0's model sat idle between those steps, waiting for the control plane (results, planning, "
             "PREPARE, READY, GO): what planning ahead hides.",
