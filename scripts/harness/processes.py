@@ -88,15 +88,19 @@ _LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags column
 
 def listening_unix_sockets(pid: int) -> list[str]:
     """The paths of the Unix sockets that `pid` listens on (an ipc:// ZeroMQ endpoint is one)."""
+    inodes = set()
     try:
-        inodes = {
-            os.readlink(entry)[len("socket:[") : -1]
-            for entry in Path(f"/proc/{pid}/fd").iterdir()
-            if os.readlink(entry).startswith("socket:[")
-        }
+        entries = list(Path(f"/proc/{pid}/fd").iterdir())
         table = Path("/proc/net/unix").read_text().splitlines()[1:]
     except OSError:
         return []
+    for entry in entries:
+        try:
+            target = os.readlink(entry)
+        except OSError:  # closed since the listing: a busy server opens and closes connections
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
     paths = []
     for line in table:
         fields = line.split()
