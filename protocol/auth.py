@@ -1,7 +1,7 @@
 """The per-launch frame key and replay protection.
 
 On one host the frontend process makes the key (`new_key`) and hands it to rank 0 over a private
-pipe; rank 0 broadcasts it to the other ranks over the torch.distributed group (tp_runtime/launch.py).
+pipe; rank 0 broadcasts it to the other ranks over the torch.distributed group (tp_runtime/bootstrap.py).
 Across hosts the operator provisions it in a key directory instead (protocol.curve.load_keys). It
 never travels on the frame sockets.
 """

@@ -441,11 +441,16 @@ class ExecutorEndpoint:
         self._stamp = _Stamp(key, run_id, supported_versions, limits)
         self._context = zmq.Context()
         self._sock = _socket(self._context, zmq.DEALER)
+        # With CURVE a key that the scheduler does not admit, or a server key that is not the
+        # scheduler's, fails every handshake and libzmq retries for ever in silence: the monitor
+        # turns the first failure into an error that names the cause.
+        self._monitor: zmq.Socket | None = None
         try:
             if curve is not None:
                 self._sock.curve_publickey = curve.public_key
                 self._sock.curve_secretkey = curve.secret_key
                 self._sock.curve_serverkey = curve.server_key
+                self._monitor = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
             self._sock.connect(address)
         except zmq.ZMQError as exc:
             self._sock.close(0)
@@ -478,17 +483,35 @@ class ExecutorEndpoint:
         Raises ProtocolError for a frame that fails the MAC, decoding or the replay check, so the
         caller can answer REJECT (only the scheduler can send on this connection).
         """
+        self._check_handshake()
         if not self._waker.poll(timeout_ms):
+            self._check_handshake()
             return None
         parts = self._sock.recv_multipart(copy=False)
         frame = decode_verified(verify(parts, self._stamp.key, self._stamp.limits), self._stamp.limits)
         self._stamp.replay.check(_SCHEDULER, frame.seq)
         return frame
 
+    def _check_handshake(self) -> None:
+        if self._monitor is None or not self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            return
+        event = recv_monitor_message(self._monitor)
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = f"the scheduler refused this rank's CURVE key (ZAP status {event['value']})"
+        else:
+            why = "the server is not the scheduler whose CURVE key this rank pins, or it does not speak CURVE"
+        raise TransportError(
+            f"rank {self.rank} cannot reach the scheduler at {self.address}: {why}. Every host needs its own "
+            "copy of the key directories that `tp-runtime keys` made for this launch (docs/deployment.md)"
+        )
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
         self._sock.close()
         self._context.term()
         self._waker.close()

@@ -143,7 +143,7 @@ def check_nccl() -> None:
     import torch
     import torch.distributed as dist
 
-    from tp_runtime.launch import _broadcast_bytes
+    from tp_runtime.bootstrap import broadcast_bytes
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -158,7 +158,7 @@ def check_nccl() -> None:
         reduced = check(bool((x == 1.5).all()), "nccl: all_reduce over one rank keeps the values")
         group = dist.new_group(backend="gloo")
         payload = b'{"run_id": "r", "address": "ipc:///x"}'
-        broadcast = check(_broadcast_bytes(payload, group) == payload, "nccl: the gloo bootstrap broadcast")
+        broadcast = check(broadcast_bytes(payload, group) == payload, "nccl: the gloo bootstrap broadcast")
         report("nccl", backend=dist.get_backend(), nccl=".".join(map(str, torch.cuda.nccl.version())), ok=reduced and broadcast)
     finally:
         dist.destroy_process_group()

@@ -188,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
 def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
     """Everything that can be checked before a rank starts; raises ConfigError with one sentence."""
     from executor.model import ModelLoadError
-    from tp_runtime.launch import resolve
+    from tp_runtime.resolve import resolve
 
     if config.tensor_parallel_size < 1:
         raise ConfigError("--tensor-parallel-size must be at least 1")
@@ -339,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_script(TOOL_SCRIPTS[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     argv = _hide_api_key(args, argv)
-    from tp_runtime.launch import launch, quiet_torchrun, run_worker, under_torchrun
+    from tp_runtime.launcher import launch, quiet_torchrun, under_torchrun
+    from tp_runtime.worker_process import run_worker
 
     if args.command in ("serve", "generate") and not under_torchrun():
         quiet_torchrun(args.log_level)

@@ -26,9 +26,9 @@ from protocol.curve import ServerCurve
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tp_runtime import frame_keys, hosts
+from tp_runtime.bootstrap import Bootstrap, KeyMode
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
-from tp_runtime.launch import Bootstrap, KeyMode
 from tp_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")

@@ -109,7 +109,7 @@ def test_a_stream_longer_than_the_drain_gets_an_error_and_the_group_exits_before
 def test_the_launcher_gives_torchrun_a_grace_period_longer_than_the_drain() -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
-    from tp_runtime import launch
+    from tp_runtime import launcher as launch
     from tp_runtime.config import RuntimeConfig
 
     assert launch.torchrun_grace_s(RuntimeConfig(model="m")) == launch.TORCHRUN_DEFAULT_GRACE_S  # the default fits
@@ -124,7 +124,7 @@ def test_the_launcher_gives_torchrun_a_grace_period_longer_than_the_drain() -> N
 
 def test_under_plain_torchrun_a_drain_longer_than_its_grace_period_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from tp_runtime.config import ConfigError, RuntimeConfig
-    from tp_runtime.launch import check_drain_fits
+    from tp_runtime.launcher import check_drain_fits
 
     monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT", raising=False)
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")

@@ -2,15 +2,16 @@
 
 import pytest
 
-from scripts.bench_serving import (
+from scripts.bench_serving import PromptTag, bench_prompts, parse_args, requests_per_level
+from scripts.serving_report import (
     OVERHEAD_METRICS,
-    PromptTag,
+    OVERLAP,
+    SERIAL,
     agreement,
-    bench_prompts,
     check_targets,
     level_report,
+    loop_run,
     overhead_between,
-    requests_per_level,
     side_result,
     write_plot,
 )
@@ -47,26 +48,51 @@ def test_side_result_counts_throughput_and_short_outputs():
     assert side.ttft_median_s == 0.2 and side.tpot_median_s == pytest.approx(0.015)
 
 
-def test_ratios_and_targets():
-    fast = side_result([64] * 4, [0.1] * 4, [0.01] * 4, wall_s=1.0, wanted=64)
-    slow = side_result([64] * 4, [0.4] * 4, [0.04] * 4, wall_s=3.5, wanted=64)
-    levels = [level_report(32, fast, slow, None, 1.0), level_report(1, fast, side_result([64] * 4, [0.1] * 4, [0.01] * 4, 1.0, 64), None, None)]
-    assert levels[0].throughput_ratio == 3.5 and levels[0].ttft_ratio == 0.25 and levels[0].tpot_ratio == 0.25
-    targets = check_targets(levels)
-    assert targets == [
-        {"concurrency": 32, "min_ratio": 3.0, "ratio": 3.5, "met": True},
-        {"concurrency": 1, "min_ratio": 1.5, "ratio": 1.0, "met": False},
+def _side(wall_s, ttft, tpot):
+    return side_result([64] * 4, [ttft] * 4, [tpot] * 4, wall_s=wall_s, wanted=64)
+
+
+def _overhead(busy, idle, steps=100.0):
+    before = dict.fromkeys(OVERHEAD_METRICS, 0.0)
+    return overhead_between(before, dict(zip(OVERHEAD_METRICS, (0.1, 0.2, busy + idle, busy, idle, steps))))
+
+
+def test_ratios_against_the_reference_and_between_the_loops():
+    fast, slow = _side(1.0, 0.1, 0.01), _side(3.5, 0.4, 0.04)
+    level = level_report(32, [loop_run(OVERLAP, fast, None), loop_run(SERIAL, slow, None)], slow, 1.0)
+    assert level.throughput_ratio == 3.5 and level.ttft_ratio == 0.25 and level.tpot_ratio == 0.25
+    assert level.overlap_speedup == 4.0 and level.overlap_throughput_gain == 3.5
+    alone = level_report(8, [loop_run(OVERLAP, fast, None)], None, None)
+    assert alone.throughput_ratio is None and alone.overlap_speedup is None
+
+
+def test_targets_each_with_its_verdict():
+    levels = [
+        level_report(32, [loop_run(OVERLAP, _side(1.0, 0.1, 0.01), _overhead(9.9, 0.1))], _side(3.5, 0.4, 0.04), 1.0),
+        level_report(1, [loop_run(OVERLAP, _side(1.0, 0.1, 0.0115), _overhead(1.0, 0.1))], _side(1.0, 0.1, 0.01), None),
     ]
-    assert level_report(8, fast, None, None, None).throughput_ratio is None
+    verdicts = {(t["target"].split(" ")[0], t["met"]) for t in check_targets(levels, model_step_s=0.01)}
+    assert verdicts == {("tokens/s", True), ("model", True), ("tokens/s", False), ("overlapped", False)}
+    assert check_targets(levels[1:], model_step_s=0.0105)[-1]["met"] is True
+    assert len(check_targets(levels, model_step_s=None)) == 3  # no model step measured: no TPOT target
 
 
 def test_overhead_from_counter_growth_or_unavailable():
-    before = dict(zip(OVERHEAD_METRICS, (1.0, 2.0, 10.0)))
-    after = dict(zip(OVERHEAD_METRICS, (1.5, 2.5, 30.0)))
-    overhead = overhead_between(before, after)
-    assert overhead.fraction == pytest.approx(0.05)
-    assert overhead_between(before, {"tp_runtime_step_seconds_total": 3.0}) is None
-    assert overhead_between(None, after) is None
+    overhead = _overhead(busy=9.8, idle=0.2, steps=200.0)
+    assert overhead.fraction == pytest.approx(0.03)
+    assert overhead.control_plane_share == pytest.approx(0.02) and overhead.model_step_s == pytest.approx(0.049)
+    run = loop_run(OVERLAP, _side(1.0, 0.1, 0.01), overhead)
+    assert run.control_plane_share == 0.02 and run.model_step_s == 0.049
+    assert overhead_between(dict.fromkeys(OVERHEAD_METRICS, 0.0), {"tp_runtime_step_seconds_total": 3.0}) is None
+    assert overhead_between(None, dict.fromkeys(OVERHEAD_METRICS, 1.0)) is None
+
+
+def test_loops_parse_and_a_url_gets_one():
+    assert parse_args([]).loops == [OVERLAP, SERIAL]
+    assert parse_args(["--loops", "serial"]).loops == [SERIAL]
+    assert parse_args(["--url", "http://h:1"]).loops == [OVERLAP]
+    with pytest.raises(SystemExit):
+        parse_args(["--loops", "overlap,fast"])
 
 
 def test_agreement_is_the_shared_prefix_share():
@@ -76,8 +102,11 @@ def test_agreement_is_the_shared_prefix_share():
 
 
 def test_plot_is_a_small_png(tmp_path):
-    fast = side_result([64] * 4, [0.1] * 4, [0.01] * 4, wall_s=1.0, wanted=64)
-    slow = side_result([64] * 4, [0.4] * 4, [0.04] * 4, wall_s=3.5, wanted=64)
+    fast, slow = _side(1.0, 0.1, 0.01), _side(3.5, 0.4, 0.04)
     path = tmp_path / "bench.png"
-    write_plot([level_report(1, fast, slow, None, 1.0), level_report(8, fast, None, None, None)], path, "tp-runtime")
+    levels = [
+        level_report(1, [loop_run(OVERLAP, fast, None), loop_run(SERIAL, slow, None)], slow, 1.0),
+        level_report(8, [loop_run(OVERLAP, fast, None), loop_run(SERIAL, slow, None)], None, None),
+    ]
+    write_plot(levels, path)
     assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 100_000

@@ -1,0 +1,119 @@
+"""Bootstrap: how the ranks learn the frontend's endpoint, the run id and their frame keys.
+
+The frontend (the scheduler) makes the run id and binds its endpoint; on one host it also makes the
+HMAC key. It hands them to rank 0 over a private pipe, and rank 0 broadcasts them over the gloo
+group. Across hosts the key is not in that message: every process reads it from the operator's key
+directory, or gets it sealed to its own key through the rendezvous store (tp_runtime.frame_keys).
+The key never travels on a frame socket.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from tp_runtime import frame_keys
+from tp_runtime.config import ConfigError, RuntimeConfig
+
+if TYPE_CHECKING:
+    from protocol.curve import LaunchKeys
+
+
+class KeyMode(str, enum.Enum):
+    """How the ranks get the frame keys (tp_runtime.frame_keys)."""
+
+    PIPE = "pipe"  # one host: the frontend's key, over the pipe and the loopback gloo group
+    DIRECTORY = "directory"  # --frame-key-dir: every process reads its host's copy
+    STORE = "store"  # --trust-rendezvous-store: public keys through the store, the key sealed to each rank
+
+    @classmethod
+    def of(cls, config: RuntimeConfig, single_host: bool) -> KeyMode:
+        if single_host:
+            return cls.PIPE
+        if config.frame_key_dir:
+            return cls.DIRECTORY
+        if config.trust_rendezvous_store:
+            return cls.STORE
+        raise ConfigError("across hosts pass --frame-key-dir or --trust-rendezvous-store (docs/deployment.md)")
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """What rank 0 broadcasts to every rank once its frontend is up: nothing secret in cleartext.
+    `key_hex` is set on one host only (the gloo group is on loopback there); with keys through the
+    store the frame key is in `sealed_keys`, one per rank, each sealed to that rank's own key."""
+
+    run_id: str = ""
+    address: str = ""
+    key_mode: str = ""
+    key_hex: str = ""
+    server_key: str = ""  # the scheduler's CURVE public key (Z85), with keys through the store
+    sealed_keys: tuple[str, ...] = ()
+    error: str = ""  # the frontend could not start: every rank exits with this sentence
+
+    def pack(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> Bootstrap:
+        data = json.loads(payload.decode())
+        return cls(**{**data, "sealed_keys": tuple(data.get("sealed_keys", ()))})
+
+def start_frontend(
+    config: RuntimeConfig, mode: str, job: list[str], client_keys: list[bytes]
+) -> tuple[subprocess.Popen[bytes], bytes]:
+    """The frontend process and its packed Bootstrap (one with `error` set if it did not start)."""
+    read_fd, write_fd = os.pipe()
+    command = [
+        sys.executable,
+        "-m",
+        "tp_runtime.frontend",
+        "--bootstrap-fd",
+        str(write_fd),
+        "--config",
+        config.to_json(),
+        "--mode",
+        mode,
+        "--client-keys",  # public keys
+        b",".join(client_keys).decode(),
+        "--",
+        *job,
+    ]
+    child = subprocess.Popen(command, pass_fds=(write_fd,))
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        payload = pipe.read()
+    if not payload:
+        code = child.wait()
+        return child, Bootstrap(error=f"the frontend process exited with code {code} before it was ready").pack()
+    return child, payload
+
+def broadcast_bytes(payload: bytes, group: object) -> bytes:
+    import torch
+    import torch.distributed as dist
+
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if payload:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0, group=group)
+    return buffer.numpy().tobytes()
+
+def rank_keys(info: Bootstrap, mode: KeyMode, keys: LaunchKeys | None, pair: frame_keys.CurvePair | None, rank: int):
+    """This rank's HMAC key and CURVE client keys (None on one host)."""
+    from protocol.curve import ClientCurve
+
+    if mode == KeyMode.PIPE:
+        return bytes.fromhex(info.key_hex), None
+    if mode == KeyMode.DIRECTORY:
+        assert keys is not None and keys.client is not None  # load_key_dir checked
+        return keys.frame_key, keys.client
+    assert pair is not None
+    server_key = info.server_key.encode()
+    key = frame_keys.open_frame_key(bytes.fromhex(info.sealed_keys[rank]), pair, server_key, info.run_id, rank)
+    return key, ClientCurve(pair.public, pair.secret, server_key)

@@ -1,0 +1,243 @@
+"""The convenience launcher: `tp-runtime serve|generate` outside torchrun re-enters itself through
+torch.distributed's own launcher (`torch.distributed.run`, c10d rendezvous), so that the canonical
+`torchrun ... -m tp_runtime serve` and the convenience command are the same code path. Across hosts
+the same command runs on every host (`--nnodes N --node-rank K --master-addr H --master-port P`); the
+host that the rendezvous gives global rank 0 runs the frontend, the others only executors. What each
+rank then does is tp_runtime/worker_process.py.
+
+Where things listen: torch's TCPStore binds every interface whatever host it is given, and gloo
+binds the address the host name resolves to. So the launcher hosts the rendezvous store itself, on
+a socket bound to loopback (one host) or to --master-addr (host 0 of several), and has torchrun's
+agent join it as a client; rank 0 hosts the process group's store the same way on MASTER_ADDR; and
+gloo is bound to the interface that reaches MASTER_ADDR. On one host nothing listens beyond
+loopback but the HTTP server.
+
+Stopping: SIGTERM drains for at most --shutdown-timeout seconds, and the launcher gives torchrun a
+grace period STOP_MARGIN_S longer, so that the drain always ends before torchrun kills the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+from tp_runtime import hosts
+from tp_runtime.config import ConfigError, RuntimeConfig
+
+log = logging.getLogger("tp_runtime.launch")
+
+# torch.distributed.elastic waits this long after passing SIGTERM on before it SIGKILLs the ranks,
+# unless torchrun's --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise (torch 2.13:
+# LaunchConfig.shutdown_timeout).
+TORCHRUN_DEFAULT_GRACE_S = 30
+# What a stop takes after the drain: SHUTDOWN to every rank, their exit, the frontend's exit.
+STOP_MARGIN_S = 10.0
+STORE_TIMEOUT_S = 60.0
+RDZV_ID = "tp-runtime"
+# The launcher's pid, for its workers: torchrun's agent runs in the launcher, so it is their parent.
+LAUNCHER_PID_ENV = "TP_RUNTIME_LAUNCHER_PID"
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+def torchrun_grace_s(config: RuntimeConfig) -> int:
+    """The grace period the launcher gives torchrun: the drain plus the stop, at least torch's own."""
+    return max(TORCHRUN_DEFAULT_GRACE_S, math.ceil(config.shutdown_timeout + STOP_MARGIN_S))
+
+def check_drain_fits(config: RuntimeConfig) -> None:
+    """Under plain torchrun: the drain must end before torchrun's grace period does."""
+    raw = os.environ.get("PET_SHUTDOWN_TIMEOUT") or os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    grace = float(raw) if raw else TORCHRUN_DEFAULT_GRACE_S
+    if config.shutdown_timeout + STOP_MARGIN_S <= grace:
+        return
+    needed = math.ceil(config.shutdown_timeout + STOP_MARGIN_S)
+    if raw:
+        raise ConfigError(
+            f"--shutdown-timeout {config.shutdown_timeout:g} does not fit torchrun's grace period of {grace:g} s "
+            f"(stopping takes up to {STOP_MARGIN_S:g} s more): give torchrun --shutdown-timeout {needed} or lower ours"
+        )
+    log.warning(
+        "--shutdown-timeout %g needs torchrun's grace period to be at least %d s; torch's default is %d s unless "
+        "torchrun was given --shutdown-timeout", config.shutdown_timeout, needed, TORCHRUN_DEFAULT_GRACE_S,
+    )
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+@contextlib.contextmanager
+def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
+    """(rendezvous endpoint, this host's address) for torchrun, with the store listening on the
+    endpoint's own address only while the launch runs (host 0 hosts it)."""
+    import torch.distributed as dist
+
+    if config.multi_node:
+        local_addr = hosts.route_address(config.master_addr, config.master_port)
+        endpoint = _host_port(config.master_addr, config.master_port)
+        if config.node_rank != 0:
+            yield endpoint, local_addr
+            return
+        store_ip = hosts.resolve(config.master_addr)
+        if store_ip != local_addr:
+            raise ConfigError(
+                f"--node-rank 0 hosts the rendezvous on --master-addr {config.master_addr} ({store_ip}), "
+                "which is not an address of this host"
+            )
+        listener = hosts.listen_socket(store_ip, config.master_port)
+    else:
+        local_addr = store_ip = "127.0.0.1"
+        listener = hosts.listen_socket(store_ip, 0)
+        endpoint = _host_port(store_ip, listener.getsockname()[1])
+    # The store owns the descriptor from here (libuv closes it); it lives as long as the launch.
+    store = dist.TCPStore(
+        store_ip, listener.getsockname()[1], is_master=True, multi_tenant=True, wait_for_workers=False,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=listener.detach(),
+    )
+    try:
+        yield endpoint, local_addr
+    finally:
+        del store
+
+def torchrun_argv(config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str]) -> list[str]:
+    return [
+        f"--nnodes={config.nnodes}",
+        f"--nproc-per-node={config.ranks_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={RDZV_ID}",
+        "--rdzv-conf=is_host=false",  # the launcher hosts the store (above), the agent joins it
+        f"--local-addr={local_addr}",  # the address rank 0's agent publishes as MASTER_ADDR
+        "--max-restarts=0",
+        "--monitor-interval=0.2",
+        f"--shutdown-timeout={torchrun_grace_s(config)}",
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the launcher's (_Stop)
+        "-m",
+        "tp_runtime",
+        *argv,
+    ]
+
+def quiet_torchrun(log_level: str) -> None:
+    """At --log-level warning or error, the ranks and the frontend say what failed in one sentence;
+    torchrun's agent would add its own lines (which process it signalled, which exit code it saw)
+    and c10d its C++ warnings. c10d and some of the agent's loggers read these variables when torch
+    loads: call this before it does."""
+    if log_level in ("warning", "error"):
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+def launch(config: RuntimeConfig, argv: list[str]) -> int:
+    """Starts `python -m tp_runtime <argv>` on this host's ranks through torchrun's launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import get_args_parser, run
+
+    # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
+    # The ranks check their drain against the grace period (check_drain_fits).
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
+    # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
+    _end_stragglers(STOP_MARGIN_S)
+    with _rendezvous(config) as (endpoint, local_addr):
+        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
+        try:
+            run(torchrun_args)
+        except SignalException as exc:
+            if stop.forced:
+                sys.stderr.write(
+                    f"tp-runtime: error: the ranks did not stop within {stop.after_s:g} s of SIGTERM: stopped by force\n"
+                )
+                return 1
+            log.info("stopped by %s", exc.sigval.name)
+            return 0
+        except ChildFailedError:  # the ranks or the frontend have said why
+            return 1
+        except RendezvousError as exc:
+            sys.stderr.write(f"tp-runtime: error: the rendezvous at {endpoint} failed: {exc}\n")
+            return 1
+    return 0
+
+class _Stop:
+    """SIGTERM to the launcher: the launcher, not torchrun's agent, passes it on to this host's ranks.
+
+    They drain and exit by themselves, so every host's agent sees its ranks succeed and meets the
+    others in torchrun's exit barrier; an agent stopped by a signal skips that barrier, and the
+    other hosts' agents would wait there for it (torch's exit_barrier_timeout, 300 s). If the ranks
+    are still there `after_s` seconds later, or at a second SIGTERM, the launcher hands the stop to
+    torchrun (SIGINT: it signals the ranks and SIGKILLs them after its grace period)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.forced = False
+        self._signalled = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, _signum: int, _frame: object) -> None:
+        if self._signalled:
+            self._force()
+            return
+        self._signalled = True
+        for pid in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        timer = threading.Timer(self.after_s, self._force)
+        timer.daemon = True
+        timer.start()
+
+    def _force(self) -> None:
+        self.forced = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _end_stragglers(after_s: float) -> None:
+    """Once one of this host's ranks has exited, SIGKILLs those that stay: a stopped one (SIGSTOP,
+    state T) at once, any other after_s.
+
+    A rank exits when the group has finished (the others follow within a second) or failed (then the
+    group cannot go on). torchrun's agent would send the others SIGTERM, which a stopped process
+    never handles, and SIGKILL them only 30 s later. after_s covers rank 0's wait for its frontend
+    and the ranks' agreement on the exit code; a stopped rank can do neither."""
+
+    def watch() -> None:
+        seen: set[int] = set()
+        while not seen - set(live := _children()):
+            seen.update(live)
+            time.sleep(0.2)
+        deadline = time.monotonic() + after_s
+        while children := _children():
+            for pid, state in children.items():
+                if state == "T" or time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="stragglers", daemon=True).start()
+
+
+def _children() -> dict[int, str]:
+    """This process's live children and their states: the ranks torchrun's agent started (it runs in
+    this process); an exited one that the agent has not reaped yet is left out."""
+    me, children = os.getpid(), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            children[int(entry)] = fields[0]
+    return children
