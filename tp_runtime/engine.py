@@ -323,6 +323,7 @@ class Engine:
             prefix_cache_hits_total=scheduler.prefix_hits_total,
             queue_time=self._queue_time.snapshot(),
             pages_cleared_per_step=self._loop.pages_cleared.snapshot(),
+            peer_stats=self._endpoint.peer_stats(),
         )
 
     def _take_commands(self) -> None:

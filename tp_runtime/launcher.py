@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -41,6 +42,8 @@ TORCHRUN_DEFAULT_GRACE_S = 30
 STOP_MARGIN_S = 10.0
 STORE_TIMEOUT_S = 60.0
 RDZV_ID = "tp-runtime"
+# The launcher's pid, for its workers: torchrun's agent runs in the launcher, so it is their parent.
+LAUNCHER_PID_ENV = "TP_RUNTIME_LAUNCHER_PID"
 
 
 def under_torchrun() -> bool:
@@ -144,7 +147,9 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
     # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
+    _end_stragglers(STOP_MARGIN_S)
     with _rendezvous(config) as (endpoint, local_addr):
         torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
         try:
@@ -184,7 +189,7 @@ class _Stop:
             self._force()
             return
         self._signalled = True
-        for pid in _child_pids():
+        for pid in _children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         timer = threading.Timer(self.after_s, self._force)
@@ -195,9 +200,36 @@ class _Stop:
         self.forced = True
         os.kill(os.getpid(), signal.SIGINT)
 
-def _child_pids() -> list[int]:
-    """This process's children: the ranks torchrun's agent started (it runs in this process)."""
-    me, children = os.getpid(), []
+
+def _end_stragglers(after_s: float) -> None:
+    """Once one of this host's ranks has exited, SIGKILLs those that stay: a stopped one (SIGSTOP,
+    state T) at once, any other after_s.
+
+    A rank exits when the group has finished (the others follow within a second) or failed (then the
+    group cannot go on). torchrun's agent would send the others SIGTERM, which a stopped process
+    never handles, and SIGKILL them only 30 s later. after_s covers rank 0's wait for its frontend
+    and the ranks' agreement on the exit code; a stopped rank can do neither."""
+
+    def watch() -> None:
+        seen: set[int] = set()
+        while not seen - set(live := _children()):
+            seen.update(live)
+            time.sleep(0.2)
+        deadline = time.monotonic() + after_s
+        while children := _children():
+            for pid, state in children.items():
+                if state == "T" or time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="stragglers", daemon=True).start()
+
+
+def _children() -> dict[int, str]:
+    """This process's live children and their states: the ranks torchrun's agent started (it runs in
+    this process); an exited one that the agent has not reaped yet is left out."""
+    me, children = os.getpid(), {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -206,6 +238,6 @@ def _child_pids() -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me:
-            children.append(int(entry))
+        if int(fields[1]) == me and fields[0] != "Z":
+            children[int(entry)] = fields[0]
     return children

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from protocol.transport import PeerStats
 from scheduler.scheduler import SchedulerStats
 
 # Decode steps take milliseconds on a GPU and tens of milliseconds on a CPU at TP=2; a long
@@ -85,3 +86,4 @@ class EngineStats:
     # Filled in by the engine once it times them (the metrics export each one that is set):
     queue_time: HistogramSnapshot | None = None  # seconds from submit to the first scheduled step
     pages_cleared_per_step: HistogramSnapshot | None = None  # len(cleared_pages) of each PREPARE
+    peer_stats: PeerStats | None = None  # the scheduler's frame socket: connections, what it ignored

@@ -137,6 +137,9 @@ class StepLoop:
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
         self._last_heartbeat = 0.0
+        # Silence counts from the WELCOME at the earliest: a rank that said HELLO first waits for the
+        # others (still loading their weights) without a word, for as long as they take.
+        self._welcomed_at = 0.0
         self._model_had_work = False  # the last RESULT left work behind: the next step follows at once
 
     @property
@@ -165,6 +168,7 @@ class StepLoop:
         endpoint.version = conv.version
         endpoint.disconnected_ranks()  # connections that came and went during start-up
         endpoint.send_all(conv.ranks, *conv.welcome())
+        self._welcomed_at = time.monotonic()
 
     def _shutdown_connected(self, reason: str) -> None:
         """Tell every rank to exit, also those whose HELLO is still to come (a refusal can follow
@@ -287,7 +291,8 @@ class StepLoop:
             names = ", ".join(self.conversation.who(r) for r in sorted(closed))
             raise RankFailure(f"the connection of {names} closed: its process ended")
         heard = self.conversation.last_heard
-        silent = [r for r in self.ranks if now - heard.get(r, now) > self.timeouts.peer_silence_s]
+        since = {r: max(heard.get(r, now), self._welcomed_at) for r in self.ranks}
+        silent = [r for r in self.ranks if now - since[r] > self.timeouts.peer_silence_s]
         if silent:
             names = ", ".join(self.conversation.who(r) for r in silent)
             raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:.0f} s)")

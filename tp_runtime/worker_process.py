@@ -3,6 +3,7 @@ the frontend child and its watch."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -23,13 +24,34 @@ from tp_runtime.bootstrap import (
     start_frontend,
 )
 from tp_runtime.config import ConfigError, RuntimeConfig
-from tp_runtime.launcher import STORE_TIMEOUT_S, check_drain_fits
+from tp_runtime.launcher import LAUNCHER_PID_ENV, STORE_TIMEOUT_S, check_drain_fits
 from tp_runtime.resolve import executor_options, resolve, uses_cuda
 
 log = logging.getLogger("tp_runtime.launch")
 
 FRONTEND_GRACE_S = 5.0  # rank 0 waits this long for its frontend to exit once its executor has
 FRONTEND_GONE_S = 10.0  # longer than an executor's peer timeout: rank 0 then ends on its own
+_PR_SET_PDEATHSIG = 1
+
+
+def drain_when_parent_dies() -> None:
+    """Asks the kernel for SIGTERM when this worker's parent, torchrun's agent, dies.
+
+    torchrun starts each worker in a session of its own and stops its workers only while its agent
+    runs: an agent killed by SIGKILL (or the OOM killer) would leave them serving, reparented, with
+    the port, the devices and the frontend still held. With SIGTERM at the parent's death a worker
+    drains as after a user's SIGTERM (rank 0 passes it to its frontend, which lets running requests
+    finish and then sends SHUTDOWN to every rank) and exits. Before the handler is installed SIGTERM
+    just ends the worker: there is nothing to drain yet. The kernel ties the signal to the thread
+    that forked the worker; torchrun's agent starts its workers from its main thread, which lives as
+    long as the agent does."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request took effect: no signal would come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
@@ -38,6 +60,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
 
     from executor.worker import run_executor
 
+    drain_when_parent_dies()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     single_host = os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -93,10 +94,17 @@ class StreamResult:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, url: str, model: str, request: CompletionRequest, timeout_s: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: CompletionRequest,
+    timeout_s: float,
+    result: StreamResult | None = None,
 ) -> StreamResult:
-    """Runs one streaming completion to its end, its error, its timeout or its planned cancellation."""
-    result = StreamResult(t_sent=time.perf_counter())
+    """Runs one streaming completion to its end, its error, its timeout or its planned cancellation.
+    `result`, when given, is filled as the stream goes (another thread may watch it grow)."""
+    result = result if result is not None else StreamResult()
+    result.t_sent = time.perf_counter()
     hang_up = request.cancel_after_s is not None and request.cancel_after_s < timeout_s
     try:
         await asyncio.wait_for(_consume(client, url, model, request, result), request.cancel_after_s if hang_up else timeout_s)
@@ -120,6 +128,7 @@ async def _consume(
             body = (await response.aread()).decode(errors="replace")
             result.error = f"HTTP {response.status_code}: {_error_message(body)}"
             return
+        errored = False
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -127,8 +136,12 @@ async def _consume(
             if payload == "[DONE]":
                 result.done_markers += 1
                 continue
-            if _absorb_chunk(json.loads(payload), result, time.perf_counter()):
-                return
+            if errored:  # after an error event only its [DONE] may come
+                result.after_finish += 1
+                continue
+            errored = _absorb_chunk(json.loads(payload), result, time.perf_counter())
+            if errored:
+                continue
             cancel_at = request.cancel_after_tokens
             if cancel_at is not None and result.finish_reason is None and len(result.token_ids) >= cancel_at:
                 result.cancelled = True
@@ -136,7 +149,7 @@ async def _consume(
 
 
 def _absorb_chunk(chunk: dict, result: StreamResult, now: float) -> bool:
-    """Folds one SSE data object into result; True when it was an error event (the stream ends)."""
+    """Folds one SSE data object into result; True when it was an error event (only [DONE] may follow)."""
     if "error" in chunk:
         error = chunk["error"]
         result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
@@ -175,6 +188,65 @@ def _error_message(body: str) -> str:
     if isinstance(error, dict) and "message" in error:
         return str(error["message"])
     return body.strip()[:300]
+
+
+class BackgroundStreams:
+    """Streaming completions on a thread of their own (with its own event loop), all at once, for a
+    caller that signals processes while they run: `start()`, `wait_streaming()` until each has
+    tokens (or has ended), then `join()` for the results. A context manager that joins."""
+
+    def __init__(self, url: str, model: str, requests: Sequence[CompletionRequest], timeout_s: float) -> None:
+        self.url = url
+        self.model = model
+        self.requests = list(requests)
+        self.timeout_s = timeout_s
+        self.results = [StreamResult() for _ in self.requests]
+        self._ended = [False] * len(self.requests)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="streams", daemon=True)
+
+    def __enter__(self) -> BackgroundStreams:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.join()
+
+    def start(self) -> BackgroundStreams:
+        self._thread.start()
+        return self
+
+    async def _run(self) -> None:
+        limits = httpx.Limits(max_connections=len(self.requests) + 8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
+            async def one(i: int) -> None:
+                try:
+                    await stream_completion(client, self.url, self.model, self.requests[i], self.timeout_s, self.results[i])
+                finally:
+                    self._ended[i] = True
+
+            await asyncio.gather(*(one(i) for i in range(len(self.requests))))
+
+    def streaming(self, min_tokens: int = 1) -> bool:
+        """Whether every stream has at least min_tokens tokens or has ended."""
+        return all(ended or len(r.token_ids) >= min_tokens for r, ended in zip(self.results, self._ended))
+
+    def wait_streaming(self, min_tokens: int = 1, timeout_s: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.streaming(min_tokens):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def done(self) -> bool:
+        return all(self._ended)
+
+    def join(self, timeout_s: float | None = None) -> list[StreamResult]:
+        """The results once every stream ended; raises TimeoutError if one still runs."""
+        self._thread.join(timeout=self.timeout_s + 30 if timeout_s is None else timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self._ended.count(False)} of {len(self.requests)} streams still run")
+        return self.results
 
 
 def served_model(url: str) -> str:

@@ -34,6 +34,18 @@ M_CANCELS = "tp_runtime_request_cancels_total"
 M_PLAN_SECONDS = "tp_runtime_plan_seconds_total"
 M_PROTOCOL_SECONDS = "tp_runtime_protocol_seconds_total"
 M_STEP_SECONDS = "tp_runtime_step_seconds_total"
+M_REQUEST_ERRORS = "tp_runtime_request_errors_total"
+# The scheduler's frame socket (protocol.transport.PeerStats): connections, and what it ignored.
+M_FRAME_CONNECTIONS = "tp_runtime_frame_socket_connections_total"
+M_FRAME_UNBOUND_DISCONNECTS = "tp_runtime_frame_socket_unbound_disconnects_total"
+M_FRAME_UNAUTHENTICATED = "tp_runtime_frame_socket_unauthenticated_frames_total"
+M_FRAME_UNBOUND_FRAMES = "tp_runtime_frame_socket_unbound_frames_total"
+M_FRAME_HANDSHAKE_FAILURES = "tp_runtime_frame_socket_handshake_failures_total"
+M_FRAME_RANK_DISCONNECTS = "tp_runtime_frame_socket_rank_disconnects_total"
+FRAME_SOCKET_METRICS = (
+    M_FRAME_CONNECTIONS, M_FRAME_UNBOUND_DISCONNECTS, M_FRAME_UNAUTHENTICATED, M_FRAME_UNBOUND_FRAMES,
+    M_FRAME_HANDSHAKE_FAILURES, M_FRAME_RANK_DISCONNECTS,
+)  # fmt: skip
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -83,6 +83,32 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+_LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags column
+
+
+def listening_unix_sockets(pid: int) -> list[str]:
+    """The paths of the Unix sockets that `pid` listens on (an ipc:// ZeroMQ endpoint is one)."""
+    inodes = set()
+    try:
+        entries = list(Path(f"/proc/{pid}/fd").iterdir())
+        table = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            target = os.readlink(entry)
+        except OSError:  # closed since the listing: a busy server opens and closes connections
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    paths = []
+    for line in table:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and int(fields[3], 16) & _LISTENING:
+            paths.append(fields[7])
+    return sorted(paths)
+
+
 @dataclass(frozen=True)
 class ProcessRef:
     """One process: its pid, its start time (which tells a reused pid apart) and a label."""

@@ -25,6 +25,7 @@ from scripts.harness.processes import (
     descendants,
     environ,
     free_port,
+    listening_unix_sockets,
     rank_label,
     spawn,
     wait_gone,
@@ -187,6 +188,15 @@ class RuntimeServer:
         """label -> resident memory of the runtime's processes still alive (the launcher left out)."""
         sizes = {label: ref.rss_bytes() for label, ref in self.processes(include_launcher=False).items()}
         return {label: size for label, size in sizes.items() if size is not None}
+
+    def frame_address(self) -> str:
+        """The scheduler's frame socket (ipc://, on one host): where the ranks connect, and where a
+        stranger without the key would knock."""
+        frontend = self.process_of(FRONTEND)
+        found = [path for path in listening_unix_sockets(frontend.pid) if "/tp-runtime-" in path]
+        if len(found) != 1:
+            raise LookupError(f"the frontend (pid {frontend.pid}) listens on {found}, not on one ipc socket")
+        return f"ipc://{found[0]}"
 
     def health(self) -> int | None:
         return health_status(self.url)

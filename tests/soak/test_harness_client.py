@@ -70,6 +70,14 @@ def test_an_error_event_ends_the_stream_with_the_servers_reason():
     assert not result.completed and result.error == "the logits were not finite" and result.token_ids == [5]
 
 
+def test_after_an_error_event_its_done_is_counted_and_anything_else_is_a_violation():
+    error = {"error": {"message": "the server is shutting down", "type": "server_error"}}
+    result = Streamer(sse(chunk([5], "a"), error)).run(CompletionRequest(prompt_ids=(1,), max_tokens=4))
+    assert result.error == "the server is shutting down" and result.done_markers == 1 and result.after_finish == 0
+    result = Streamer(sse(chunk([5], "a"), error, chunk([6], "b"))).run(CompletionRequest(prompt_ids=(1,), max_tokens=4))
+    assert result.error == "the server is shutting down" and result.token_ids == [5] and result.after_finish == 1
+
+
 def test_the_client_hangs_up_after_the_planned_number_of_tokens():
     lines = sse(*(chunk([i], "x") for i in range(20)), chunk([99], "y", "length"))
     s = Streamer(lines)

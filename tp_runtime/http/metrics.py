@@ -60,6 +60,24 @@ _SCHEDULER_COUNTERS = (
     ("steps", "steps_total", "Model steps run."),
     ("aborted_steps", "aborted_steps_total", "Steps aborted (a rank rejected the frame or timed out)."),
 )
+# (metric suffix, PeerStats field, help): the scheduler's frame socket, strangers on it included.
+_FRAME_SOCKET_COUNTERS = (
+    ("frame_socket_connections", "connections_accepted", "Connections accepted on the scheduler's frame socket."),
+    (
+        "frame_socket_unbound_disconnects", "unbound_disconnects",
+        "Connections to the frame socket that closed without becoming a rank's (strangers, probes).",
+    ),
+    (
+        "frame_socket_unauthenticated_frames", "unauthenticated_frames",
+        "Frames ignored for failing the part count, size or MAC: not from a holder of the launch's key.",
+    ),
+    (
+        "frame_socket_unbound_frames", "unbound_frames",
+        "Authenticated frames ignored because no HELLO had bound their connection to a rank.",
+    ),
+    ("frame_socket_handshake_failures", "handshake_failures", "ZMTP or CURVE handshakes the frame socket refused."),
+    ("frame_socket_rank_disconnects", "rank_disconnects", "Launched ranks' connections that closed."),
+)
 
 
 def size_buckets(largest: int) -> tuple[float, ...]:
@@ -151,6 +169,9 @@ class EngineCollector(Collector):
                 f"{PREFIX}_kv_pages_cleared_per_step", "KV pages a step's PREPARE listed to be zeroed.",
                 stats.pages_cleared_per_step,
             )
+        if stats.peer_stats is not None:
+            for suffix, field, help_text in _FRAME_SOCKET_COUNTERS:
+                yield _counter(f"{PREFIX}_{suffix}", help_text, getattr(stats.peer_stats, field))
 
     def _vllm_metrics(self, stats: EngineStats) -> Iterator[Metric]:
         s, labels = stats.scheduler, self._labels

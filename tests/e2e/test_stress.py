@@ -1,0 +1,50 @@
+"""scripts/stress.py against a live TP=2 server of the tiny model: every adversarial case answered as
+it must be, every normal stream beside it correct, /health 200 after each, and the SIGTERM drain
+cutting long streams with an error event and [DONE]. The short form; the long form is `slow`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts import stress
+
+
+def run_stress(tiny_model: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    code = stress.main(["--model", str(tiny_model), "--out", str(out), *extra])
+    return code, json.loads((out / "report.json").read_text())
+
+
+# uvicorn times out neither a request's headers nor its first request line: a client that trickles
+# one header byte at a time holds its connection for as long as it likes. The HTTP server's
+# protocol class needs a header timeout (tp_runtime/http, reported to the lead).
+KNOWN_GAPS = {"slowloris headers"}
+
+
+def check(code: int, report: dict) -> None:
+    missed = [case for case in report["cases"] if not case["passed"]]
+    assert [case for case in missed if case["name"] not in KNOWN_GAPS] == [], json.dumps(missed, indent=1)
+    names = {case["name"] for case in report["cases"]}
+    assert names == {case.name for case in stress.CASES} | {"SIGTERM drain"}
+    for case in report["cases"]:
+        normal = case["normal"]
+        assert normal["correct"] + normal["cancelled"] == normal["streams"] == report["normal_streams_per_case"]
+    assert set(report["rss_mib"]["start"]) == {"rank0", "rank1", "frontend"}
+    gaps = [case["name"] for case in missed]
+    if gaps:
+        assert code == 1 and not report["passed"]
+        pytest.xfail(f"known gaps: {gaps}")
+    assert code == 0 and report["passed"]
+
+
+@pytest.mark.timeout(300)
+def test_the_short_stress_run_passes_every_case(tiny_model: Path, tmp_path: Path) -> None:
+    check(*run_stress(tiny_model, tmp_path, "--short"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_long_stress_run_passes_every_case(tiny_model: Path, tmp_path: Path) -> None:
+    check(*run_stress(tiny_model, tmp_path))
