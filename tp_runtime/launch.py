@@ -57,15 +57,15 @@ def uses_cuda(config: RuntimeConfig) -> bool:
 
 
 def pick_dtype(config: RuntimeConfig) -> str:
-    """`auto`: bf16 where the hardware computes in it (GPUs, CPUs with AMX or AVX512-BF16); fp32
-    elsewhere, where bf16 matmuls run several times slower than fp32 (docs/model.md measures it)."""
-    import torch
-
+    """`auto`: bf16 on GPUs; on the CPU whichever of bf16 and fp32 the start-up probe timed faster
+    on this machine (executor/probe.py: measured once, kept, the reason logged)."""
     if config.dtype != "auto":
         return config.dtype
-    if uses_cuda(config) or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+    if uses_cuda(config):
         return "bf16"
-    return "fp32"
+    from executor.probe import probe_cpu
+
+    return probe_cpu().dtype
 
 
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
