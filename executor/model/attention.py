@@ -200,8 +200,10 @@ def _chunk_attention(
     end = p.past + length
     # [Hkv, G, L, D] as a view: the kernel's output comes back in the same [L, Hkv, G, D] order.
     rows = q.view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    keys = k.view(slots, kv_heads, head_dim).transpose(0, 1)[:, None]  # [Hkv, 1, S, D]
-    values = v.view(slots, kv_heads, head_dim).transpose(0, 1)[:, None]
+    # K and V head-major and contiguous, broadcast over each KV head's G query heads: with strided
+    # keys the kernel ran 2x slower on two threads.
+    keys = _head_major(k, kv_heads).transpose(0, 1)  # [Hkv, 1, S, D]
+    values = _head_major(v, kv_heads).transpose(0, 1)
 
     def part(a: int, b: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (kv_heads, group, b - a, head_dim)
