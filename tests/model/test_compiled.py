@@ -171,20 +171,49 @@ def test_a_build_that_failed_is_not_retried(tiny_path, tmp_path, monkeypatch):
     assert not model.compiled_decode(driver.cache).covers(1)
 
 
+QUESTIONS = [
+    "What is 2+2?", "Name the capital of the United States.", "What color is the sky?", "Who wrote Hamlet?",
+    "How many legs does a spider have?", "What is the boiling point of water?", "Translate 'hello' to French.",
+    "What is the largest planet?", "Give me a synonym for happy.", "What is 10 times 10?",
+    "Which ocean is the largest?", "What do bees make?",
+]
+
+
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_are_the_same_compiled(monkeypatch):
+def test_smollm2_compiled_is_as_close_to_fp32_as_eager_and_answers_alike():
+    """2 rows run the int4 library, 12 the dense one (the fixed probe's crossover is 8)."""
+    from tp_runtime.chat import render_chat
+    from tp_runtime.tokenizer import Tokenizer
+
     path = default_model_path()
-    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2]
-    answers = {}
-    for mode in ("off", "wait"):
-        model = load(path, mode, weight_format="mixed")
-        driver = Driver(model, num_kv_pages=64, page_size=16, kv_dtype="bf16")
-        # Two batch sizes: 2 rows run the int4 library, 12 the dense one (crossover: 8).
-        prompts = {seq: [token + seq for token in prompt] for seq in range(12)}
-        _, small = driver.greedy({0: prompt, 1: prompts[1]}, 12)
-        _, large = Driver(model, num_kv_pages=160, page_size=16, kv_dtype="bf16").greedy(prompts, 12)
-        answers[mode] = (small, large)
-    assert answers["wait"] == answers["off"]
+    tokenizer = Tokenizer.from_model_path(path)
+    prompts = {
+        seq: tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": q}]), add_special_tokens=False)
+        for seq, q in enumerate(QUESTIONS)
+    }
+    eager, built = load(path, "off", weight_format="mixed"), load(path, "wait", weight_format="mixed")
+    reference = load(path, "off", weight_format="dense", dtype=torch.float32)
+    for rows in (2, len(prompts)):
+        batch = {seq: prompts[seq] for seq in range(rows)}
+        eager_logits, tokens = Driver(eager, num_kv_pages=200, page_size=16, kv_dtype="bf16").greedy(batch, 16)
+        _, compiled_tokens = Driver(built, num_kv_pages=200, page_size=16, kv_dtype="bf16").greedy(batch, 16)
+        assert built.compiled_decode(Driver(built, num_kv_pages=8, page_size=16, kv_dtype="bf16").cache).covers(rows)
+        # The canonical answers (FACTS.md) come out the same; a prompt whose eager choice is a near
+        # tie may go either way, as it does between batch sizes in eager alone.
+        for seq in (0, 1):
+            assert compiled_tokens[seq] == tokens[seq], QUESTIONS[seq]
+        assert tokenizer.decode(compiled_tokens[0]).startswith("The answer to this classic math problem is 4.")
+
+        def forced(model, kv_dtype):  # every step on eager's tokens, so that the logits compare
+            driver = Driver(model, num_kv_pages=200, page_size=16, kv_dtype=kv_dtype)
+            driver.step([(seq, prompt, True) for seq, prompt in batch.items()])
+            return torch.cat([driver.step([(seq, [tokens[seq][step]], True) for seq in batch]) for step in range(16)])
+
+        truth, compiled_logits = forced(reference, "fp32"), forced(built, "bf16")
+        rms = lambda logits: (logits - truth).pow(2).mean().sqrt().item()  # noqa: E731
+        # bf16 logits of SmolLM2 (up to ~40) carry ~0.09 rms of rounding either way: the compiled
+        # layers sum in other orders, not less exactly.
+        assert rms(compiled_logits) <= 1.1 * rms(torch.cat(eager_logits[1:]))
 
 
 @pytest.mark.slow
