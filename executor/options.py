@@ -44,6 +44,9 @@ class ExecutorOptions:
     peer_timeout_s: float = 5.0
     # How long to wait for WELCOME after HELLO: other ranks may still be loading weights.
     handshake_timeout_s: float = 600.0
+    # After SHUTDOWN or scheduler silence, how long a step may go on before the process ends without
+    # it (a collective whose peer has gone would otherwise hold it until the collective's timeout).
+    stuck_grace_s: float = 3.0
 
     def fingerprint(self) -> str:
         """A digest of every option, but the device: the ranks of one launch must agree on all of them
@@ -81,7 +84,7 @@ class ExecutorOptions:
             raise OptionsError(
                 f"cuda_graph_batch_sizes must be positive sizes, got {self.cuda_graph_batch_sizes}"
             )
-        for name in ("heartbeat_interval_s", "peer_timeout_s", "handshake_timeout_s"):
+        for name in ("heartbeat_interval_s", "peer_timeout_s", "handshake_timeout_s", "stuck_grace_s"):
             if getattr(self, name) <= 0:
                 raise OptionsError(f"{name} must be positive, got {getattr(self, name)}")
         if self.peer_timeout_s <= self.heartbeat_interval_s:

@@ -1,19 +1,11 @@
-"""The executor process of one rank: handshake, the PREPARE/READY/GO loop, heartbeats.
+"""The executor process of one rank: a link thread that talks to the scheduler, and the model's
+thread that runs the steps it hands over (executor/link.py, executor/steps.py).
 
-The loop is single-threaded and owns the endpoint: it waits on the socket with a timeout that
-expires at the next heartbeat or at the scheduler-silence deadline, whichever comes first. A
-forward (GO) runs to completion inside the loop; heartbeats stop meanwhile, and the scheduler's
-step timeout covers that window.
-
-Order of a PREPARE, and why (DESIGN.md):
-1. envelope (version, layout, run id), step == last + 1, then validate_prepare against the local
-   geometry, then the page-table deltas against the tables held from the previous step (a base
-   that does not match is a REJECT): nothing touches the device before the frame is known good;
-2. StepInputs.from_prepare: the step's input copies are queued on the model stream first;
-3. offload (reads pages before anything in this step writes them), poison (debug), restore, clear:
-   all queued on the same stream, so the clear is ordered after the input copies and before the
-   forward or CUDA graph replay without a synchronization;
-4. READY. On GO every rank runs the forward with its peers; on ABORT the staged step is dropped.
+A PREPARE is validated (the conversation), its page tables resolved and its inputs staged on the
+link thread, which answers READY; on GO the model's thread runs it: feedback tokens, the cache
+operations in DESIGN.md's order (offload, poison, restore, clear), the forward, sampling on rank 0.
+Heartbeats keep going while a forward runs, so a stopped rank is noticed by its silence and a
+healthy one is not mistaken for it.
 """
 
 from __future__ import annotations
@@ -22,38 +14,21 @@ import enum
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from executor.cache import KVCache
-from executor.inputs import StepInputs, StepInputsError
+from executor.link import Endpoint, LinkTimings, Run, SchedulerLink, Started, Stop
 from executor.options import ExecutorOptions
-from executor.sampler import SamplingBatch, sample
-from protocol import validate
-from protocol.errors import ProtocolError, RejectCode, TransportError
-from protocol.frames import (
-    LAYOUT_VERSION,
-    SUPPORTED_VERSIONS,
-    Abort,
-    CacheGeometry,
-    Done,
-    Frame,
-    Go,
-    Heartbeat,
-    Hello,
-    Prepare,
-    Ready,
-    Reject,
-    Result,
-    Shutdown,
-    Welcome,
-)
-from protocol.page_tables import HeldPageTables
+from executor.steps import StepModel, StepRunner
+from protocol.conversation import ExecutorConversation
+from protocol.errors import TPRuntimeError
+from protocol.frames import CacheGeometry
+
+if TYPE_CHECKING:
+    from protocol.curve import ClientCurve
 
 logger = logging.getLogger("tp_runtime.executor")
 
@@ -62,38 +37,12 @@ class ExitCode(enum.IntEnum):
     OK = 0  # SHUTDOWN received
     HANDSHAKE_REFUSED = 2  # WELCOME disagreed with this rank, or SHUTDOWN/timeout before it
     SCHEDULER_SILENT = 3  # nothing from the scheduler for peer_timeout_s
-    STEP_FAILED = 4  # the forward raised: peers may be gone, the collectives are unusable
+    STEP_FAILED = 4  # the forward raised, or stayed stuck after a stop: the collectives are unusable
     TRANSPORT_FAILED = 5  # the endpoint could not send
 
 
-class ExecutorStartError(RuntimeError):
+class ExecutorStartError(TPRuntimeError):
     """The executor cannot start: options, device or process group do not fit together."""
-
-
-class HandshakeError(RuntimeError):
-    """The scheduler's WELCOME does not describe what this rank can run."""
-
-
-class StepModel(Protocol):
-    """What the loop needs of a model: LlamaModel, a CUDA graph runner around it, or a test stand-in."""
-
-    fingerprint: str
-
-    def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None: ...
-
-
-class Endpoint(Protocol):
-    version: int  # the protocol version frames are stamped with; WELCOME sets it
-
-    def send(self, body: Any, step: int) -> None: ...
-
-    def recv(self, timeout_ms: int) -> Frame | None: ...
-
-
-@dataclass
-class StagedStep:
-    step: int
-    inputs: StepInputs
 
 
 class Worker:
@@ -108,282 +57,60 @@ class Worker:
         geometry: CacheGeometry,
         options: ExecutorOptions,
         run_id: str,
+        force_exit: Callable[[int], None] = os._exit,
     ) -> None:
         self.rank = rank
-        self.world_size = world_size
-        self.endpoint = endpoint
-        self.cache = cache
-        self.model = model
-        self.geometry = geometry
-        self.options = options
-        self.run_id = run_id
-        self.version = 0  # set by WELCOME
-        # Highest step number known to be used: a PREPARE must carry last_step + 1.
-        self.last_step = 0
-        self.staged: StagedStep | None = None
-        self.page_tables = HeldPageTables()
-        self.last_heard = time.monotonic()
-
-    def _info(self, message: str, *args: object) -> None:
-        logger.info(f"[rank {self.rank}] {message}", *args)
-
-    def _error(self, message: str, *args: object) -> None:
-        logger.error(f"[rank {self.rank}] {message}", *args)
+        conversation = ExecutorConversation(
+            rank=rank,
+            world_size=world_size,
+            run_id=run_id,
+            geometry=geometry,
+            model_fingerprint=model.fingerprint,
+            config_fingerprint=options.fingerprint(),
+            host=socket.gethostname(),
+        )
+        self.link = SchedulerLink(
+            conversation=conversation,
+            endpoint=endpoint,
+            page_size=cache.page_size,
+            pad_page=cache.pad_page,
+            device=cache.device,
+            timings=LinkTimings(
+                heartbeat_s=options.heartbeat_interval_s,
+                peer_timeout_s=options.peer_timeout_s,
+                handshake_s=options.handshake_timeout_s,
+                stuck_grace_s=options.stuck_grace_s,
+            ),
+            exit_codes=ExitCode,
+            force_exit=force_exit,
+        )
+        self.runner = StepRunner(rank=rank, world_size=world_size, model=model, cache=cache, options=options)
 
     def run(self) -> int:
+        link = self.link
+        link.start()
         try:
-            self._handshake()
-        except HandshakeError as exc:
-            self._error("handshake refused: %s", exc)
-            return ExitCode.HANDSHAKE_REFUSED
-        except TransportError as exc:
-            self._error("cannot reach the scheduler: %s", exc)
-            return ExitCode.TRANSPORT_FAILED
-        try:
-            return self._loop()
-        except TransportError as exc:
-            self._error("cannot reach the scheduler: %s", exc)
-            return ExitCode.TRANSPORT_FAILED
-
-    # -- handshake ---------------------------------------------------------------------------
-
-    def _handshake(self) -> None:
-        self.endpoint.send(
-            Hello(
-                rank=self.rank,
-                world_size=self.world_size,
-                versions=SUPPORTED_VERSIONS,
-                layout=LAYOUT_VERSION,
-                model_fingerprint=self.model.fingerprint,
-                geometry=self.geometry,
-                config_fingerprint=self.options.fingerprint(),
-                host=socket.gethostname(),
-            ),
-            step=0,
-        )
-        deadline = time.monotonic() + self.options.handshake_timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise HandshakeError(
-                    f"no WELCOME within {self.options.handshake_timeout_s:.0f} s of HELLO"
-                )
-            try:
-                frame = self.endpoint.recv(timeout_ms=max(1, int(remaining * 1000)))
-            except ProtocolError as exc:
-                self._error("dropped a bad frame while waiting for WELCOME: %s", exc)
-                continue
-            if frame is None:
-                continue
-            if frame.run_id != self.run_id:
-                self._error("dropped a frame of run %r while waiting for WELCOME", frame.run_id)
-                continue
-            body = frame.body
-            if isinstance(body, Shutdown):
-                raise HandshakeError(f"the scheduler refused this launch: {body.reason}")
-            if isinstance(body, Heartbeat):
-                continue
-            if not isinstance(body, Welcome):
-                self._error("ignored %s while waiting for WELCOME", frame.type.name)
-                continue
-            self._accept_welcome(body, frame)
-            self.last_heard = time.monotonic()
-            return
-
-    def _accept_welcome(self, welcome: Welcome, frame: Frame) -> None:
-        if welcome.version not in SUPPORTED_VERSIONS:
-            raise HandshakeError(
-                f"WELCOME chose protocol version {welcome.version}; this rank supports "
-                f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
-            )
-        if welcome.layout != LAYOUT_VERSION:
-            raise HandshakeError(
-                f"WELCOME chose cache layout {welcome.layout}; this rank uses layout {LAYOUT_VERSION}"
-            )
-        if welcome.world_size != self.world_size:
-            raise HandshakeError(
-                f"WELCOME says world size {welcome.world_size}; this rank was started in a world "
-                f"of {self.world_size}"
-            )
-        try:
-            validate.check_geometry(self.geometry, welcome.geometry, who="WELCOME")
-        except ProtocolError as exc:
-            raise HandshakeError(f"{exc.message}; this rank cannot run it") from exc
-        self.version = welcome.version
-        self.endpoint.version = welcome.version
-        self.last_step = frame.step
-        self._info(
-            "welcomed: protocol %d, layout %d, world %d, %d pages of %d",
-            welcome.version,
-            welcome.layout,
-            welcome.world_size,
-            self.geometry.num_kv_pages,
-            self.geometry.page_size,
-        )
-
-    # -- the loop ----------------------------------------------------------------------------
-
-    def _loop(self) -> int:
-        interval = self.options.heartbeat_interval_s
-        silence = self.options.peer_timeout_s
-        next_beat = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now - self.last_heard > silence:
-                self._error(
-                    "nothing from the scheduler for %.1f s (peer_timeout_s %.1f); exiting",
-                    now - self.last_heard,
-                    silence,
-                )
-                return ExitCode.SCHEDULER_SILENT
-            if now >= next_beat:
-                self.endpoint.send(Heartbeat(rank=self.rank), step=self.last_step)
-                next_beat = now + interval
-            wait_s = min(next_beat, self.last_heard + silence) - now
-            try:
-                frame = self.endpoint.recv(timeout_ms=max(1, int(wait_s * 1000)))
-            except ProtocolError as exc:
-                # Unauthenticated or undecodable: it does not count as hearing from the scheduler.
-                self._reject(self.last_step + 1, exc.code, exc.message)
-                continue
-            if frame is None:
-                continue
-            exit_code = self._dispatch(frame)
-            if exit_code is not None:
-                return exit_code
-            # Counted from the end of the handling: a long forward is not silence of the scheduler.
-            self.last_heard = time.monotonic()
-
-    def _dispatch(self, frame: Frame) -> int | None:
-        body = frame.body
-        sequenced = isinstance(body, Prepare) and self.staged is None
-        try:
-            validate.check_envelope(
-                frame,
-                version=self.version,
-                layout=LAYOUT_VERSION,
-                run_id=self.run_id,
-                expected_step=self.last_step + 1 if sequenced else None,
-            )
-        except ProtocolError as exc:
-            self._reject(frame.step, exc.code, exc.message)
-            return None
-        if isinstance(body, Heartbeat):
-            return None
-        if isinstance(body, Prepare):
-            self._on_prepare(frame.step, body)
-            return None
-        if isinstance(body, Go):
-            return self._on_go(frame.step)
-        if isinstance(body, Abort):
-            self._on_abort(frame.step, body)
-            return None
-        if isinstance(body, Shutdown):
-            self._info("shutdown: %s", body.reason)
-            return ExitCode.OK
-        self._reject(frame.step, RejectCode.UNEXPECTED_FRAME, f"{frame.type.name} is not valid after WELCOME")
-        return None
-
-    def _reject(self, step: int, code: RejectCode, message: str) -> None:
-        self._error("reject step %d: %s: %s", step, RejectCode(code).name, message)
-        self.endpoint.send(Reject(rank=self.rank, code=int(code), message=message), step=step)
-
-    def _on_prepare(self, step: int, prepare: Prepare) -> None:
-        if self.staged is not None:
-            self._reject(
-                step,
-                RejectCode.UNEXPECTED_FRAME,
-                f"PREPARE for step {step} while step {self.staged.step} is staged (needs GO or ABORT)",
-            )
-            return
-        self.last_step = step
-        try:
-            validate.validate_prepare(prepare, self.geometry)
-            if prepare.feedback.any():
-                raise ProtocolError(
-                    RejectCode.FEEDBACK_WITHOUT_SAMPLE,
-                    "this executor keeps no samples between steps: feedback rows need the overlapped loop",
-                )
-            inputs = StepInputs.from_prepare(
-                prepare,
-                pad_page=self.cache.pad_page,
-                page_size=self.cache.page_size,
-                device=self.cache.device,
-                page_table=self.page_tables.apply(prepare),
-            )
-        except ProtocolError as exc:
-            self._reject(step, exc.code, exc.message)
-            return
-        except StepInputsError as exc:
-            self._reject(step, RejectCode.LENGTH_MISMATCH, str(exc))
-            return
-        self._stage_cache(prepare)
-        self.staged = StagedStep(step=step, inputs=inputs)
-        self.endpoint.send(Ready(rank=self.rank), step=step)
-
-    def _stage_cache(self, prepare: Prepare) -> None:
-        cache = self.cache
-        if prepare.offload_pages.size:
-            cache.offload(prepare.offload_pages, prepare.offload_slots)
-        if self.options.debug_poison_freed and prepare.poison_pages.size:
-            cache.poison_pages(prepare.poison_pages)
-        if prepare.restore_pages.size:
-            cache.restore(prepare.restore_pages, prepare.restore_slots)
-        if not self.options.debug_skip_clears and prepare.cleared_pages.size:
-            cache.clear_pages(prepare.cleared_pages)
-
-    def _on_abort(self, step: int, abort: Abort) -> None:
-        # ABORT names the step it ends, so a step whose PREPARE never decoded here still counts.
-        self.last_step = max(self.last_step, step)
-        # The scheduler sends whole page tables after an abort: hold nothing that could go stale.
-        self.page_tables.drop()
-        if self.staged is not None and self.staged.step <= step:
-            self._info("abort step %d: %s", self.staged.step, abort.reason)
-            self.staged = None
-
-    def _on_go(self, step: int) -> int | None:
-        staged = self.staged
-        if staged is None or staged.step != step:
-            have = "nothing" if staged is None else f"step {staged.step}"
-            self._reject(step, RejectCode.UNEXPECTED_FRAME, f"GO for step {step} but {have} is staged")
-            return None
-        self.staged = None
-        started = time.perf_counter()
-        try:
-            logits = self.model.forward(staged.inputs, self.cache)
-            body: Result | Done = (
-                self._sample(staged.inputs, logits, started) if self.rank == 0 else Done(rank=self.rank)
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
-            logger.exception(f"[rank {self.rank}] step {step} failed in the forward; exiting")
-            self._reject(step, RejectCode.INTERNAL, f"rank {self.rank} failed in the forward: {exc}")
-            return ExitCode.STEP_FAILED
-        self.endpoint.send(body, step=step)
-        return None
-
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor | None, started: float) -> Result:
-        if logits is None:
-            raise RuntimeError("the model returned no logits on rank 0")
-        rows = inputs.sample_rows.shape[0]
-        if logits.shape[0] != rows:
-            raise RuntimeError(f"the model returned {logits.shape[0]} logits rows for {rows} sampled rows")
-        out = sample(
-            logits,
-            SamplingBatch(
-                temperature=inputs.temperature,
-                top_p=inputs.top_p,
-                top_k=inputs.top_k,
-                seeds=inputs.seeds,
-                positions=inputs.sample_positions,
-            ),
-        )
-        return Result(
-            seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
-            token_ids=out.token_ids.to("cpu", torch.int32).numpy(),
-            logprobs=out.logprobs.to("cpu", torch.float32).numpy(),
-            finite=out.finite.to("cpu", torch.uint8).numpy(),
-            step_time_us=int((time.perf_counter() - started) * 1e6),
-        )
+            while True:
+                command = link.commands.get()
+                if isinstance(command, Stop):
+                    if command.code != ExitCode.OK:
+                        logger.error("[rank %d] %s", self.rank, command.reason)
+                    return command.code
+                if isinstance(command, Started):
+                    logger.info("[rank %d] welcomed: protocol %d", self.rank, link.endpoint.version)
+                    continue
+                assert isinstance(command, Run)
+                step = command.staged.step
+                link.mark_busy()
+                try:
+                    result = self.runner.run(command.staged)
+                except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
+                    logger.exception("[rank %d] step %d failed in the forward; exiting", self.rank, step)
+                    link.fail(step, f"rank {self.rank} failed in the forward: {exc}")
+                    return ExitCode.STEP_FAILED
+                link.finish(step, result)
+        finally:
+            link.close()
 
 
 # -- process entry -------------------------------------------------------------------------------
@@ -432,11 +159,13 @@ def run_executor(
     key: bytes,
     run_id: str,
     load: Callable[..., Any] | None = None,
+    curve: ClientCurve | None = None,
 ) -> int:
     """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps.
 
     torch.distributed must already be initialized when world_size > 1 (the launcher does it).
     `load` replaces executor.model.load_model (same signature); the loop tests pass a stand-in.
+    `curve` (protocol.curve.ClientCurve) makes the connection a CurveZMQ client, across hosts.
     """
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ExecutorStartError(
@@ -483,7 +212,7 @@ def run_executor(
         step_model = DecodeGraphRunner(
             model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes
         )
-    endpoint = ExecutorEndpoint(address, key, run_id, rank)
+    endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(
             rank=rank,

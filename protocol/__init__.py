@@ -1,11 +1,14 @@
-"""Wire protocol between the scheduler and the executors: frames, codec, validation, auth, transport.
+"""Wire protocol between the scheduler and the executors: frames, codec, validation, the
+conversation, authentication, key files, transport.
 
 Imports no torch (tests/test_boundaries.py enforces it).
 """
 
-from protocol.auth import ReplayGuard, key_from_environment, new_key, read_key_file, write_key_file
-from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode
-from protocol.errors import ProtocolError, RejectCode, TransportError
+from protocol.auth import ReplayGuard, new_key
+from protocol.codec import DEFAULT_LIMITS, Limits, decode, decode_verified, encode, verify
+from protocol.conversation import ExecutorConversation, Outgoing, Phase, SchedulerConversation
+from protocol.curve import ClientCurve, LaunchKeys, ServerCurve, load_keys, write_key_directories
+from protocol.errors import KeyFileError, ProtocolError, RejectCode, TPRuntimeError, TransportError, UsageError
 from protocol.frames import (
     ARRAY_DTYPES,
     BODY_TYPES,
@@ -29,7 +32,7 @@ from protocol.frames import (
     Shutdown,
     Welcome,
 )
-from protocol.transport import ExecutorEndpoint, Received, SchedulerEndpoint, ipc_address
+from protocol.transport import ExecutorEndpoint, PeerStats, Received, SchedulerEndpoint, ipc_address
 from protocol.validate import check_envelope, check_geometry, negotiate_version, validate_prepare
 
 __all__ = [
@@ -42,7 +45,9 @@ __all__ = [
     "Abort",
     "Body",
     "CacheGeometry",
+    "ClientCurve",
     "Done",
+    "ExecutorConversation",
     "ExecutorEndpoint",
     "Frame",
     "FrameType",
@@ -50,7 +55,12 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "KVDtype",
+    "KeyFileError",
+    "LaunchKeys",
     "Limits",
+    "Outgoing",
+    "PeerStats",
+    "Phase",
     "Prepare",
     "ProtocolError",
     "Ready",
@@ -59,19 +69,24 @@ __all__ = [
     "RejectCode",
     "ReplayGuard",
     "Result",
+    "SchedulerConversation",
     "SchedulerEndpoint",
+    "ServerCurve",
     "Shutdown",
+    "TPRuntimeError",
     "TransportError",
+    "UsageError",
     "Welcome",
     "check_envelope",
     "check_geometry",
     "decode",
+    "decode_verified",
     "encode",
     "ipc_address",
-    "key_from_environment",
+    "load_keys",
     "negotiate_version",
     "new_key",
-    "read_key_file",
     "validate_prepare",
-    "write_key_file",
+    "verify",
+    "write_key_directories",
 ]

@@ -8,15 +8,16 @@ Parts: [envelope, array_0, ..., array_k-1, mac].
 - mac: HMAC-SHA256 over a header of the part count and every part's byte length, then every earlier
   part: with the lengths under the MAC, bytes cannot be moved between parts.
 
-Decoding checks the part count and total size (both cheap and they bound the hashing work), then the
-MAC, then everything else; every failure is a ProtocolError.
+Decoding is two stages. `verify` checks the part count and total size (both cheap, and they bound
+the hashing work), then the MAC: a frame that fails here cannot be attributed to a holder of the key.
+`decode_verified` checks everything else on a verified frame. `decode` runs both; every failure is a
+ProtocolError. Encoding a body the codec cannot carry, or with a key that is not one, is the
+caller's bug: a UsageError.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import hmac
 import struct
 import typing
@@ -27,11 +28,11 @@ import msgpack
 import numpy as np
 
 from protocol import frames
-from protocol.errors import ProtocolError, RejectCode
+from protocol.errors import ProtocolError, RejectCode, UsageError
 from protocol.frames import ARRAY_DTYPES, BODY_TYPES, FRAME_TYPE_OF, Frame, FrameType
 
 MAC_BYTES = 32
-_SHA256_BLOCK = 64
+MIN_KEY_BYTES = 16
 
 _ENVELOPE_KEYS = frozenset(("version", "layout", "type", "run_id", "step", "seq", "body", "arrays"))
 
@@ -63,7 +64,6 @@ class _Spec:
     itemsizes: tuple[tuple[str, int], ...]  # (name, dtype.itemsize) of each array
     scalar_names: frozenset[str]
     array_dtypes: dict[str, np.dtype]
-    fill_dict: bool  # build by filling __dict__: no __post_init__ to run, no __slots__
 
 
 def _kind_of(hint: object) -> object:
@@ -97,7 +97,6 @@ def _spec_of(cls: type) -> _Spec:
         itemsizes=tuple((name, dtype.itemsize) for name, dtype in arrays),
         scalar_names=frozenset(n for n, _ in scalars),
         array_dtypes=dict(arrays),
-        fill_dict=not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__"),
     )
 
 
@@ -105,30 +104,15 @@ _SPECS: dict[type, _Spec] = {cls: _spec_of(cls) for cls in BODY_TYPES.values()}
 _FRAME_TYPES_BY_VALUE: dict[int, FrameType] = {int(t): t for t in FrameType}
 
 
-@functools.lru_cache(maxsize=16)
-def _hmac_pads(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
-    # RFC 2104 by hand on hashlib objects: the inner and outer states are keyed once per key and
-    # copied per frame, and every update is a C call (hmac.HMAC wraps each in Python).
-    if not isinstance(key, bytes) or len(key) < 16:
-        raise ProtocolError(RejectCode.INTERNAL, "the frame key must be bytes, at least 16 of them")
-    block = key if len(key) <= _SHA256_BLOCK else hashlib.sha256(key).digest()
-    block = block.ljust(_SHA256_BLOCK, b"\0")
-    inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
-    outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
-    return inner, outer
-
-
 def frame_mac(key: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
     """HMAC-SHA256 over a header of the part count and every part's byte length (8-byte
     little-endian unsigned integers), then the parts themselves (bytes or byte-format views)."""
-    inner_pad, outer_pad = _hmac_pads(key)
-    inner = inner_pad.copy()
-    inner.update(struct.pack(f"<{len(parts) + 1}Q", len(parts), *map(len, parts)))
+    if type(key) is not bytes or len(key) < MIN_KEY_BYTES:
+        raise UsageError(f"the frame key must be bytes, at least {MIN_KEY_BYTES} of them")
+    mac = hmac.new(key, struct.pack(f"<{len(parts) + 1}Q", len(parts), *map(len, parts)), "sha256")
     for p in parts:
-        inner.update(p)
-    outer = outer_pad.copy()
-    outer.update(inner.digest())
-    return outer.digest()
+        mac.update(p)
+    return mac.digest()
 
 
 def _pack_default(obj: object) -> object:
@@ -153,19 +137,14 @@ def _array_bytes(cls_name: str, name: str, value: object, dtype: np.dtype) -> by
         return value.tobytes()  # what the scheduler hands over: no conversion to check
     arr = np.asarray(value)
     if arr.ndim != 1:
-        raise ProtocolError(
-            RejectCode.MALFORMED, f"{cls_name}.{name} must be one-dimensional, got shape {arr.shape}"
-        )
+        raise UsageError(f"{cls_name}.{name} must be one-dimensional, got shape {arr.shape}")
     if arr.dtype != dtype:
         if arr.size == 0:
             arr = arr.astype(dtype)
         else:
             cast = arr.astype(dtype)
             if not np.array_equal(cast, arr):
-                raise ProtocolError(
-                    RejectCode.MALFORMED,
-                    f"{cls_name}.{name} does not fit {dtype.name} without loss (got {arr.dtype.name})",
-                )
+                raise UsageError(f"{cls_name}.{name} does not fit {dtype.name} without loss (got {arr.dtype.name})")
             arr = cast
     return arr.tobytes()
 
@@ -175,7 +154,7 @@ def encode(frame: Frame, key: bytes) -> list[bytes]:
     body = frame.body
     spec = _SPECS.get(type(body))
     if spec is None:
-        raise ProtocolError(RejectCode.MALFORMED, f"{type(body).__name__} is not a frame body")
+        raise UsageError(f"{type(body).__name__} is not a frame body")
     cls_name = spec.cls.__name__
     array_parts = [
         _array_bytes(cls_name, name, getattr(body, name), dtype) for name, dtype in spec.arrays
@@ -193,7 +172,7 @@ def encode(frame: Frame, key: bytes) -> list[bytes]:
     try:
         packed = msgpack.packb(envelope, default=_pack_default, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(RejectCode.MALFORMED, f"cannot encode {cls_name}: {exc}") from exc
+        raise UsageError(f"cannot encode {cls_name}: {exc}") from exc
     parts = [packed, *array_parts]
     parts.append(frame_mac(key, parts))
     return parts
@@ -251,17 +230,6 @@ def _unpack_envelope(data: memoryview, limits: Limits) -> object:
         ) from exc
 
 
-def _build(spec: _Spec, fields: dict[str, object]) -> object:
-    """The dataclass from fields the decoder has already checked one by one. A frozen dataclass's
-    __init__ pays an object.__setattr__ per field (5 us for a PREPARE); filling __dict__ is what it
-    would store anyway. Classes with a __post_init__ or __slots__ go through their constructor."""
-    if not spec.fill_dict:
-        return spec.cls(**fields)
-    obj = object.__new__(spec.cls)
-    obj.__dict__.update(fields)
-    return obj
-
-
 def _mistyped(where: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(RejectCode.MALFORMED, f"{where} must be {expected}, got {type(value).__name__}")
 
@@ -300,7 +268,7 @@ def _scalars_from_map(spec: _Spec, data: object, where: str) -> dict[str, object
                 raise _mistyped(here, "an array", value)
             out[name] = tuple(_check_int(here, v) for v in value)
         else:
-            out[name] = _build(kind, _scalars_from_map(kind, value, here))
+            out[name] = kind.cls(**_scalars_from_map(kind, value, here))
     return out
 
 
@@ -343,13 +311,9 @@ def _arrays_from_parts(
     return out
 
 
-def decode(
-    parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS
-) -> Frame:
-    """Decode and authenticate ZeroMQ parts (bytes, memoryviews or zmq.Frame objects) into a Frame.
-
-    Arrays are read-only views into the parts, which they keep alive.
-    """
+def verify(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[memoryview]:
+    """The parts (bytes, memoryviews or zmq.Frame objects) as read-only byte views, once their count,
+    total size and MAC have passed: from here on the frame is known to come from a key holder."""
     try:
         count = len(parts)
     except TypeError as exc:
@@ -366,12 +330,17 @@ def decode(
         )
     if views[-1].nbytes != MAC_BYTES or not hmac.compare_digest(frame_mac(key, views[:-1]), views[-1]):
         raise ProtocolError(RejectCode.BAD_MAC, "the frame's HMAC does not match this launch's key")
+    return views
+
+
+def decode_verified(views: list[memoryview], limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """The Frame in parts that `verify` passed. Arrays are read-only views into the parts, which
+    they keep alive."""
     if views[0].nbytes > limits.max_envelope_bytes:
         raise ProtocolError(
             RejectCode.TOO_LARGE,
             f"a {views[0].nbytes}-byte envelope exceeds the limit of {limits.max_envelope_bytes}",
         )
-
     env = _unpack_envelope(views[0], limits)
     if type(env) is not dict or env.keys() != _ENVELOPE_KEYS:
         keys = sorted(str(k) for k in env) if type(env) is dict else type(env).__name__
@@ -393,5 +362,10 @@ def decode(
         run_id=run_id,
         step=_check_int("envelope.step", env["step"]),
         seq=_check_int("envelope.seq", env["seq"]),
-        body=_build(spec, fields),
+        body=spec.cls(**fields),
     )
+
+
+def decode(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    """Authenticate and decode ZeroMQ parts into a Frame (`verify`, then `decode_verified`)."""
+    return decode_verified(verify(parts, key, limits), limits)

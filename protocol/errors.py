@@ -47,12 +47,17 @@ class TPRuntimeError(Exception):
 
 
 class ProtocolError(TPRuntimeError):
-    """A frame was refused; `code` says why in a form a peer can act on, `message` in words."""
+    """A frame was refused; `code` says why in a form a peer can act on, `message` in words.
 
-    def __init__(self, code: RejectCode, message: str) -> None:
+    `seq_ids` names the sequences whose own fields broke the rule (sampling parameters, feedback,
+    token ids) when the rest of the frame is sound: the REJECT carries them, and only their
+    requests fail. Empty: the whole frame is refused."""
+
+    def __init__(self, code: RejectCode, message: str, seq_ids: tuple[int, ...] = ()) -> None:
         super().__init__(code, message)
         self.code = RejectCode(code)
         self.message = message
+        self.seq_ids = tuple(seq_ids)
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -60,3 +65,13 @@ class ProtocolError(TPRuntimeError):
 
 class TransportError(TPRuntimeError):
     """A frame could not be handed to a peer (not connected, socket closed)."""
+
+
+class UsageError(TPRuntimeError):
+    """A caller broke a contract of this package: a bug on this side, never the peer's doing, so it
+    never becomes a REJECT (an illegal step in the conversation, a frame body the codec cannot
+    carry, a key that is not a key)."""
+
+
+class KeyFileError(TPRuntimeError):
+    """Key material provisioned by the operator is missing, malformed or readable by others."""

@@ -227,6 +227,9 @@ class Result:
     logprobs: np.ndarray  # float32[m]
     finite: np.ndarray  # uint8[m]; 0: the logits row had a NaN or inf, token_ids[i] is meaningless
     step_time_us: int = 0
+    # How long rank 0's model sat idle between the end of its previous step and this one's GO: the
+    # share of the control plane (planning, PREPARE, READY, GO) that the model waited for.
+    gap_us: int = 0
 
 
 @dataclass(frozen=True)

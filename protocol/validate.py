@@ -1,8 +1,14 @@
 """Checks a receiver runs on a decoded frame before acting on it.
 
 Every failure is a ProtocolError whose code says which rule was broken and whose message names the
-offending field, index and value, so a REJECT is actionable on its own. Checks are vectorized: a
+offending field, index and value, so a REJECT is actionable on its own; nothing else escapes, whatever
+a correctly signed frame holds. Arithmetic on wire values is done in int64 after the operands are
+range-checked (or compares instead of subtracting), so no int32 wraps. Checks are vectorized: a
 256-sequence PREPARE validates in tens of microseconds.
+
+Rules broken by a sequence's own fields (sampling parameters, feedback, token ids) are checked last,
+on an otherwise sound frame, and name every offending sequence in ProtocolError.seq_ids, so that only
+their requests fail. Everything else (lengths, limits, page ids, ordering) refuses the whole frame.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import SUPPORTED_VERSIONS, CacheGeometry, Frame, Prepare
+from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN
 
 _UNSIGNED = {1: np.dtype(np.uint8), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -109,13 +116,15 @@ def _check_length(name: str, values: np.ndarray, expected: int, what: str) -> No
 
 def validate_prepare(p: Prepare, g: CacheGeometry) -> None:
     """Every rule of DESIGN.md for one step against the cache geometry (docs/protocol.md lists
-    them). Each rule costs one or two numpy reductions; the precise message is worked out only
-    once a rule has failed."""
+    them), for a Prepare with the wire's dtypes (as decoded). Each rule costs one or two numpy
+    reductions; the precise message is worked out only once a rule has failed."""
     total_tokens = _check_shapes(p, g)
     if len(p.seq_ids):
         _check_sequences(p, g)
     _check_pages(p, g)
-    _check_tokens(p, g, total_tokens)
+    if total_tokens:
+        _check_positions(p, g, total_tokens)
+        _check_own_fields(p, g)
 
 
 def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
@@ -138,8 +147,7 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
             RejectCode.BAD_QUERY_LEN,
             f"query_lens[{i}] = {query_lens[i]}; every sequence needs >= 1 new token",
         )
-    # int32 sums accumulate in int64: no overflow.
-    total_tokens = int(query_lens.sum())
+    total_tokens = int(query_lens.sum(dtype=np.int64))
     _check_length("token_ids", p.token_ids, total_tokens, "sum(query_lens)")
     _check_length("positions", p.positions, total_tokens, "sum(query_lens)")
     if total_tokens > g.max_num_batched_tokens:
@@ -157,34 +165,33 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
             f"(max_model_len {g.max_model_len} / page_size {g.page_size})",
         )
     base = p.page_table_base
-    # Tested first, base >= 0 keeps the subtraction from overflowing.
-    if base.min() < 0 or (page_table_lens - base).min() < 0:
+    if base.min() < 0 or (base > page_table_lens).any():
         i = _first_bad((base < 0) | (base > page_table_lens))
         raise ProtocolError(
             RejectCode.LENGTH_MISMATCH,
             f"page_table_base[{i}] = {base[i]} is outside [0, page_table_lens[{i}] = {page_table_lens[i]}]",
         )
-    _check_length(
-        "page_table", p.page_table, int(page_table_lens.sum() - base.sum()), "sum(page_table_lens - page_table_base)"
-    )
+    delta_pages = int(page_table_lens.sum(dtype=np.int64) - base.sum(dtype=np.int64))
+    _check_length("page_table", p.page_table, delta_pages, "sum(page_table_lens - page_table_base)")
     return total_tokens
 
 
 def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
-    query_lens, context_lens, page_table_lens = p.query_lens, p.context_lens, p.page_table_lens
-    # query_lens >= 1 and page_table_lens <= max_pages_per_seq hold here, so none of this overflows.
-    if (context_lens - query_lens).min() < 0 or context_lens.max() > g.max_model_len:
+    query_lens, context_lens = p.query_lens, p.context_lens
+    if (context_lens < query_lens).any() or context_lens.max() > g.max_model_len:
         i = _first_bad((context_lens < query_lens) | (context_lens > g.max_model_len))
         raise ProtocolError(
             RejectCode.BAD_CONTEXT_LEN,
             f"context_lens[{i}] = {context_lens[i]} must be in [query_lens[{i}] = {query_lens[i]}, "
             f"max_model_len {g.max_model_len}]",
         )
-    if (page_table_lens * g.page_size - context_lens).min() < 0:
-        i = _first_bad(page_table_lens * g.page_size < context_lens)
+    # page_table_lens <= max_pages_per_seq holds, so the int64 product is exact.
+    slots = p.page_table_lens.astype(np.int64) * g.page_size
+    if (slots < context_lens).any():
+        i = _first_bad(slots < context_lens)
         raise ProtocolError(
             RejectCode.PAGE_TABLE_TOO_SHORT,
-            f"sequence {i} has {page_table_lens[i]} pages of {g.page_size} slots for a context of "
+            f"sequence {i} has {p.page_table_lens[i]} pages of {g.page_size} slots for a context of "
             f"{context_lens[i]} tokens",
         )
     if len(p.seq_ids) > 1:
@@ -195,22 +202,6 @@ def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
                 RejectCode.DUPLICATE_SEQ_ID,
                 f"seq_id {ids[_first_bad(repeated)]} appears more than once in one step",
             )
-    # NaN fails every comparison, so min() >= 0 also rejects NaN.
-    temperature, top_p = p.temperature, p.top_p
-    if not (temperature.min() >= 0 and temperature.max() < np.inf):
-        raise ProtocolError(RejectCode.BAD_SAMPLING, "temperature must be finite and >= 0 for every sequence")
-    if not (top_p.min() > 0 and top_p.max() <= 1):
-        raise ProtocolError(RejectCode.BAD_SAMPLING, "top_p must be in (0, 1] for every sequence")
-    if p.top_k.min() < 0:
-        raise ProtocolError(RejectCode.BAD_SAMPLING, "top_k must be >= 0 (0 means off) for every sequence")
-    feedback = p.feedback
-    if feedback.max() > 1 or (feedback.astype(bool) & (query_lens != 1)).any():
-        i = _first_bad((feedback > 1) | (feedback.astype(bool) & (query_lens != 1)))
-        raise ProtocolError(
-            RejectCode.BAD_FEEDBACK,
-            f"feedback[{i}] = {feedback[i]} with query_lens[{i}] = {query_lens[i]}: feedback is 0 or 1, "
-            "and 1 only for a sequence with one new token",
-        )
 
 
 def _check_pages(p: Prepare, g: CacheGeometry) -> None:
@@ -240,19 +231,17 @@ def _check_pages(p: Prepare, g: CacheGeometry) -> None:
             )
 
 
-def _check_tokens(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
-    _check_range("token_ids", p.token_ids, g.vocab_size, RejectCode.TOKEN_OUT_OF_RANGE)
-    if total_tokens == 0:
-        return
+def _check_positions(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
     # Token j of sequence i sits at position context_lens[i] - query_lens[i] + j: anything else would
-    # write KV outside the slots its page table covers. With context_lens <= max_model_len checked,
-    # this also keeps every position in [0, max_model_len).
+    # write KV outside the slots its page table covers. With query_lens <= context_lens <=
+    # max_model_len checked, this also keeps every position in [0, max_model_len).
+    context_lens = p.context_lens.astype(np.int64)
     if total_tokens == len(p.seq_ids):
-        expected = p.context_lens - 1
+        expected = context_lens - 1
     else:
-        query_lens = p.query_lens
+        query_lens = p.query_lens.astype(np.int64)
         starts = np.cumsum(query_lens) - query_lens
-        expected = np.repeat(p.context_lens - query_lens - starts, query_lens) + np.arange(total_tokens)
+        expected = np.repeat(context_lens - query_lens - starts, query_lens) + np.arange(total_tokens)
     wrong = p.positions != expected
     if wrong.any():
         _check_range("positions", p.positions, g.max_model_len, RejectCode.POSITION_OUT_OF_RANGE)
@@ -262,3 +251,56 @@ def _check_tokens(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
             f"positions[{t}] = {p.positions[t]}, expected {expected[t]} "
             f"(context_lens - query_lens + offset within the sequence)",
         )
+
+
+def _check_own_fields(p: Prepare, g: CacheGeometry) -> None:
+    """The rules one sequence's own fields can break; the error names every sequence that broke
+    any of them. NaN fails every comparison, so each rule is written as "not (the valid range)"."""
+    temperature, top_p, feedback = p.temperature, p.top_p, p.feedback
+    rules = [
+        (
+            RejectCode.BAD_SAMPLING,
+            "temperature",
+            f"0 (greedy) or in [{TEMPERATURE_MIN}, {FLOAT32_MAX:.7g}]",
+            ~((temperature == 0) | ((temperature >= TEMPERATURE_MIN) & (temperature <= FLOAT32_MAX))),
+        ),
+        (RejectCode.BAD_SAMPLING, "top_p", f"in [{TOP_P_MIN}, 1]", ~((top_p >= TOP_P_MIN) & (top_p <= 1))),
+        (RejectCode.BAD_SAMPLING, "top_k", ">= 0 (0: off)", p.top_k < 0),
+        (RejectCode.BAD_SAMPLING, "seeds", "-1 (unseeded) or in [0, 2**63)", p.seeds < -1),
+        (
+            RejectCode.BAD_FEEDBACK,
+            "feedback",
+            "0, or 1 on a sequence with one new token",
+            (feedback > 1) | ((feedback != 0) & (p.query_lens != 1)),
+        ),
+    ]
+    tokens = p.token_ids
+    if tokens.view(np.uint32).max() >= g.vocab_size:
+        bad_token = (tokens < 0) | (tokens >= g.vocab_size)
+        owner = np.repeat(np.arange(len(p.seq_ids)), p.query_lens)
+        rules.append((
+            RejectCode.TOKEN_OUT_OF_RANGE,
+            "token_ids",
+            f"every new token in [0, {g.vocab_size})",
+            np.bincount(owner[bad_token], minlength=len(p.seq_ids)) > 0,
+        ))
+    broken = [(code, name, valid, mask) for code, name, valid, mask in rules if mask.any()]
+    if not broken:
+        return
+    offenders = np.logical_or.reduce([mask for *_, mask in broken])
+    reasons = []
+    for _, name, valid, mask in broken:
+        rows = np.flatnonzero(mask)
+        shown = ", ".join(_describe(p, g, name, int(i)) for i in rows[:3])
+        more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+        reasons.append(f"{name} must be {valid}: {shown}{more}")
+    raise ProtocolError(broken[0][0], "; ".join(reasons), seq_ids=tuple(p.seq_ids[offenders].tolist()))
+
+
+def _describe(p: Prepare, g: CacheGeometry, name: str, i: int) -> str:
+    who = f"sequence {int(p.seq_ids[i])} (index {i})"
+    if name != "token_ids":
+        return f"{who} has {getattr(p, name)[i]!r}"
+    start = int(p.query_lens[:i].sum(dtype=np.int64))
+    own = p.token_ids[start : start + int(p.query_lens[i])]
+    return f"{who} has {int(own[(own < 0) | (own >= g.vocab_size)][0])}"

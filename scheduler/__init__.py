@@ -6,6 +6,7 @@ from scheduler.request import InvalidSamplingParams, Request, RequestState, Samp
 from scheduler.scheduler import (
     AdmissionError,
     RequestOutput,
+    RequestView,
     Scheduler,
     SchedulerConfig,
     SchedulerConfigError,
@@ -24,6 +25,7 @@ __all__ = [
     "Request",
     "RequestOutput",
     "RequestState",
+    "RequestView",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from scheduler.errors import SchedulerError
 
-class PagePoolError(RuntimeError):
+
+class PagePoolError(SchedulerError, RuntimeError):
     """An operation would break the pool's bookkeeping (a double free, a leak, an exhausted pool)."""
 
 
@@ -39,14 +41,11 @@ class PagePool:
         self._track_freed = track_freed
         self._freed: list[np.ndarray] = []
         self.cleared_total = 0
+        self.marked_count = num_kv_pages
 
     @property
     def free_count(self) -> int:
         return self._top
-
-    @property
-    def marked_count(self) -> int:
-        return int(np.count_nonzero(self.marked))
 
     def is_free(self, page: int) -> bool:
         return bool(self._is_free[page])
@@ -87,6 +86,7 @@ class PagePool:
         self._stack[self._top : self._top + n] = pages
         self._top += n
         self._is_free[pages] = True
+        self.marked_count += n - int(np.count_nonzero(self.marked[pages]))
         self.marked[pages] = True
         if self._track_freed:
             self._freed.append(pages.copy())
@@ -99,14 +99,17 @@ class PagePool:
         hit = pages[self.marked[pages]]
         self.marked[hit] = False
         self.cleared_total += hit.shape[0]
+        self.marked_count -= hit.shape[0]
         return hit
 
     def overwrite(self, pages: np.ndarray) -> None:
         """Pages a host restore overwrites whole: drop their marks without listing them."""
+        self.marked_count -= int(np.count_nonzero(self.marked[pages]))
         self.marked[pages] = False
 
     def remark(self, pages: np.ndarray) -> None:
         """Undo `commit` for a step that never ran: the pages were (maybe) not zeroed after all."""
+        self.marked_count += pages.shape[0] - int(np.count_nonzero(self.marked[pages]))
         self.marked[pages] = True
 
     def take_freed(self) -> np.ndarray:

@@ -7,9 +7,11 @@ references sits in an LRU list and is evicted, back to the free pool and marked,
 short; a page whose references drop to zero and that holds no snapshot goes straight to the pool.
 
 Keys: a keyed polynomial hash of the prefix, two independent 64-bit lanes with per-position random
-weights drawn from os.urandom at start-up. For any two different prefixes a collision has
-probability about 2**-94 (token ids are < 2**31), the weights are never revealed, and the whole
-chain of a prompt is one numpy cumsum instead of one Python hash per page.
+weights drawn from os.urandom at start-up, over token id + 1 (so that every position counts: with
+the ids themselves a page of token 0 would add nothing and take its predecessor's key). For any two
+different prefixes a collision has probability about 2**-94 (token ids are < 2**31), the weights are
+never revealed, and the whole chain of a prompt is one numpy cumsum instead of one Python hash per
+page.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class PrefixHasher:
         if n_pages <= 0:
             return [], state
         end = start + n_pages * ps
-        terms = tokens[start:end].astype(np.uint64) * self._w[:, start:end]
+        terms = (tokens[start:end].astype(np.uint64) + 1) * self._w[:, start:end]
         sums = np.cumsum(terms, axis=1, dtype=np.uint64)[:, ps - 1 :: ps]
         sums += np.array(state, dtype=np.uint64)[:, None]
         k0 = sums[0].tolist()
@@ -54,7 +56,7 @@ class PrefixHasher:
         """`extend` over exactly one page for each of many sequences at once: the key of the page
         tokens[i] (ps tokens from position starts[i]) chained on states[i]."""
         cols = starts[:, None] + np.arange(self.page_size)
-        terms = tokens.astype(np.uint64)[None] * self._w[:, cols]
+        terms = (tokens.astype(np.uint64) + 1)[None] * self._w[:, cols]
         sums = terms.sum(axis=2, dtype=np.uint64) + np.array(states, dtype=np.uint64).T
         return list(zip(sums[0].tolist(), sums[1].tolist()))
 
@@ -77,6 +79,10 @@ class PrefixCache:
 
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
+
+    def evictable_pages(self) -> list[int]:
+        """Unreferenced snapshot pages, first to be evicted first."""
+        return list(self._lru)
 
     def match(self, keys: list[PageKey], known: np.ndarray | None = None) -> np.ndarray:
         """Take a reference on the longest cached run of pages named by keys[0], keys[1], ...

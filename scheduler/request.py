@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import enum
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol.errors import TPRuntimeError
 
-class InvalidSamplingParams(ValueError):
+
+class InvalidSamplingParams(TPRuntimeError, ValueError):
     """A SamplingParams field is out of its range."""
 
 
@@ -40,17 +41,28 @@ class SamplingParams:
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # never run, or preempted by recompute (its KV is gone)
-    RUNNING = "running"  # holds a row of the running batch and pages in the pool
+    RUNNING = "running"  # holds a live row of the running batch and pages in the pool
     OFFLOADED = "preempted-offloaded"  # its KV pages sit in host slots until a restore
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class HostCopy:
+    """Where an offloaded request's KV waits: one host slot per page, in page-table order, holding
+    the KV of its first num_computed tokens."""
+
+    slots: tuple[int, ...]
+    num_computed: int
+
+
 @dataclass(eq=False)
 class Request:
-    """One request's token stream and where its KV lives.
+    """One request's token stream, its prefix keys and where its KV lives.
 
     `tokens` is preallocated to the longest the request can get (prompt + max_tokens), so appending a
-    sampled token is one array store and a page's tokens are a view.
+    sampled token is one array store and a page's tokens are a view. While the request holds a row
+    of the running batch, that row is the one place of its counters (tokens known, tokens computed,
+    samples in flight) and `num_tokens` is None; the row hands the count back when it is released.
     """
 
     request_id: int
@@ -58,49 +70,45 @@ class Request:
     arrival: int
     tokens: np.ndarray  # int32[prompt_len + max_tokens]
     prompt_len: int
-    num_tokens: int
+    stop_ids: frozenset[int]  # sampled tokens that end it: eos (unless ignored) and its stop ids
+    limit: int  # tokens at which it ends by length: prompt_len + max_tokens
+    num_tokens: int | None  # tokens known (prompt + sampled) while it holds no row
     state: RequestState = RequestState.WAITING
-    row: int = -1  # index in the running batch while RUNNING
-    num_computed: int = 0  # tokens whose KV is in the cache (kept while OFFLOADED)
-    slot_ids: list[int] = field(default_factory=list)  # OFFLOADED: slot of each page, in order
+    row: int = -1  # its row in the running batch, live or held for a step in flight
+    host: HostCopy | None = None  # OFFLOADED: its KV in host slots
     preempted: bool = False  # has been preempted at least once
     num_registered: int = 0  # full pages already offered to the prefix cache
     page_keys: list[tuple[int, int]] = field(default_factory=list)  # prefix keys of full pages
     hash_state: tuple[int, int] = (0, 0)  # running sums after the last keyed page
-    stop_ids: frozenset[int] = frozenset()  # sampled tokens that end it: eos (unless ignored) and its stop ids
-    limit: int = 0  # num_tokens at which it ends by length: prompt_len + max_tokens
+    leader: Request | None = None  # the request whose prompt pages this one waits to share
+    kv_suspect: bool = False  # its logits were not finite: none of its KV is shared
 
     @classmethod
     def create(
-        cls, request_id: int, prompt: Sequence[int], params: SamplingParams, arrival: int,
+        cls, request_id: int, prompt: Sequence[int] | np.ndarray, params: SamplingParams, arrival: int,
         eos: frozenset[int] = frozenset(),
     ) -> Request:
-        if isinstance(prompt, (tuple, list)):
-            # The frontend hands over a tuple of Python ints: packing them straight into the token
-            # buffer is about a third cheaper than numpy's conversion of a sequence.
-            n = len(prompt)
-            tokens = np.empty(n + params.max_tokens, dtype=np.int32)
-            try:
-                struct.pack_into(f"{n}i", tokens, 0, *prompt)
-            except struct.error as exc:
-                raise ValueError(f"a prompt is a flat sequence of 32-bit token ids: {exc}") from exc
-        else:
-            prompt_arr = token_array(prompt)
-            n = prompt_arr.shape[0]
-            tokens = np.empty(n + params.max_tokens, dtype=np.int32)
-            tokens[:n] = prompt_arr
+        prompt_arr = token_array(prompt)
+        n = prompt_arr.shape[0]
+        tokens = np.empty(n + params.max_tokens, dtype=np.int32)
+        tokens[:n] = prompt_arr
         stop_ids = frozenset(params.stop_token_ids) if params.ignore_eos else eos.union(params.stop_token_ids)
-        return cls(request_id, params, arrival, tokens, n, n, stop_ids=stop_ids, limit=n + params.max_tokens)
-
-    @property
-    def num_output(self) -> int:
-        return self.num_tokens - self.prompt_len
-
-    def output_ids(self) -> tuple[int, ...]:
-        return tuple(self.tokens[self.prompt_len : self.num_tokens].tolist())
+        return cls(request_id, params, arrival, tokens, n, stop_ids, n + params.max_tokens, n)
 
     def max_kv_len(self) -> int:
         return max_kv_len(self.prompt_len, self.params.max_tokens)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced at one step: the new tokens (a delta, stop tokens included)."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finished: bool
+    finish_reason: str | None  # "length", "stop", "cancelled", "error"
+    error: str | None = None
 
 
 def token_array(prompt: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -1,12 +1,18 @@
 """Benchmark of the wire protocol, side by side with the way SGLang ships a step to its TP workers.
 
 1. Codec: encode, decode, encode+decode (and the HMAC alone, validation, and applying the page-table
-   deltas to the tables an executor holds, two steps: whole tables, then the deltas) of a steady decode-batch PREPARE: n sequences of 64
-   pages, one in 16 of them given a new page (the rest of each table is held), 64 cleared pages.
-   `full_table_frame_bytes` is the same step with every table whole (a step after an abort).
-2. Step round trip over ipc:// with 1, 2, 4 executor processes: the scheduler sends PREPARE to all,
-   each executor decodes, checks and validates it and answers READY, the scheduler sends GO once all
-   are READY. Timed from the first PREPARE send to the last GO send (DONE drained untimed).
+   deltas to the tables an executor holds, two steps: whole tables, then the deltas) of a steady
+   decode-batch PREPARE: n sequences of 64 pages, one in 16 of them given a new page (the rest of
+   each table is held), 64 cleared pages. `full_table_frame_bytes` is the same step with every table
+   whole (a step after an abort).
+   `fast_paths`: what the codec does now against the two fast paths it used to have, side by side in
+   this run: the HMAC by `hmac.new` against RFC 2104 by hand on pre-keyed hashlib objects, and the
+   body by its dataclass constructor against filling a frozen dataclass's __dict__ (docs/protocol.md
+   has the numbers that retired them).
+2. Step round trip over ipc:// with 1, 2, 4 executor processes, both sides driven by
+   protocol.conversation: the scheduler sends PREPARE to all, each executor decodes, checks and
+   validates it and answers READY, the scheduler sends GO once all are READY. Timed from the first
+   PREPARE send to the last GO send (RESULT and DONE drained untimed).
 3. Baseline in the same run: the same step as a dict of lists/ndarrays, pickled and sent with
    torch.distributed.broadcast_object_list over gloo from one sender to the same number of
    receivers, followed by a barrier so that the sender knows every receiver has it (what READY
@@ -19,14 +25,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import multiprocessing
 import os
 import pickle
 import socket
 import statistics
+import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,24 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from protocol.codec import decode, encode, frame_mac  # noqa: E402
-from protocol.frames import (  # noqa: E402
-    ARRAY_DTYPES,
-    LAYOUT_VERSION,
-    PROTOCOL_VERSION,
-    CacheGeometry,
-    Done,
-    Frame,
-    Go,
-    Hello,
-    Prepare,
-    Ready,
-    Shutdown,
-    Welcome,
-)
+from protocol.conversation import StepDone, StepReady  # noqa: E402
+from protocol.frames import ARRAY_DTYPES, PROTOCOL_VERSION, CacheGeometry, Frame, Prepare  # noqa: E402
 from protocol.page_tables import HeldPageTables  # noqa: E402
 from protocol.transport import SchedulerEndpoint, ipc_address  # noqa: E402
 from protocol.validate import validate_prepare  # noqa: E402
-from tests.protocol.wire_peers import run_executor  # noqa: E402
+from tests.protocol.wire_peers import SchedulerDriver, run_executor  # noqa: E402
 
 KEY = os.urandom(32)
 RUN_ID = "bench"
@@ -106,6 +103,7 @@ def decode_batch_prepare(n: int, *, delta: bool = False) -> Prepare:
         "offload_pages": [],
         "offload_slots": [],
         "poison_pages": [],
+        "feedback": np.zeros(n),
     }
     return Prepare(**{name: np.asarray(v, dtype=dt[name]) for name, v in arrays.items()})
 
@@ -153,7 +151,7 @@ def bench_codec(sizes: list[int], reps: int) -> list[dict]:
     rows = []
     for n in sizes:
         full = decode_batch_prepare(n)
-        frame = Frame(1, 1, RUN_ID, 1, 1, decode_batch_prepare(n, delta=True))
+        frame = Frame(PROTOCOL_VERSION, 1, RUN_ID, 1, 1, decode_batch_prepare(n, delta=True))
         parts = encode(frame, KEY)
         payload = sglang_payload(full)
         held = HeldPageTables()
@@ -173,7 +171,7 @@ def bench_codec(sizes: list[int], reps: int) -> list[dict]:
             {
                 "seqs": n,
                 "frame_bytes": sum(len(p) for p in parts),
-                "full_table_frame_bytes": sum(len(p) for p in encode(Frame(1, 1, RUN_ID, 1, 1, full), KEY)),
+                "full_table_frame_bytes": sum(len(p) for p in encode(Frame(PROTOCOL_VERSION, 1, RUN_ID, 1, 1, full), KEY)),
                 "encode": stats_us(time_calls(lambda: encode(frame, KEY), reps)),
                 "decode": stats_us(time_calls(lambda: decode(parts, KEY), reps)),
                 "encode_decode": stats_us(time_calls(lambda: decode(encode(frame, KEY), KEY), reps)),
@@ -186,39 +184,84 @@ def bench_codec(sizes: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def collect(endpoint: SchedulerEndpoint, world: int, kind: type) -> None:
-    for _ in range(world):
-        got = endpoint.recv(TIMEOUT_MS)
-        if got is None or got.error is not None or not isinstance(got.frame.body, kind):
-            raise RuntimeError(f"expected {kind.__name__} from every rank, got {got}")
+def hmac_by_hand(key: bytes) -> Callable[[list[bytes]], bytes]:
+    """The HMAC fast path the codec had: RFC 2104 on hashlib objects keyed once, copied per frame
+    (measured here against hmac.new, which replaced it)."""
+    block = key.ljust(64, b"\0")
+    inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+    outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
+
+    def mac(parts: list[bytes]) -> bytes:
+        h = inner.copy()
+        h.update(struct.pack(f"<{len(parts) + 1}Q", len(parts), *map(len, parts)))
+        for p in parts:
+            h.update(p)
+        o = outer.copy()
+        o.update(h.digest())
+        return o.digest()
+
+    return mac
+
+
+def bench_fast_paths(sizes: list[int], reps: int) -> list[dict]:
+    """Each retired fast path and what replaced it, alternating in one run."""
+    rows = []
+    for n in sizes:
+        frame = Frame(PROTOCOL_VERSION, 1, RUN_ID, 1, 1, decode_batch_prepare(n, delta=True))
+        parts = encode(frame, KEY)[:-1]
+        by_hand = hmac_by_hand(KEY)
+        if by_hand(parts) != frame_mac(KEY, parts):
+            raise RuntimeError("the two HMACs disagree")
+        fields = {f.name: getattr(frame.body, f.name) for f in dataclasses.fields(Prepare)}
+
+        def fill_dict() -> Prepare:
+            obj = object.__new__(Prepare)
+            obj.__dict__.update(fields)
+            return obj
+
+        mac_now, mac_then, build_now, build_then = [], [], [], []
+        for _ in range(5):
+            mac_now += time_calls(lambda: frame_mac(KEY, parts), reps // 5)
+            mac_then += time_calls(lambda: by_hand(parts), reps // 5)
+            build_now += time_calls(lambda: Prepare(**fields), reps // 5)
+            build_then += time_calls(fill_dict, reps // 5)
+        rows.append(
+            {
+                "seqs": n,
+                "hmac_new": stats_us(mac_now),
+                "hmac_by_hand": stats_us(mac_then),
+                "prepare_constructor": stats_us(build_now),
+                "prepare_dict_fill": stats_us(build_then),
+            }
+        )
+    return rows
 
 
 def bench_round_trip(world: int, n: int, iters: int, warmup: int) -> list[int]:
     """Round-trip times in ns, PREPARE out to GO out, with `world` executor processes."""
     ctx = multiprocessing.get_context("spawn")
     endpoint = SchedulerEndpoint(ipc_address("bench"), KEY, RUN_ID)
-    ranks = range(world)
     args = (endpoint.address, KEY, RUN_ID)
-    procs = [ctx.Process(target=run_executor, args=(*args, r, world, GEOMETRY), daemon=True) for r in ranks]
+    procs = [ctx.Process(target=run_executor, args=(*args, r, world, GEOMETRY), daemon=True) for r in range(world)]
+    driver = SchedulerDriver(endpoint, world, RUN_ID, timeout_s=TIMEOUT_MS / 1000)
     try:
         for p in procs:
             p.start()
-        collect(endpoint, world, Hello)
-        endpoint.send_all(ranks, Welcome(PROTOCOL_VERSION, LAYOUT_VERSION, world, GEOMETRY), step=0)
+        driver.handshake()
         prepare = decode_batch_prepare(n, delta=True)
         samples = []
-        for step in range(1, warmup + iters + 1):
+        for i in range(warmup + iters):
             t0 = time.perf_counter_ns()
-            endpoint.send_all(ranks, prepare, step=step)
-            collect(endpoint, world, Ready)
-            endpoint.send_all(ranks, Go(), step=step)
+            step = driver.prepare(prepare)
+            driver.expect(StepReady)
+            endpoint.send_all(driver.conv.ranks, *driver.conv.go(step))
             t1 = time.perf_counter_ns()
-            collect(endpoint, world, Done)
-            if step > warmup:
+            driver.expect(StepDone)
+            if i >= warmup:
                 samples.append(t1 - t0)
         return samples
     finally:
-        endpoint.send_all(ranks, Shutdown("benchmark over"), step=0)
+        driver.shutdown("benchmark over")
         stop(procs)
         endpoint.close()
 
@@ -356,6 +399,8 @@ def main() -> None:
     load_start = round(os.getloadavg()[0], 2)
     say("codec ...")
     report: dict = {"codec": bench_codec(args.sizes, args.reps), "round_trip": [], "baseline": []}
+    say("fast paths ...")
+    report["fast_paths"] = bench_fast_paths(args.sizes, args.reps * 4)
     report["ratios"] = []
     for n in args.rt_seqs:
         for world in args.executors:

@@ -1,6 +1,9 @@
 """Scheduler benchmark: time to plan a step and encode its PREPARE, prefix-sharing admission, pressure.
 
-    python scripts/bench_scheduler.py [--json] [--quick]
+    python scripts/bench_scheduler.py [--json] [--quick] [--tree DIR]
+
+--tree runs the same cases against the scheduler of another checkout (e.g. an older commit, for a
+side-by-side comparison): only the public API that every version has is used.
 
 Cases
 - decode_N: N running sequences, all decoding (contexts 256..768 tokens, page size 16): median and
@@ -12,6 +15,9 @@ Cases
   with int32 arrays (what the engine passes: it converts on the HTTP thread) and with tuples of
   ints (a direct caller's lists).
 - pressure: a pool too small for the load (evictions, preemptions by recompute and offload).
+- decode_pipelined_N: the decode_N case with max_inflight_steps 2, as the overlapped engine drives
+  it: step N+1 is planned and encoded (every row feeding back step N's sample) before step N's
+  RESULT is taken (only on trees whose scheduler has the setting).
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def _tree() -> str:
+    if "--tree" in sys.argv:
+        return os.path.abspath(sys.argv[sys.argv.index("--tree") + 1])
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+sys.path.insert(0, _tree())
 
 from protocol.codec import encode  # noqa: E402
 from protocol.frames import LAYOUT_VERSION, PROTOCOL_VERSION, Frame, Result  # noqa: E402
@@ -81,13 +94,14 @@ def calibration() -> dict[str, float]:
     }
 
 
-def run_until_decoding(s: Scheduler) -> None:
+def run_until_decoding(s: Scheduler) -> int:
+    """Steps until every request decodes; returns the pages in the page tables."""
     while True:
         plan = s.plan_step()
         s.on_result(plan, fake_result(plan))
-        n = s._n
-        if n and bool((s._row_ncomp[:n] == s._row_ntok[:n] - 1).all()) and not s._waiting:
-            return
+        st = s.stats()
+        if int(plan.prepare.query_lens.max()) == 1 and st.waiting == st.preempted == 0:
+            return int(plan.prepare.page_table_lens.sum())
 
 
 def decode_case(n_seqs: int, num_kv_pages: int, steps: int, seed: int = 0, ctx: tuple[int, int] = (256, 768)) -> dict:
@@ -100,7 +114,7 @@ def decode_case(n_seqs: int, num_kv_pages: int, steps: int, seed: int = 0, ctx: 
     for rid in range(n_seqs):
         prompt = rng.integers(10, 30000, size=int(rng.integers(*ctx)), dtype=np.int32)
         s.add_request(rid, prompt, SamplingParams(max_tokens=2048, ignore_eos=True))
-    run_until_decoding(s)
+    pages = run_until_decoding(s)
     plan_t, result_t = [], []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -113,11 +127,46 @@ def decode_case(n_seqs: int, num_kv_pages: int, steps: int, seed: int = 0, ctx: 
         t3 = time.perf_counter()
         plan_t.append(t1 - t0)
         result_t.append(t3 - t2)
-    pages = int(s._row_npages[: s._n].sum())
     return {
         "seqs": n_seqs, "pool_pages": num_kv_pages, "pages_in_tables": pages,
         "plan_encode": summary(plan_t), "on_result": summary(result_t),
     }
+
+
+def pipelined_case(n_seqs: int, steps: int, seed: int = 0) -> dict | None:
+    """plan + encode of step N+1 while step N is in flight, then N's on_result."""
+    if "max_inflight_steps" not in SchedulerConfig.__dataclass_fields__:
+        return None
+    rng = np.random.default_rng(seed)
+    cfg = SchedulerConfig(
+        num_kv_pages=65536, page_size=PAGE, max_num_seqs=n_seqs, max_num_batched_tokens=max(8192, n_seqs),
+        max_model_len=4096, max_inflight_steps=2,
+    )
+    s = Scheduler(cfg)
+    for rid in range(n_seqs):
+        prompt = rng.integers(10, 30000, size=int(rng.integers(256, 768)), dtype=np.int32)
+        s.add_request(rid, prompt, SamplingParams(max_tokens=2048, ignore_eos=True))
+    pages = run_until_decoding(s)
+    plan_t, result_t = [], []
+    older = s.plan_step()
+    for i in range(steps):
+        t0 = time.perf_counter()
+        plan = s.plan_step()
+        if plan is None:  # the pool is full: the plan after this RESULT preempts
+            s.on_result(older, fake_result(older))
+            older = s.plan_step()
+            continue
+        encode_plan(plan, i)
+        t1 = time.perf_counter()
+        res = fake_result(older)
+        t2 = time.perf_counter()
+        s.on_result(older, res)
+        t3 = time.perf_counter()
+        plan_t.append(t1 - t0)
+        result_t.append(t3 - t2)
+        assert int(plan.prepare.feedback.sum()) == n_seqs
+        older = plan
+    return {"seqs": n_seqs, "pages_in_tables": pages, "plan_encode": summary(plan_t), "on_result": summary(result_t)}
 
 
 def plan_only(n_seqs: int, steps: int) -> dict:
@@ -196,7 +245,7 @@ def pressure_case(steps: int) -> dict:
 
     def top_up() -> None:
         nonlocal rid
-        while len(s._waiting) < 64:
+        while s.stats().waiting + s.stats().preempted < 64:
             tail = rng.integers(10, 30000, size=int(rng.integers(16, 256)), dtype=np.int32)
             prompt = np.concatenate((shared, tail)) if rid % 2 else tail
             s.add_request(rid, prompt, SamplingParams(max_tokens=int(rng.integers(32, 512)), ignore_eos=True))
@@ -222,6 +271,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    ap.add_argument("--tree", help="the checkout whose scheduler to measure (default: this one)")
     args = ap.parse_args()
     steps = 60 if args.quick else 400
     reps = 3 if args.quick else 9
@@ -231,9 +281,11 @@ def main() -> None:
     for pages in (16384, 262144):
         out["pool_size"].append(decode_case(256, pages, steps, seed=5, ctx=(128, 224)))
     out["plan_only_256"] = plan_only(256, steps)
+    out["decode_pipelined"] = [r for r in (pipelined_case(n, steps) for n in (256, 1024)) if r is not None]
     out["prefix_sharing"] = [prefix_case(repeats=reps), prefix_case(as_tuple=True, repeats=reps)]
     out["pressure"] = pressure_case(steps // 2)
     out["calibration"] = calibration()
+    out["tree"] = _tree()
     if args.json:
         print(json.dumps(out, indent=1))
         return
@@ -245,6 +297,12 @@ def main() -> None:
             f"on_result median {r['median_us']:.0f} us"
         )
     print(f"plan_step alone, 256 seqs: median {out['plan_only_256']['median_us']:.0f} us")
+    for row in out["decode_pipelined"]:
+        pe, r = row["plan_encode"], row["on_result"]
+        print(
+            f"decode {row['seqs']:5d} seqs, next step planned while one is in flight: plan+encode median "
+            f"{pe['median_us']:.0f} us p99 {pe['p99_us']:.0f} us; on_result median {r['median_us']:.0f} us"
+        )
     for p in out["prefix_sharing"]:
         print(
             f"prefix sharing ({p['prompts_as']} prompts): {p['requests']} requests x {p['prefix_tokens']}-token prefix: "

@@ -28,35 +28,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scripts` importable
+    sys.path.insert(0, REPO_ROOT)
 
 import httpx  # noqa: E402
 
-from harness import (  # noqa: E402
-    REPO_ROOT,
-    CompletionRequest,
-    RuntimeServer,
-    ServerOptions,
-    StreamResult,
-    default_out_dir,
-    exit_on_sigterm,
-    percentile,
-    scrape_metrics,
-    served_model,
-    stream_completion,
-    write_json,
-)
-from prompts import PromptBuilder  # noqa: E402
-
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
+from scripts.harness.metrics import M_PLAN_SECONDS, M_PROTOCOL_SECONDS, M_STEP_SECONDS, scrape_metrics  # noqa: E402
+from scripts.harness.output import default_out_dir, percentile, write_json  # noqa: E402
+from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigterm  # noqa: E402
+from scripts.prompts import PromptBuilder  # noqa: E402
 
 TARGETS = {32: 3.0, 1: 1.5}  # concurrency -> minimum throughput ratio tp-runtime / reference
-OVERHEAD_METRICS = (
-    "tp_runtime_plan_seconds_total",
-    "tp_runtime_protocol_seconds_total",
-    "tp_runtime_step_seconds_total",
-)
+OVERHEAD_METRICS = (M_PLAN_SECONDS, M_PROTOCOL_SECONDS, M_STEP_SECONDS)
 
 
 def bench_prompts(builder: PromptBuilder, tag: PromptTag, count: int, length: int, seed: int, offset: int) -> list[tuple[int, ...]]:
@@ -271,7 +256,7 @@ class BenchError(RuntimeError):
 
 
 def bench_reference(model_path: str, levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace) -> tuple[dict[int, SideResult], dict[int, list[list[int]]]]:
-    from reference import HFReference
+    from scripts.reference import HFReference
 
     reference = HFReference(model_path, args.dtype)
     reference.generate([levels[min(levels)][0][:32]], 4, ignore_eos=True)  # warm-up

@@ -1,29 +1,33 @@
 """Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
 
-    python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200]
+    python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only] [--forward-ms 10]
 
 1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
    byte fill (bytes written per second), measured here, side by side with
 2. clear_pages on a SmolLM2-shaped bf16 cache (30 layers, 3 KV heads of 64, pages of 16 slots):
    the cost per page when every page is its own run, and per run of 8 and 64 contiguous pages.
 3. The step loop itself at 1, 2 and 3 ranks: PREPARE -> validate + stage -> READY -> GO -> forward
-   -> RESULT/DONE, with a forward that does nothing but one all_reduce (and zero logits on rank 0),
-   so what is measured is the protocol, the staging and the sampler, not a model.
+   -> RESULT/DONE, with a forward that is one all_reduce and a sleep of --forward-ms (and zero
+   logits on rank 0), so what is measured is the protocol, the staging and the sampler, not a model. Per world size:
+   the step (median, p90), and the gap between two forwards (median, p90): from the end of forward
+   N on the last rank to finish it to the start of forward N+1 on the last rank to start it, which
+   each rank's model stamps itself; that is the PREPARE -> READY -> GO time no forward overlaps.
+   Each world size runs serially (the next PREPARE after the RESULT) and overlapped (the next
+   PREPARE as soon as GO is out, as --async-scheduling does): the gap is what overlapping saves.
+   The executors are started and stopped by scripts/harness/executors.py.
 Also the in-process pieces of one step (validate_prepare, StepInputs.from_prepare, sample).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +42,8 @@ from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, sample  # noqa: E402
-from protocol.frames import LAYOUT_VERSION, CacheGeometry, Go, Heartbeat, Prepare, Ready, Welcome  # noqa: E402
-from protocol.validate import negotiate_version, validate_prepare  # noqa: E402
+from protocol.frames import CacheGeometry, Prepare  # noqa: E402
+from protocol.validate import validate_prepare  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
@@ -184,59 +188,81 @@ class CollectiveShard:
     local_kv_heads: int
 
 
+# Where each rank's model writes when each forward started and ended (perf_counter: CLOCK_MONOTONIC,
+# one clock for every process of the machine), and for how many forwards.
+TIMES_DIR_ENV = "BENCH_STEP_FORWARD_TIMES"
+TIMES_CAPACITY_ENV = "BENCH_STEP_FORWARD_CAPACITY"
+# How long each forward takes besides its all_reduce: a real model's step, during which a planned
+# ahead PREPARE can be staged. It sleeps (a model's kernels leave the GIL to the link thread, too).
+FORWARD_MS_ENV = "BENCH_STEP_FORWARD_MS"
+
+
+def forward_times_path(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.npy"
+
+
 class CollectiveOnlyModel:
-    """A forward that is one all_reduce (the peers' rendezvous) and zero logits on rank 0."""
+    """A forward that is one all_reduce (the peers' rendezvous) and zero logits on rank 0. It
+    stamps its start and end into a memory-mapped file (two floats per forward), which the
+    benchmark reads once the ranks have exited: no frame carries them."""
 
     fingerprint = "bench-collective-only"
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, times: np.ndarray, forward_s: float) -> None:
         self.rank = rank
+        self.forward_s = forward_s
         self.world_size = world_size
         self.config = CollectiveConfig()
         self.shard = CollectiveShard(local_kv_heads=len(range(rank, KV_HEADS, world_size)))
         self.token = torch.zeros(1)
+        self.times = times
+        self.forwards = 0
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
+        started = time.perf_counter()
         if self.world_size > 1:
             torch.distributed.all_reduce(self.token)
-        if self.rank != 0:
-            return None
-        return torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB)
+        if self.forward_s:
+            time.sleep(self.forward_s)
+        logits = torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB) if self.rank == 0 else None
+        if self.forwards < len(self.times):
+            self.times[self.forwards] = (started, time.perf_counter())
+        self.forwards += 1
+        return logits
 
 
 def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress) -> CollectiveOnlyModel:
-    return CollectiveOnlyModel(rank, world_size)
-
-
-def executor_main(spec: dict) -> None:
-    from executor.worker import run_executor
-
-    rank, world_size = spec["rank"], spec["world_size"]
-    if world_size > 1:
-        torch.distributed.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{spec['port']}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-    code = run_executor(
-        ExecutorOptions(**spec["options"]),
-        rank=rank,
-        world_size=world_size,
-        address=spec["address"],
-        key=bytes.fromhex(spec["key"]),
-        run_id=spec["run_id"],
-        load=load_collective_only,
+    capacity = int(os.environ[TIMES_CAPACITY_ENV])
+    times = np.lib.format.open_memmap(
+        forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64, shape=(capacity, 2)
     )
-    sys.stdout.flush()
-    os._exit(code)
+    times[:] = np.nan
+    return CollectiveOnlyModel(rank, world_size, times, float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000)
 
 
-def loop_overhead(world_size: int, steps: int) -> dict[str, float]:
+def forward_gaps(times_by_rank: list[np.ndarray], steps: int) -> np.ndarray:
+    """Seconds from the end of forward N on the last rank to finish it to the start of forward N+1
+    on the last rank to start it: the time in which no forward can run, for N = 1 .. steps-1."""
+    stacked = np.stack([t[:steps] for t in times_by_rank])  # [rank, forward, (start, end)]
+    if np.isnan(stacked).any():
+        raise RuntimeError(f"a rank recorded fewer than {steps} forwards")
+    last_start, last_end = stacked[:, :, 0].max(axis=0), stacked[:, :, 1].max(axis=0)
+    return last_start[1:] - last_end[:-1]
+
+
+def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
+    values = np.asarray(seconds) * 1e6
+    return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
+
+
+def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: float) -> dict[str, object]:
+    """The step loop at world_size ranks, driven as the engine drives it, through the protocol's
+    conversation: PREPARE to all, every READY, GO to all, every RESULT/DONE. With max_inflight 2
+    the next PREPARE goes out as soon as GO is out, as the engine does with async scheduling."""
     from protocol.auth import new_key
-    from protocol.frames import Shutdown
+    from protocol.conversation import HandshakeComplete, Phase, SchedulerConversation, StepDone, StepReady
     from protocol.transport import SchedulerEndpoint, ipc_address
+    from scripts.harness.executors import ExecutorCluster
 
     g = bench_geometry()
     options = ExecutorOptions(
@@ -252,70 +278,78 @@ def loop_overhead(world_size: int, steps: int) -> dict[str, float]:
     )
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
-    ranks = list(range(world_size))
+    conv = SchedulerConversation(world_size=world_size, run_id="bench", max_inflight=max_inflight)
 
-    def collect(timeout_s: float = 120.0) -> dict:
-        got = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(ranks) - set(got))} did not answer")
-            received = endpoint.recv(100)
-            if received is None:
-                continue
-            if received.error is not None:
-                raise RuntimeError(f"rank {received.rank}: {received.error}")
-            if not isinstance(received.frame.body, Heartbeat):
-                got[received.rank] = received.frame.body
-        return got
+    def events(timeout_ms: int = 100) -> list[object]:
+        got = endpoint.recv(timeout_ms)
+        return [] if got is None else conv.receive(got.rank, got.frame or got.error, time.monotonic())
+
+    sent: dict[int, float] = {}
+    ready_at: dict[int, float] = {}
+    go_at: dict[int, float] = {}
+    phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
+
+    def prepare_what_may_go() -> None:
+        while conv.next_step <= steps and conv.staged is None and len(conv.in_flight) < max_inflight:
+            step = conv.next_step
+            endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step)))
+            sent[step] = time.perf_counter()
 
     try:
-        for rank in ranks:
-            spec = {
-                "rank": rank,
-                "world_size": world_size,
-                "port": port,
-                "address": endpoint.address,
-                "key": key.hex(),
-                "run_id": "bench",
-                "options": asdict(options),
-            }
-            procs.append(
-                subprocess.Popen([sys.executable, __file__, "--executor", json.dumps(spec)], env=env, cwd=REPO)
+        with tempfile.TemporaryDirectory(prefix="bench-step-") as times_dir:
+            cluster = ExecutorCluster(
+                world_size,
+                address=endpoint.address,
+                key=key,
+                run_id="bench",
+                options=options,
+                load="scripts.bench_step:load_collective_only",
+                collective_timeout_s=60.0,
+                log_level="WARNING",
+                env={TIMES_DIR_ENV: times_dir, TIMES_CAPACITY_ENV: str(steps), FORWARD_MS_ENV: str(forward_ms)},
             )
-        hellos = collect()
-        version = negotiate_version(hellos[0].versions)
-        endpoint.send_all(ranks, Welcome(version, LAYOUT_VERSION, world_size, hellos[0].geometry), step=0)
-        endpoint.version = version
-        times = []
-        for step in range(1, steps + 1):
-            started = time.perf_counter()
-            endpoint.send_all(ranks, decode_prepare(step), step=step)
-            ready = collect()
-            if not all(isinstance(body, Ready) for body in ready.values()):
-                raise RuntimeError(f"step {step} was not READY everywhere: {ready}")
-            endpoint.send_all(ranks, Go(), step=step)
-            collect()
-            times.append(time.perf_counter() - started)
-        endpoint.send_all(ranks, Shutdown("bench done"), step=steps)
-        for proc in procs:
-            proc.wait(timeout=30)
+            with cluster:
+                deadline = time.monotonic() + 120
+                while conv.phase is Phase.HANDSHAKE and time.monotonic() < deadline:
+                    for event in events():
+                        if not isinstance(event, HandshakeComplete):
+                            raise RuntimeError(f"the handshake failed: {event}")
+                endpoint.version = conv.version
+                endpoint.send_all(conv.ranks, *conv.welcome())
+                finished = 0
+                while finished < steps:
+                    prepare_what_may_go()
+                    for event in events():
+                        now = time.perf_counter()
+                        if isinstance(event, StepReady):
+                            ready_at[event.step] = now
+                            endpoint.send_all(conv.ranks, *conv.go(event.step))
+                            go_at[event.step] = time.perf_counter()
+                        elif isinstance(event, StepDone):
+                            finished += 1
+                            n = event.step
+                            phases["step"].append(now - sent[n])
+                            phases["prepare_to_all_ready"].append(ready_at[n] - sent[n])
+                            phases["go_to_all_done"].append(now - go_at[n])
+                        else:
+                            raise RuntimeError(f"the step loop broke: {event}")
+                endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
+                codes = cluster.stop(grace_s=30.0)
+            if any(codes.values()):
+                raise RuntimeError(f"the executors exited with codes {codes}")
+            times = [np.load(forward_times_path(times_dir, rank)) for rank in range(world_size)]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
         endpoint.close()
-    warm = times[min(10, len(times) // 4) :]
+    warmup = min(10, steps // 4)
+    gaps = forward_gaps(times, steps)[warmup:]
+    warm = {name: values[warmup:] for name, values in phases.items()}
     return {
-        "median_step_us": statistics.median(warm) * 1e6,
-        "p90_step_us": float(np.percentile(warm, 90) * 1e6),
-        "steps": len(warm),
+        "median_step_us": statistics.median(warm["step"]) * 1e6,
+        "p90_step_us": float(np.percentile(warm["step"], 90) * 1e6),
+        "steps": len(warm["step"]),
+        "forward_gap_us": quantiles_us(gaps),
+        "prepare_to_all_ready_us": quantiles_us(warm["prepare_to_all_ready"]),
+        "go_to_all_done_us": quantiles_us(warm["go_to_all_done"]),
     }
 
 
@@ -324,22 +358,42 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--ranks", default="1,2,3", help="world sizes for the loop benchmark")
     parser.add_argument("--steps", type=int, default=200, help="steps per world size")
-    parser.add_argument("--executor", help=argparse.SUPPRESS)
+    parser.add_argument("--loop-only", action="store_true", help="only the step loop (for before/after runs)")
+    parser.add_argument(
+        "--forward-ms", type=float, default=10.0,
+        help="each forward's length besides its all_reduce (default 10: a small model's decode step on a CPU)",
+    )
+    parser.add_argument(
+        "--modes", default="serial,overlap",
+        help="serial: the next PREPARE after the RESULT; overlap: after the GO, as --async-scheduling does",
+    )
     args = parser.parse_args()
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
-    if args.executor:
-        executor_main(json.loads(args.executor))
-        return
     torch.set_num_threads(1)
-    report = {
-        "bandwidth": bandwidth(),
-        "clear_pages_bf16_smollm2_pages": clear_cost(),
-        "step_pieces": step_pieces(),
-        "loop": {str(w): loop_overhead(int(w), args.steps) for w in args.ranks.split(",")},
+    report: dict[str, object] = {}
+    if not args.loop_only:
+        report |= {"bandwidth": bandwidth(), "clear_pages_bf16_smollm2_pages": clear_cost(), "step_pieces": step_pieces()}
+    inflight = {"serial": 1, "overlap": 2}
+    report["loop"] = {
+        f"{mode}/{w}": loop_overhead(int(w), args.steps, inflight[mode], args.forward_ms)
+        for w in args.ranks.split(",")
+        for mode in args.modes.split(",")
     }
     if args.json:
         print(json.dumps(report, indent=2))
         return
+    if not args.loop_only:
+        print_pieces(report)
+    for world, loop in report["loop"].items():
+        gap, ready, done = loop["forward_gap_us"], loop["prepare_to_all_ready_us"], loop["go_to_all_done_us"]
+        print(
+            f"loop {world} rank(s): median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}; "
+            f"gap between two forwards median {gap['median']:.0f} us, p90 {gap['p90']:.0f} "
+            f"(PREPARE to every READY {ready['median']:.0f} us, GO to every RESULT/DONE {done['median']:.0f} us)"
+        )
+
+
+def print_pieces(report: dict) -> None:
     bw = report["bandwidth"]
     print(f"memory copy {bw['copy_read_plus_write_gb_s']:.1f} GB/s (read+write), fill {bw['fill_write_gb_s']:.1f} GB/s")
     clear = report["clear_pages_bf16_smollm2_pages"]
@@ -355,8 +409,6 @@ def main() -> None:
         )
     for name, value in report["step_pieces"].items():
         print(f"{name}: {value:.1f}")
-    for world, loop in report["loop"].items():
-        print(f"loop at {world} rank(s): median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}")
 
 
 if __name__ == "__main__":

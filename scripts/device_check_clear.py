@@ -9,13 +9,17 @@ non-zero if any check fails. Sections:
    a host sync in between; the graph's output must be finite every time. Control: without the
    clear the same graph must see NaN, or the check proves nothing.
 3. Bandwidth: memset of one long run and of single pages (cuMemsetD8Async) against a
-   device-to-device copy, on a Llama-3-8B-shaped bf16 page (2 MiB).
-4. DecodeGraphRunner: a capturable stand-in decode forward replayed for padded batch sizes gives
+   device-to-device copy, on a Llama-3-8B-shaped bf16 page (2 MiB). A memset writes once where a
+   copy reads and writes, so one long run must reach at least half the copy's read+write rate.
+4. Pinned offload: pages copied to the pinned host buffer, cleared, and copied back, all queued on
+   one stream without a host sync, come back byte-identical.
+5. DecodeGraphRunner: a capturable stand-in decode forward replayed for padded batch sizes gives
    the eager logits and leaves the pad page zero.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -25,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scripts` importable
+    sys.path.insert(0, REPO_ROOT)
 
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.cuda_graphs import DecodeGraphRunner  # noqa: E402
@@ -34,6 +40,14 @@ from executor.inputs import StepInputs  # noqa: E402
 from protocol.frames import CacheGeometry, KVDtype, Prepare  # noqa: E402
 
 FAILURES: list[str] = []
+# `--device cpu` runs the sections that need no CUDA (the CPU fill stands in for the memsets), so
+# that this script's use of the runtime's API is tested where there is no GPU.
+DEVICE = torch.device("cuda")
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def check(condition: bool, what: str) -> bool:
@@ -46,7 +60,9 @@ def report(section: str, **values: object) -> None:
     print(json.dumps({"section": section, **values}), flush=True)
 
 
-def make_cache(kv_dtype: str, num_kv_pages: int, layers: int, heads: int, head_dim: int, page_size: int = 16) -> KVCache:
+def make_cache(
+    kv_dtype: str, num_kv_pages: int, layers: int, heads: int, head_dim: int, page_size: int = 16, num_host_pages: int = 0
+) -> KVCache:
     return KVCache(
         num_kv_pages=num_kv_pages,
         page_size=page_size,
@@ -54,7 +70,8 @@ def make_cache(kv_dtype: str, num_kv_pages: int, layers: int, heads: int, head_d
         num_kv_heads=heads,
         head_dim=head_dim,
         kv_dtype=kv_dtype,
-        device=torch.device("cuda"),
+        device=DEVICE,
+        num_host_pages=num_host_pages,
         poison=True,
     )
 
@@ -62,16 +79,16 @@ def make_cache(kv_dtype: str, num_kv_pages: int, layers: int, heads: int, head_d
 def check_clear_pages() -> None:
     for kv_dtype in [d.value for d in KVDtype]:
         cache = make_cache(kv_dtype, num_kv_pages=64, layers=4, heads=2, head_dim=64)
-        live = torch.randn(cache.data[:32].shape, device="cuda").clamp(-4, 4)
+        live = torch.randn(cache.data[:32].shape, device=DEVICE).clamp(-4, 4)
         cache.data[:32] = live.to(cache.storage_dtype)
         poisoned = np.array([3, 4, 5, 9, 20, 40, 41, 42, 50], dtype=np.int32)
         cache.poison_pages(poisoned)
         nan_before = bool(torch.isnan(cache.data[poisoned].float()).all())
         listed = np.array([3, 4, 5, 9, 40, 41, 42, 43, 44], dtype=np.int32)  # 20 and 50 stay poisoned
         before = cache.data.view(torch.uint8).clone()
-        torch.cuda.current_stream().synchronize()
+        sync()
         cache.clear_pages(listed)
-        torch.cuda.synchronize()
+        sync()
         after = cache.data.view(torch.uint8)
         others = np.setdiff1d(np.arange(cache.num_kv_pages + 1), listed)
         ok = all(
@@ -162,8 +179,12 @@ def check_bandwidth() -> None:
     dst = cache.data[512:1024]
     copy_us = cuda_time_us(lambda: dst.copy_(src))
     nbytes = 512 * page_bytes
+    memset_gb_s = nbytes / memset_run_us / 1e3
+    copy_gb_s = 2 * nbytes / copy_us / 1e3
+    ok = check(memset_gb_s >= 0.5 * copy_gb_s, f"memset of one run {memset_gb_s:.0f} GB/s is under half the copy's {copy_gb_s:.0f} GB/s")
     report(
         "bandwidth",
+        ok=ok,
         page_bytes=page_bytes,
         memset_one_run_gb_s=nbytes / memset_run_us / 1e3,
         memset_single_pages_gb_s=nbytes / memset_single_us / 1e3,
@@ -172,6 +193,26 @@ def check_bandwidth() -> None:
         d2d_copy_read_plus_write_gb_s=2 * nbytes / copy_us / 1e3,
         d2d_copy_bytes_moved_gb_s=nbytes / copy_us / 1e3,
     )
+
+
+def check_offload() -> None:
+    cache = make_cache("bf16", num_kv_pages=64, layers=4, heads=2, head_dim=64, num_host_pages=8)
+    cache.data[:64] = torch.randn(cache.data[:64].shape, device=DEVICE).to(cache.storage_dtype)
+    pages, slots = np.array([3, 4, 40], dtype=np.int32), np.array([0, 5, 7], dtype=np.int32)
+    original = cache.data[pages].clone()
+    sync()
+    cache.offload(pages, slots)  # non_blocking copies to pinned memory
+    cache.poison_pages(pages)  # the page's next owner, queued behind the copy
+    cache.clear_pages(pages)
+    cache.restore(pages, slots)
+    sync()
+    ok = all(
+        [
+            check(cache.host.is_pinned() or DEVICE.type != "cuda", "the host offload buffer is pinned"),
+            check(torch.equal(cache.data[pages].view(torch.uint8), original.view(torch.uint8)), "offload + restore: byte-identical"),
+        ]
+    )
+    report("offload", pages=len(pages), page_bytes=cache.page_bytes, ok=ok)
 
 
 @dataclass(frozen=True)
@@ -241,13 +282,21 @@ def check_graph_runner() -> None:
     report("graph_runner", results=results, ok=all(r["same_as_eager"] and r["pad_page_zero"] for r in results.values()))
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
+def main(argv: list[str] | None = None) -> int:
+    global DEVICE
+    parser = argparse.ArgumentParser(description="clear_pages, its ordering, offload and the graph runner on CUDA")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    DEVICE = torch.device(parser.parse_args(argv).device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device visible to torch"}))
         return 2
-    report("device", name=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
+    if DEVICE.type == "cuda":
+        report("device", name=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
+        sections = (check_clear_pages, check_stream_order, check_bandwidth, check_offload, check_graph_runner)
+    else:
+        sections = (check_clear_pages, check_offload)
     started = time.perf_counter()
-    for section in (check_clear_pages, check_stream_order, check_bandwidth, check_graph_runner):
+    for section in sections:
         try:
             section()
         except Exception as exc:  # noqa: BLE001 - report every section even if one breaks

@@ -70,7 +70,7 @@ _IMPORT_MODULES = textwrap.dedent(
 def test_the_frontend_process_never_imports_torch() -> None:
     # The frontend (scheduler + HTTP) shares a core with rank 0's model step; torch there would
     # cost start-up time and memory, and tempt model work into the wrong process.
-    frontend = ("tp_runtime.frontend", "tp_runtime.engine", "tp_runtime.server", "tp_runtime.tokenizer", "tp_runtime.cli")
+    frontend = ("tp_runtime.frontend", "tp_runtime.engine", "tp_runtime.http", "tp_runtime.tokenizer", "tp_runtime.cli")
     out = subprocess.run(
         [sys.executable, "-c", _IMPORT_MODULES, *frontend], cwd=ROOT, capture_output=True, text=True, timeout=120
     )

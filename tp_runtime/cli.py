@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import socket
 import sys
@@ -18,6 +19,7 @@ from executor.options import WEIGHT_FORMATS
 from tp_runtime.config import DTYPES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
 
 EXIT_USAGE = 2
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: the server's API key when --api-key is not given
 TOOL_SCRIPTS = {"soak": "soak", "bench": "bench_serving"}
 
 
@@ -49,11 +51,62 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--swap-space", type=parse_size, default=0, help="host buffer for preempted pages (0: recompute)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="plan and stage step N+1 while step N runs (default on; --no-async-scheduling runs steps in series)",
+    )
     g = p.add_argument_group("fault injection (debug)")
     g.add_argument("--debug-poison-kv-cache", action="store_true", help="fill the cache with 0xFF (NaN) at allocation")
     g.add_argument("--debug-poison-freed-pages", action="store_true", help="fill every page freed to the pool with 0xFF")
     g.add_argument("--debug-skip-clears", action="store_true", help="skip clearing pages (proves the poison is detected)")
+    g = p.add_argument_group("across hosts (torchrun's names; docs/deployment.md)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts in the launch; run the same command on each")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's number, 0..nnodes-1; host 0 holds the rendezvous")
+    g.add_argument("--nproc-per-node", type=int, default=0, help="ranks on this host (default: --tensor-parallel-size / --nnodes)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="address of host 0, where torchrun's c10d rendezvous listens")
+    g.add_argument("--master-port", type=int, default=29500, help="port of the rendezvous on host 0 (default 29500)")
+    g.add_argument("--advertise-host", default="", help="address the other hosts reach the scheduler by (default: the interface of the rendezvous)")
+    g.add_argument("--frame-port", type=int, default=0, help="the scheduler's tcp port across hosts (default: any free port)")
+    g.add_argument("--frame-key-dir", default="", help="keys made by `tp-runtime keys DIR` and copied to every host (0700)")
+    g.add_argument(
+        "--trust-rendezvous-store", action="store_true",
+        help="make keys per launch and pass their public halves through torchrun's rendezvous store, trusting it",
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+
+
+def _add_http_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP server (docs/http_api.md)")
+    g.add_argument("--api-key", help=f"require 'Authorization: Bearer <key>' on /v1 and /generate (default: ${API_KEY_ENV})")
+    g.add_argument("--require-api-key-for-metrics", action="store_true", help="/metrics needs the key too")
+    g.add_argument(
+        "--served-model-name", nargs="+", default=(), metavar="NAME",
+        help="names requests may give as `model`; answers report the first (default: the --model path)",
+    )
+    g.add_argument(
+        "--max-num-queued-reqs", type=int, default=0,
+        help="requests in flight (waiting + running) before new ones get 429 (default: 8 x --max-num-seqs)",
+    )
+    g.add_argument("--max-request-body-size", type=parse_size, default=0, help="largest request body (default: from --max-prompt-chars)")
+    g.add_argument("--max-prompt-chars", type=int, default=0, help="longest prompt text (default: --max-model-len x the longest token)")
+    g.add_argument("--request-body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (default 30)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
+
+
+def _hide_api_key(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """Moves --api-key into the environment that every process of the launch inherits, and out of
+    the argv handed on to them, so that the key shows in no command line but the one it was typed on."""
+    if getattr(args, "api_key", None):
+        os.environ[API_KEY_ENV] = args.api_key
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--api-key":
+            skip = True
+        elif not arg.startswith("--api-key="):
+            out.append(arg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_options(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--shutdown-timeout", type=float, default=20.0,
+        help="on SIGTERM, seconds running requests may take to finish (default 20; torchrun's grace period is 30)",
+    )
+    _add_http_options(serve)
     gen = sub.add_parser("generate", help="generate a completion of one prompt and exit")
     gen.add_argument("prompt")
     _add_runtime_options(gen)
@@ -73,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
+    keys = sub.add_parser("keys", help="make the key directories --frame-key-dir names, one per host")
+    keys.add_argument("directory", help="a directory that does not exist yet; OUT/<host> is for that host")
+    keys.add_argument("--hosts", nargs="+", required=True, help="a name for each host (the directories' names)")
     sub.add_parser("soak", help="soak run under KV pressure with fault injection (scripts/soak.py)", add_help=False)
     sub.add_parser("bench", help="serving benchmark (scripts/bench_serving.py)", add_help=False)
     return parser
@@ -95,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         device=args.device,
         enforce_eager=args.enforce_eager,
         host=getattr(args, "host", "127.0.0.1"),
@@ -103,6 +165,23 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         debug_poison_freed_pages=args.debug_poison_freed_pages,
         debug_skip_clears=args.debug_skip_clears,
         log_level=args.log_level,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        nproc_per_node=args.nproc_per_node,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        advertise_host=args.advertise_host,
+        frame_port=args.frame_port,
+        frame_key_dir=args.frame_key_dir,
+        trust_rendezvous_store=args.trust_rendezvous_store,
+        shutdown_timeout=getattr(args, "shutdown_timeout", 20.0),
+        served_model_name=tuple(getattr(args, "served_model_name", ())),
+        max_num_queued_reqs=getattr(args, "max_num_queued_reqs", 0),
+        max_request_body_size=getattr(args, "max_request_body_size", 0),
+        max_prompt_chars=getattr(args, "max_prompt_chars", 0),
+        request_body_timeout=getattr(args, "request_body_timeout", 30.0),
+        timeout_keep_alive=getattr(args, "timeout_keep_alive", 5),
+        require_api_key_for_metrics=getattr(args, "require_api_key_for_metrics", False),
     )
 
 
@@ -117,12 +196,13 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
     if not os.path.exists(config.model):
         raise ConfigError(f"the model path {config.model} does not exist")
+    _check_hosts(config)
     if config.device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < config.tensor_parallel_size:
+        if torch.cuda.device_count() < config.ranks_per_node:
             raise ConfigError(
-                f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs; this machine has {torch.cuda.device_count()}"
+                f"{config.ranks_per_node} ranks on this host need that many GPUs; it has {torch.cuda.device_count()}"
             )
     if args.command == "generate":
         if args.max_tokens < 1:
@@ -130,33 +210,94 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     if args.command == "serve":
-        _check_port_free(config.host, config.port)
+        if not 0 <= config.shutdown_timeout < 3600:
+            raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {config.shutdown_timeout}")
+        # Any host may be the one torchrun gives rank 0, and so the HTTP server.
+        check_port_free(config.host, config.port)
+        _check_http_options(config)
     try:
         return resolve(config)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_hosts(config: RuntimeConfig) -> None:
+    from tp_runtime import frame_keys, hosts
+
+    if config.nnodes < 1 or not 0 <= config.node_rank < config.nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{max(config.nnodes, 1) - 1} and --nnodes at least 1")
+    ranks = config.ranks_per_node * config.nnodes
+    if config.nproc_per_node < 0 or config.ranks_per_node < 1 or ranks != config.tensor_parallel_size:
+        raise ConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} must equal --nnodes {config.nnodes} times "
+            f"--nproc-per-node ({config.nproc_per_node or 'its default'})"
+        )
+    for flag, port, low in (("--master-port", config.master_port, 1), ("--frame-port", config.frame_port, 0)):
+        if not low <= port < 65536:
+            raise ConfigError(f"{flag} must be in {low}..65535, got {port}")
+    if config.frame_key_dir and config.trust_rendezvous_store:
+        raise ConfigError("pass --frame-key-dir or --trust-rendezvous-store, not both")
+    if not config.multi_node:
+        return
+    if not (config.frame_key_dir or config.trust_rendezvous_store):
+        raise ConfigError(
+            "across hosts the frames are encrypted with keys the operator provides: make them with "
+            "`tp-runtime keys DIR`, copy DIR to every host and pass --frame-key-dir DIR (or pass "
+            "--trust-rendezvous-store; docs/deployment.md says what each trusts)"
+        )
+    if config.frame_key_dir:
+        frame_keys.load_key_dir(config.frame_key_dir)
+    elif importlib.util.find_spec("cryptography") is None:
+        raise ConfigError("--trust-rendezvous-store needs the `cryptography` package: pip install 'tp-runtime[multinode]'")
+    hosts.resolve(config.master_addr)
+    if config.advertise_host:
+        hosts.resolve(config.advertise_host)
+
+
+def _check_http_options(config: RuntimeConfig) -> None:
+    names = config.served_model_name
+    if any(not name for name in names) or len(set(names)) != len(names):
+        raise ConfigError(f"--served-model-name takes distinct, non-empty names, got {list(names)}")
+    for flag, value in (
+        ("--max-num-queued-reqs", config.max_num_queued_reqs),
+        ("--max-request-body-size", config.max_request_body_size),
+        ("--max-prompt-chars", config.max_prompt_chars),
+    ):
+        if value < 0:
+            raise ConfigError(f"{flag} must be at least 1, or 0 for its default; got {value}")
+    if not config.request_body_timeout > 0 or config.timeout_keep_alive < 1:
+        raise ConfigError("--request-body-timeout must be positive and --timeout-keep-alive at least 1 second")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuses a port uvicorn could not listen on; one that only lingers in TIME_WAIT is free."""
+    from tp_runtime.hosts import check_can_listen
+
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(f"port {port} on {host} is already in use") from None
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    try:
+        check_can_listen(host, port)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def run_generate_job(engine, tokenizer, argv: Sequence[str]) -> int:  # noqa: ANN001 (frontend types)
     """The frontend side of `generate`: one request, text to stdout as it comes."""
     from scheduler.request import SamplingParams
     from tp_runtime.chat import render_chat
+    from tp_runtime.engine import EngineUnavailable
     from tp_runtime.tokenizer import IncrementalDetokenizer
 
     args = build_parser().parse_args(list(argv))
-    engine.wait_ready()
+    try:
+        engine.wait_ready()
+    except EngineUnavailable as exc:
+        sys.stderr.write(f"tp-runtime: error: {exc}\n")
+        return 1
     if args.raw:
         ids = tokenizer.encode(args.prompt)
     else:  # the template writes BOS and the turn markers itself
@@ -197,18 +338,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_script(TOOL_SCRIPTS[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    argv = _hide_api_key(args, argv)
+    from tp_runtime.launch import launch, quiet_torchrun, run_worker, under_torchrun
+
+    if args.command in ("serve", "generate") and not under_torchrun():
+        quiet_torchrun(args.log_level)
     from executor.model import ModelLoadError
-    from tp_runtime.launch import launch, run_worker, under_torchrun
 
     try:
+        if args.command == "keys":
+            from tp_runtime.frame_keys import create_key_dirs
+
+            for host, directory in create_key_dirs(args.directory, args.hosts).items():
+                sys.stdout.write(f"{host}: copy {directory} to that host and pass --frame-key-dir with its path\n")
+            return 0
         config = config_from_args(args)
         if under_torchrun():
             return run_worker(config, args.command, argv)
         config = validate(config, args)
+        return launch(config, argv)
     except (ConfigError, ModelLoadError) as exc:
         sys.stderr.write(f"tp-runtime: error: {exc}\n")
         return EXIT_USAGE
-    return launch(config, argv)
 
 
 if __name__ == "__main__":

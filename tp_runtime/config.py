@@ -34,14 +34,45 @@ class RuntimeConfig:
     swap_space: int = 0  # bytes of host offload buffer per rank; 0 preempts by recompute
     num_host_pages: int = 0  # derived from swap_space by the launcher
     enable_prefix_caching: bool = True
+    # Plan step N+1 while step N runs (vLLM's --async-scheduling); off runs every step in series.
+    async_scheduling: bool = True
     device: str = "auto"
     enforce_eager: bool = False
+    # Launch across hosts (torchrun's names; docs/deployment.md). One host of nnodes: the options
+    # above must be the same on every host, these say where this host stands.
+    nnodes: int = 1
+    node_rank: int = 0
+    nproc_per_node: int = 0  # 0: tensor_parallel_size // nnodes
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    advertise_host: str = ""  # "": the address torchrun's rendezvous reaches rank 0's host by
+    frame_port: int = 0  # the scheduler's tcp port across hosts; 0: any free port
+    frame_key_dir: str = ""  # operator-provisioned keys (`tp-runtime keys DIR`), 0700/0600
+    trust_rendezvous_store: bool = False  # keys made per launch, public halves through the store
+    shutdown_timeout: float = 20.0  # SIGTERM drain bound; torchrun's grace period must exceed it
     host: str = "127.0.0.1"
     port: int = 8000
     debug_poison_kv_cache: bool = False
     debug_poison_freed_pages: bool = False
     debug_skip_clears: bool = False
     log_level: str = "info"
+    # The HTTP server's (docs/http_api.md). The API key is not here: this config travels on a
+    # command line, the key in VLLM_API_KEY.
+    served_model_name: tuple[str, ...] = ()  # () : the --model path, as vLLM reports it
+    max_num_queued_reqs: int = 0  # requests in flight before 429; 0: 8 x max_num_seqs
+    max_request_body_size: int = 0  # bytes; 0: derived from the prompt cap
+    max_prompt_chars: int = 0  # 0: max_model_len x the longest token's characters
+    request_body_timeout: float = 30.0  # seconds for a whole request body to arrive
+    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open (uvicorn's)
+    require_api_key_for_metrics: bool = False
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.nproc_per_node or self.tensor_parallel_size // self.nnodes
 
     @property
     def resolved_kv_dtype(self) -> str:

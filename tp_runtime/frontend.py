@@ -1,7 +1,12 @@
 """The frontend process: rank 0's child that runs the scheduler and the HTTP server or the CLI job.
 
 It imports no torch, so its Python work never competes with rank 0's model step for a GIL. It dies
-with rank 0 (PR_SET_PDEATHSIG), failing every request in flight with a clear error first.
+with rank 0 (PR_SET_PDEATHSIG), failing every request in flight with a clear error and removing its
+ipc directory first.
+
+Its endpoint: on one host an ipc:// socket in a 0700 directory; across hosts tcp on the address the
+other hosts reach this one by (tp_runtime.hosts.scheduler_address), never a loopback address when a
+peer is on another host.
 """
 
 from __future__ import annotations
@@ -11,24 +16,26 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import uuid
+from dataclasses import replace
 
 from protocol.auth import new_key
+from protocol.curve import ServerCurve
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tp_runtime.config import RuntimeConfig
+from tp_runtime import frame_keys, hosts
+from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
-from tp_runtime.launch import pack_secrets
+from tp_runtime.launch import Bootstrap, KeyMode
 from tp_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")
 
 PARENT_DIED = signal.SIGHUP
-DRAIN_TIMEOUT_S = 30.0
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
+QUEUED_REQS_PER_SEQ = 8  # the default bound on requests in flight, per running slot
 
 
 def _die_with_parent() -> None:
@@ -38,15 +45,32 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, int(PARENT_DIED), 0, 0, 0)
 
 
-def _bind_endpoint(key: bytes, run_id: str) -> SchedulerEndpoint:
-    single_host = os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
-    if single_host:
+def single_host() -> bool:
+    return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
+
+
+def _bind_endpoint(config: RuntimeConfig, key: bytes, run_id: str, curve: ServerCurve | None) -> SchedulerEndpoint:
+    if single_host():
         return SchedulerEndpoint(ipc_address(), key, run_id)
-    endpoint = SchedulerEndpoint("tcp://0.0.0.0:0", key, run_id)
-    port = endpoint.address.rsplit(":", 1)[1]
-    host = os.environ.get("TP_RUNTIME_ADVERTISE_HOST") or socket.gethostbyname(socket.gethostname())
-    endpoint.advertised_address = f"tcp://{host}:{port}"
-    return endpoint
+    ip = hosts.scheduler_address(config.advertise_host, os.environ.get("MASTER_ADDR", config.master_addr))
+    host = f"[{ip}]" if ":" in ip else ip
+    return SchedulerEndpoint(f"tcp://{host}:{config.frame_port}", key, run_id, curve=curve)
+
+
+def _frame_keys(config: RuntimeConfig, run_id: str, clients: list[bytes]) -> tuple[bytes, ServerCurve | None, Bootstrap]:
+    """The HMAC key, the CURVE server keys (none on one host), and what the ranks learn of them."""
+    if single_host():
+        key = new_key()
+        return key, None, Bootstrap(key_mode=KeyMode.PIPE, key_hex=key.hex())
+    if config.frame_key_dir:
+        keys = frame_keys.load_key_dir(config.frame_key_dir)
+        return keys.frame_key, keys.server, Bootstrap(key_mode=KeyMode.DIRECTORY)
+    if not config.trust_rendezvous_store:
+        raise ConfigError("across hosts pass --frame-key-dir or --trust-rendezvous-store (docs/deployment.md)")
+    pair, key = frame_keys.new_pair(), new_key()
+    sealed = tuple(frame_keys.seal_frame_key(key, pair, public, run_id, rank).hex() for rank, public in enumerate(clients))
+    curve = ServerCurve(pair.public, pair.secret, frozenset(clients))
+    return key, curve, Bootstrap(key_mode=KeyMode.STORE, server_key=pair.public.decode(), sealed_keys=sealed)
 
 
 def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer) -> Engine:
@@ -60,6 +84,7 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: 
             eos_token_ids=tuple(tokenizer.eos_token_ids),
             num_host_pages=config.num_host_pages,
             enable_prefix_cache=config.enable_prefix_caching,
+            max_inflight_steps=2 if config.async_scheduling else 1,
             poison_freed_pages=config.debug_poison_freed_pages,
         )
     )
@@ -67,56 +92,96 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: 
         scheduler=scheduler,
         endpoint=endpoint,
         world_size=config.tensor_parallel_size,
-        model_name=os.path.basename(config.model.rstrip("/")),
+        model_name=served_model_names(config)[0],
         max_model_len=config.max_model_len,
+        max_num_queued_reqs=config.max_num_queued_reqs or QUEUED_REQS_PER_SEQ * config.max_num_seqs,
     )
+
+
+def served_model_names(config: RuntimeConfig) -> tuple[str, ...]:
+    """--served-model-name, or the --model path as given: what vLLM reports for a local model."""
+    return tuple(config.served_model_name) or (config.model,)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tp_runtime.frontend")
-    parser.add_argument("--secrets-fd", type=int, required=True)
+    parser.add_argument("--bootstrap-fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--mode", choices=("serve", "generate"), required=True)
+    parser.add_argument("--client-keys", default="", help="the ranks' CURVE public keys (Z85), comma-separated, in rank order")
     parser.add_argument("job", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    _die_with_parent()
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
+    engine: Engine | None = None
 
-    tokenizer = Tokenizer.from_model_path(config.model)
-    key, run_id = new_key(), uuid.uuid4().hex
-    endpoint = _bind_endpoint(key, run_id)
-    address = getattr(endpoint, "advertised_address", endpoint.address)
-    with os.fdopen(args.secrets_fd, "wb") as pipe:
-        pipe.write(pack_secrets(key, run_id, address))
-    engine = build_engine(config, endpoint, tokenizer)
-    engine.start()
+    def parent_died(_signum: int, _frame: object) -> None:
+        # Rank 0 gone: fail what runs, or stop starting; either way out through the finally below,
+        # which removes the ipc directory.
+        if engine is None:
+            raise SystemExit(1)
+        engine.fail("rank 0 exited: the runtime is down")
+
+    signal.signal(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
+    _die_with_parent()
+    run_id = uuid.uuid4().hex
+    clients = [k.encode() for k in args.client_keys.split(",") if k]
+    endpoint: SchedulerEndpoint | None = None
     try:
+        with os.fdopen(args.bootstrap_fd, "wb") as pipe:
+            try:
+                key, curve, keys_bootstrap = _frame_keys(config, run_id, clients)
+                endpoint = _bind_endpoint(config, key, run_id, curve)
+            except ConfigError as exc:
+                pipe.write(Bootstrap(error=str(exc)).pack())
+                return 2
+            pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
+        tokenizer = Tokenizer.from_model_path(config.model)
+        engine = build_engine(config, endpoint, tokenizer)
+        engine.start()
         if args.mode == "serve":
             return _serve(engine, tokenizer, config)
         from tp_runtime.cli import run_generate_job
 
         return run_generate_job(engine, tokenizer, [a for a in args.job if a != "--"])
     finally:
-        engine.shutdown("the frontend exited")
-        endpoint.close()
+        if engine is not None:
+            engine.shutdown("the frontend exited")
+        if endpoint is not None:
+            endpoint.close()
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
     import uvicorn
 
-    from tp_runtime.server import create_app
+    from tp_runtime.cli import API_KEY_ENV
+    from tp_runtime.http import ServerSettings, create_app
 
-    app = create_app(engine, tokenizer, engine.model_name)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off"))
+    settings = ServerSettings(
+        served_model_names(config),
+        model_path=config.model,
+        api_key=os.environ.get(API_KEY_ENV) or None,
+        require_api_key_for_metrics=config.require_api_key_for_metrics,
+        bind_host=config.host,
+        max_request_body_size=config.max_request_body_size,
+        max_prompt_chars=config.max_prompt_chars,
+        request_body_timeout_s=config.request_body_timeout,
+    )
+    app = create_app(engine, tokenizer, settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
+            timeout_keep_alive=config.timeout_keep_alive,
+        )
+    )
     # uvicorn in a non-main thread installs no signal handlers: the main thread owns SIGTERM (drain)
     # and PARENT_DIED (fail fast).
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     stop = threading.Event()
 
     def drain(signum: int, _frame: object) -> None:
-        log.info("SIGTERM: draining (up to %.0f s)", DRAIN_TIMEOUT_S)
-        threading.Thread(target=lambda: (engine.drain(DRAIN_TIMEOUT_S), stop.set()), daemon=True).start()
+        log.info("SIGTERM: draining (up to %g s)", config.shutdown_timeout)
+        threading.Thread(target=lambda: (engine.drain(config.shutdown_timeout), stop.set()), daemon=True).start()
 
     def parent_died(signum: int, _frame: object) -> None:
         engine.fail("rank 0 exited: the runtime is down")
@@ -129,7 +194,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
     log.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)
     while not stop.wait(0.2):
         if engine.failed:
-            log.error("runtime failed: %s", engine.health().reason)
+            sys.stderr.write(f"tp-runtime: error: the runtime failed: {engine.health().reason}\n")
             stop.wait(FAILED_LINGER_S)
             break
     server.should_exit = True

@@ -9,7 +9,9 @@ ids match and encoding and decoding run in Rust. Nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from executor.gguf_file import GGUFFile, GGUFFormatError
 
 _REPLACEMENT = "\ufffd"
+# sentencepiece's byte-fallback tokens spell one byte each: <0x0A>.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # How many prompt tokens the detokenizer decodes as context in front of the first generated token:
 # decoders that drop a leading space at the start of a text (Metaspace) need a token before it.
 _DETOKENIZE_CONTEXT = 5
@@ -307,7 +311,45 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """add_special_tokens adds what the model's files ask for (a BOS, if any); a prompt
         rendered by a chat template already carries its special tokens, so pass False."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch gives the same ids but releases the GIL while the Rust tokenizer works, and
+        # encode does not (docs/http_api.md measures both): a long prompt tokenized on a worker
+        # thread then stalls neither the server's event loop nor the engine thread.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text longer than n times this cannot fit
+        in n tokens. A token's spelling in the vocabulary is never shorter than its text (byte-level
+        vocabularies spell one character per byte; sentencepiece ones spell characters, or a byte
+        fallback as six); only a tokenizer that fuses unknown characters or strips some in its
+        normalizer breaks the bound, and neither is built here."""
+        return max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, which may be part of one UTF-8 character (OpenAI's
+        logprobs `bytes`). A model's vocabulary may be padded past the tokenizer's: such an id
+        stands for no bytes, as decode() gives it no text."""
+        table = self._byte_table
+        return table[token_id] if 0 <= token_id < len(table) else b""
+
+    @functools.cached_property
+    def _byte_table(self) -> tuple[bytes, ...]:
+        backend = self._backend
+        byte_level = b'"ByteLevel"' in (backend.decoder.__getstate__() if backend.decoder else b"")
+        alphabet = {char: byte for byte, char in _bytes_to_unicode().items()}
+        table = []
+        for token_id in range(self.vocab_size):
+            spelling = backend.id_to_token(token_id) or ""
+            byte = _BYTE_TOKEN.fullmatch(spelling)
+            if byte_level and spelling and all(char in alphabet for char in spelling):
+                table.append(bytes(alphabet[char] for char in spelling))
+            elif byte is not None:
+                table.append(bytes([int(byte.group(1), 16)]))
+            elif byte_level:  # an added token, spelled as plain text
+                table.append(spelling.encode())
+            else:
+                table.append(spelling.replace("\u2581", " ").encode())
+        return tuple(table)
 
     def decode(self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

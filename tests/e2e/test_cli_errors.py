@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.tiny_models import write_tiny_gguf, write_tiny_llama
+from tp_runtime.config import ConfigError
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -65,3 +68,49 @@ def test_weight_formats_the_model_or_dtype_cannot_run(tiny: str, tmp_path) -> No
         run_cli("generate", "hi", "--model", q4, "--weight-format", "mixed", "--dtype", "fp32"),
         "weight format mixed", "bf16 or fp16",
     )
+
+
+def time_wait_port() -> int:
+    """A port whose only socket is a closed connection in TIME_WAIT, as a stopped uvicorn leaves it
+    (its listener sets SO_REUSEADDR, and the connections it accepts inherit it)."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+        client.recv(1)
+        client.close()
+    time.sleep(0.2)  # the last ACK
+    return port
+
+
+def test_a_port_in_time_wait_is_free_as_uvicorn_sees_it() -> None:
+    from tp_runtime.cli import check_port_free
+
+    port = time_wait_port()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # without SO_REUSEADDR the port looks taken
+    check_port_free("127.0.0.1", port)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ConfigError, match="in use"):
+            check_port_free("127.0.0.1", busy.getsockname()[1])
+
+
+def test_bad_multi_host_options(tiny: str, tmp_path) -> None:
+    hosts = ("--nnodes", "2", "--master-addr", "127.0.0.1")
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts), "--frame-key-dir")
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--node-rank", "2"), "--node-rank")
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "3", *hosts), "--tensor-parallel-size 3")
+    keys = tmp_path / "keys"
+    assert run_cli("keys", str(keys), "--hosts", "a", "b").returncode == 0
+    assert_usage_error(run_cli("keys", str(keys), "--hosts", "a"), "exists")
+    os.chmod(keys / "a" / "frame.key", 0o644)
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--frame-key-dir", str(keys / "a")), "0644")
+    os.chmod(keys / "a" / "frame.key", 0o600)
+    os.remove(keys / "b" / "server.key_secret")
+    assert_usage_error(run_cli("generate", "hi", "--model", tiny, "-tp", "2", *hosts, "--frame-key-dir", str(keys / "b")), "server.key_secret")

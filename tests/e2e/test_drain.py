@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.e2e.serving import SERVER_OPTIONS, Server, alive, descendants
 
@@ -55,3 +56,80 @@ def test_sigterm_lets_running_requests_finish_then_exits_cleanly(tiny_model: Pat
         assert not alive(group), f"processes left behind: {alive(group)}"
     finally:
         server.stop()
+
+
+def test_a_stream_longer_than_the_drain_gets_an_error_and_the_group_exits_before_torchrun_would_kill_it(
+    tiny_model: Path,
+) -> None:
+    options = ("--dtype", "fp32", "--num-kv-pages", "256", "--max-model-len", "2048", "--max-num-seqs", "4")
+    drain_s = 2.0
+    server = Server(tiny_model, tp=2, extra=(*options, "--shutdown-timeout", str(drain_s)))
+    try:
+        group = [server.pid, *descendants(server.pid)]
+        events: list[str] = []
+        first_data = threading.Event()
+        ended_at: list[float] = []
+
+        def stream() -> None:
+            body = {"prompt": "on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+                    for line in response.iter_lines():
+                        events.append(line)
+                        if line.startswith("data: "):
+                            first_data.set()
+            except httpx.HTTPError as exc:
+                events.append(f"transport error: {exc!r}")
+            finally:
+                ended_at.append(time.monotonic())
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first_data.wait(60), "the stream never started"
+        stopped_at = time.monotonic()
+        os.kill(server.pid, signal.SIGTERM)
+        reader.join(timeout=30)
+        assert ended_at, "the stream did not end"
+        took = ended_at[0] - stopped_at
+        assert drain_s - 0.5 < took < drain_s + 5, f"the stream ended {took:.1f} s after SIGTERM"
+        data = [line for line in events if line.startswith("data: ")]
+        assert any('"error"' in line and "shutting down" in line for line in data[-2:]), data[-3:]
+        assert server.process.wait(timeout=30) == 0
+        exited = time.monotonic() - stopped_at
+        # torchrun's grace period is 30 s: the group left long before it would have been killed.
+        assert exited < drain_s + 10, f"the group took {exited:.1f} s to stop"
+        deadline = time.monotonic() + 10
+        while alive(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(group), f"processes left behind: {alive(group)}"
+    finally:
+        server.stop()
+
+
+def test_the_launcher_gives_torchrun_a_grace_period_longer_than_the_drain() -> None:
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from tp_runtime import launch
+    from tp_runtime.config import RuntimeConfig
+
+    assert launch.torchrun_grace_s(RuntimeConfig(model="m")) == launch.TORCHRUN_DEFAULT_GRACE_S  # the default fits
+    for drain in (0.0, 20.0, 45.5, 600.0):
+        config = RuntimeConfig(model="m", shutdown_timeout=drain)
+        grace = launch.torchrun_grace_s(config)
+        assert grace >= drain + launch.STOP_MARGIN_S and grace >= launch.TORCHRUN_DEFAULT_GRACE_S
+        argv = launch.torchrun_argv(config, "127.0.0.1:29500", "127.0.0.1", ["serve"])
+        launch_config, _, _ = config_from_args(get_args_parser().parse_args(argv))
+        assert launch_config.shutdown_timeout == grace  # what torch's agent will wait before SIGKILL
+
+
+def test_under_plain_torchrun_a_drain_longer_than_its_grace_period_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tp_runtime.config import ConfigError, RuntimeConfig
+    from tp_runtime.launch import check_drain_fits
+
+    monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    check_drain_fits(RuntimeConfig(model="m", shutdown_timeout=20))
+    with pytest.raises(ConfigError, match="give torchrun --shutdown-timeout 35"):
+        check_drain_fits(RuntimeConfig(model="m", shutdown_timeout=25))
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "60")  # torchrun --shutdown-timeout 60, through its environment
+    check_drain_fits(RuntimeConfig(model="m", shutdown_timeout=25))

@@ -45,6 +45,8 @@ def test_poisoned_cache_with_clears_matches_an_unpoisoned_server(server_tp2: Ser
             assert dirty.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"], prompt
     metrics = httpx.get(f"{poisoned.url}/metrics", timeout=10).text
     assert "tp_runtime_kv_pages_cleared_total 0.0" not in metrics
+    # The proof holds with steps planned ahead (the default): their pages are cleared all the same.
+    assert "tp_runtime_steps_planned_ahead_total 0.0" not in metrics
 
 
 def test_skipped_clears_are_detected_and_no_text_is_sent(tiny_model: Path) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.e2e.serving import SERVER_OPTIONS, Server, alive, descendants, rank_pid
 
@@ -52,7 +55,7 @@ def test_killed_rank_fails_requests_fast_and_leaves_nothing_behind(tiny_model: P
         reader.join(timeout=max(0.1, 6 - (time.monotonic() - killed_at)))
         assert ended_at, "the stream did not end after a rank died"
         assert ended_at[0] - killed_at < 5, f"the client waited {ended_at[0] - killed_at:.1f} s"
-        tail = "\n".join(events[-3:])
+        tail = "\n".join([line for line in events if line][-3:])  # the error event, then [DONE]
         assert "error" in tail.lower(), f"the stream ended without an error: {tail}"
         assert 503 in health_codes or -1 in health_codes, health_codes
         deadline = time.monotonic() + 20
@@ -62,3 +65,63 @@ def test_killed_rank_fails_requests_fast_and_leaves_nothing_behind(tiny_model: P
         assert server.process.wait(timeout=5) != 0
     finally:
         server.stop()
+
+
+def frontend_pid(root: int) -> int:
+    for pid in descendants(root):
+        try:
+            if b"tp_runtime.frontend" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise LookupError(f"no frontend process below {root}")
+
+
+def ipc_dirs(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.glob("tp-runtime-*"))
+
+
+def test_rank_0_removes_the_ipc_directory_after_a_kill_9_of_the_frontend(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the group makes its ipc directory here
+    server = Server(tiny_model, tp=1, extra=SERVER_OPTIONS)
+    try:
+        group = [server.pid, *descendants(server.pid)]
+        assert len(ipc_dirs(tmp_path)) == 1, ipc_dirs(tmp_path)
+        os.kill(frontend_pid(server.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while alive(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(group), f"processes left behind: {alive(group)}"
+        assert server.process.wait(timeout=5) != 0
+        assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}"
+    finally:
+        server.stop()
+
+
+def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_model: Path, tmp_path: Path) -> None:
+    """During `generate`, whose frontend had no handler for its parent's death."""
+    command = [
+        sys.executable, "-m", "tp_runtime", "generate", "go on", "--model", str(tiny_model), "--raw", "--dtype", "fp32",
+        "--num-kv-pages", "160", "--max-model-len", "2048", "--max-tokens", "2000", "--log-level", "error",
+    ]
+    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ipc_dirs(tmp_path):
+            assert process.poll() is None and time.monotonic() < deadline, "the frontend never made its directory"
+            time.sleep(0.05)
+        group = [process.pid, *descendants(process.pid)]
+        os.kill(rank_pid(process.pid, 0), signal.SIGKILL)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode != 0
+        deadline = time.monotonic() + 10
+        while alive(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(group), f"processes left behind: {alive(group)}"
+        assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}; {err[-2000:]}"
+    finally:
+        for pid in alive([process.pid, *descendants(process.pid)]):
+            os.kill(pid, signal.SIGKILL)

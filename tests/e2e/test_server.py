@@ -156,3 +156,59 @@ def test_seeded_sampling_is_reproducible_across_tp(server_tp1: Server, server_tp
     body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 1234, "ignore_eos": True}
     texts = {httpx.post(f"{s.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] for s in (server_tp1, server_tp2, server_tp2)}
     assert len(texts) == 1, texts
+
+
+def test_fuzzed_requests_leave_the_server_healthy_and_greedy_unchanged(server_tp2: Server) -> None:
+    """The short live form of tests/server/test_fuzz_http.py: random requests and every wire field
+    at every edge, against the real runtime. No 5xx, and the runtime is unharmed afterwards."""
+    from hypothesis import HealthCheck, given, settings
+    from server.http_fuzz import CASES, check_answer, edge_grid, greedy_text, send
+
+    with httpx.Client(base_url=server_tp2.url, timeout=60) as http:
+        before = greedy_text(http)
+        for case in edge_grid():
+            check_answer(case, send(http, case))
+
+        @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=CASES)
+        def one(case) -> None:
+            check_answer(case, send(http, case))
+
+        one()
+        assert http.get("/health").json() == {"status": "ok"}
+        assert greedy_text(http) == before
+    assert metric(server_tp2, "tp_runtime_step_aborts_total") == 0
+
+
+def test_logprobs_through_the_openai_client(server_tp2: Server) -> None:
+    api = client(server_tp2)
+    name = model_id(server_tp2)
+    completion = api.completions.create(
+        model=name, prompt="Hello", max_tokens=6, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6 == completion.usage.completion_tokens
+    assert all(value <= 0 for value in lp.token_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = api.chat.completions.create(
+        model=name, messages=messages, max_tokens=5, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    whole = [(t.token, t.logprob) for t in chat.choices[0].logprobs.content]
+    streamed = [
+        (t.token, t.logprob)
+        for chunk in api.chat.completions.create(
+            model=name, messages=messages, max_tokens=5, temperature=0, logprobs=True, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content
+    ]
+    assert len(whole) == 5 and streamed == whole
+
+
+def test_models_are_named_as_vllm_names_them(server_tp2: Server, tiny_model) -> None:
+    # vLLM reports a local model by the --model argument as given, and labels its metrics with it.
+    cards = client(server_tp2).models.list().data
+    assert [(card.id, card.root) for card in cards] == [(str(tiny_model), str(tiny_model))]
+    assert f'vllm:num_requests_running{{model_name="{tiny_model}"}}' in httpx.get(f"{server_tp2.url}/metrics", timeout=10).text

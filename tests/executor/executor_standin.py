@@ -123,6 +123,8 @@ class Seq:
     seed: int = -1
     temperature: float = 0.0
     held: int = 0
+    # Its one new token is its sample from the step run before (tokens holds the placeholder 0).
+    feedback: bool = False
 
 
 def _i32(values) -> np.ndarray:
@@ -157,5 +159,5 @@ def make_prepare(
         offload_pages=_i32([p for p, _ in offload]),
         offload_slots=_i32([s for _, s in offload]),
         poison_pages=_i32(poison),
-        feedback=np.zeros(len(seqs), dtype=np.uint8),
+        feedback=np.asarray([s.feedback for s in seqs], dtype=np.uint8),
     )

@@ -1,20 +1,18 @@
 """The step loop across real processes: 2 and 3 executors (gloo) and a scheduler-side driver.
 
 The driver here plays the engine's part over a real SchedulerEndpoint; the executors run
-run_executor with the stand-in model of executor_standin.py.
+run_executor with the stand-in model of executor_standin.py, started and stopped by pid by
+scripts/harness/executors.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -23,26 +21,13 @@ from executor.options import ExecutorOptions
 from executor.worker import ExitCode
 from protocol.auth import new_key
 from protocol.errors import RejectCode, TransportError
-from protocol.frames import (
-    LAYOUT_VERSION,
-    Abort,
-    Done,
-    Frame,
-    Go,
-    Heartbeat,
-    Hello,
-    Prepare,
-    Ready,
-    Reject,
-    Result,
-    Shutdown,
-    Welcome,
-)
+from protocol.conversation import HandshakeComplete, Phase, SchedulerConversation, StepDone, StepReady, StepRefused
+from protocol.frames import LAYOUT_VERSION, Hello, Prepare, Welcome
 from protocol.transport import SchedulerEndpoint, ipc_address
 from protocol.validate import negotiate_version
+from scripts.harness.executors import ExecutorCluster
 from tests.executor.executor_standin import Seq, geometry, make_prepare
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "loop-test"
 HEARTBEAT_S = 0.2
 GEOMETRY = geometry()
@@ -70,71 +55,85 @@ def base_options(**overrides) -> ExecutorOptions:
     return replace(options, **overrides)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Cluster:
+    """The scheduler's side of the loop tests: the protocol's own conversation drives the handshake
+    and the steps; only the frames a test breaks on purpose are sent raw."""
+
     endpoint: SchedulerEndpoint
     procs: list[subprocess.Popen]
     logs: list[Path]
     ranks: list[int]
     last_seen: dict[int, float]
+    conversation: SchedulerConversation
     welcomed: bool = False
 
     def log(self, rank: int) -> str:
         return self.logs[rank].read_text()
 
     def beat(self) -> None:
-        """The scheduler's idle heartbeat, to every rank still believed alive."""
+        """The scheduler's heartbeat, to every rank still believed alive."""
         for rank in list(self.ranks):
             try:
-                self.endpoint.send(rank, Heartbeat(rank=-1), step=0)
+                self.endpoint.send(rank, *self.conversation.heartbeat())
             except TransportError:
                 self.ranks.remove(rank)
 
-    def collect(self, timeout_s: float = 20.0) -> dict[int, Frame]:
-        """One non-heartbeat frame from every live rank, heartbeating meanwhile."""
-        got: dict[int, Frame] = {}
+    def events(self, until, timeout_s: float = 20.0) -> list[object]:
+        """The conversation's events, heartbeating meanwhile, until `until(events)` holds."""
+        got: list[object] = []
         deadline = time.monotonic() + timeout_s
         next_beat = 0.0
-        while set(got) != set(self.ranks):
+        while not until(got):
             now = time.monotonic()
-            assert now < deadline, f"ranks {sorted(set(self.ranks) - set(got))} did not answer; got {got}"
+            assert now < deadline, f"no answer in {timeout_s} s; events so far {got}"
             if now >= next_beat and self.welcomed:
                 self.beat()
                 next_beat = now + HEARTBEAT_S
             received = self.endpoint.recv(50)
             if received is None:
                 continue
-            assert received.error is None, f"rank {received.rank} sent a bad frame: {received.error}"
             self.last_seen[received.rank] = time.monotonic()
-            if not isinstance(received.frame.body, Heartbeat):
-                got[received.rank] = received.frame
+            got.extend(self.conversation.receive(received.rank, received.frame or received.error, time.monotonic()))
         return got
 
-    def handshake(self) -> dict[int, Frame]:
-        hellos = self.collect(timeout_s=60.0)
-        assert all(isinstance(f.body, Hello) for f in hellos.values())
-        version = negotiate_version(hellos[0].body.versions)
-        welcome = Welcome(version, LAYOUT_VERSION, len(self.procs), hellos[0].body.geometry)
+    def handshake(self) -> dict[int, Hello]:
+        """Every HELLO; WELCOME when the conversation finds they agree (see handshake_raw)."""
+        conv = self.conversation
+        events = self.events(lambda got: conv.phase is not Phase.HANDSHAKE, timeout_s=60.0)
+        assert isinstance(events[-1], HandshakeComplete), events
+        self.endpoint.version = conv.version
+        self.endpoint.send_all(self.ranks, *conv.welcome())
+        self.welcomed = True
+        return dict(conv.hellos)
+
+    def handshake_raw(self) -> dict[int, Hello]:
+        """Every HELLO, then WELCOME with rank 0's geometry whether or not the ranks agree: the
+        scheduler's conversation would refuse first, and this tests the executors' own refusal."""
+        events = self.events(lambda got: len(self.conversation.hellos) == len(self.procs), timeout_s=60.0)
+        hellos = dict(self.conversation.hellos)
+        assert len(hellos) == len(self.procs), events
+        version = negotiate_version(hellos[0].versions)
+        welcome = Welcome(version, LAYOUT_VERSION, len(self.procs), hellos[0].geometry)
         self.endpoint.send_all(self.ranks, welcome, step=0)
         self.endpoint.version = version
-        self.welcomed = True
         return hellos
 
-    def step(self, step: int, prepare: Prepare) -> dict[int, Frame]:
-        """PREPARE to all; GO if every rank is READY, else ABORT. Returns the last answers."""
-        self.endpoint.send_all(self.ranks, prepare, step=step)
-        answers = self.collect()
-        if all(isinstance(f.body, Ready) for f in answers.values()):
-            self.endpoint.send_all(self.ranks, Go(), step=step)
-            return self.collect()
-        self.endpoint.send_all(self.ranks, Abort("a rank rejected the step"), step=step)
-        return answers
+    def step(self, step: int, prepare: Prepare) -> object:
+        """PREPARE to all; GO if every rank is READY, else ABORT. Returns the step's end: StepDone
+        (with rank 0's RESULT, once every rank answered) or StepRefused (with every refusal)."""
+        conv = self.conversation
+        self.endpoint.send_all(self.ranks, *conv.prepare(step, prepare))
+        return self.finish(step)
+
+    def finish(self, step: int) -> object:
+        conv = self.conversation
+        answer = self.events(lambda got: any(isinstance(e, (StepReady, StepRefused)) for e in got))[-1]
+        if isinstance(answer, StepRefused):
+            self.endpoint.send_all(self.ranks, *conv.abort(step, "a rank rejected the step"))
+            return answer
+        self.endpoint.send_all(self.ranks, *conv.go(step))
+        return self.events(lambda got: any(isinstance(e, StepDone) for e in got))[-1]
 
     def wait_exit(self, rank: int, timeout_s: float) -> int:
         return self.procs[rank].wait(timeout=timeout_s)
@@ -143,60 +142,43 @@ class Cluster:
 @contextmanager
 def cluster(tmp_path: Path, world_size: int, options_of=lambda rank: base_options()):
     endpoint = SchedulerEndpoint(ipc_address(), new_key(), RUN_ID)
-    key = endpoint._stamp.key
-    port = free_port()
-    procs, logs = [], []
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    executors = ExecutorCluster(
+        world_size,
+        address=endpoint.address,
+        key=endpoint._stamp.key,
+        run_id=RUN_ID,
+        options=options_of,
+        load="tests.executor.executor_standin:load_standin",
+        log_dir=tmp_path,
+    )
     try:
-        for rank in range(world_size):
-            spec = {
-                "rank": rank,
-                "world_size": world_size,
-                "master_port": port,
-                "address": endpoint.address,
-                "key_hex": key.hex(),
-                "run_id": RUN_ID,
-                "options": {k: v for k, v in asdict(options_of(rank)).items()},
-            }
-            log = tmp_path / f"rank{rank}.log"
-            logs.append(log)
-            with open(log, "w") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.executor.executor_proc", json.dumps(spec)],
-                        cwd=REPO,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        yield Cluster(endpoint, procs, logs, list(range(world_size)), {})
+        executors.start()
+        logs = [executors.log_path(rank) for rank in range(world_size)]
+        conversation = SchedulerConversation(world_size=world_size, run_id=RUN_ID)
+        yield Cluster(endpoint, executors.processes, logs, list(range(world_size)), {}, conversation)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        executors.stop()
         endpoint.close()
 
 
 def test_two_ranks_refuse_a_geometry_mismatch_at_the_handshake(tmp_path):
     other = lambda rank: base_options(num_kv_pages=32 if rank == 1 else GEOMETRY.num_kv_pages)  # noqa: E731
     with cluster(tmp_path, 2, other) as c:
-        hellos = c.handshake()
-        assert hellos[1].body.geometry.num_kv_pages == 32
+        hellos = c.handshake_raw()
+        assert hellos[1].geometry.num_kv_pages == 32
         assert c.wait_exit(1, 20) == ExitCode.HANDSHAKE_REFUSED
         refusal = c.log(1)
         assert "[rank 1] handshake refused" in refusal and "num_kv_pages 16 (expected 32)" in refusal
-        c.endpoint.send(0, Shutdown("rank 1 refused the geometry"), step=0)
+        c.endpoint.send(0, *c.conversation.shutdown("rank 1 refused the geometry"))
         assert c.wait_exit(0, 20) == ExitCode.OK
 
 
 def test_two_ranks_step_then_a_killed_rank_is_noticed_and_the_survivor_exits(tmp_path):
     with cluster(tmp_path, 2) as c:
         c.handshake()
-        answers = c.step(1, make_prepare([Seq(4, (3, 4, 5), 0, (2,))], cleared=(2,)))
-        assert isinstance(answers[1].body, Done)
-        result = answers[0].body
+        done = c.step(1, make_prepare([Seq(4, (3, 4, 5), 0, (2,))], cleared=(2,)))
+        assert isinstance(done, StepDone), done  # rank 0's RESULT and rank 1's DONE are both in
+        result = done.result
         assert result.token_ids.tolist() == [5 + 3] and result.finite.tolist() == [1]
 
         os.kill(c.procs[1].pid, signal.SIGKILL)
@@ -216,15 +198,15 @@ def test_three_ranks_rejects_abort_everywhere_and_the_next_step_runs(tmp_path):
     with cluster(tmp_path, 3) as c:
         c.handshake()
         first = c.step(1, make_prepare([Seq(1, (3, 4, 5), 0, (0,)), Seq(2, (7,), 0, (1,))], cleared=(0, 1)))
-        assert first[0].body.token_ids.tolist() == [5 + 6, 7 + 6]  # all_reduce over 3 ranks: 1 + 2 + 3
-        assert first[0].body.finite.tolist() == [1, 1]
-        assert [type(first[r].body) for r in (1, 2)] == [Done, Done]
+        assert isinstance(first, StepDone), first  # every rank finished: RESULT from 0, DONE from 1 and 2
+        assert first.result.token_ids.tolist() == [5 + 6, 7 + 6]  # all_reduce over 3 ranks: 1 + 2 + 3
+        assert first.result.finite.tolist() == [1, 1]
 
-        def assert_all_rejected(answers, step, code):
-            for rank in range(3):
-                body = answers[rank].body
-                assert isinstance(body, Reject) and body.rank == rank, f"rank {rank}: {body}"
-                assert (answers[rank].step, RejectCode(body.code)) == (step, code), body.message
+        def assert_all_rejected(refused, step, code):
+            assert isinstance(refused, StepRefused) and refused.step == step, refused
+            assert sorted(r.rank for r in refused.rejections) == [0, 1, 2]
+            for rejection in refused.rejections:
+                assert rejection.code == code, rejection.message
 
         bad_page = make_prepare([Seq(1, (11,), 3, (0, GEOMETRY.num_kv_pages))])
         assert_all_rejected(c.step(2, bad_page), 2, RejectCode.PAGE_OUT_OF_RANGE)
@@ -232,24 +214,24 @@ def test_three_ranks_rejects_abort_everywhere_and_the_next_step_runs(tmp_path):
         good = make_prepare([Seq(1, (11,), 3, (0,))])
 
         def send_raw(step, *, version=None, tamper=False):
-            """A PREPARE stamped with another version or with a broken MAC, then ABORT."""
+            """The conversation's PREPARE for `step`, sent stamped with another version or with a
+            broken MAC; the ranks' refusals end it (ABORT)."""
+            body, _ = c.conversation.prepare(step, good)
             negotiated = c.endpoint.version
             c.endpoint.version = version or negotiated
-            parts = c.endpoint._stamp.encode(good, step)
+            parts = c.endpoint._stamp.encode(body, step)
             c.endpoint.version = negotiated
             if tamper:
                 parts[-1] = bytes(b ^ 0xFF for b in parts[-1])
             c.endpoint._send_parts(c.ranks, parts)
-            answers = c.collect()
-            c.endpoint.send_all(c.ranks, Abort("a rank rejected the step"), step=step)
-            return answers
+            return c.finish(step)
 
         assert_all_rejected(send_raw(3, version=99), 3, RejectCode.BAD_VERSION)
         assert_all_rejected(send_raw(4, tamper=True), 4, RejectCode.BAD_MAC)
 
         last = c.step(5, good)
-        assert isinstance(last[0].body, Result), last[0].body
-        assert last[0].body.token_ids.tolist() == [11 + 6] and last[0].body.finite.tolist() == [1]
+        assert isinstance(last, StepDone), last
+        assert last.result.token_ids.tolist() == [11 + 6] and last.result.finite.tolist() == [1]
 
         os.kill(c.procs[2].pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -262,7 +244,7 @@ def test_three_ranks_rejects_abort_everywhere_and_the_next_step_runs(tmp_path):
             if received is not None:
                 c.last_seen[received.rank] = time.monotonic()
         assert noticed is not None, "a dead executor must be noticed within 5 s"
-        c.endpoint.send_all([0, 1], Shutdown("rank 2 died"), step=5)
+        c.endpoint.send_all([0, 1], *c.conversation.shutdown("rank 2 died"))
         assert c.wait_exit(0, 15) == ExitCode.OK
         assert c.wait_exit(1, 15) == ExitCode.OK
         assert "[rank 1] shutdown: rank 2 died" in c.log(1)

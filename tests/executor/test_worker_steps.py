@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -40,13 +41,19 @@ class ScriptedEndpoint:
     def __init__(self, script: list) -> None:
         self.script = deque(script)
         self.sent: list[tuple[int, object]] = []
+        self.version = PROTOCOL_VERSION
+        self._woken = threading.Event()
 
     def send(self, body, step: int) -> None:
         self.sent.append((step, body))
 
+    def wake(self) -> None:
+        self._woken.set()
+
     def recv(self, timeout_ms: int):
         if not self.script:
-            time.sleep(timeout_ms / 1000)
+            self._woken.wait(timeout_ms / 1000)
+            self._woken.clear()
             return None
         item = self.script.popleft()
         if isinstance(item, Exception):
@@ -248,7 +255,7 @@ def zeroed_cache():
     return cache
 
 
-def test_staging_order_offload_poison_restore_clear():
+def test_step_order_offload_poison_restore_clear():
     cache = zeroed_cache()
     g = torch.Generator().manual_seed(0)
     page3 = torch.randn(cache.data[3].shape, generator=g)
@@ -263,7 +270,7 @@ def test_staging_order_offload_poison_restore_clear():
         poison=(5, 6),
     )
     code, _, _ = run_worker(
-        [welcome(), frame(1, prepare), frame(1, Shutdown("x"))], cache=cache, debug_poison_freed=True
+        [welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("x"))], cache=cache, debug_poison_freed=True
     )
     assert code == ExitCode.OK
     assert torch.equal(cache.host[1], page3), "offload reads the page before the clear zeroes it"
@@ -277,7 +284,7 @@ def test_poison_pages_are_honoured_only_with_the_debug_flag(poison_freed):
     cache = zeroed_cache()
     prepare = make_prepare([Seq(1, (20,), 0, (9,))], cleared=(9,), poison=(6,))
     code, _, _ = run_worker(
-        [welcome(), frame(1, prepare), frame(1, Shutdown("x"))], cache=cache, debug_poison_freed=poison_freed
+        [welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("x"))], cache=cache, debug_poison_freed=poison_freed
     )
     assert code == ExitCode.OK
     page6 = cache.data[6].view(torch.uint8)
@@ -325,3 +332,144 @@ def test_a_failing_forward_ends_the_executor_with_a_reject():
     assert code == ExitCode.STEP_FAILED
     step, reject = endpoint.replies()[-1]
     assert step == 1 and reject.code == RejectCode.INTERNAL and "connection reset" in reject.message
+
+
+class GatedModel(StandInModel):
+    """A stand-in whose forwards wait until the test lets them go, so that frames can arrive while
+    a step runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def forward(self, inputs, cache):
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        return super().forward(inputs, cache)
+
+
+class FeedingEndpoint(ScriptedEndpoint):
+    """A scripted endpoint whose script is fed by the test while the worker runs."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.lock = threading.Lock()
+
+    def push(self, *items) -> None:
+        with self.lock:
+            self.script.extend(items)
+        self.wake()
+
+    def recv(self, timeout_ms: int):
+        with self.lock:
+            item = self.script.popleft() if self.script else None
+        if item is None:
+            self._woken.wait(timeout_ms / 1000)
+            self._woken.clear()
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def wait_for(self, predicate, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [x for x in self.replies() if predicate(x)]
+            if found:
+                return found[0]
+            time.sleep(0.005)
+        raise AssertionError(f"nothing matched among {self.replies()}")
+
+
+def start_worker(model, **option_overrides):
+    endpoint = FeedingEndpoint()
+    cache = make_cache(GEOMETRY, KV_HEADS, poison=True)
+    worker = Worker(
+        rank=0, world_size=1, endpoint=endpoint, cache=cache, model=model, geometry=GEOMETRY,
+        options=options(**option_overrides), run_id=RUN,
+    )
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(worker.run()))
+    thread.start()
+    return endpoint, thread, codes
+
+
+def test_the_next_step_is_staged_and_ready_while_this_one_runs_and_feedback_takes_its_sample():
+    model = GatedModel(0, 1)
+    endpoint, thread, codes = start_worker(model)
+    step1 = make_prepare([Seq(1, (20,), 0, (0,)), Seq(2, (30, 31), 0, (1,))], cleared=(0, 1))
+    step2 = make_prepare([Seq(1, (0,), 1, (0,), held=1, feedback=True), Seq(2, (0,), 2, (1,), held=1, feedback=True)])
+    endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
+    assert model.entered.wait(10)
+    endpoint.push(frame(2, step2), frame(2, Go()))
+    ready2 = endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
+    assert not [r for r in endpoint.replies() if isinstance(r[1], Result)], "READY 2 came before step 1 ended"
+    model.gate.set()
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Result))
+    endpoint.push(frame(2, Shutdown("done")))
+    thread.join(10)
+    assert codes == [ExitCode.OK] and ready2
+    results = [(s, b.token_ids.tolist()) for s, b in endpoint.replies() if isinstance(b, Result)]
+    # One rank: each sample is its input token + 1, and step 2's inputs are step 1's samples.
+    assert results == [(1, [21, 32]), (2, [22, 33])]
+
+
+def test_feedback_for_a_sequence_the_last_step_did_not_sample_is_refused_by_its_id():
+    model = StandInModel(0, 1)
+    step1 = make_prepare([Seq(1, (20,), 0, (0,)), Seq(2, (30,), 0, (1,))], cleared=(0, 1))
+    step2 = make_prepare([Seq(1, (0,), 1, (0,), held=1, feedback=True), Seq(3, (0,), 0, (2,), feedback=True)])
+    code, endpoint, _ = run_worker(
+        [welcome(), frame(1, step1), frame(1, Go()), frame(2, step2), frame(2, Abort("x")), frame(2, Shutdown("x"))],
+        model=model,
+    )
+    assert code == ExitCode.OK
+    (step, reject), = [(s, b) for s, b in endpoint.replies() if isinstance(b, Reject)]
+    assert step == 2 and reject.code == RejectCode.FEEDBACK_WITHOUT_SAMPLE
+    assert reject.seq_ids.tolist() == [3]
+
+
+def test_a_sequence_with_bad_sampling_parameters_is_named_in_the_reject():
+    good = make_prepare([Seq(1, (20,), 0, (0,)), Seq(2, (30,), 0, (1,))], cleared=(0, 1))
+    bad = replace(good, top_p=np.array([1.0, 0.0], dtype=np.float32))
+    code, endpoint, _ = run_worker([welcome(), frame(1, bad), frame(1, Abort("x")), frame(1, Shutdown("x"))])
+    assert code == ExitCode.OK
+    (reject,) = [b for _, b in endpoint.replies() if isinstance(b, Reject)]
+    assert reject.code == RejectCode.BAD_SAMPLING and reject.seq_ids.tolist() == [2]
+
+
+def test_heartbeats_go_on_while_a_forward_runs():
+    model = GatedModel(0, 1)
+    endpoint, thread, codes = start_worker(model, heartbeat_interval_s=0.05)
+    endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
+    assert model.entered.wait(10)
+    before = sum(isinstance(b, Heartbeat) for _, b in endpoint.sent)
+    time.sleep(0.5)
+    during = sum(isinstance(b, Heartbeat) for _, b in endpoint.sent) - before
+    model.gate.set()
+    endpoint.push(frame(1, Shutdown("x")))
+    thread.join(10)
+    assert codes == [ExitCode.OK]
+    assert during >= 5, f"{during} heartbeats in 0.5 s of forward at a 0.05 s interval"
+
+
+def test_a_step_stuck_after_shutdown_ends_the_process():
+    model = GatedModel(0, 1)
+    exits: list[int] = []
+    endpoint = FeedingEndpoint()
+    worker = Worker(
+        rank=0, world_size=1, endpoint=endpoint, cache=make_cache(GEOMETRY, KV_HEADS, poison=True), model=model,
+        geometry=GEOMETRY, options=options(stuck_grace_s=0.3), run_id=RUN, force_exit=exits.append,
+    )
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
+    assert model.entered.wait(10)
+    started = time.monotonic()
+    endpoint.push(frame(1, Shutdown("rank 1 stopped answering")))
+    while not exits and time.monotonic() - started < 5:
+        time.sleep(0.01)
+    assert exits == [ExitCode.STEP_FAILED]
+    assert 0.3 <= time.monotonic() - started < 2.0
+    model.gate.set()
+    thread.join(10)

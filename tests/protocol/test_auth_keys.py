@@ -1,4 +1,4 @@
-"""Per-launch keys and the replay guard."""
+"""Per-launch keys, the replay guard, and the operator's key directories (protocol.curve)."""
 
 from __future__ import annotations
 
@@ -7,50 +7,15 @@ import stat
 
 import pytest
 
-from protocol.auth import KEY_BYTES, KEY_FILE_ENV, ReplayGuard, key_from_environment, new_key, read_key_file, write_key_file
-from protocol.errors import ProtocolError, RejectCode
+from protocol.auth import KEY_BYTES, ReplayGuard, new_key
+from protocol.curve import load_keys, write_key_directories
+from protocol.errors import KeyFileError, ProtocolError, RejectCode
 
 
 def test_new_keys_are_32_random_bytes() -> None:
     keys = {new_key() for _ in range(8)}
     assert len(keys) == 8
     assert all(len(k) == KEY_BYTES == 32 for k in keys)
-
-
-def test_key_file_is_private_and_reads_back(tmp_path, monkeypatch) -> None:
-    path = write_key_file(str(tmp_path))
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    key = read_key_file(path)
-    assert len(key) == 32
-    monkeypatch.setenv(KEY_FILE_ENV, path)
-    assert key_from_environment() == key
-
-
-def test_key_file_is_never_overwritten(tmp_path) -> None:
-    write_key_file(str(tmp_path))
-    with pytest.raises(FileExistsError):
-        write_key_file(str(tmp_path))
-
-
-def test_key_files_others_can_read_or_of_wrong_size_are_refused(tmp_path) -> None:
-    loose = tmp_path / "loose.key"
-    loose.write_bytes(new_key())
-    loose.chmod(0o644)
-    with pytest.raises(ProtocolError, match="mode 644"):
-        read_key_file(str(loose))
-    short = tmp_path / "short.key"
-    short.write_bytes(b"abc")
-    short.chmod(0o600)
-    with pytest.raises(ProtocolError, match="exactly 32 bytes"):
-        read_key_file(str(short))
-    with pytest.raises(ProtocolError, match="cannot read"):
-        read_key_file(str(tmp_path / "missing.key"))
-
-
-def test_missing_environment_variable_is_a_clear_error(monkeypatch) -> None:
-    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
-    with pytest.raises(ProtocolError, match=KEY_FILE_ENV):
-        key_from_environment()
 
 
 def test_replay_guard_accepts_only_increasing_seq_per_sender() -> None:
@@ -66,3 +31,60 @@ def test_replay_guard_accepts_only_increasing_seq_per_sender() -> None:
     guard.check(0, 10)
     guard.forget(0)
     guard.check(0, 1)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_key_directories_give_each_host_what_it_needs(tmp_path) -> None:
+    dirs = write_key_directories(tmp_path / "keys", ["node-a", "node-b"], scheduler_host="node-a")
+    a, b = load_keys(dirs["node-a"]), load_keys(dirs["node-b"])
+    assert a.frame_key == b.frame_key and len(a.frame_key) == KEY_BYTES
+    # node-a runs the scheduler: it admits both executors' keys, and pins its own server key.
+    assert a.server is not None and b.server is None
+    assert a.server.allowed_clients == {a.client.public_key, b.client.public_key}
+    assert a.client.server_key == b.client.server_key == a.server.public_key
+    assert a.client.public_key != b.client.public_key
+    # Secrets are private, and node-b holds no secret but its own.
+    for d in dirs.values():
+        assert mode(d) == 0o700
+        for name in os.listdir(d):
+            if name.endswith("key_secret") or name == "frame.key":
+                assert mode(d / name) == 0o600, name
+    assert sorted(os.listdir(dirs["node-b"])) == ["client.key_secret", "frame.key", "server.key"]
+    assert sorted(os.listdir(dirs["node-a"] / "clients")) == ["node-a.key", "node-b.key"]
+    with pytest.raises(KeyFileError, match="never overwritten"):
+        write_key_directories(tmp_path / "keys", ["node-a"], scheduler_host="node-a")
+
+
+@pytest.mark.parametrize("name", ["frame.key", "client.key_secret", "server.key_secret"])
+def test_secret_files_others_can_read_are_refused_naming_the_file(tmp_path, name) -> None:
+    d = write_key_directories(tmp_path / "keys", ["a"], scheduler_host="a")["a"]
+    (d / name).chmod(0o644)
+    with pytest.raises(KeyFileError, match=rf"{name} has mode 0644.*chmod 600"):
+        load_keys(d)
+    (d / name).chmod(0o640)
+    with pytest.raises(KeyFileError, match="group or others can read it"):
+        load_keys(d)
+    (d / name).chmod(0o400)
+    load_keys(d)
+
+
+def test_broken_key_directories_are_refused_with_a_sentence(tmp_path) -> None:
+    with pytest.raises(KeyFileError, match="does not exist"):
+        load_keys(tmp_path / "missing")
+    d = write_key_directories(tmp_path / "keys", ["a", "b"], scheduler_host="a")["a"]
+    (d / "frame.key").chmod(0o600)
+    (d / "frame.key").write_bytes(b"short")
+    with pytest.raises(KeyFileError, match="holds 5 bytes, not 32"):
+        load_keys(d)
+    for path in (d / "clients").iterdir():
+        path.unlink()
+    with pytest.raises(KeyFileError, match="would admit nobody"):
+        load_keys(d)
+    (d / "server.key").write_text("not a certificate")
+    with pytest.raises(KeyFileError, match="server.key is not a readable zmq certificate"):
+        load_keys(d)
+    with pytest.raises(KeyFileError, match="must be distinct"):
+        write_key_directories(tmp_path / "other", ["a", "a"], scheduler_host="a")

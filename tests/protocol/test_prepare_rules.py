@@ -121,13 +121,31 @@ RULES: list[tuple[str, Prepare, RejectCode]] = [
         with_arrays(P, positions=np.append(P.positions[:-1], 40)),
         RejectCode.POSITION_MISMATCH,
     ),
-    # sampling parameters
+    # sampling parameters (protocol/sampling_limits.py)
     ("negative temperature", with_arrays(P, temperature=[0, -0.5, 1, 1]), RejectCode.BAD_SAMPLING),
     ("NaN temperature", with_arrays(P, temperature=[0, np.nan, 1, 1]), RejectCode.BAD_SAMPLING),
     ("infinite temperature", with_arrays(P, temperature=[0, np.inf, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("denormal temperature", with_arrays(P, temperature=[0, 1e-40, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("temperature under the floor", with_arrays(P, temperature=[0, 5e-6, 1, 1]), RejectCode.BAD_SAMPLING),
     ("top_p 0", with_arrays(P, top_p=[1, 0, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("top_p 1e-46 (0 in float32)", with_arrays(P, top_p=[1, 1e-46, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("top_p under the floor", with_arrays(P, top_p=[1, 5e-7, 1, 1]), RejectCode.BAD_SAMPLING),
+    ("top_p NaN", with_arrays(P, top_p=[1, np.nan, 1, 1]), RejectCode.BAD_SAMPLING),
     ("top_p above 1", with_arrays(P, top_p=[1, 1.5, 1, 1]), RejectCode.BAD_SAMPLING),
     ("negative top_k", with_arrays(P, top_k=[0, -1, 0, 0]), RejectCode.BAD_SAMPLING),
+    ("seed below -1", with_arrays(P, seeds=[-1, -2, 0, 0]), RejectCode.BAD_SAMPLING),
+    # int32 extremes: compared, never wrapped (a correctly signed frame once crashed an executor)
+    ("context_lens INT32_MIN", with_arrays(P, context_lens=[3, -(2**31), 33, 50]), RejectCode.BAD_CONTEXT_LEN),
+    ("context_lens INT32_MAX", with_arrays(P, context_lens=[3, 2**31 - 1, 33, 50]), RejectCode.BAD_CONTEXT_LEN),
+    ("query_lens INT32_MIN", with_arrays(P, query_lens=[3, -(2**31), 1, 2]), RejectCode.BAD_QUERY_LEN),
+    (
+        "query_lens summing past int32",
+        with_arrays(P, query_lens=[3, 2**31 - 1, 2**31 - 1, 2]),
+        RejectCode.LENGTH_MISMATCH,
+    ),
+    ("page_table_lens INT32_MIN", with_arrays(P, page_table_lens=[-(2**31), 2, 3, 4]), RejectCode.LENGTH_MISMATCH),
+    ("page_table_base INT32_MAX", with_arrays(P, page_table_base=[2**31 - 1, 0, 0, 0]), RejectCode.LENGTH_MISMATCH),
+    ("position INT32_MIN", with_arrays(P, positions=np.append(-(2**31), P.positions[1:])), RejectCode.POSITION_OUT_OF_RANGE),
 ]
 
 
@@ -155,8 +173,58 @@ def test_every_validation_code_has_a_rule_test() -> None:
         RejectCode.POSITION_OUT_OF_RANGE,
         RejectCode.POSITION_MISMATCH,
         RejectCode.BAD_SAMPLING,
+        RejectCode.BAD_FEEDBACK,
     }
     assert validation_codes <= {code for _, _, code in RULES}
+
+
+SEQUENCE_RULES = {RejectCode.BAD_SAMPLING, RejectCode.BAD_FEEDBACK, RejectCode.TOKEN_OUT_OF_RANGE}
+
+
+@pytest.mark.parametrize("bad, code", [(b, c) for _, b, c in RULES], ids=[name for name, _, _ in RULES])
+def test_only_a_sequences_own_fields_name_sequences(bad: Prepare, code: RejectCode) -> None:
+    with pytest.raises(ProtocolError) as info:
+        validate_prepare(bad, G)
+    if code in SEQUENCE_RULES:
+        assert info.value.seq_ids and set(info.value.seq_ids) <= set(P.seq_ids.tolist())
+    else:
+        assert info.value.seq_ids == ()
+
+
+def test_every_offending_sequence_is_named_whatever_rule_it_broke() -> None:
+    bad = with_arrays(
+        P,
+        temperature=[0, 1e-40, 1, 1],
+        top_k=[0, 0, -5, 0],
+        token_ids=np.append(P.token_ids[:-1], G.vocab_size),  # the last sequence's last token
+    )
+    with pytest.raises(ProtocolError) as info:
+        validate_prepare(bad, G)
+    ids = P.seq_ids.tolist()
+    assert info.value.code == RejectCode.BAD_SAMPLING and info.value.seq_ids == (ids[1], ids[2], ids[3])
+    message = info.value.message
+    assert "temperature must be 0 (greedy) or in [1e-05, " in message and f"sequence {ids[1]} (index 1)" in message
+    assert f"token_ids must be every new token in [0, {G.vocab_size}): sequence {ids[3]} (index 3) has {G.vocab_size}" in message
+
+
+def test_a_structural_fault_refuses_the_whole_frame_even_with_bad_sampling() -> None:
+    bad = with_arrays(P, temperature=[0, np.nan, 1, 1], cleared_pages=[8, 7])
+    with pytest.raises(ProtocolError) as info:
+        validate_prepare(bad, G)
+    assert info.value.code == RejectCode.CLEARED_NOT_SORTED_UNIQUE and info.value.seq_ids == ()
+
+
+def test_sampling_values_at_the_floors_and_extremes_pass() -> None:
+    validate_prepare(
+        with_arrays(
+            P,
+            temperature=[0, 1e-5, 3.4028234663852886e38, 2.0],
+            top_p=[1e-6, 1, 0.5, 1],
+            top_k=[0, 2**31 - 1, 1, 50],
+            seeds=[-1, 0, 2**63 - 1, 7],
+        ),
+        G,
+    )
 
 
 def test_messages_name_the_offending_entry() -> None:

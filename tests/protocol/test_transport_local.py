@@ -1,4 +1,5 @@
-"""Endpoints in one process: addresses, checks on receive, reliable sends, clean close."""
+"""Endpoints in one process: addresses, ranks learnt from HELLO, checks on receive, reliable sends,
+clean close."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from protocol.codec import encode
+from protocol.codec import encode, frame_mac
 from protocol.errors import ProtocolError, RejectCode, TransportError
 from protocol.frames import PROTOCOL_VERSION as V
 from protocol.frames import SUPPORTED_VERSIONS, Frame, Go, Hello, Ready
-from protocol.transport import ExecutorEndpoint, SchedulerEndpoint, identity_of, ipc_address
+from protocol.transport import ExecutorEndpoint, SchedulerEndpoint, ipc_address
 from tests.protocol.wire_samples import GEOMETRY, KEY, RUN_ID, valid_prepare
 
 TIMEOUT_MS = 2000
+
+
+def hello(rank: int, world: int = 4) -> Hello:
+    return Hello(rank, world, SUPPORTED_VERSIONS, 1, "fp", GEOMETRY)
 
 
 @pytest.fixture
@@ -26,17 +31,40 @@ def scheduler() -> Iterator[SchedulerEndpoint]:
     endpoint.close()
 
 
+class RawPeer:
+    """A DEALER that sends whatever parts a test wants, signed with the key it is given."""
+
+    def __init__(self, address: str, key: bytes = KEY, identity: bytes | None = None) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.connect(address)
+        self.key = key
+        self.seq = 100
+
+    def frame(self, body: object, *, step: int = 1, version: int = V, run_id: str = RUN_ID, seq: int | None = None) -> list[bytes]:
+        self.seq += 1
+        return encode(Frame(version, 1, run_id, step, self.seq if seq is None else seq, body), self.key)
+
+    def send(self, parts: list[bytes]) -> None:
+        self.sock.send_multipart(parts)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.context.term()
+
+
 @pytest.fixture
-def raw_dealer(scheduler: SchedulerEndpoint) -> Iterator[zmq.Socket]:
-    """A peer that sends whatever parts a test wants, as rank 0."""
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, identity_of(0))
-    sock.connect(scheduler.address)
-    yield sock
-    sock.close()
-    context.term()
+def rank0(scheduler: SchedulerEndpoint) -> Iterator[RawPeer]:
+    """A raw peer whose HELLO made its connection rank 0's."""
+    peer = RawPeer(scheduler.address)
+    peer.send(peer.frame(hello(0), step=0))
+    got = scheduler.recv(TIMEOUT_MS)
+    assert got is not None and got.rank == 0 and isinstance(got.frame.body, Hello)
+    yield peer
+    peer.close()
 
 
 def executor(address: str, rank: int = 0, key: bytes = KEY, run_id: str = RUN_ID) -> ExecutorEndpoint:
@@ -57,16 +85,18 @@ def test_ipc_address_is_in_a_private_directory_removed_on_close() -> None:
 def test_tcp_port_zero_resolves_to_the_bound_port() -> None:
     with SchedulerEndpoint("tcp://127.0.0.1:0", KEY, RUN_ID) as sched, executor(sched.address) as ex:
         assert sched.address.startswith("tcp://127.0.0.1:") and not sched.address.endswith(":0")
+        ex.send(hello(0), step=0)
         ex.send(Ready(0), step=1)
+        assert sched.recv(TIMEOUT_MS).rank == 0
         got = sched.recv(TIMEOUT_MS)
         assert got is not None and got.rank == 0 and got.error is None and got.frame.body == Ready(0)
 
 
 def test_round_trip_stamps_the_envelope(scheduler: SchedulerEndpoint) -> None:
     with executor(scheduler.address, rank=3) as ex:
-        ex.send(Hello(3, 4, SUPPORTED_VERSIONS, 1, "fp", GEOMETRY), step=0)
+        ex.send(hello(3), step=0)
         got = scheduler.recv(TIMEOUT_MS)
-        assert got.rank == 3 and got.error is None
+        assert got.rank == 3 and got.error is None and scheduler.ranks == {3}
         assert (got.frame.version, got.frame.layout, got.frame.run_id) == (V, 1, RUN_ID)
         prepare = valid_prepare()
         scheduler.send(3, prepare, step=1)
@@ -79,7 +109,7 @@ def test_send_all_encodes_once_with_increasing_seq(scheduler: SchedulerEndpoint)
     peers = [executor(scheduler.address, rank=r) for r in range(3)]
     try:
         for rank, peer in enumerate(peers):
-            peer.send(Ready(rank), step=0)
+            peer.send(hello(rank), step=0)
             assert scheduler.recv(TIMEOUT_MS).error is None
         scheduler.send_all(range(3), Go(), step=1)
         scheduler.send_all(range(3), Go(), step=2)
@@ -101,61 +131,46 @@ def test_sending_to_a_rank_that_is_not_connected_raises(scheduler: SchedulerEndp
         scheduler.send(7, Go(), step=1)
 
 
-def received_error(scheduler: SchedulerEndpoint, sock: zmq.Socket, parts: list[bytes]) -> ProtocolError:
-    sock.send_multipart(parts)
+def test_a_connection_that_has_not_said_hello_cannot_be_sent_to(scheduler: SchedulerEndpoint) -> None:
+    with executor(scheduler.address, rank=1):
+        with pytest.raises(TransportError, match="rank 1 is not connected"):
+            scheduler.send(1, Go(), step=1)
+
+
+def received_error(scheduler: SchedulerEndpoint, peer: RawPeer, parts: list[bytes]) -> ProtocolError:
+    peer.send(parts)
     got = scheduler.recv(TIMEOUT_MS)
-    assert got is not None and got.frame is None
+    assert got is not None and got.frame is None and got.rank == 0
     return got.error
 
 
-def test_wrong_mac_is_reported_not_raised(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    parts = encode(Frame(V, 1, RUN_ID, 1, 1, Ready(0)), bytes(32))
-    assert received_error(scheduler, raw_dealer, parts).code == RejectCode.BAD_MAC
+def test_a_wrong_mac_from_a_ranks_connection_is_counted_and_ignored(scheduler: SchedulerEndpoint, rank0: RawPeer) -> None:
+    rank0.send(encode(Frame(V, 1, RUN_ID, 1, 10**18, Ready(0)), bytes(32)))
+    assert scheduler.recv(300) is None
+    assert scheduler.peer_stats().unauthenticated_frames == 1
+    rank0.send(rank0.frame(Ready(0)))  # the forged seq did not move the replay count
+    assert scheduler.recv(TIMEOUT_MS).frame.body == Ready(0)
 
 
-def test_other_run_id_is_refused(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    parts = encode(Frame(V, 1, "another-run", 1, 1, Ready(0)), KEY)
-    error = received_error(scheduler, raw_dealer, parts)
-    assert error.code == RejectCode.BAD_RUN_ID and "another-run" in error.message
+def test_an_authenticated_frame_that_fails_decoding_is_the_ranks_error(scheduler: SchedulerEndpoint, rank0: RawPeer) -> None:
+    parts = [b"\xc1", frame_mac(KEY, [b"\xc1"])]  # 0xc1 is never valid msgpack
+    assert received_error(scheduler, rank0, parts).code == RejectCode.MALFORMED
 
 
-def test_other_version_is_refused_except_in_the_handshake(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    error = received_error(scheduler, raw_dealer, encode(Frame(V + 1, 1, RUN_ID, 1, 1, Ready(0)), KEY))
-    assert error.code == RejectCode.BAD_VERSION and f"version {V + 1}" in error.message
-    # HELLO at a version this side does not support is refused too, naming what it supports.
-    error = received_error(scheduler, raw_dealer, encode(Frame(9, 1, RUN_ID, 0, 2, Hello(0, 1, (9,), 1, "", GEOMETRY)), KEY))
-    assert error.code == RejectCode.BAD_VERSION and f"supports {list(SUPPORTED_VERSIONS)}" in error.message
+def test_the_transport_leaves_the_envelope_to_the_conversation(scheduler: SchedulerEndpoint, rank0: RawPeer) -> None:
+    # Version, layout and run id are judged against the negotiated ones by protocol.conversation.
+    rank0.send(rank0.frame(Ready(0), version=V + 1, run_id="another-run"))
+    got = scheduler.recv(TIMEOUT_MS)
+    assert (got.frame.version, got.frame.run_id) == (V + 1, "another-run")
 
 
-def test_replayed_frame_is_refused(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    parts = encode(Frame(V, 1, RUN_ID, 1, 100, Ready(0)), KEY)
-    raw_dealer.send_multipart(parts)
+def test_replayed_frame_is_refused(scheduler: SchedulerEndpoint, rank0: RawPeer) -> None:
+    parts = rank0.frame(Ready(0))
+    rank0.send(parts)
     assert scheduler.recv(TIMEOUT_MS).error is None
-    assert received_error(scheduler, raw_dealer, parts).code == RejectCode.REPLAY
-    older = encode(Frame(V, 1, RUN_ID, 1, 99, Ready(0)), KEY)
-    assert received_error(scheduler, raw_dealer, older).code == RejectCode.REPLAY
-
-
-def test_a_refused_frame_does_not_advance_the_replay_count(scheduler: SchedulerEndpoint, raw_dealer: zmq.Socket) -> None:
-    forged = encode(Frame(V, 1, RUN_ID, 1, 10**18, Ready(0)), bytes(32))
-    assert received_error(scheduler, raw_dealer, forged).code == RejectCode.BAD_MAC
-    raw_dealer.send_multipart(encode(Frame(V, 1, RUN_ID, 1, 5, Ready(0)), KEY))
-    assert scheduler.recv(TIMEOUT_MS).error is None
-
-
-def test_unknown_identity_is_reported_as_rank_minus_one(scheduler: SchedulerEndpoint) -> None:
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, b"intruder")
-    sock.connect(scheduler.address)
-    try:
-        sock.send_multipart(encode(Frame(V, 1, RUN_ID, 1, 1, Ready(0)), KEY))
-        got = scheduler.recv(TIMEOUT_MS)
-        assert got.rank == -1 and got.error.code == RejectCode.MALFORMED
-    finally:
-        sock.close()
-        context.term()
+    assert received_error(scheduler, rank0, parts).code == RejectCode.REPLAY
+    older = rank0.frame(Ready(0), seq=rank0.seq - 5)
+    assert received_error(scheduler, rank0, older).code == RejectCode.REPLAY
 
 
 def test_executor_raises_on_a_bad_frame_and_keeps_working() -> None:
@@ -168,7 +183,7 @@ def test_executor_raises_on_a_bad_frame_and_keeps_working() -> None:
         with executor(address, rank=2) as ex:
             ex.send(Ready(2), step=0)
             identity = router.recv_multipart()[0]
-            assert identity == b"rank-2"
+            assert identity.startswith(b"\0")  # made by the ROUTER: executors choose none
             router.send_multipart([identity, b"garbage", b"x" * 32])
             with pytest.raises(ProtocolError) as info:
                 ex.recv(TIMEOUT_MS)

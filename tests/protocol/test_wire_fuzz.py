@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec import DEFAULT_LIMITS, decode, encode, frame_mac
-from protocol.errors import ProtocolError, RejectCode
+from protocol.errors import ProtocolError, RejectCode, UsageError
 from protocol.frames import Frame, FrameType, Go, Ready, Result, Welcome
 from tests.protocol.wire_samples import GEOMETRY, KEY, valid_prepare
 
@@ -267,14 +267,15 @@ def test_arrays_may_come_in_any_listed_order() -> None:
     assert got.body.seq_ids.tolist() == [0, 1, 2] and got.body.logprobs.tolist() == [0, 0, 0]
 
 
-def test_encode_refuses_what_it_cannot_carry() -> None:
-    with pytest.raises(ProtocolError, match="one-dimensional"):
+def test_encode_refuses_what_it_cannot_carry_as_the_callers_bug() -> None:
+    # Nothing a peer sent: a UsageError, never a ProtocolError that could become a REJECT.
+    with pytest.raises(UsageError, match="one-dimensional"):
         encode(Frame(1, 1, "r", 1, 1, dataclasses.replace(result_frame().body, seq_ids=np.zeros((2, 2)))), KEY)
-    with pytest.raises(ProtocolError, match="without loss"):
+    with pytest.raises(UsageError, match="without loss"):
         encode(Frame(1, 1, "r", 1, 1, dataclasses.replace(result_frame().body, token_ids=np.array([2**40]))), KEY)
-    with pytest.raises(ProtocolError, match="not a frame body"):
+    with pytest.raises(UsageError, match="not a frame body"):
         encode(Frame(1, 1, "r", 1, 1, GEOMETRY), KEY)
-    with pytest.raises(ProtocolError, match="cannot encode"):
+    with pytest.raises(UsageError, match="cannot encode"):
         encode(Frame(1, 1, object(), 1, 1, Go()), KEY)
 
 
@@ -288,5 +289,8 @@ def test_frame_mac_is_standard_hmac_sha256_over_lengths_then_parts(parts: list[b
 
 
 def test_short_keys_are_refused() -> None:
-    with pytest.raises(ProtocolError, match="at least 16"):
-        encode(Frame(1, 1, "r", 1, 1, Go()), b"short")
+    for key in (b"short", "a str of 32 characters, not bytes"):
+        with pytest.raises(UsageError, match="at least 16"):
+            encode(Frame(1, 1, "r", 1, 1, Go()), key)
+        with pytest.raises(UsageError, match="at least 16"):
+            decode(encode(Frame(1, 1, "r", 1, 1, Go()), KEY), key)

@@ -80,7 +80,7 @@ BODY_STRATEGIES: dict[type, st.SearchStrategy] = {
     Reject: st.builds(Reject, rank=small_ints, code=small_ints, message=texts, **arrays_of(Reject)),
     Go: st.just(Go()),
     Abort: st.builds(Abort, reason=texts),
-    Result: st.builds(Result, **arrays_of(Result), step_time_us=int64s),
+    Result: st.builds(Result, **arrays_of(Result), step_time_us=int64s, gap_us=int64s),
     Done: st.builds(Done, rank=small_ints),
     Heartbeat: st.builds(Heartbeat, rank=small_ints),
     Shutdown: st.builds(Shutdown, reason=texts),

@@ -1,75 +1,142 @@
-"""A minimal executor peer for the multi-process tests and the benchmark: the step protocol only,
-no model. Runs in a spawned process, so it imports nothing heavy."""
+"""A minimal executor peer for the multi-process tests and the benchmark: the conversation only, no
+model (rank 0's RESULT samples token 0 for every sampled sequence). Runs in a spawned process or a
+thread, so it imports nothing heavy."""
 
 from __future__ import annotations
 
 import sys
+import time
 
-from protocol.errors import ProtocolError, RejectCode
-from protocol.frames import (
-    LAYOUT_VERSION,
-    SUPPORTED_VERSIONS,
-    Abort,
-    CacheGeometry,
-    Done,
-    Go,
-    Hello,
-    Prepare,
-    Ready,
-    Reject,
-    Shutdown,
-    Welcome,
+import numpy as np
+
+from protocol.conversation import (
+    AbortReceived,
+    ExecutorConversation,
+    GoReceived,
+    HandshakeComplete,
+    PrepareReceived,
+    Refused,
+    SchedulerConversation,
+    SchedulerEvent,
+    ShutdownReceived,
+    StepDone,
+    StepReady,
+    StepRefused,
+    Welcomed,
+    WelcomeRefused,
 )
-from protocol.transport import ExecutorEndpoint
-from protocol.validate import check_envelope, check_geometry, validate_prepare
+from protocol.curve import ClientCurve
+from protocol.errors import ProtocolError
+from protocol.frames import CacheGeometry, Prepare, Result
+from protocol.transport import ExecutorEndpoint, SchedulerEndpoint
 
 IDLE_TIMEOUT_MS = 20_000
 
 
-def run_executor(address: str, key: bytes, run_id: str, rank: int, world_size: int, geometry: CacheGeometry) -> None:
-    """HELLO, then PREPARE -> READY | REJECT, GO -> DONE, ABORT drops the step, SHUTDOWN exits.
+def run_executor(
+    address: str,
+    key: bytes,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    geometry: CacheGeometry,
+    curve: ClientCurve | None = None,
+) -> None:
+    """HELLO, then PREPARE -> READY | REJECT, GO -> RESULT (rank 0) or DONE, ABORT drops the step,
+    SHUTDOWN exits.
 
-    Exits non-zero if the scheduler goes quiet or sends something out of order, so the parent test
-    sees it in the exit code.
+    Exits non-zero if the scheduler goes quiet or its WELCOME is refused, so the parent test sees
+    it in the exit code.
     """
-    with ExecutorEndpoint(address, key, run_id, rank) as endpoint:
-        endpoint.send(Hello(rank, world_size, SUPPORTED_VERSIONS, LAYOUT_VERSION, "wire-peer", geometry), step=0)
-        last_step = 0
-        staged: int | None = None
+    conv = ExecutorConversation(
+        rank=rank, world_size=world_size, run_id=run_id, geometry=geometry, model_fingerprint="wire-peer"
+    )
+    with ExecutorEndpoint(address, key, run_id, rank, curve=curve) as endpoint:
+        endpoint.send(*conv.hello())
+        staged: dict[int, Prepare] = {}
         while True:
             try:
-                frame = endpoint.recv(IDLE_TIMEOUT_MS)
+                got = endpoint.recv(IDLE_TIMEOUT_MS)
             except ProtocolError as exc:
-                endpoint.send(Reject(rank, int(exc.code), exc.message), step=last_step)
-                continue
-            if frame is None:
+                got = exc
+            if got is None:
                 sys.exit(f"rank {rank}: the scheduler went quiet")
-            body = frame.body
-            if isinstance(body, Welcome):
-                check_geometry(geometry, body.geometry, who="WELCOME")
-                endpoint.version = body.version
-            elif isinstance(body, Prepare):
-                try:
-                    check_envelope(
-                        frame, version=endpoint.version, layout=LAYOUT_VERSION, run_id=run_id, expected_step=last_step + 1
-                    )
-                    last_step = frame.step
-                    validate_prepare(body, geometry)
-                except ProtocolError as exc:
-                    endpoint.send(Reject(rank, int(exc.code), exc.message), step=frame.step)
-                    continue
-                staged = frame.step
-                endpoint.send(Ready(rank), step=frame.step)
-            elif isinstance(body, Go):
-                if staged != frame.step:
-                    endpoint.send(
-                        Reject(rank, int(RejectCode.UNEXPECTED_FRAME), f"GO for step {frame.step}, staged {staged}"),
-                        step=frame.step,
-                    )
-                    continue
-                staged = None
-                endpoint.send(Done(rank), step=frame.step)
-            elif isinstance(body, Abort):
-                staged = None
-            elif isinstance(body, Shutdown):
-                return
+            for event in conv.receive(got):
+                if isinstance(event, Welcomed):
+                    endpoint.version = event.version
+                elif isinstance(event, WelcomeRefused):
+                    sys.exit(f"rank {rank}: {event.message}")
+                elif isinstance(event, PrepareReceived):
+                    staged[event.step] = event.prepare
+                    endpoint.send(*conv.ready(event.step))
+                elif isinstance(event, GoReceived):
+                    prepare = staged.pop(event.step)
+                    if rank == 0:
+                        endpoint.send(*conv.result(event.step, placeholder_result(prepare)))
+                    else:
+                        endpoint.send(*conv.done(event.step))
+                elif isinstance(event, Refused):
+                    endpoint.send(*conv.reject(event.step, event.error))
+                elif isinstance(event, ShutdownReceived):
+                    return
+                elif isinstance(event, AbortReceived):
+                    staged.pop(event.step, None)
+
+
+def placeholder_result(p: Prepare) -> Result:
+    sampled = p.seq_ids[p.sample.astype(bool)]
+    m = len(sampled)
+    return Result(sampled, np.zeros(m, np.int32), np.zeros(m, np.float32), np.ones(m, np.uint8))
+
+
+class SchedulerDriver:
+    """The scheduler's side of the conversation over a real endpoint, for the tests and the
+    benchmark: a handshake, then whole steps (PREPARE, READY or REJECT from all, GO or ABORT,
+    RESULT and DONE). Anything else than what the step calls for raises RuntimeError."""
+
+    def __init__(self, endpoint: SchedulerEndpoint, world_size: int, run_id: str, *, timeout_s: float = 20.0) -> None:
+        self.endpoint = endpoint
+        self.conv = SchedulerConversation(world_size=world_size, run_id=run_id)
+        self.timeout_s = timeout_s
+
+    def events(self) -> list[SchedulerEvent]:
+        """The events of the next frame that yields any (heartbeats yield none)."""
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            got = self.endpoint.recv(int(left * 1000) + 1)
+            if got is None:
+                break
+            events = self.conv.receive(got.rank, got.frame if got.error is None else got.error, time.monotonic())
+            if events:
+                return events
+        raise RuntimeError(f"nothing from the ranks within {self.timeout_s} s (in flight: {self.conv.in_flight})")
+
+    def expect(self, *kinds: type) -> SchedulerEvent:
+        events = self.events()
+        if len(events) != 1 or not isinstance(events[0], kinds):
+            raise RuntimeError(f"expected {' or '.join(k.__name__ for k in kinds)}, got {events}")
+        return events[0]
+
+    def handshake(self) -> HandshakeComplete:
+        welcome = self.expect(HandshakeComplete)
+        self.endpoint.version = self.conv.version
+        self.endpoint.send_all(self.conv.ranks, *self.conv.welcome())
+        return welcome
+
+    def prepare(self, prepare: Prepare) -> int:
+        step = self.conv.next_step
+        self.endpoint.send_all(self.conv.ranks, *self.conv.prepare(step, prepare))
+        return step
+
+    def step(self, prepare: Prepare) -> StepDone | StepRefused:
+        """One whole step; a refused step is aborted and returned as its StepRefused."""
+        step = self.prepare(prepare)
+        answer = self.expect(StepReady, StepRefused)
+        if isinstance(answer, StepRefused):
+            self.endpoint.send_all(self.conv.ranks, *self.conv.abort(step, answer.message))
+            return answer
+        self.endpoint.send_all(self.conv.ranks, *self.conv.go(step))
+        return self.expect(StepDone)
+
+    def shutdown(self, reason: str) -> None:
+        self.endpoint.send_all(self.endpoint.ranks, *self.conv.shutdown(reason))

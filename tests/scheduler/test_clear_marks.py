@@ -74,7 +74,7 @@ def test_nothing_listed_at_release_or_reservation():
     assert plan.prepare.cleared_pages.tolist() == [0]
     plan = d.step()  # decode at position 4 commits page 1 and reserves two more
     assert plan.prepare.cleared_pages.tolist() == [1]
-    reserved = d.s._row_pages[0, 2:4].tolist()
+    reserved = list(d.s.request_state(0).reserved_pages)
     assert reserved == [2, 3] and d.s.pool.marked[reserved].all()
     assert d.s.stats().pages_reserved == 2
     for _ in range(3):  # positions 5..7 stay in page 1
@@ -94,7 +94,7 @@ def test_mark_survives_cancelled_reservation():
     d.add(0, [5, 6, 7, 8], SamplingParams(max_tokens=10, ignore_eos=True))
     d.step()
     d.step()
-    reserved = d.s._row_pages[0, 2:4].tolist()
+    reserved = list(d.s.request_state(0).reserved_pages)
     d.s.cancel(0)
     assert [o.finish_reason for o in d.s.drain_outputs()] == ["cancelled"]
     pool = d.s.pool
@@ -111,7 +111,7 @@ def test_mark_survives_reservation_dropped_under_pressure():
     d.add(0, [5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True))
     d.step()
     d.step()
-    reserved = d.s._row_pages[0, 2:4].tolist()
+    reserved = list(d.s.request_state(0).reserved_pages)
     # A newcomer needs the reserved pages: the reservation goes back, marks intact.
     d.add(1, list(range(20, 31)), SamplingParams(max_tokens=1))
     d.step()
@@ -129,7 +129,7 @@ def test_snapshot_reuse_lists_nothing_and_keeps_marks():
     d.add(0, shared + [3], SamplingParams(max_tokens=6, ignore_eos=True))
     d.step()
     d.step()
-    snapshot = d.s._row_pages[0, :2].tolist()
+    snapshot = list(d.s.request_state(0).page_table[:2])
     assert all(d.s.cache.is_cached(p) for p in snapshot)
     marked_before = d.s.pool.marked.copy()
     d.add(1, shared + [4, 5], SamplingParams(max_tokens=2))

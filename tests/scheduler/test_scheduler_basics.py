@@ -69,8 +69,8 @@ def test_a_prompt_is_the_same_whatever_sequence_type_carries_it():
     ids = [3, 2**31 - 1, 0, 7]
     for rid, prompt in enumerate((ids, tuple(ids), np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int32))):
         s.add_request(rid, prompt, SamplingParams(max_tokens=2))
-        req = s._requests[rid]
-        assert req.tokens.dtype == np.int32 and req.tokens[: req.prompt_len].tolist() == ids
+    p = s.plan_step().prepare
+    assert p.token_ids.dtype == np.int32 and p.token_ids.tolist() == ids * 4
 
 
 def test_bad_config_and_params_are_refused():
@@ -150,12 +150,14 @@ def test_cancel_waiting_running_and_in_flight():
     s.cancel(2)  # waiting
     assert [(o.request_id, o.finish_reason) for o in s.drain_outputs()] == [(2, "cancelled")]
     plan = s.plan_step()
-    s.cancel(0)  # in flight: ends with the step, its token is never emitted
-    s.finish(1)  # waiting, but a step is in flight: ends with the step too
-    outs = s.on_result(plan, result_for(plan, [9]))
-    assert sorted((o.request_id, o.finish_reason, o.token_ids) for o in outs) == [
+    s.cancel(0)  # in flight: ends now, its token is never emitted, its pages wait for the step
+    s.finish(1)  # waiting
+    assert sorted((o.request_id, o.finish_reason, o.token_ids) for o in s.drain_outputs()) == [
         (0, "cancelled", ()), (1, "stop", ())
     ]
+    assert s.request_state(0).page_table == (0,) and s.running_requests() == ()
+    assert s.on_result(plan, result_for(plan, [9])) == []
+    assert s.request_state(0) is None
     assert not s.has_work() and s.pool.free_count + s.cache.evictable_count == 16
     s.cancel(0)  # unknown now: ignored
     assert s.drain_outputs() == []
@@ -274,3 +276,13 @@ def test_an_admission_round_shares_each_prompt_s_own_prefix_hit():
     assert not set(got[4]) & set(snapshot)
     assert s.stats().prefix_hit_pages_total == 8
     assert [int(s.pool.refcount[page]) for page in snapshot] == [3, 3, 2]
+
+
+def test_errors_derive_from_the_runtime_base_and_misuse_stays_apart():
+    from protocol.errors import TPRuntimeError
+    from scheduler import PagePoolError
+
+    for err in (AdmissionError, SchedulerStateError, SchedulerConfigError, InvalidSamplingParams, PagePoolError):
+        assert issubclass(err, TPRuntimeError), err
+    assert not issubclass(AdmissionError, SchedulerStateError) and not issubclass(SchedulerStateError, AdmissionError)
+    assert issubclass(SchedulerConfigError, ValueError) and issubclass(InvalidSamplingParams, ValueError)

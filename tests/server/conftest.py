@@ -27,9 +27,9 @@ def engine() -> FakeEngine:
 def client(engine: FakeEngine, tokenizer: Tokenizer):
     from fastapi.testclient import TestClient
 
-    from tp_runtime.server import create_app
+    from tp_runtime.http import ServerSettings, create_app
 
-    with TestClient(create_app(engine, tokenizer, MODEL_NAME)) as test_client:
+    with TestClient(create_app(engine, tokenizer, ServerSettings((MODEL_NAME,)))) as test_client:
         yield test_client
 
 
@@ -38,12 +38,15 @@ def live_server(tokenizer: Tokenizer) -> Iterator[LiveServer]:
     """The app under a real uvicorn on a free loopback port, in a thread that is stopped after."""
     import uvicorn
 
-    from tp_runtime.server import create_app
+    from tp_runtime.http import ServerSettings, create_app
 
     engine = FakeEngine(token_delay_s=0.01)
     port = free_port()
     config = uvicorn.Config(
-        create_app(engine, tokenizer, MODEL_NAME), host="127.0.0.1", port=port, log_level="warning"
+        create_app(engine, tokenizer, ServerSettings((MODEL_NAME,), bind_host="127.0.0.1")),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

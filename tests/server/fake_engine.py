@@ -2,7 +2,9 @@
 
 It keeps the Engine contract of tp_runtime/engine.py (submit/cancel/finish/health/
 stats, streams of TokenEvent) and is deterministic: it echoes the prompt's tokens back, cycling,
-one token per step, so every expected output can be computed from the prompt.
+one token per step, so every expected output can be computed from the prompt. Like the real
+runtime it cannot take what the wire cannot carry: a request that slips past the HTTP edge with
+such a value raises WireLimitViolation, which the server must never let happen (a 500).
 """
 
 from __future__ import annotations
@@ -18,11 +20,44 @@ from pathlib import Path
 
 import pytest
 
+from protocol.sampling_limits import FLOAT32_MAX, INT32_MAX, SEED_MAX, TEMPERATURE_MIN, TOP_K_MAX, TOP_P_MIN
 from scheduler.request import SamplingParams
 from scheduler.scheduler import AdmissionError, SchedulerStats
-from tp_runtime.engine import EngineStats, EngineUnavailable, Health, TokenEvent
+from tp_runtime.engine import EngineOverloaded, EngineStats, EngineUnavailable, Health, TokenEvent
+from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter, HistogramSnapshot
 
 MODEL_NAME = "smollm2-test"
+VOCAB_SIZE = 49152  # SmolLM2's
+
+
+class WireLimitViolation(AssertionError):
+    """A request reached the engine with a value the wire or the sampler cannot carry; in the real
+    runtime it would fail a batched step or the engine loop."""
+
+
+def check_wire_limits(prompt: list[int], params: SamplingParams) -> None:
+    bad = []
+    if not all(type(t) is int and 0 <= t < VOCAB_SIZE for t in prompt):
+        bad.append("prompt token ids")
+    if not all(0 <= t < VOCAB_SIZE for t in params.stop_token_ids):
+        bad.append("stop token ids")
+    if not (params.temperature == 0 or TEMPERATURE_MIN <= params.temperature <= FLOAT32_MAX):
+        bad.append(f"temperature {params.temperature!r}")
+    if not TOP_P_MIN <= params.top_p <= 1:
+        bad.append(f"top_p {params.top_p!r}")
+    if not 0 <= params.top_k <= TOP_K_MAX:
+        bad.append(f"top_k {params.top_k}")
+    if params.seed is not None and not 0 <= params.seed <= SEED_MAX:
+        bad.append(f"seed {params.seed}")
+    if not 1 <= params.max_tokens <= INT32_MAX:
+        bad.append(f"max_tokens {params.max_tokens}")
+    if bad:
+        raise WireLimitViolation(f"the HTTP edge let through {', '.join(bad)}")
+
+
+def logprob_of(index: int) -> float:
+    """The fake's log-probability for the index-th generated token."""
+    return -0.25 * (1 + index % 4)
 
 
 def default_model_path() -> Path:
@@ -51,7 +86,7 @@ class FakeStream:
             last = i == self._params.max_tokens - 1
             stop = token in self._params.stop_token_ids and not self._params.ignore_eos
             reason = "stop" if stop else ("length" if last else None)
-            yield TokenEvent((token,), (-0.5,), reason is not None, reason, None)
+            yield TokenEvent((token,), (logprob_of(i),), reason is not None, reason, None)
             if reason is not None:
                 return
 
@@ -88,13 +123,17 @@ class FakeEngine:
     failure_message: str | None = "step 7: non-finite logits (NaN) for this request"
     unavailable: str | None = None  # submit raises EngineUnavailable with this reason
     admission_limit: int | None = None  # prompts longer than this raise AdmissionError
+    max_in_flight: int | None = None  # submit raises EngineOverloaded with this many streams active
     health_state: Health = Health(True, "ok")
     submitted: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     active: set[int] = field(default_factory=set)
     tokens_total: int = 0
-    latencies: list[float] = field(default_factory=list)
+    prompt_tokens_total: int = 0
+    latencies: BucketCounter = field(default_factory=lambda: BucketCounter(STEP_LATENCY_BUCKETS))
+    queue_time: HistogramSnapshot | None = None  # the engine-side hooks, as the real engine would set them
+    pages_cleared_per_step: HistogramSnapshot | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> FakeStream:
@@ -102,13 +141,17 @@ class FakeEngine:
             raise EngineUnavailable(self.unavailable)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: it must hold at least one token")
+        check_wire_limits(list(prompt_token_ids), params)
         if self.admission_limit is not None and len(prompt_token_ids) > self.admission_limit:
             raise AdmissionError(
                 f"the request needs {len(prompt_token_ids)} tokens of KV cache and the pool holds "
                 f"{self.admission_limit}"
             )
+        if self.max_in_flight is not None and len(self.active) >= self.max_in_flight:
+            raise EngineOverloaded(f"{len(self.active)} requests are in flight: retry later", retry_after_s=2.0)
         with self._lock:
             self.submitted.append((list(prompt_token_ids), params))
+            self.prompt_tokens_total += len(prompt_token_ids)
             request_id = len(self.submitted)
         return FakeStream(self, request_id, list(prompt_token_ids), params)
 
@@ -124,11 +167,10 @@ class FakeEngine:
     def record_step(self, tokens: int) -> None:
         with self._lock:
             self.tokens_total += tokens
-            self.latencies.append(0.003 * (1 + len(self.latencies) % 4))
+            self.latencies.observe(0.003 * (1 + self.latencies.snapshot().count % 4))
 
     def stats(self) -> EngineStats:
         with self._lock:
-            latencies, self.latencies = tuple(self.latencies), []
             return EngineStats(
                 scheduler=SchedulerStats(
                     running=len(self.active),
@@ -150,10 +192,15 @@ class FakeEngine:
                 aborts_total=1,
                 tokens_generated_total=self.tokens_total,
                 requests_finished_total=len(self.submitted) - len(self.active),
-                step_latency_s=latencies,
+                step_latency=self.latencies.snapshot(),
                 plan_time_s_total=0.25,
                 protocol_time_s_total=0.5,
                 step_time_s_total=2.0,
+                prompt_tokens_total=self.prompt_tokens_total,
+                prefix_cache_queries_total=self.prompt_tokens_total,
+                prefix_cache_hits_total=16,
+                queue_time=self.queue_time,
+                pages_cleared_per_step=self.pages_cleared_per_step,
             )
 
 

@@ -238,15 +238,17 @@ def test_completion_stream_chunks_usage_and_done(client, tokenizer):
     assert len({c["id"] for c in chunks}) == 1
 
 
-def test_completion_stream_error_is_error_data_event(client, engine):
+def test_completion_stream_error_is_error_data_event_then_done(client, engine):
+    # As vLLM ends a failed stream: the error as a data event, then [DONE], never a cut stream.
     engine.fail_after = 3
     with client.stream(
         "POST", "/v1/completions", json={"model": MODEL_NAME, "prompt": "a b c d e f", "max_tokens": 9, "stream": True}
     ) as response:
         events = sse_events(response.read().decode())
-    last = json.loads(events[-1][1])
-    assert "non-finite" in last["error"]["message"]
-    assert (None, "[DONE]") not in events
+    assert events[-1] == (None, "[DONE]")
+    error = json.loads(events[-2][1])
+    assert "non-finite" in error["error"]["message"]
+    assert events.count((None, "[DONE]")) == 1
 
 
 @pytest.mark.parametrize(

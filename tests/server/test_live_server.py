@@ -160,11 +160,11 @@ def test_real_request_stream_fed_from_another_thread(tokenizer):
     import uvicorn
 
     from server.fake_engine import FakeEngine, free_port
-    from tp_runtime.server import create_app
+    from tp_runtime.http import ServerSettings, create_app
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(ThreadFedEngine(FakeEngine()), tokenizer, MODEL_NAME), port=port, log_level="warning")
+        uvicorn.Config(create_app(ThreadFedEngine(FakeEngine()), tokenizer, ServerSettings((MODEL_NAME,))), port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

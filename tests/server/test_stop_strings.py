@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tp_runtime.server import StopStringMatcher
+from tp_runtime.http.generation import StopStringMatcher
 
 ALPHABET = "ab\n é"
 

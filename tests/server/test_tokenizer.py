@@ -282,3 +282,37 @@ def test_byte_level_gguf_pre_tokenizers_match_transformers(tmp_path: Path, pre):
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="bpe.gguf")
     for text in texts:
         assert ours.encode(text) == reference(text)["input_ids"], text
+
+
+@pytest.mark.parametrize("text", ["Hello 🎉 wörld", "日本語", "a\nb\tc  d"])
+def test_token_bytes_spell_the_text_exactly(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_a_token_may_hold_part_of_a_character(tokenizer):
+    # SmolLM2 spells 🎉 in three tokens; only their bytes together are a character.
+    parts = [tokenizer.token_bytes(t) for t in tokenizer.encode("🎉")]
+    assert len(parts) > 1 and b"".join(parts) == "🎉".encode()
+    with pytest.raises(UnicodeDecodeError):
+        parts[0].decode()
+
+
+def test_token_bytes_of_special_and_padding_ids(tokenizer):
+    assert tokenizer.token_bytes(tokenizer.eos_token_ids[0]) == b"<|im_end|>"
+    # A model's embedding may have more rows than the tokenizer has tokens.
+    assert tokenizer.token_bytes(tokenizer.vocab_size) == b"" and tokenizer.token_bytes(-1) == b""
+
+
+def test_sentencepiece_token_bytes(tmp_path: Path):
+    write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    spm = Tokenizer.from_model_path(tmp_path / "spm.gguf")
+    ids = spm.encode(" world ñ日本", add_special_tokens=False)
+    assert b"".join(spm.token_bytes(t) for t in ids) == " world ñ日本".encode()
+
+
+def test_max_token_chars_bounds_the_text_of_any_token(tokenizer):
+    longest = max(len(tokenizer.decode([t], skip_special_tokens=False)) for t in range(tokenizer.vocab_size))
+    assert tokenizer.max_token_chars >= longest
+    text = "#" * (3 * tokenizer.max_token_chars)
+    assert len(tokenizer.encode(text)) >= len(text) / tokenizer.max_token_chars

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench_serving import (
+from scripts.bench_serving import (
     OVERHEAD_METRICS,
     PromptTag,
     agreement,
@@ -14,7 +14,7 @@ from bench_serving import (
     side_result,
     write_plot,
 )
-from prompts import PromptBuilder
+from scripts.prompts import PromptBuilder
 
 
 @pytest.fixture(scope="module")

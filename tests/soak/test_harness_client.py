@@ -10,17 +10,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from harness import (
-    CompletionRequest,
-    RuntimeServer,
-    ServerOptions,
-    ServerStartError,
-    child_pids,
-    parse_metrics,
-    percentile,
-    rss_bytes,
-    stream_completion,
-)
+from scripts.harness.client import CompletionRequest, stream_completion
+from scripts.harness.metrics import parse_metrics
+from scripts.harness.output import percentile
+from scripts.harness.processes import descendants, rss_bytes
+from scripts.harness.runtime import RuntimeServer, ServerOptions, ServerStartError
 
 URL = "http://runtime.test"
 
@@ -84,6 +78,25 @@ def test_the_client_hangs_up_after_the_planned_number_of_tokens():
     assert s.sent < len(lines), "the client must stop reading the stream"
 
 
+def test_the_client_hangs_up_after_the_planned_time_even_before_the_first_token():
+    async def slow(request):
+        async def body():
+            await asyncio.sleep(30)
+            yield b"data: " + json.dumps(chunk([1], "a")).encode() + b"\n\n"
+
+        return httpx.Response(200, content=body())
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as client:
+            request = CompletionRequest(prompt_ids=(1,), max_tokens=4, cancel_after_s=0.2)
+            return await stream_completion(client, URL, "m", request, 10.0)
+
+    result = asyncio.run(go())
+    assert result.cancelled and result.error is None and result.token_ids == []
+    assert 0.2 <= result.t_end - result.t_sent < 5.0
+    assert "cancel_after_s" not in CompletionRequest(prompt_ids=(1,), max_tokens=4, cancel_after_s=1.0).body("m")
+
+
 def test_chunks_after_the_finish_are_counted():
     lines = sse(chunk([1], "a", "stop"), chunk([2], "b"))
     assert Streamer(lines).run(CompletionRequest(prompt_ids=(1,), max_tokens=4)).after_finish == 1
@@ -131,10 +144,10 @@ def test_percentile_interpolates():
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
 
 
-def test_child_pids_and_rss_of_a_live_child():
+def test_descendants_and_rss_of_a_live_child():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in child_pids(os.getpid())
+        assert child.pid in descendants(os.getpid())
         assert rss_bytes(child.pid) > 1 << 20
     finally:
         child.kill()

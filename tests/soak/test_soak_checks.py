@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from harness import CompletionRequest, MetricsSample, StreamResult
-from soak import (
+from scripts.harness.client import CompletionRequest, StreamResult
+from scripts.harness.metrics import (
     M_ABORTS,
     M_CACHED,
     M_CLEARED,
@@ -21,19 +21,11 @@ from soak import (
     M_STEPS,
     M_USED,
     M_WAITING,
-    Comparison,
-    RunRecord,
-    SoakRequest,
-    check_run,
-    first_difference,
-    judge_difference,
-    outcome_of,
-    request_rows,
-    rss_verdict,
-    summarize,
-    token_at,
-    write_plots,
+    MetricsSample,
 )
+from scripts.soak_checks import CHECKS, Comparison, check_run, first_difference, judge_difference, rss_verdict, token_at
+from scripts.soak_report import request_rows, summarize, write_plots
+from scripts.soak_workload import RunRecord, SoakRequest, outcome_of
 
 MIB = 1 << 20
 CLEAN_METRICS = {
@@ -92,6 +84,7 @@ def verdicts(record, comparisons=(), rss=None, swap_space=True):
 def test_a_clean_run_passes_every_check():
     checks = verdicts(clean_record(), [Comparison(index=0, identical=True)])
     assert all(c.passed for c in checks.values()), [c for c in checks.values() if not c.passed]
+    assert list(checks) == list(CHECKS)
 
 
 def test_a_stream_without_an_end_is_lost():

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-import soak
+from scripts import soak
 
 SHORT_FORM = [
     "--requests", "10",

@@ -2,8 +2,8 @@
 
 import pytest
 
-from prompts import SYSTEM_PROMPTS, PromptBuilder
-from soak import WorkloadShape, build_request, max_request_tokens
+from scripts.prompts import SYSTEM_PROMPTS, PromptBuilder
+from scripts.soak_workload import WorkloadShape, build_request, max_request_tokens
 
 
 @pytest.fixture(scope="module")

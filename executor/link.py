@@ -1,0 +1,331 @@
+"""An executor's link to the scheduler: a thread that owns the socket and the conversation.
+
+It runs beside the model, so that three things never wait for a forward:
+- heartbeats go out every interval, also while a step runs: a rank that stops (SIGSTOP, a hang) is
+  seen by its silence within seconds, and a healthy rank waiting in a collective for it is not;
+- the next step's PREPARE is decoded, validated, its page tables resolved and its inputs staged
+  while the current step runs, and READY goes out at once: with the scheduler planning ahead, the
+  GO for step N+1 is already here when step N ends;
+- SHUTDOWN is heard even when the model is stuck in a collective whose peer is gone.
+
+The link never touches the cache: offload, poison, restore and clears run on the model's thread,
+right before the forward of their step (executor.steps), so that they are ordered after the step
+before it, which may still be running when the PREPARE arrives.
+
+Threads: the socket and the conversation belong to this thread alone. The model's thread hands it
+RESULT/DONE/failures through a queue and wakes its poll (ExecutorEndpoint.wake); this thread hands
+the model's thread GOed steps and stops through another queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from executor.inputs import StepInputs, StepInputsError
+from protocol.conversation import (
+    AbortReceived,
+    ExecutorConversation,
+    GoReceived,
+    Ignored,
+    Outgoing,
+    PrepareReceived,
+    Refused,
+    ShutdownReceived,
+    Welcomed,
+    WelcomeRefused,
+)
+from protocol.errors import ProtocolError, RejectCode, TransportError
+from protocol.frames import Body, Frame, Prepare, Result
+from protocol.page_tables import HeldPageTables
+
+logger = logging.getLogger("tp_runtime.executor")
+
+
+class Endpoint(Protocol):
+    version: int
+
+    def send(self, body: Body, step: int) -> None: ...
+
+    def recv(self, timeout_ms: int) -> Frame | None: ...
+
+    def wake(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """A validated step, its inputs built, waiting for GO (and then for the model's thread)."""
+
+    step: int
+    prepare: Prepare  # the cache operations run from it on the model's thread
+    inputs: StepInputs
+    # Token indices of this step's feedback rows and, for each, the index of its sequence among
+    # the sampled rows of the step run before this one.
+    feedback_tokens: np.ndarray
+    feedback_sources: np.ndarray
+
+
+@dataclass(frozen=True)
+class Started:
+    """The handshake is done: steps may come."""
+
+
+@dataclass(frozen=True)
+class Run:
+    staged: StagedStep
+
+
+@dataclass(frozen=True)
+class Stop:
+    code: int
+    reason: str
+
+
+Command = Started | Run | Stop
+
+
+@dataclass(frozen=True)
+class LinkTimings:
+    heartbeat_s: float
+    peer_timeout_s: float  # silence from the scheduler this long ends the rank
+    handshake_s: float
+    stuck_grace_s: float  # after SHUTDOWN, how long the model's thread may take to come back
+
+
+class SchedulerLink:
+    def __init__(
+        self,
+        *,
+        conversation: ExecutorConversation,
+        endpoint: Endpoint,
+        page_size: int,
+        pad_page: int,
+        device: torch.device | str,
+        timings: LinkTimings,
+        exit_codes: Any,
+        force_exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.conversation = conversation
+        self.endpoint = endpoint
+        self.rank = conversation.rank
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Callable[[], Outgoing]] = queue.SimpleQueue()
+        self._page_size = page_size
+        self._pad_page = pad_page
+        self._device = device
+        self._timings = timings
+        self._codes = exit_codes
+        self._force_exit = force_exit
+        self._page_tables = HeldPageTables()
+        self._staged: StagedStep | None = None
+        # Sequences sampled by the last step GOed here, in its sample order: feedback rows of the
+        # next step read their tokens from that step's samples.
+        self._last_sampled = np.zeros(0, dtype=np.int64)
+        self._busy_since: float | None = None  # a step handed to the model's thread and not back
+        self._stopping = threading.Event()
+        self._stopped_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"link-rank-{self.rank}", daemon=True)
+
+    # -- the model's thread ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self, step: int, result: Result | None) -> None:
+        """Step `step` ran: RESULT on rank 0 (`result`), DONE elsewhere."""
+        conv = self.conversation
+        self._post(lambda: conv.result(step, result) if result is not None else conv.done(step))
+
+    def fail(self, step: int, message: str) -> None:
+        """The forward of `step` raised: the collectives are unusable, the rank ends after this."""
+        error = ProtocolError(RejectCode.INTERNAL, message)
+        self._post(lambda: self.conversation.reject(step, error))
+
+    def close(self) -> None:
+        """Send what is queued, then end the thread."""
+        self._stopping.set()
+        self.endpoint.wake()
+        self._thread.join(timeout=5)
+
+    def _post(self, outgoing: Callable[[], Outgoing]) -> None:
+        self._busy_since = None
+        self._outbox.put(outgoing)
+        self.endpoint.wake()
+
+    def mark_busy(self) -> None:
+        self._busy_since = time.monotonic()
+
+    # -- this thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._send(self.conversation.hello())
+            if self._handshake():
+                self._serve()
+        except TransportError as exc:
+            logger.error("[rank %d] cannot reach the scheduler: %s", self.rank, exc)
+            self._stop(self._codes.TRANSPORT_FAILED, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the model's thread must hear why the link ended
+            logger.exception("[rank %d] the link to the scheduler failed", self.rank)
+            self._stop(self._codes.TRANSPORT_FAILED, f"the link failed: {exc!r}")
+        finally:
+            self._flush()
+
+    def _send(self, outgoing: Outgoing) -> None:
+        self.endpoint.send(*outgoing)
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                make = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(make())
+
+    def _recv(self, timeout_s: float) -> Frame | ProtocolError | None:
+        try:
+            return self.endpoint.recv(max(1, int(timeout_s * 1000)))
+        except ProtocolError as exc:
+            return exc
+
+    def _handshake(self) -> bool:
+        deadline = time.monotonic() + self._timings.handshake_s
+        while not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._stop(
+                    self._codes.HANDSHAKE_REFUSED, f"handshake refused: no WELCOME within {self._timings.handshake_s:.0f} s of HELLO"
+                )
+                return False
+            got = self._recv(min(left, self._timings.heartbeat_s))
+            for event in self.conversation.receive(got) if got is not None else ():
+                if isinstance(event, Welcomed):
+                    self.endpoint.version = event.version
+                    self.commands.put(Started())
+                    return True
+                if isinstance(event, WelcomeRefused):
+                    self._stop(self._codes.HANDSHAKE_REFUSED, f"handshake refused: {event.message}")
+                    return False
+                if isinstance(event, ShutdownReceived):
+                    self._stop(self._codes.HANDSHAKE_REFUSED, f"handshake refused: the scheduler refused this launch: {event.reason}")
+                    return False
+                if isinstance(event, Ignored):
+                    logger.warning("[rank %d] %s", self.rank, event.reason)
+        return False
+
+    def _serve(self) -> None:
+        timings = self._timings
+        last_heard = next_beat = time.monotonic()
+        while not self._stopping.is_set():
+            self._flush()
+            now = time.monotonic()
+            if self._stopped_at is not None:
+                # Stopped: only the model thread's last answers are left to send.
+                self._check_stuck(now)
+                self._recv(timings.heartbeat_s)
+                continue
+            if now - last_heard > timings.peer_timeout_s:
+                self._stop(
+                    self._codes.SCHEDULER_SILENT,
+                    f"nothing from the scheduler for {now - last_heard:.1f} s (peer_timeout_s {timings.peer_timeout_s})",
+                )
+                continue
+            if now >= next_beat:
+                self._send(self.conversation.heartbeat())
+                next_beat = now + timings.heartbeat_s
+            got = self._recv(max(0.001, next_beat - time.monotonic()))
+            if got is None:
+                continue
+            if isinstance(got, Frame):
+                last_heard = time.monotonic()
+            for event in self.conversation.receive(got):
+                self._on_event(event)
+
+    def _on_event(self, event: object) -> None:
+        conv = self.conversation
+        if isinstance(event, PrepareReceived):
+            try:
+                self._staged = self._stage(event.step, event.prepare)
+            except ProtocolError as exc:
+                logger.error("[rank %d] reject step %d: %s", self.rank, event.step, exc)
+                self._send(conv.reject(event.step, exc))
+                return
+            self._send(conv.ready(event.step))
+        elif isinstance(event, GoReceived):
+            staged, self._staged = self._staged, None
+            assert staged is not None and staged.step == event.step  # the conversation checked it
+            self._last_sampled = staged.inputs.sample_seq_ids
+            self.commands.put(Run(staged))
+        elif isinstance(event, AbortReceived):
+            if event.dropped:
+                logger.info("[rank %d] abort step %d: %s", self.rank, event.step, event.reason)
+                self._staged = None
+            # The scheduler sends whole page tables after an ABORT: hold nothing that could be stale.
+            self._page_tables.drop()
+        elif isinstance(event, Refused):
+            logger.error("[rank %d] reject step %d: %s", self.rank, event.step, event.error)
+            self._send(conv.reject(event.step, event.error))
+        elif isinstance(event, ShutdownReceived):
+            logger.info("[rank %d] shutdown: %s", self.rank, event.reason)
+            self._stop(self._codes.OK, event.reason)
+        elif isinstance(event, Ignored):
+            logger.warning("[rank %d] %s", self.rank, event.reason)
+
+    def _stage(self, step: int, prepare: Prepare) -> StagedStep:
+        """Everything of a step that needs no device work: nothing here changes if it is refused,
+        but for the held page tables, which the ABORT that follows a REJECT drops anyway."""
+        feedback_tokens, feedback_sources = self._feedback(prepare)
+        table = self._page_tables.apply(prepare)
+        try:
+            inputs = StepInputs.from_prepare(
+                prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=table
+            )
+        except StepInputsError as exc:
+            raise ProtocolError(RejectCode.LENGTH_MISMATCH, str(exc)) from exc
+        return StagedStep(step, prepare, inputs, feedback_tokens, feedback_sources)
+
+    def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
+        """Where each feedback row's token comes from: the sample of its sequence in the step GOed
+        before this one. A sequence that step did not sample is refused by its id alone."""
+        rows = np.flatnonzero(prepare.feedback)
+        if not rows.shape[0]:
+            return rows, rows
+        wanted = prepare.seq_ids[rows]
+        order = np.argsort(self._last_sampled, kind="stable")
+        sampled = self._last_sampled[order]
+        at = np.searchsorted(sampled, wanted)
+        hit = at < sampled.shape[0]
+        hit[hit] = sampled[at[hit]] == wanted[hit]
+        if not hit.all():
+            missing = wanted[~hit]
+            raise ProtocolError(
+                RejectCode.FEEDBACK_WITHOUT_SAMPLE,
+                f"feedback for sequences {missing.tolist()[:8]} that the step run before this one did not sample",
+                seq_ids=tuple(int(s) for s in missing),
+            )
+        query_start = np.cumsum(prepare.query_lens, dtype=np.int64) - prepare.query_lens
+        return query_start[rows], order[at].astype(np.int64)
+
+    def _stop(self, code: int, reason: str) -> None:
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
+            self.commands.put(Stop(code, reason))
+
+    def _check_stuck(self, now: float) -> None:
+        """After a stop, a model thread that stays inside a step (a collective whose peer is gone)
+        would keep the process alive until the collective's own timeout: end the process."""
+        busy = self._busy_since
+        if busy is not None and now - max(busy, self._stopped_at or now) > self._timings.stuck_grace_s:
+            logger.error("[rank %d] the model is stuck in a step after the stop; exiting", self.rank)
+            self._flush()
+            self._busy_since = None
+            self._force_exit(int(self._codes.STEP_FAILED))

@@ -1,0 +1,121 @@
+"""The model's thread of an executor: runs each GOed step, in order, with its peers.
+
+For each step: the tokens of its feedback rows (the samples of the step run before it), then the
+cache operations of its PREPARE in DESIGN.md's order (offload reads pages before anything in this
+step writes them, then poison, restore, clear), then the forward, then sampling on rank 0. Every
+rank runs the same collectives in the same order: the feedback broadcast happens exactly when the
+step has feedback rows, which every rank reads from the same PREPARE.
+
+Why the cache operations run here and not when the PREPARE is staged: with the scheduler planning
+ahead, step N+1 is staged while step N runs, and N+1's offload must read what N wrote. On CUDA these
+are queued on the model stream before the forward (and before a graph replay); on the CPU they run
+right before it. Either way a cleared page is zero before the forward that first writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from executor.cache import KVCache
+from executor.inputs import StepInputs
+from executor.link import StagedStep
+from executor.options import ExecutorOptions
+from executor.sampler import SamplingBatch, sample
+from protocol.frames import Result
+
+logger = logging.getLogger("tp_runtime.executor")
+
+
+class StepModel(Protocol):
+    """What a step needs of a model: LlamaModel, a CUDA graph runner around it, or a test stand-in."""
+
+    fingerprint: str
+
+    def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None: ...
+
+
+@dataclass
+class _Samples:
+    """The token each sampled row of the last step drew (rank 0 only), for the next step's feedback."""
+
+    tokens: torch.Tensor  # int64[m] on the model's device
+
+
+class StepRunner:
+    def __init__(self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions):
+        self.rank = rank
+        self.world_size = world_size
+        self.model = model
+        self.cache = cache
+        self.options = options
+        self._samples = _Samples(torch.zeros(0, dtype=torch.long, device=cache.device))
+        self._last_end: float | None = None
+
+    def run(self, staged: StagedStep) -> Result | None:
+        """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises."""
+        started = time.perf_counter()
+        gap_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
+        inputs = staged.inputs
+        self._feed(staged)
+        self._cache_operations(staged)
+        logits = self.model.forward(inputs, self.cache)
+        result = self._sample(inputs, logits, started, gap_us) if self.rank == 0 else None
+        self._last_end = time.perf_counter()
+        return result
+
+    def _feed(self, staged: StagedStep) -> None:
+        rows = staged.feedback_tokens
+        if not rows.shape[0]:
+            return
+        device = self.cache.device
+        if self.rank == 0:
+            tokens = self._samples.tokens[torch.from_numpy(staged.feedback_sources).to(device)]
+        else:
+            tokens = torch.empty(rows.shape[0], dtype=torch.long, device=device)
+        if self.world_size > 1:
+            dist.broadcast(tokens, src=0)
+        staged.inputs.token_ids[torch.from_numpy(rows).to(device)] = tokens
+
+    def _cache_operations(self, staged: StagedStep) -> None:
+        prepare, cache, options = staged.prepare, self.cache, self.options
+        if prepare.offload_pages.size:
+            cache.offload(prepare.offload_pages, prepare.offload_slots)
+        if options.debug_poison_freed and prepare.poison_pages.size:
+            cache.poison_pages(prepare.poison_pages)
+        if prepare.restore_pages.size:
+            cache.restore(prepare.restore_pages, prepare.restore_slots)
+        if not options.debug_skip_clears and prepare.cleared_pages.size:
+            cache.clear_pages(prepare.cleared_pages)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor | None, started: float, gap_us: int) -> Result:
+        if logits is None:
+            raise RuntimeError("the model returned no logits on rank 0")
+        rows = inputs.sample_rows.shape[0]
+        if logits.shape[0] != rows:
+            raise RuntimeError(f"the model returned {logits.shape[0]} logits rows for {rows} sampled rows")
+        out = sample(
+            logits,
+            SamplingBatch(
+                temperature=inputs.temperature,
+                top_p=inputs.top_p,
+                top_k=inputs.top_k,
+                seeds=inputs.seeds,
+                positions=inputs.sample_positions,
+            ),
+        )
+        self._samples = _Samples(out.token_ids)
+        return Result(
+            seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
+            token_ids=out.token_ids.to("cpu", torch.int32).numpy(),
+            logprobs=out.logprobs.to("cpu", torch.float32).numpy(),
+            finite=out.finite.to("cpu", torch.uint8).numpy(),
+            step_time_us=int((time.perf_counter() - started) * 1e6),
+            gap_us=gap_us,
+        )

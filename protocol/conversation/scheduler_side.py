@@ -1,0 +1,496 @@
+"""The scheduler's half of the conversation: the handshake, then steps numbered 1, 2, 3, ..."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protocol.conversation.common import (
+    Outgoing,
+    Phase,
+    check_handshake_envelope,
+    not_valid_now,
+)
+from protocol.errors import ProtocolError, RejectCode, UsageError
+from protocol.frames import (
+    LAYOUT_VERSION,
+    SUPPORTED_VERSIONS,
+    Abort,
+    CacheGeometry,
+    Done,
+    Frame,
+    Go,
+    Heartbeat,
+    Hello,
+    Prepare,
+    Ready,
+    Reject,
+    Result,
+    Shutdown,
+    Welcome,
+)
+from protocol.validate import check_envelope, check_geometry, negotiate_version
+
+# Late answers to the last aborted steps are dropped rather than reported as violations; a rank that
+# lags further behind has long been declared silent by the caller's timeouts.
+_ABORTED_REMEMBERED = 64
+
+
+# ---- the scheduler's side -------------------------------------------------------------------
+
+
+class PlannedGeometry(Protocol):
+    """What the scheduler plans with (scheduler.SchedulerConfig has these): every rank's cache must
+    agree, or the scheduler would plan pages and lengths the executors do not have."""
+
+    num_kv_pages: int
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_host_pages: int
+
+
+PLANNED_FIELDS = ("num_kv_pages", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_host_pages")
+
+
+@dataclass(frozen=True)
+class HandshakeComplete:
+    """Every rank said HELLO and they agree: call welcome() and send it to every rank."""
+
+    version: int
+    geometry: CacheGeometry
+    hellos: tuple[Hello, ...]  # by rank
+
+
+@dataclass(frozen=True)
+class HandshakeRefused:
+    """A rank cannot join this launch; the message names it and its host. Send shutdown()."""
+
+    rank: int
+    host: str
+    code: RejectCode
+    message: str
+
+
+@dataclass(frozen=True)
+class StepReady:
+    """Every rank answered READY for `step`: go(step) may be sent."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Rejection:
+    rank: int
+    host: str
+    code: RejectCode
+    message: str
+    seq_ids: tuple[int, ...]  # empty: the whole frame was refused
+
+
+@dataclass(frozen=True)
+class StepRefused:
+    """Every rank answered `step` and at least one refused it: abort(step) is the only way on."""
+
+    step: int
+    rejections: tuple[Rejection, ...]
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """The sequences to fail when every refusal named its sequences (the rest of the step may
+        be planned again at once); empty when some rank refused the whole frame."""
+        if any(not r.seq_ids for r in self.rejections):
+            return ()
+        return tuple(sorted({s for r in self.rejections for s in r.seq_ids}))
+
+    @property
+    def message(self) -> str:
+        return "; ".join(
+            f"rank {r.rank} on host {r.host} rejected step {self.step}: {r.code.name}: {r.message}"
+            for r in self.rejections
+        )
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """Rank 0's RESULT and every other rank's DONE for `step` are in. Steps finish in order."""
+
+    step: int
+    result: Result
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A rank refused a step after GO (its forward failed, or GO was not valid there): the other
+    ranks may be inside a collective, so the group cannot go on."""
+
+    step: int
+    rank: int
+    host: str
+    code: RejectCode
+    message: str
+
+
+@dataclass(frozen=True)
+class RankShutdown:
+    rank: int
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProtocolViolation:
+    """A launched rank sent a frame that is undecodable, stamped wrong, or not valid now. `step` is
+    the frame's step (None when it did not decode)."""
+
+    rank: int
+    host: str
+    step: int | None
+    code: RejectCode
+    message: str
+
+
+SchedulerEvent = (
+    HandshakeComplete | HandshakeRefused | StepReady | StepRefused | StepDone | StepFailed | RankShutdown | ProtocolViolation
+)
+
+
+@dataclass
+class _Step:
+    step: int
+    go_sent: bool = False
+    ready: set[int] = field(default_factory=set)
+    rejections: dict[int, Rejection] = field(default_factory=dict)
+    answered: bool = False  # StepReady or StepRefused was reported
+    finished: set[int] = field(default_factory=set)
+    result: Result | None = None
+
+
+class SchedulerConversation:
+    """The scheduler's half: the handshake, then steps numbered 1, 2, 3, ...
+
+    Rules it enforces on the caller (UsageError otherwise):
+    - prepare(N) needs N == next_step, no step waiting for GO, and fewer than max_inflight steps in
+      flight (prepared and not yet done or aborted): with max_inflight 1 the next PREPARE waits for
+      the previous step's end, with 2 it may go out as soon as GO for the previous step is out;
+    - go(N) only when every rank answered READY for N and none refused it;
+    - abort(N) only for the step waiting for GO; it uses up N (the next step is N + 1).
+    Rules it enforces on the ranks (ProtocolViolation otherwise): frames stamped with this launch's
+    run id, the negotiated version and layout; READY/REJECT only for the step waiting for answers
+    (late answers to an aborted step are dropped); RESULT from rank 0 and DONE from the others, each
+    rank finishing its GOed steps in order.
+    """
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        run_id: str,
+        planned: PlannedGeometry | None = None,
+        max_inflight: int = 1,
+        supported_versions: Iterable[int] = SUPPORTED_VERSIONS,
+        layout: int = LAYOUT_VERSION,
+    ) -> None:
+        if world_size < 1 or max_inflight < 1:
+            raise UsageError(f"world_size ({world_size}) and max_inflight ({max_inflight}) must be >= 1")
+        self.world_size = world_size
+        self.ranks = tuple(range(world_size))
+        self.run_id = run_id
+        self.max_inflight = max_inflight
+        self.supported_versions = tuple(supported_versions)
+        self.layout = layout
+        self._planned = planned
+        self.phase = Phase.HANDSHAKE
+        self.version: int | None = None
+        self.geometry: CacheGeometry | None = None
+        self._hellos: dict[int, Hello] = {}
+        self._last_heard: dict[int, float] = {}
+        self.next_step = 1
+        self._steps: deque[_Step] = deque()  # in flight, oldest first; the last may wait for GO
+        self._aborted: deque[int] = deque(maxlen=_ABORTED_REMEMBERED)
+
+    # -- what the caller reads --
+
+    @property
+    def hellos(self) -> Mapping[int, Hello]:
+        return dict(self._hellos)
+
+    @property
+    def last_heard(self) -> Mapping[int, float]:
+        """When each rank's last frame arrived, in the caller's clock (`now` of receive)."""
+        return dict(self._last_heard)
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        return tuple(s.step for s in self._steps)
+
+    @property
+    def staged(self) -> int | None:
+        """The step that was prepared and waits for GO or ABORT."""
+        return self._steps[-1].step if self._steps and not self._steps[-1].go_sent else None
+
+    def who(self, rank: int) -> str:
+        """How errors name a rank: with its host, once its HELLO said which."""
+        return f"rank {rank} on host {self._host(rank)}"
+
+    def unanswered(self, step: int) -> frozenset[int]:
+        """Ranks that have answered neither READY nor REJECT for the step waiting for GO."""
+        s = self._find(step)
+        if s is None or s.go_sent:
+            return frozenset()
+        return frozenset(self.ranks) - s.ready - s.rejections.keys()
+
+    def unfinished(self, step: int) -> frozenset[int]:
+        """Ranks whose RESULT/DONE for a GOed step has not arrived."""
+        s = self._find(step)
+        if s is None or not s.go_sent:
+            return frozenset()
+        return frozenset(self.ranks) - s.finished
+
+    # -- what the caller sends --
+
+    def welcome(self) -> Outgoing:
+        if self.phase is not Phase.AGREED:
+            raise UsageError(f"WELCOME needs every rank's HELLO to agree; the conversation is {self.phase.value}")
+        self.phase = Phase.RUNNING
+        return Outgoing(Welcome(self.version, self.layout, self.world_size, self.geometry), 0)
+
+    def prepare(self, step: int, body: Prepare) -> Outgoing:
+        self._require_running("PREPARE")
+        if step != self.next_step:
+            raise UsageError(f"PREPARE for step {step}, but the next step is {self.next_step}")
+        if self.staged is not None:
+            raise UsageError(f"PREPARE for step {step} while step {self.staged} waits for GO or ABORT")
+        if len(self._steps) >= self.max_inflight:
+            raise UsageError(
+                f"PREPARE for step {step} with steps {list(self.in_flight)} in flight (max_inflight {self.max_inflight})"
+            )
+        self._steps.append(_Step(step))
+        self.next_step = step + 1
+        return Outgoing(body, step)
+
+    def go(self, step: int) -> Outgoing:
+        self._require_running("GO")
+        if step != self.staged:
+            raise UsageError(f"GO for step {step}, but the step waiting for GO is {self.staged}")
+        s = self._steps[-1]
+        if s.rejections or len(s.ready) != self.world_size:
+            raise UsageError(f"GO for step {step} before every rank is READY (unanswered {sorted(self.unanswered(step))}, "
+                             f"refused by {sorted(s.rejections)})")
+        s.go_sent = True
+        return Outgoing(Go(), step)
+
+    def abort(self, step: int, reason: str) -> Outgoing:
+        self._require_running("ABORT")
+        if step != self.staged:
+            raise UsageError(f"ABORT for step {step}, but the step waiting for GO is {self.staged}: a GOed step cannot be aborted")
+        self._steps.pop()
+        self._aborted.append(step)
+        return Outgoing(Abort(reason), step)
+
+    def heartbeat(self) -> Outgoing:
+        self._require_running("HEARTBEAT")
+        return Outgoing(Heartbeat(-1), 0)
+
+    def shutdown(self, reason: str) -> Outgoing:
+        """Legal in every phase: the end of the conversation."""
+        self.phase = Phase.CLOSED
+        return Outgoing(Shutdown(reason), 0)
+
+    def _require_running(self, what: str) -> None:
+        if self.phase is not Phase.RUNNING:
+            raise UsageError(f"{what} is not legal while the conversation is {self.phase.value}")
+
+    # -- what the caller receives --
+
+    def receive(self, rank: int, frame: Frame | ProtocolError, now: float) -> list[SchedulerEvent]:
+        """One frame from `rank` (as the transport attributed it), or the ProtocolError its
+        authenticated parts failed to decode with; `now` is the caller's clock."""
+        if not isinstance(frame, (Frame, ProtocolError)):
+            raise UsageError(f"receive takes a Frame or a ProtocolError, not {type(frame).__name__}")
+        if self.phase in (Phase.REFUSED, Phase.CLOSED):
+            return []
+        if rank not in self.ranks:
+            return self._outside_world(rank, frame)
+        self._last_heard[rank] = now
+        if isinstance(frame, ProtocolError):
+            return [self._violation(rank, None, frame)]
+        if self.phase is Phase.HANDSHAKE:
+            return self._receive_handshake(rank, frame)
+        body = frame.body
+        if isinstance(body, Heartbeat):
+            return []
+        if isinstance(body, Shutdown):
+            return [RankShutdown(rank, self._host(rank), body.reason)]
+        if self.phase is Phase.AGREED:
+            return [self._violation(rank, frame.step, not_valid_now(frame, "before WELCOME"))]
+        try:
+            check_envelope(frame, version=self.version, layout=self.layout, run_id=self.run_id)
+        except ProtocolError as exc:
+            return [self._violation(rank, frame.step, exc)]
+        if isinstance(body, (Ready, Reject, Done)) and body.rank != rank:
+            return [self._violation(rank, frame.step, ProtocolError(
+                RejectCode.MALFORMED, f"{frame.type.name} from rank {rank}'s connection says rank {body.rank}"))]
+        if isinstance(body, Ready):
+            return self._on_answer(rank, frame, None)
+        if isinstance(body, Reject):
+            return self._on_answer(rank, frame, body)
+        if isinstance(body, (Result, Done)):
+            return self._on_finished(rank, frame)
+        return [self._violation(rank, frame.step, not_valid_now(frame, "is not a frame a rank sends"))]
+
+    def _outside_world(self, rank: int, frame: Frame | ProtocolError) -> list[SchedulerEvent]:
+        error = ProtocolError(
+            RejectCode.GEOMETRY_MISMATCH, f"rank {rank} is not in this launch's world of {self.world_size}"
+        )
+        if self.phase is Phase.HANDSHAKE and isinstance(frame, Frame) and isinstance(frame.body, Hello):
+            self.phase = Phase.REFUSED
+            host = frame.body.host or "?"
+            return [HandshakeRefused(rank, host, error.code, f"rank {rank} on host {host}: {error.message}")]
+        return [ProtocolViolation(rank, "?", frame.step if isinstance(frame, Frame) else None, error.code, error.message)]
+
+    def _receive_handshake(self, rank: int, frame: Frame) -> list[SchedulerEvent]:
+        body = frame.body
+        if isinstance(body, Heartbeat):
+            return []
+        if isinstance(body, Shutdown):
+            return [RankShutdown(rank, self._host(rank), body.reason)]
+        if not isinstance(body, Hello):
+            return [self._violation(rank, frame.step, not_valid_now(frame, "before the handshake ended"))]
+        if rank in self._hellos:
+            return [self._violation(rank, frame.step, not_valid_now(frame, "a second time"))]
+        self._hellos[rank] = body
+        try:
+            check_handshake_envelope(frame, self.supported_versions, self.layout, self.run_id)
+            self._check_hello(rank, body)
+        except ProtocolError as exc:
+            return [self._refuse(rank, exc.code, f"{self.who(rank)}: {exc.message}")]
+        if 0 in self._hellos:
+            for other in [rank] if rank != 0 else sorted(self._hellos)[1:]:
+                try:
+                    self._check_against_rank0(other, self._hellos[other])
+                except ProtocolError as exc:
+                    return [self._refuse(other, exc.code, exc.message)]
+        if len(self._hellos) < self.world_size:
+            return []
+        common = set(self.supported_versions).intersection(*(h.versions for h in self._hellos.values()))
+        try:
+            self.version = negotiate_version(common)
+        except ProtocolError:
+            offers = ", ".join(f"{self.who(r)} {list(h.versions)}" for r, h in sorted(self._hellos.items()))
+            return [self._refuse(rank, RejectCode.BAD_VERSION, (
+                f"no protocol version is common to every rank and the scheduler ({list(self.supported_versions)}): {offers}"))]
+        self.geometry = self._hellos[0].geometry
+        self.phase = Phase.AGREED
+        return [HandshakeComplete(self.version, self.geometry, tuple(self._hellos[r] for r in self.ranks))]
+
+    def _refuse(self, rank: int, code: RejectCode, message: str) -> HandshakeRefused:
+        self.phase = Phase.REFUSED
+        return HandshakeRefused(rank, self._host(rank), code, message)
+
+    def _check_hello(self, rank: int, hello: Hello) -> None:
+        if hello.rank != rank:
+            raise ProtocolError(RejectCode.MALFORMED, f"its connection is rank {rank}'s, but its HELLO says rank {hello.rank}")
+        if hello.world_size != self.world_size:
+            raise ProtocolError(
+                RejectCode.GEOMETRY_MISMATCH, f"runs with world size {hello.world_size}, this launch has {self.world_size}"
+            )
+        if hello.layout != self.layout:
+            raise ProtocolError(RejectCode.BAD_LAYOUT, f"uses cache layout {hello.layout}, the scheduler {self.layout}")
+        if not set(hello.versions) & set(self.supported_versions):
+            raise ProtocolError(
+                RejectCode.BAD_VERSION,
+                f"speaks protocol versions {list(hello.versions)}, the scheduler {list(self.supported_versions)}",
+            )
+        if self._planned is not None:
+            for name in PLANNED_FIELDS:
+                have, planned = getattr(hello.geometry, name), getattr(self._planned, name)
+                if have != planned:
+                    raise ProtocolError(
+                        RejectCode.GEOMETRY_MISMATCH,
+                        f"was started with other options than the scheduler: its cache has {name} {have}, the "
+                        f"scheduler plans with {planned}; every host must be given the same model and options",
+                    )
+
+    def _check_against_rank0(self, rank: int, hello: Hello) -> None:
+        first = self._hellos[0]
+        if hello.config_fingerprint != first.config_fingerprint:
+            raise ProtocolError(
+                RejectCode.GEOMETRY_MISMATCH,
+                f"{self.who(rank)} was started with other options (fingerprint {hello.config_fingerprint}) than "
+                f"{self.who(0)} ({first.config_fingerprint}): every host must be given the same model and options",
+            )
+        if hello.model_fingerprint != first.model_fingerprint:
+            raise ProtocolError(
+                RejectCode.GEOMETRY_MISMATCH,
+                f"{self.who(rank)} loaded other weights (fingerprint {hello.model_fingerprint}) than {self.who(0)} "
+                f"({first.model_fingerprint})",
+            )
+        check_geometry(first.geometry, hello.geometry, who=f"{self.who(rank)} (compared with rank 0)")
+
+    def _on_answer(self, rank: int, frame: Frame, reject: Reject | None) -> list[SchedulerEvent]:
+        s = self._find(frame.step)
+        if s is None:
+            if frame.step in self._aborted:
+                return []  # a late answer to a step that was aborted meanwhile
+            what = "is not in flight" if frame.step < self.next_step else "was never prepared"
+            detail = f" ({_reject_code(reject).name}: {reject.message})" if reject is not None else ""
+            return [self._violation(rank, frame.step, not_valid_now(frame, f"which {what}{detail}"))]
+        if s.go_sent:
+            if reject is None:
+                return [self._violation(rank, frame.step, not_valid_now(frame, "after GO"))]
+            return [StepFailed(s.step, rank, self._host(rank), _reject_code(reject), reject.message)]
+        if reject is None:
+            if rank in s.ready or rank in s.rejections:
+                return [self._violation(rank, frame.step, not_valid_now(frame, "a second time"))]
+            s.ready.add(rank)
+        elif rank not in s.rejections:
+            s.ready.discard(rank)
+            s.rejections[rank] = Rejection(
+                rank, self._host(rank), _reject_code(reject), reject.message, tuple(int(i) for i in reject.seq_ids)
+            )
+            if s.answered:  # READY from everyone was reported, and now this rank takes it back
+                s.answered = False
+        if s.answered or len(s.ready) + len(s.rejections) < self.world_size:
+            return []
+        s.answered = True
+        if s.rejections:
+            return [StepRefused(s.step, tuple(s.rejections[r] for r in sorted(s.rejections)))]
+        return [StepReady(s.step)]
+
+    def _on_finished(self, rank: int, frame: Frame) -> list[SchedulerEvent]:
+        is_result = isinstance(frame.body, Result)
+        if is_result != (rank == 0):
+            expected = "RESULT" if rank == 0 else "DONE"
+            return [self._violation(rank, frame.step, not_valid_now(frame, f"from rank {rank}, which sends {expected}"))]
+        pending = next((s for s in self._steps if s.go_sent and rank not in s.finished), None)
+        if pending is None or pending.step != frame.step:
+            when = "with no GOed step pending" if pending is None else f"while step {pending.step} is this rank's next to finish"
+            return [self._violation(rank, frame.step, not_valid_now(frame, when))]
+        pending.finished.add(rank)
+        if is_result:
+            pending.result = frame.body
+        if len(pending.finished) < self.world_size:
+            return []
+        self._steps.remove(pending)
+        return [StepDone(pending.step, pending.result)]
+
+    def _find(self, step: int) -> _Step | None:
+        return next((s for s in self._steps if s.step == step), None)
+
+    def _host(self, rank: int) -> str:
+        hello = self._hellos.get(rank)
+        return hello.host if hello is not None and hello.host else "?"
+
+    def _violation(self, rank: int, step: int | None, error: ProtocolError) -> ProtocolViolation:
+        return ProtocolViolation(rank, self._host(rank), step, error.code, error.message)
+
+
+def _reject_code(reject: Reject) -> RejectCode:
+    try:
+        return RejectCode(reject.code)
+    except ValueError:  # a code from a newer peer: still a refusal, with its number in the message
+        return RejectCode.INTERNAL

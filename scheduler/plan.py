@@ -1,0 +1,167 @@
+"""A step plan and the assembly of its PREPARE from the batch.
+
+Planning collects, in a StepBuilder, what a step does besides feeding its rows (pages to clear,
+offloads, restores) and which rows are not plain decodes (prefill chunks, admissions); `assemble`
+turns that and the batch's columns into the PREPARE, and advances the rows as planned: computed
+tokens grow at plan time, the tokens a step samples are counted as pending until its RESULT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.frames import Prepare
+from protocol.page_tables import delta_index
+from scheduler.batch import Batch, frozen
+from scheduler.request import HostCopy
+
+_I32 = np.int32
+EMPTY_I32 = frozen(np.empty(0, dtype=_I32))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One planned step: its number, its PREPARE, and what the scheduler needs when it ends."""
+
+    step: int
+    prepare: Prepare
+    rows: np.ndarray  # int32[n]: batch row of each PREPARE sequence, valid while moves is Batch.moves
+    moves: int
+    restore_slots: tuple[int, ...]  # host slots this step reads; free again once it has ended
+    restored: tuple[tuple[int, HostCopy], ...]  # requests this step restores, and from where
+    offloaded: tuple[int, ...]  # request ids whose KV this step copies out to host slots
+
+
+class StepBuilder:
+    """What a plan collects before it becomes a PREPARE (a plain slots class: one per step)."""
+
+    __slots__ = (
+        "cleared", "offload_pages", "offload_slots", "offloaded", "restore_pages", "restore_slots", "restored",
+        "preempted", "rows", "chunks",
+    )
+
+    def __init__(self) -> None:
+        self.cleared: list[np.ndarray] = []
+        self.offload_pages: list[np.ndarray] = []
+        self.offload_slots: list[int] = []
+        self.offloaded: list[int] = []
+        self.restore_pages: list[np.ndarray] = []
+        self.restore_slots: list[int] = []
+        self.restored: list[tuple[int, HostCopy]] = []
+        self.preempted = 0
+        self.rows: list[int] = []  # rows that are not plain decodes, in order
+        self.chunks: list[int] = []
+
+
+def cat(arrays: list[np.ndarray]) -> np.ndarray:
+    if not arrays:
+        return EMPTY_I32
+    if len(arrays) == 1:
+        return arrays[0].astype(_I32, copy=False)
+    return np.concatenate(arrays).astype(_I32, copy=False)
+
+
+def _new_pages(batch: Batch, rows: np.ndarray, base: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The pages of each row's table from base to lens, concatenated: the PREPARE's page_table."""
+    grown = lens - base
+    at = np.flatnonzero(grown)
+    if at.shape[0] == int(grown.sum()):  # a decode step: each table grew by one page at most
+        return batch.pages[rows[at], base[at]]
+    at, cols = delta_index(base, lens)
+    return batch.pages[rows[at], cols]
+
+
+def _decode_all(batch: Batch, fed: bool) -> dict:
+    """The arrays of a step in which every row of the batch decodes one token (fed: some may
+    feed back a sample of a step in flight)."""
+    n = batch.n
+    snap = batch.snapshot()
+    start = batch.ncomp[:n].copy()
+    lens = batch.npages[:n].copy()
+    base = batch.sent[:n].copy()
+    batch.sent[:n] = lens
+    pending = batch.pending[:n]
+    if fed and pending.all():
+        tokens, feedback = snap.zeros, snap.ones_u8
+    elif not fed or not pending.any():
+        tokens, feedback = batch.last[:n].copy(), np.zeros(n, dtype=np.uint8)
+    else:
+        feedback = (pending > 0).astype(np.uint8)
+        tokens = np.where(feedback, 0, batch.last[:n]).astype(_I32)
+    cols = snap.columns
+    return dict(
+        rows=snap.rows, seq_ids=cols["req_id"], query_lens=snap.ones, context_lens=start + 1, token_ids=tokens,
+        positions=start, page_table_lens=lens, page_table_base=base,
+        page_table=_new_pages(batch, snap.rows, base, lens), sample=snap.ones_u8,
+        temperature=cols["temperature"], top_p=cols["top_p"], top_k=cols["top_k"], seeds=cols["seed"],
+        feedback=feedback,
+    )
+
+
+def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder, fed: bool) -> dict:
+    """The arrays of a step with decodes (dec_rows, first) and chunks (b.rows); fed as in assemble."""
+    n_dec = dec_rows.shape[0]
+    rows = np.concatenate((dec_rows.astype(_I32), np.array(b.rows, dtype=_I32)))
+    start = batch.ncomp[rows]
+    qlens = np.concatenate((np.ones(n_dec, dtype=_I32), np.array(b.chunks, dtype=_I32)))
+    fed_rows = batch.pending[dec_rows] > 0 if fed else None
+    if fed_rows is not None and fed_rows.any():
+        feedback = np.concatenate((fed_rows, np.zeros(len(b.rows), dtype=bool))).astype(np.uint8)
+        token_parts = [np.where(fed_rows, 0, batch.last[dec_rows])]
+    else:
+        feedback = np.zeros(rows.shape[0], dtype=np.uint8)
+        token_parts = [batch.last[dec_rows]]
+    reqs = batch.reqs
+    for s0, r, chunk in zip(start[n_dec:].tolist(), b.rows, b.chunks):
+        token_parts.append(reqs[r].tokens[s0 : s0 + chunk])
+    token_ids = np.concatenate(token_parts).astype(_I32, copy=False)
+    # Each row's positions run from its start: one arange for the step, shifted per row.
+    ends = np.cumsum(qlens)
+    positions = (np.arange(int(ends[-1]), dtype=_I32) + np.repeat(start - (ends - qlens), qlens)).astype(_I32, copy=False)
+    context_lens = start + qlens
+    known = batch.ntok[rows] + batch.pending[rows] if fed else batch.ntok[rows]
+    sample = (context_lens == known).astype(np.uint8)
+    lens = batch.npages[rows]
+    base = batch.sent[rows]
+    # Executors forget a sequence absent from a step.
+    batch.sent[: batch.n] = 0
+    batch.sent[rows] = lens
+    return dict(
+        rows=rows, seq_ids=batch.req_id[rows], query_lens=qlens, context_lens=context_lens, token_ids=token_ids,
+        positions=positions, page_table_lens=lens, page_table_base=base,
+        page_table=_new_pages(batch, rows, base, lens), sample=sample, temperature=batch.temperature[rows],
+        top_p=batch.top_p[rows], top_k=batch.top_k[rows], seeds=batch.seed[rows], feedback=feedback,
+    )
+
+
+def assemble(
+    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, fed: bool
+) -> StepPlan:
+    """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
+    fed: a step is in flight, so rows may feed back its samples. The rows advance by what they
+    compute, and count the samples the step will produce."""
+    if dec_rows is None:
+        a = _decode_all(batch, fed)
+        rows = a.pop("rows")
+        batch.ncomp[: batch.n] += 1
+        batch.pending[: batch.n] += 1
+    else:
+        a = _mixed(batch, dec_rows, b, fed)
+        rows = a.pop("rows")
+        batch.ncomp[rows] = a["context_lens"]
+        batch.pending[rows] += a["sample"]
+    cleared = cat(b.cleared)
+    if cleared.shape[0] > 1:
+        cleared.sort()
+    prepare = Prepare(
+        **a,
+        cleared_pages=cleared,
+        restore_pages=cat(b.restore_pages),
+        restore_slots=np.array(b.restore_slots, dtype=_I32) if b.restore_slots else EMPTY_I32,
+        offload_pages=cat(b.offload_pages),
+        offload_slots=np.array(b.offload_slots, dtype=_I32) if b.offload_slots else EMPTY_I32,
+        poison_pages=poison,
+    )
+    return StepPlan(step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded))

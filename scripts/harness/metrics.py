@@ -1,0 +1,74 @@
+"""The runtime's /metrics as numbers: parsing, scraping, and the names the tools read.
+
+The names are tp_runtime/metrics.py's (docs/http_api.md lists them); counters carry prometheus'
+`_total` suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+M_RUNNING = "tp_runtime_requests_running"
+M_WAITING = "tp_runtime_requests_waiting"
+M_PREEMPTED = "tp_runtime_requests_preempted"
+M_FREE = "tp_runtime_kv_pages_free"
+M_USED = "tp_runtime_kv_pages_used"
+M_CACHED = "tp_runtime_kv_pages_cached"
+M_MARKED = "tp_runtime_kv_pages_marked"
+M_CLEARED = "tp_runtime_kv_pages_cleared_total"
+M_PREEMPTIONS = "tp_runtime_preemptions_total"
+M_OFFLOADS = "tp_runtime_kv_offloads_total"
+M_RESTORES = "tp_runtime_kv_restores_total"
+M_EVICTIONS = "tp_runtime_prefix_evictions_total"
+M_STEPS = "tp_runtime_steps_total"
+M_REJECTS = "tp_runtime_step_rejects_total"
+M_ABORTS = "tp_runtime_step_aborts_total"
+M_ABORTED_STEPS = "tp_runtime_aborted_steps_total"
+M_REQUEST_REJECTS = "tp_runtime_request_rejects_total"
+M_CANCELS = "tp_runtime_request_cancels_total"
+M_PLAN_SECONDS = "tp_runtime_plan_seconds_total"
+M_PROTOCOL_SECONDS = "tp_runtime_protocol_seconds_total"
+M_STEP_SECONDS = "tp_runtime_step_seconds_total"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> sample name -> value, summed over label sets (`_bucket` samples dropped)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") or sample.name.endswith("_created"):
+                continue
+            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    t: float  # seconds since the run started
+    values: dict[str, float]
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+
+async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+    """The server's /metrics, or None where it has none (another runtime behind --url)."""
+    try:
+        response = await client.get(f"{url}/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return parse_metrics(response.text)
+
+
+def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float] | None:
+    """scrape_metrics without an event loop."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse_metrics(response.text) if response.status_code == 200 else None

@@ -1,0 +1,120 @@
+"""/metrics in vLLM's names and shapes, checked against a known workload on the fake engine."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server.fake_engine import MODEL_NAME, FakeEngine
+
+from tp_runtime.http import ServerSettings, create_app
+from tp_runtime.http.metrics import size_buckets
+from tp_runtime.stats import BucketCounter
+
+LABEL = (("model_name", MODEL_NAME),)
+
+
+@pytest.fixture
+def scrape(tokenizer):
+    from fastapi.testclient import TestClient
+
+    engine = FakeEngine()
+    with TestClient(create_app(engine, tokenizer, ServerSettings((MODEL_NAME, "other-name")))) as client:
+
+        def read() -> tuple[dict, dict]:
+            text = client.get("/metrics").text
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+            }
+            return families, samples
+
+        yield engine, client, read
+
+
+def test_a_known_workload_in_vllms_names(scrape, tokenizer):
+    engine, client, read = scrape
+    prompts = ["one two three", "four five", "six"]
+    for prompt in prompts:
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).status_code == 200
+    client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "stop here"}], "stop": ["here"]})
+    families, samples = read()
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts) + len(engine.submitted[3][0])
+    generated = engine.tokens_total  # what the fake streamed
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted({**dict(LABEL), **labels}.items())))]
+
+    assert value("vllm:prompt_tokens_total") == prompt_tokens
+    assert value("vllm:generation_tokens_total") == generated
+    assert value("vllm:request_success_total", finished_reason="length") == 3
+    assert value("vllm:request_success_total", finished_reason="stop") == 1
+    # Finished requests only: every timing histogram saw each of the four once.
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds", "vllm:request_prompt_tokens"):
+        assert value(f"{name}_count") == 4, name
+    assert value("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert value("vllm:request_generation_tokens_sum") == generated
+    # Inter-token gaps: every token after a request's first.
+    assert value("vllm:inter_token_latency_seconds_count") == generated - 4
+    assert value("vllm:request_time_per_output_token_seconds_count") == 4
+    # The fake's scheduler: 6 pages used of 96, none evictable; 5 preemptions; 2 waiting + 1 preempted.
+    assert value("vllm:kv_cache_usage_perc") == pytest.approx(6 / 96)
+    assert value("vllm:num_preemptions_total") == 5
+    assert value("vllm:num_requests_waiting") == 3
+    assert value("vllm:num_requests_running") == 0
+    assert value("vllm:prefix_cache_queries_total") == prompt_tokens
+    assert value("vllm:prefix_cache_hits_total") == 16
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    # The label is the first served name, everywhere.
+    assert {s.labels.get("model_name") for f in families.values() if f.name.startswith("vllm:") for s in f.samples} == {MODEL_NAME}
+
+
+def test_aborted_requests_count_without_latencies(scrape):
+    engine, client, read = scrape
+    engine.fail_after = 1
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5})
+    _, samples = read()
+    assert samples[("vllm:request_success_total", (("finished_reason", "error"), *LABEL))] == 1
+    assert samples[("vllm:e2e_request_latency_seconds_count", LABEL)] == 0
+
+
+def test_engine_side_histograms_appear_once_the_engine_times_them(scrape):
+    engine, _, read = scrape
+    families, _ = read()
+    assert "vllm:request_queue_time_seconds" not in families
+    assert "tp_runtime_kv_pages_cleared_per_step" not in families
+    queue, cleared = BucketCounter((0.1, 1.0)), BucketCounter((1, 8, 64))
+    for seconds in (0.05, 0.5, 0.7, 3.0):
+        queue.observe(seconds)
+    for pages in (0, 3, 8, 100):
+        cleared.observe(pages)
+    engine.queue_time, engine.pages_cleared_per_step = queue.snapshot(), cleared.snapshot()
+    _, samples = read()
+    assert samples[("vllm:request_queue_time_seconds_bucket", (("le", "0.1"), *LABEL))] == 1
+    assert samples[("vllm:request_queue_time_seconds_bucket", (("le", "1.0"), *LABEL))] == 3
+    assert samples[("vllm:request_queue_time_seconds_count", LABEL)] == 4
+    assert samples[("vllm:request_queue_time_seconds_sum", LABEL)] == pytest.approx(4.25)
+    assert samples[("tp_runtime_kv_pages_cleared_per_step_bucket", (("le", "8.0"),))] == 3
+    assert samples[("tp_runtime_kv_pages_cleared_per_step_bucket", (("le", "+Inf"),))] == 4
+
+
+def test_help_texts_say_what_is_counted(scrape):
+    _, _, read = scrape
+    families, _ = read()
+    assert "requests" in families["tp_runtime_kv_offloads"].documentation.lower()
+    assert "requests" in families["tp_runtime_kv_restores"].documentation.lower()
+
+
+def test_bucket_counter_is_prometheus_le():
+    counter = BucketCounter((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 2.0, 9.0):
+        counter.observe(value)
+    snapshot = counter.snapshot()
+    assert snapshot.counts == (2, 2, 1) and snapshot.count == 5
+    assert snapshot.cumulative() == [("1.0", 2), ("2.0", 4), ("+Inf", 5)]
+    with pytest.raises(ValueError):
+        BucketCounter((2.0, 1.0))
+
+
+def test_size_buckets_are_vllms_1_2_5():
+    assert size_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert size_buckets(256)[-1] == 200

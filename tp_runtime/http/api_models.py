@@ -1,0 +1,291 @@
+"""Request and response bodies of the HTTP API, as pydantic models (docs/http_api.md).
+
+Types are strict ("5" is not a number, 1 is not a string) and floats finite; ranges are checked by
+tp_runtime.http.validation against what the wire and the sampler carry. Nothing is dropped
+silently: a field a body does not declare is refused (400 naming it), and the known OpenAI and vLLM
+fields this runtime cannot honour are declared only so that validation can refuse them by name
+unless they hold their neutral value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_serializer
+
+from protocol.sampling_limits import FLOAT32_MAX
+
+# shortfin's default for max_completion_tokens.
+GENERATE_DEFAULT_MAX_TOKENS = 50
+# OpenAI's default for /v1/completions; chat completions default to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# OpenAI's range for temperature on its endpoints; /generate takes any finite float32.
+OPENAI_TEMPERATURE_MAX = 2.0
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """The sampling choices of a request body, in the same terms for every endpoint, with the names
+    the body gave them (for error messages)."""
+
+    max_tokens: int | None  # None: the rest of the context
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    temperature_max: float = FLOAT32_MAX
+    field_prefix: str = ""  # "sampling_params." on /generate
+    max_tokens_field: str = "max_tokens"
+
+    def param(self, name: str) -> str:
+        """The body's name for a field: param("max_tokens") is "sampling_params.max_completion_tokens"
+        on /generate."""
+        return self.field_prefix + (self.max_tokens_field if name == "max_tokens" else name)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class GenerateSamplingParams(_Body):
+    max_completion_tokens: int = GENERATE_DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Body):
+    """shortfin's /generate body."""
+
+    text: str
+    sampling_params: GenerateSamplingParams = GenerateSamplingParams()
+    stream: bool = False
+
+    def sampling(self) -> SamplingRequest:
+        sp = self.sampling_params
+        return SamplingRequest(
+            max_tokens=sp.max_completion_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=sp.seed,
+            ignore_eos=sp.ignore_eos,
+            field_prefix="sampling_params.",
+            max_tokens_field="max_completion_tokens",
+        )
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class OpenAISampling(_Body):
+    """Fields shared by both OpenAI endpoints."""
+
+    model: str | None = None  # as in vLLM: omitted means the served model
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's extension: 0 or -1 is off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, changes nothing
+    # Refused unless neutral (validation.refuse_unsupported says why); typed loosely on purpose, so
+    # that the refusal names what is missing rather than a type.
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator(
+        *("temperature", "top_p", "top_k", "ignore_eos", "stream", "max_tokens", "logprobs"),
+        mode="before",
+        check_fields=False,
+    )
+    @classmethod
+    def _null_means_default(cls, value: object, info: ValidationInfo) -> object:
+        # Many OpenAI clients send null for an option they leave unset.
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    def sampling(self, max_tokens: int | None, max_tokens_field: str) -> SamplingRequest:
+        return SamplingRequest(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            temperature_max=OPENAI_TEMPERATURE_MAX,
+            max_tokens_field=max_tokens_field,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None  # how many alternatives per token; 0: the sampled token's only
+    # Extension (as vLLM's): the generated token ids in choices[].token_ids, for exact comparisons.
+    return_token_ids: bool = False
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        """(the limit, the field that set it): max_completion_tokens wins over the older max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+# ---- response bodies -------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: one entry per generated token in every list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: Any) -> dict[str, Any]:
+        # OpenAI leaves a field out of a delta rather than sending null: only the first has the role.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tp-runtime"
+    root: str  # the model path, as vLLM reports it
+    parent: None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

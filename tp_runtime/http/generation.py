@@ -1,0 +1,209 @@
+"""One admitted request's output as the client sees it: text pieces cut at stop strings, with the
+tokens and log-probabilities behind each piece.
+
+A `Generation` reads the engine's `TokenEvent`s, detokenizes them into whole characters, holds back
+any tail that could start a stop string, and makes sure the engine hears of a request nobody reads
+any more. It knows nothing of HTTP beyond the ApiError a failure carries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from protocol.errors import TPRuntimeError
+from tp_runtime.engine import EngineUnavailable, RequestStream
+from tp_runtime.http.api_models import Usage
+from tp_runtime.http.errors import ApiError, unavailable
+from tp_runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from tp_runtime.engine import Engine
+
+# JSON has no -inf; OpenAI and vLLM report a log-probability that underflowed as this.
+LOGPROB_FLOOR = -9999.0
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back any tail that could start one, so that no
+    part of a stop string is ever sent before it is known to be one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._stops = stops
+        self._text = ""
+        self._sent = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """(text that is safe to send, whether a stop string ended the output)."""
+        self._text += delta
+        if not self._stops:
+            out, self._sent = self._text[self._sent :], len(self._text)
+            return out, False
+        # Everything before _sent was checked not to start a stop string, so a match starts later.
+        hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            out, self._sent = self._text[self._sent : end], end
+            return out, True
+        safe = len(self._text) - self._open_prefix_length()
+        out, self._sent = self._text[self._sent : max(safe, self._sent)], max(safe, self._sent)
+        return out, False
+
+    def flush(self) -> str:
+        """The held-back tail, once the output has ended without completing a stop string."""
+        out, self._sent = self._text[self._sent :], len(self._text)
+        return out
+
+    def _open_prefix_length(self) -> int:
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(self._text) - self._sent), longest, -1):
+                if self._text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One generated token: its id, its log-probability, and where its text starts in the output.
+    `top` holds the alternatives the executor returned with it (none yet: see
+    validation.TOP_LOGPROBS_SUPPORTED)."""
+
+    token_id: int
+    logprob: float
+    text_offset: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One step of a request's output as the client sees it."""
+
+    text: str
+    finish_reason: str | None  # set on the last piece: "length" or "stop"
+    tokens: tuple[SampledToken, ...]  # generated since the previous piece
+
+
+class GenerationFailed(TPRuntimeError):
+    """The runtime failed the request after admission; carries the HTTP-shaped error."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class RequestObserver(Protocol):
+    """Timing of one request as the HTTP side sees it (tp_runtime.http.metrics implements it)."""
+
+    def tokens(self, count: int, now: float) -> None: ...
+
+    def ended(self, reason: str, prompt_tokens: int, completion_tokens: int, now: float) -> None: ...
+
+
+class Generation:
+    """One admitted request: its token events become text pieces."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        stream: RequestStream,
+        prompt_token_ids: list[int],
+        stops: tuple[str, ...],
+        observer: RequestObserver | None = None,
+    ):
+        self.request_id = stream.request_id
+        self.prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = []
+        self._engine = engine
+        self._stream = stream
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = StopStringMatcher(stops)
+        self._observer = observer
+        self._decoded_chars = 0  # detokenized text so far, before stop strings cut it
+        self._pending: list[SampledToken] = []  # tokens not yet handed out with a piece
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        ended = False
+        try:
+            async for event in self._stream:
+                if event.token_ids and self._observer is not None:
+                    self._observer.tokens(len(event.token_ids), time.monotonic())
+                if event.finish_reason == "error" or event.error is not None:
+                    ended = True
+                    self._end("error")
+                    raise GenerationFailed(self._failure(event.error))
+                text = self._add(event.token_ids, event.logprobs)
+                if event.finished:
+                    text += self._detokenizer.flush()
+                out, stopped = self._stops.feed(text)
+                if stopped:
+                    ended = True
+                    self._engine.finish(self.request_id)
+                    self._end("stop")
+                    yield self._piece(out, "stop")
+                    return
+                if event.finished:
+                    ended = True
+                    if event.finish_reason not in ("length", "stop"):
+                        self._end("abort")
+                        raise GenerationFailed(
+                            unavailable(f"the runtime ended the request early ({event.finish_reason})")
+                        )
+                    self._end(event.finish_reason)
+                    yield self._piece(out + self._stops.flush(), event.finish_reason)
+                    return
+                if out:
+                    yield self._piece(out, None)
+            ended = True
+            self._end("error")
+            raise GenerationFailed(self._failure("the token stream ended without a final event"))
+        except EngineUnavailable as exc:
+            ended = True
+            self._end("error")
+            raise GenerationFailed(unavailable(str(exc))) from exc
+        finally:
+            if not ended:
+                # The reader went away (client disconnect, cancelled task): free the slot now.
+                self._engine.cancel(self.request_id)
+                self._end("abort")
+
+    def _add(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> str:
+        parts = []
+        for token, logprob in zip(token_ids, logprobs, strict=True):
+            self._pending.append(SampledToken(token, max(logprob, LOGPROB_FLOOR), self._decoded_chars))
+            delta = self._detokenizer.add(token)
+            self._decoded_chars += len(delta)
+            parts.append(delta)
+        self.token_ids.extend(token_ids)
+        return "".join(parts)
+
+    def _piece(self, text: str, finish_reason: str | None) -> Piece:
+        tokens, self._pending = tuple(self._pending), []
+        return Piece(text, finish_reason, tokens)
+
+    def _end(self, reason: str) -> None:
+        if self._observer is not None:
+            self._observer.ended(reason, self.prompt_tokens, self.completion_tokens, time.monotonic())
+            self._observer = None
+
+    def _failure(self, message: str | None) -> ApiError:
+        text = message or "the runtime failed this request"
+        if not self._engine.health().ok:
+            return unavailable(text)
+        return ApiError(500, text, type="server_error", code="generation_failed")

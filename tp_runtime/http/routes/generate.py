@@ -1,0 +1,51 @@
+"""POST /generate: shortfin's generation endpoint (the one in the KV-cache NaN report this runtime is
+built around). The whole text comes back as one `data:` line, or streamed as one event per delta."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tp_runtime.http.api_models import GenerateRequest
+from tp_runtime.http.body import read_json
+from tp_runtime.http.errors import ApiError
+from tp_runtime.http.service import GenerationService, arrival_time
+from tp_runtime.http.sse import SSE_MEDIA_TYPE, sse
+
+PATH = "/generate"
+CLIENT_CLOSED = 499  # nginx's status for a client that went away: nothing is sent to it anyway
+
+
+async def generate(service: GenerationService, request: Request) -> Response:
+    arrival = arrival_time()
+    body = await read_json(request, GenerateRequest, any_content_type=True)
+    sampling = body.sampling()
+    service.check_sampling(sampling)
+    prompt = await service.encode_prompt(body.text, "text")
+    generation = service.start(service.prepare(prompt, sampling, "text"), arrival)
+    if not body.stream:
+        result = await service.collect(request, generation)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)
+        # shortfin answers a whole generation as one `data: ` line, newlines and all.
+        return Response(f"data: {result.text}\n\n", media_type=SSE_MEDIA_TYPE)
+
+    async def events() -> AsyncIterator[str]:
+        async for piece in generation.pieces():
+            if piece.text:
+                yield sse(piece.text)
+
+    def error_events(error: ApiError) -> list[str]:
+        return [sse(json.dumps(error.body()), event="error")]
+
+    return service.stream(events(), error_events)
+
+
+def register(app: FastAPI, service: GenerationService) -> None:
+    async def _generate(request: Request) -> Response:
+        return await generate(service, request)
+
+    app.add_api_route(PATH, _generate, methods=["POST"], response_model=None)

@@ -1,0 +1,169 @@
+"""The path every generating route shares: from a validated body to its tokens, its Generation,
+and its answer (whole, or as a stream that always ends properly).
+
+Routes parse their body, turn it into a prompt and a SamplingRequest, and format pieces; the rest is
+here, once: the prompt cap and tokenizing off the event loop, validation, submit and its refusals,
+collecting the whole output while watching for a client that hangs up, and a stream whose failure is
+one last error event rather than a cut connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from scheduler.scheduler import AdmissionError
+from tp_runtime.chat import ChatMessage, ChatTemplateError, parse_messages
+from tp_runtime.engine import EngineOverloaded, EngineUnavailable
+from tp_runtime.http import validation
+from tp_runtime.http.api_models import SamplingRequest
+from tp_runtime.http.errors import ADMISSION_CODE, ApiError, invalid_request, overloaded, unavailable
+from tp_runtime.http.generation import Generation, GenerationFailed, Piece
+from tp_runtime.http.metrics import Metrics
+from tp_runtime.http.sse import event_stream
+from tp_runtime.http.text import TextWorker
+from tp_runtime.http.validation import Limits, Prepared
+from tp_runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tp_runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A whole output, once generation has ended."""
+
+    text: str
+    finish_reason: str | None
+    pieces: tuple[Piece, ...]
+
+
+class GenerationService:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, limits: Limits, text: TextWorker):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.limits = limits
+        self._text = text
+
+    # ---- prompt -> token ids ----------------------------------------------------------------------
+
+    async def encode_prompt(self, text: str, param: str) -> list[int]:
+        validation.check_text(text, param)
+        validation.check_prompt_chars(len(text), self.limits, param)
+        return await self._text.encode(text)
+
+    async def encode_chat(self, messages: Sequence[object]) -> list[int]:
+        try:
+            parsed = parse_messages(messages)
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), param="messages") from exc
+        for index, message in enumerate(parsed):
+            validation.check_text(message.content, f"messages.{index}.content")
+        validation.check_prompt_chars(sum(len(m.content) for m in parsed), self.limits, "messages")
+        try:
+            return await self._text.encode_chat([ChatMessage(m.role, m.content) for m in parsed])
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), param="messages") from exc
+
+    def check_sampling(self, sampling: SamplingRequest) -> None:
+        validation.check_sampling(sampling, self.limits.vocab_size)
+
+    def prepare(self, prompt_token_ids: list[int], sampling: SamplingRequest, prompt_param: str) -> Prepared:
+        return validation.prepare(prompt_token_ids, sampling, self.limits, prompt_param)
+
+    # ---- submit ---------------------------------------------------------------------------------
+
+    def start(self, prepared: Prepared, arrival: float) -> Generation:
+        metrics = self.metrics
+        try:
+            stream = self.engine.submit(prepared.prompt_token_ids, prepared.params)
+        except AdmissionError as exc:
+            metrics.request_rejects.labels("admission").inc()
+            raise invalid_request(str(exc), code=ADMISSION_CODE) from exc
+        except EngineOverloaded as exc:
+            metrics.request_rejects.labels("overloaded").inc()
+            raise overloaded(str(exc), exc.retry_after_s) from exc
+        except EngineUnavailable as exc:
+            metrics.request_rejects.labels("unavailable").inc()
+            raise unavailable(str(exc)) from exc
+        return Generation(
+            self.engine, self.tokenizer, stream, prepared.prompt_token_ids, prepared.stops, metrics.timer(arrival)
+        )
+
+    # ---- answers --------------------------------------------------------------------------------
+
+    async def collect(self, request: Request, generation: Generation) -> Collected | None:
+        """The whole output, or None if the client left first (the request is then cancelled)."""
+
+        async def run() -> Collected:
+            pieces = [piece async for piece in generation.pieces()]
+            reason = next((p.finish_reason for p in reversed(pieces) if p.finish_reason), None)
+            return Collected("".join(p.text for p in pieces), reason, tuple(pieces))
+
+        try:
+            return await _until_done_or_disconnected(request, run(), self.metrics.request_cancels.inc)
+        except GenerationFailed as exc:
+            self.metrics.request_errors.inc()
+            raise exc.error from exc
+
+    def stream(
+        self, events: AsyncIterator[str], error_events: Callable[[ApiError], Sequence[str]]
+    ) -> StreamingResponse:
+        """Streams `events`. A failure after the stream started ends it with `error_events(error)`
+        (the OpenAI routes send the error and then their `[DONE]`): a client always sees why its
+        stream ended. A reader that goes away (the task is cancelled) is counted as a cancel."""
+
+        async def guarded() -> AsyncIterator[str]:
+            completed = False
+            try:
+                async for chunk in events:
+                    yield chunk
+                completed = True
+            except GenerationFailed as exc:
+                completed = True
+                self.metrics.request_errors.inc()
+                for chunk in error_events(exc.error):
+                    yield chunk
+            finally:
+                if not completed:
+                    self.metrics.request_cancels.inc()
+
+        return event_stream(guarded())
+
+
+def arrival_time() -> float:
+    """When a route took a request, on the clock the request timers use."""
+    return time.monotonic()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_done_or_disconnected(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
+    """Runs `work` unless the client hangs up first; then `on_disconnect` and None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    # Let the work unwind (its finally blocks tell the engine) before answering.
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    on_disconnect()
+    return None

@@ -1,0 +1,44 @@
+"""Tokenizing and chat templating off the event loop.
+
+A long prompt takes the tokenizer tens to hundreds of milliseconds; on the event loop that would
+freeze every stream for as long. Here it runs in a small thread pool. `Tokenizer.encode` releases
+the GIL while the Rust tokenizer works (measured in docs/http_api.md), so neither the event loop nor
+the engine thread waits for it; Jinja templating is Python and shares the GIL, but yields it every
+switch interval. The prompt-length cap (validation.check_prompt_chars) bounds the work per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from tp_runtime.chat import ChatMessage, render_chat
+from tp_runtime.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class TextWorker:
+    def __init__(self, tokenizer: Tokenizer, threads: int = 2):
+        self._tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+
+    async def encode(self, text: str) -> list[int]:
+        """A plain prompt, with what the model's files add to one (a BOS, if any)."""
+        return await self._run(self._tokenizer.encode, text)
+
+    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Messages through the model's chat template; raises ChatTemplateError."""
+        return await self._run(self._encode_chat, messages)
+
+    def _encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        # The template writes the special tokens (BOS, turn markers) itself.
+        return self._tokenizer.encode(render_chat(self._tokenizer, messages), add_special_tokens=False)
+
+    async def _run(self, function: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,321 @@
+"""The engine thread's step loop: the scheduler's plans through the conversation to the ranks.
+
+One iteration: plan a step if the conversation allows one now (with overlap, step N+1 is planned,
+sent and staged on every rank while step N runs; GO N+1 goes out as soon as every rank is READY, and
+the ranks run it the moment N ends), then wait for a frame or a wake-up, then hand what the frame
+means to the scheduler: READY -> GO, REJECT -> ABORT and on_abort, RESULT -> on_result.
+
+Liveness, each noticed within seconds and named: a rank's connection closes (its process ended);
+a rank falls silent (every executor heartbeats from a thread that runs beside its forward, so
+silence means it stopped, even mid-step); a step outlives its deadline, which is derived from the
+steps measured so far (a deadlocked collective, every rank still heartbeating); a rank says
+SHUTDOWN or breaks the protocol after GO.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.conversation import (
+    HandshakeComplete,
+    HandshakeRefused,
+    Phase,
+    ProtocolViolation,
+    RankShutdown,
+    SchedulerConversation,
+    StepDone,
+    StepFailed,
+    StepReady,
+    StepRefused,
+)
+from protocol.errors import TPRuntimeError
+from protocol.transport import SchedulerEndpoint
+from scheduler.scheduler import RequestOutput, Scheduler, StepPlan
+from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter
+
+log = logging.getLogger("tp_runtime.engine")
+
+PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class RankFailure(TPRuntimeError):
+    """A rank died, hung or broke the protocol after GO: the group cannot go on."""
+
+
+class HandshakeError(TPRuntimeError):
+    """The ranks disagree with each other or with the frontend (weights, options, geometry, version)."""
+
+
+@dataclass(frozen=True)
+class EngineTimeouts:
+    handshake_s: float = 600.0  # ranks load their weights before HELLO
+    ready_s: float = 10.0  # PREPARE -> READY from every rank
+    first_step_s: float = 120.0  # a step's deadline before any step was measured (a long CPU prefill)
+    step_floor_s: float = 5.0  # no measured deadline is shorter than this
+    step_margin: float = 10.0  # a step may take this many times the longest like it measured so far
+    peer_silence_s: float = 4.0  # no frame from a rank for this long: it stopped
+    heartbeat_s: float = 0.5
+    refusal_grace_s: float = 5.0  # after a refused handshake, how long ranks still starting are told to exit
+
+
+class StepDeadlines:
+    """How long a step may run, from the steps measured so far: a step of t tokens may take
+    step_margin times the longest measured step, scaled up by t over that step's tokens when t is
+    more, and never less than step_floor_s. A deadline catches a group that heartbeats but makes no
+    progress; a stopped rank is caught sooner by its silence."""
+
+    def __init__(self, timeouts: EngineTimeouts, history: int = 64) -> None:
+        self._t = timeouts
+        self._recent: deque[tuple[int, float]] = deque(maxlen=history)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self._recent.append((max(tokens, 1), seconds))
+
+    def allowed(self, tokens: int) -> float:
+        if not self._recent:
+            return self._t.first_step_s
+        expected = max(seconds * max(1.0, tokens / measured) for measured, seconds in self._recent)
+        return max(self._t.step_floor_s, self._t.step_margin * expected)
+
+
+@dataclass
+class LoopCounters:
+    """Filled on the engine thread only; the engine publishes snapshots of them."""
+
+    rejects: int = 0
+    aborts: int = 0
+    planned_ahead: int = 0  # steps planned while the step before them was still in flight
+    plan_s: float = 0.0  # scheduler work: planning and taking results
+    protocol_s: float = 0.0  # PREPARE sent -> GO sent
+    step_s: float = 0.0  # PREPARE sent -> RESULT in
+    model_busy_s: float = 0.0  # rank 0's forwards + sampling, back-to-back steps
+    model_idle_s: float = 0.0  # rank 0's model idle between back-to-back steps: the control plane
+
+
+@dataclass
+class _InFlight:
+    plan: StepPlan
+    sent_at: float  # PREPARE sent
+    go_at: float | None = None
+    started_at: float | None = None  # GO sent and the step before it ended: it runs from here
+    back_to_back: bool = False  # planned while the model had work: its gap is control-plane time
+
+    @property
+    def tokens(self) -> int:
+        return int(self.plan.prepare.token_ids.shape[0])
+
+
+class StepLoop:
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        endpoint: SchedulerEndpoint,
+        world_size: int,
+        timeouts: EngineTimeouts,
+        deliver: Callable[[list[RequestOutput]], None],
+        on_scheduled: Callable[[StepPlan], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.endpoint = endpoint
+        self.timeouts = timeouts
+        self.conversation = SchedulerConversation(
+            world_size=world_size,
+            run_id=endpoint.run_id,
+            planned=scheduler.config,
+            max_inflight=scheduler.config.max_inflight_steps,
+        )
+        self.counters = LoopCounters()
+        self.step_latency = BucketCounter(STEP_LATENCY_BUCKETS)
+        self.pages_cleared = BucketCounter(PAGES_CLEARED_BUCKETS)
+        self._deliver = deliver
+        self._on_scheduled = on_scheduled
+        self._deadlines = StepDeadlines(timeouts)
+        self._inflight: dict[int, _InFlight] = {}
+        self._last_heartbeat = 0.0
+        self._model_had_work = False  # the last RESULT left work behind: the next step follows at once
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.conversation.ranks
+
+    # ---- the handshake ---------------------------------------------------------------------------
+
+    def handshake(self, stopping: Callable[[], bool]) -> None:
+        conv, endpoint = self.conversation, self.endpoint
+        deadline = time.monotonic() + self.timeouts.handshake_s
+        while conv.phase is Phase.HANDSHAKE:
+            if stopping():
+                raise HandshakeError("stopped before every rank said HELLO")
+            if time.monotonic() > deadline:
+                missing = sorted(set(conv.ranks) - set(conv.hellos))
+                raise HandshakeError(f"ranks {missing} did not say HELLO within {self.timeouts.handshake_s:.0f} s")
+            got = endpoint.recv(200)
+            if got is None:
+                continue
+            for event in conv.receive(got.rank, got.frame or got.error, time.monotonic()):
+                if isinstance(event, HandshakeRefused):
+                    self._shutdown_connected(event.message)
+                    raise HandshakeError(event.message)
+                assert isinstance(event, HandshakeComplete)
+        endpoint.version = conv.version
+        endpoint.disconnected_ranks()  # connections that came and went during start-up
+        endpoint.send_all(conv.ranks, *conv.welcome())
+
+    def _shutdown_connected(self, reason: str) -> None:
+        """Tell every rank to exit, also those whose HELLO is still to come (a refusal can follow
+        the first HELLO, while the other ranks still load their weights), for a few seconds."""
+        body, step = self.conversation.shutdown(reason)
+        told: set[int] = set()
+        deadline = time.monotonic() + self.timeouts.refusal_grace_s
+        while True:
+            for rank in sorted(self.endpoint.ranks - told):
+                told.add(rank)
+                try:
+                    self.endpoint.send(rank, body, step)
+                except TPRuntimeError as exc:
+                    log.info("could not tell rank %d to exit: %s", rank, exc)
+            if len(told) == len(self.conversation.ranks) or time.monotonic() > deadline:
+                return
+            self.endpoint.recv(100)  # the transport learns a rank from its HELLO as it arrives
+
+    # ---- the steps -------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def iterate(self, wait_s: float) -> None:
+        """Plan what can be planned, then handle frames for up to wait_s (less if woken)."""
+        self._plan()
+        now = time.monotonic()
+        got = self.endpoint.recv(max(0, int(min(wait_s, self._next_duty(now) - now) * 1000)))
+        while got is not None:
+            for event in self.conversation.receive(got.rank, got.frame or got.error, time.monotonic()):
+                self._on_event(event)
+            got = self.endpoint.recv(0)
+        self._duties(time.monotonic())
+
+    def _plan(self) -> None:
+        conv = self.conversation
+        while (
+            conv.staged is None
+            and len(conv.in_flight) < self.scheduler.config.max_inflight_steps
+            and self.scheduler.has_work()
+        ):
+            t0 = time.perf_counter()
+            plan = self.scheduler.plan_step()
+            self.counters.plan_s += time.perf_counter() - t0
+            self._deliver(self.scheduler.drain_outputs())
+            if plan is None:
+                return
+            back_to_back = bool(self._inflight) or self._model_had_work
+            self.counters.planned_ahead += bool(self._inflight)
+            self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
+            self._inflight[plan.step] = _InFlight(plan, time.monotonic(), back_to_back=back_to_back)
+            self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))
+            self._on_scheduled(plan)
+
+    def _on_event(self, event: object) -> None:
+        conv = self.conversation
+        if isinstance(event, StepReady):
+            self.endpoint.send_all(conv.ranks, *conv.go(event.step))
+            entry = self._inflight[event.step]
+            entry.go_at = time.monotonic()
+            self.counters.protocol_s += entry.go_at - entry.sent_at
+            older = [s for s in self._inflight if s < event.step]
+            if not older:
+                entry.started_at = entry.go_at
+            self._plan()  # with overlap, the next step goes out while this one runs
+        elif isinstance(event, StepRefused):
+            self._abort(event.step, f"step {event.step} was refused: {event.message}", event.seq_ids)
+        elif isinstance(event, StepDone):
+            self._finish(event)
+        elif isinstance(event, (StepFailed, RankShutdown)):
+            raise RankFailure(f"{conv.who(event.rank)}: {getattr(event, 'message', None) or event.reason}")
+        elif isinstance(event, ProtocolViolation):
+            staged = conv.staged
+            if staged is not None and event.rank in conv.unanswered(staged):
+                self._abort(staged, f"{conv.who(event.rank)} broke the protocol: {event.message}", ())
+            else:
+                raise RankFailure(f"{conv.who(event.rank)} broke the protocol after GO: {event.message}")
+
+    def _abort(self, step: int, reason: str, seq_ids: tuple[int, ...]) -> None:
+        """ABORT the step waiting for GO. Only the sequences the ranks named fail when they named
+        some; the others are planned again at once. Steps before it are untouched."""
+        log.warning("%s", reason)
+        self.endpoint.send_all(self.conversation.ranks, *self.conversation.abort(step, reason))
+        self.counters.rejects += 1
+        self.counters.aborts += 1
+        entry = self._inflight.pop(step)
+        t0 = time.perf_counter()
+        outputs = self.scheduler.on_abort(entry.plan, reason, seq_ids or None)
+        self.counters.plan_s += time.perf_counter() - t0
+        self._deliver(outputs)
+
+    def _finish(self, event: StepDone) -> None:
+        entry = self._inflight.pop(event.step)
+        now = time.monotonic()
+        result = event.result
+        if entry.started_at is not None:
+            self._deadlines.observe(entry.tokens, now - entry.started_at)
+        self.step_latency.observe(now - entry.sent_at)
+        self.counters.step_s += now - entry.sent_at
+        if entry.back_to_back:
+            self.counters.model_idle_s += result.gap_us / 1e6
+            self.counters.model_busy_s += result.step_time_us / 1e6
+        nxt = self._inflight.get(event.step + 1)
+        if nxt is not None and nxt.go_at is not None:
+            nxt.started_at = now
+        t0 = time.perf_counter()
+        outputs = self.scheduler.on_result(entry.plan, result)
+        self.counters.plan_s += time.perf_counter() - t0
+        self._model_had_work = self.scheduler.has_work()
+        self._deliver(outputs)
+
+    # ---- liveness --------------------------------------------------------------------------------
+
+    def _next_duty(self, now: float) -> float:
+        return min(self._last_heartbeat + self.timeouts.heartbeat_s, now + self.timeouts.heartbeat_s)
+
+    def _duties(self, now: float) -> None:
+        if closed := self.endpoint.disconnected_ranks():
+            names = ", ".join(self.conversation.who(r) for r in sorted(closed))
+            raise RankFailure(f"the connection of {names} closed: its process ended")
+        heard = self.conversation.last_heard
+        silent = [r for r in self.ranks if now - heard.get(r, now) > self.timeouts.peer_silence_s]
+        if silent:
+            names = ", ".join(self.conversation.who(r) for r in silent)
+            raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:.0f} s)")
+        self._check_deadlines(now)
+        if now - self._last_heartbeat >= self.timeouts.heartbeat_s:
+            self._last_heartbeat = now
+            self.endpoint.send_all(self.ranks, *self.conversation.heartbeat())
+
+    def _check_deadlines(self, now: float) -> None:
+        conv = self.conversation
+        staged = conv.staged
+        if staged is not None:
+            entry = self._inflight[staged]
+            late = conv.unanswered(staged)
+            if late and now - entry.sent_at > self.timeouts.ready_s:
+                names = ", ".join(conv.who(r) for r in sorted(late))
+                self._abort(staged, f"{names} did not answer READY for step {staged} within {self.timeouts.ready_s:.0f} s", ())
+        for step, entry in self._inflight.items():
+            if entry.started_at is None:
+                continue
+            allowed = self._deadlines.allowed(entry.tokens)
+            if now - entry.started_at > allowed:
+                names = ", ".join(conv.who(r) for r in sorted(conv.unfinished(step)))
+                raise RankFailure(f"step {step} did not finish within {allowed:.1f} s on {names}")
+            break  # later steps start when this one ends
+
+    def shutdown_ranks(self, reason: str) -> None:
+        try:
+            self.endpoint.send_all(self.endpoint.ranks, *self.conversation.shutdown(reason))
+        except TPRuntimeError as exc:  # a rank already gone cannot be told; the launcher reaps it
+            log.info("could not tell every rank to shut down: %s", exc)
