@@ -1,7 +1,9 @@
-"""The model tests run against a disk cache of their own (executor/disk_cache.py), never the user's:
-compiled decode layers are off unless a test builds them, and the probe's result is fixed, so that
-no assertion depends on how fast this machine happened to be (tests/model/test_probe.py tests the
-probe itself)."""
+"""A pytest plugin (tests/conftest.py loads it): the whole suite runs against a disk cache of its own
+(executor/disk_cache.py), never the user's. Compiled decode layers are off unless a test builds
+them, so that no executor a test starts counts eager decode time towards a background build (a
+detached process that would outlive the session), and the probe's result is fixed, so that no
+assertion depends on how fast this machine happened to be (tests/model/test_probe.py tests the
+probe itself). The variables are inherited by every process a test starts."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ FIXED_PROBE = ProbeResult(
     dtype="bf16",
     weight_format="mixed",
     int4_max_rows=8,
-    reason="fixed by tests/model/conftest.py",
+    reason="fixed by tests/model/hermetic_cache.py",
     timings_ms={},
     threads=0,
     measured_at="",
