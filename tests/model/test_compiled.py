@@ -27,7 +27,8 @@ CPU = torch.device("cpu")
 # attention by multiply-and-sum in fp32 rather than torch's flash kernel): bf16 rounding apart.
 LOGIT_ATOL = 0.05
 DECODE_STEPS = 6
-pytestmark = pytest.mark.timeout(600)
+# The module fixture compiles a library: ~30-70 s on 2 cores, past 600 s on a machine at load 15.
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +122,10 @@ def test_the_cache_key_changes_with_the_model_the_shapes_the_formats_torch_and_t
     key = _spec().key()
     assert _spec().key() == key
     changed = [
-        _spec(hidden=960), _spec(q_heads=8), _spec(num_layers=24), _spec(page_size=32), _spec(dtype="float32"),
-        _spec(kv_dtype="float8_e4m3fn"), _spec(matmuls=("dense",) * 4), _spec(min_rows=9, max_rows=1 << 14),
-        _spec(threads=1), _spec(part="attention"),
+        _spec(hidden=960), _spec(q_heads=8), _spec(kv_heads=1), _spec(head_dim=96), _spec(ffn=2560),
+        _spec(rms_eps=1e-6), _spec(num_layers=24), _spec(page_size=32), _spec(dtype="float32"),
+        _spec(kv_dtype="float8_e4m3fn"), _spec(kv_scale=0.5), _spec(matmuls=("dense",) * 4),
+        _spec(min_rows=9, max_rows=1 << 14), _spec(threads=1), _spec(part="attention"),
     ]
     assert len({spec.key() for spec in changed} | {key}) == len(changed) + 1
     identity = dict(disk_cache.cpu_identity())
@@ -133,6 +135,22 @@ def test_the_cache_key_changes_with_the_model_the_shapes_the_formats_torch_and_t
     monkeypatch.setattr(compiled, "cpu_identity", lambda: identity)
     monkeypatch.setattr(compiled, "_SOURCE_DIGEST", "another version of compiled.py")
     assert _spec().key() != key
+
+
+def test_a_built_cache_serves_no_other_model_shape_nor_another_torch(tiny_path, tmp_path_factory, built, monkeypatch):
+    """End to end through the loader: with the module's library on disk, a model of another shape
+    (a wider FFN) and the same model under another torch version find nothing to load, and decode
+    eager."""
+    monkeypatch.setattr(compiled, "_start_build", lambda *a, **k: pytest.fail("auto built at start-up"))
+    assert load(tiny_path, "auto").compiled_decode(Driver(built[0], page_size=4, kv_dtype="bf16").cache).covers(1)
+    wider = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "wider.gguf", num_heads=16, num_kv_heads=2, intermediate_size=256)
+    driver, _, _ = greedy(load(wider, "auto"))
+    assert not driver.model.compiled_decode(driver.cache).covers(1)
+    identity = dict(disk_cache.cpu_identity())
+    monkeypatch.setattr(compiled, "cpu_identity", lambda: {**identity, "torch": "2.99.0"})
+    driver, _, tokens = greedy(load(tiny_path, "auto"))
+    assert not driver.model.compiled_decode(driver.cache).covers(1)
+    assert tokens == built[2]
 
 
 def test_auto_builds_in_the_background_once_enough_eager_decoding_is_spent(tiny_path, tmp_path, monkeypatch):
