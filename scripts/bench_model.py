@@ -322,9 +322,8 @@ def compare(args: argparse.Namespace) -> dict:
         common += ["--model", args.model]
     if args.threads:
         common += ["--threads", str(args.threads)]
+    # With --compile wait a missing library is built in the first batch's untimed warm-up steps.
     ours_args = [*common, "--formats", args.formats.split(",")[0], "--compile", args.compile]
-    if args.compile == "wait":  # build (or find) the libraries before the timed rounds
-        run_tree(here, [*ours_args, "--batches", "1,32", "--steps", "1"])
     base_args = [*common, "--formats", args.baseline_format, "--compile", "off"]
     rounds = []
     for index in range(args.rounds):
