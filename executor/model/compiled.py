@@ -401,6 +401,11 @@ class CompiledDecode:
             log.warning(f"compiled decode kernels built in {time.monotonic() - begin:.0f} s")
         if missing:
             decode._may_build = True
+            log.info(
+                f"decode runs eager: no compiled kernels for this CPU and model shape in {kernel_dir()} yet; they "
+                f"build in the background after {BUILD_AFTER_EAGER_S:.0f} s of eager decoding on this machine, "
+                "or before the first step with TP_RUNTIME_COMPILE=wait"
+            )
             return decode
         libraries = _load(decode.specs)
         if libraries is not None:
