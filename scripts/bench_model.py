@@ -5,14 +5,30 @@ the forward. The floor of a step is the bytes it must read (the weights, plus th
 over) at this machine's copy bandwidth, measured here with a large tensor copy. A mixed-format
 step of few rows reads the int4 copies, a larger one the dense copies: its floor follows.
 
-    python scripts/bench_model.py [--json] [--formats fp32,bf16,int4,mixed] [--steps 15]
+    python scripts/bench_model.py [--json] [--formats auto,fp32,bf16,int4,mixed] [--steps 15]
+    python scripts/bench_model.py --baseline /tmp/model-base --rounds 5   # side by side
+
+`auto` is what `--dtype auto --weight-format auto` resolve to on this CPU (executor/probe.py).
+Decode runs the compiled layers (executor/model/compiled.py; `--compile wait` builds them first
+if they are not cached yet, `off` runs eager). `--rss-steps N` runs N random steps (decode
+batches, and prefill chunks mixed with decodes) and reports the process's RSS along the way.
+
+With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/model-base
+afdec79`) the two trees' benchmarks run as subprocesses in turn, `--rounds` times, so that a busy
+machine slows both alike; the report gives medians per side and the ratios, against the targets
+of issue 15.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import inspect
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -21,16 +37,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# BENCH_TREE: the checkout whose executor this run measures (--baseline sets it for the other side;
+# the code below copes with one from before the probe and the compiled layers, issue 15's base).
+sys.path.insert(0, os.environ.get("BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
 
 from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
-from executor.model import LlamaModel, default_model_path, load_model  # noqa: E402
+from executor.model import TORCH_DTYPES, LlamaModel, default_model_path, load_model  # noqa: E402
+from executor.model.layers import INT4_MAX_ROWS  # noqa: E402
 from protocol.frames import Prepare  # noqa: E402
 
-# name -> (activation dtype, weight format)
+try:
+    from executor.probe import probe_cpu  # noqa: E402
+except ImportError:  # a baseline checkout
+    probe_cpu = None
+
+# name -> (activation dtype, weight format); auto: the probe's dtype with --weight-format auto
 FORMATS = {
+    "auto": (None, "auto"),
     "fp32": (torch.float32, "dense"),
     "bf16": (torch.bfloat16, "dense"),
     "int4": (torch.bfloat16, "int4"),
@@ -43,7 +68,8 @@ CONTEXT = 128  # tokens already in each sequence's cache at every timed decode s
 @dataclass
 class DecodeResult:
     batch: int
-    step_ms: float
+    step_ms: float  # median
+    min_step_ms: float  # the fastest step: on a busy shared machine, the closest to the CPU's own speed
     tokens_per_s: float
     bytes_per_step: int
     floor_ms: float
@@ -53,10 +79,13 @@ class DecodeResult:
 @dataclass
 class FormatResult:
     weight_format: str
+    resolved: str  # the dtype and weight format the model loaded with
+    compiled_decode: bool  # decode steps ran the compiled layers
     weight_bytes: int
     decode: list[DecodeResult]
     prefill_tokens: int
     prefill_ms: float
+    prefill_min_ms: float
     prefill_tokens_per_s: float
     prefill_floor_ms: float
     clear_on_ms: float
@@ -134,11 +163,29 @@ def new_cache(model: LlamaModel, num_kv_pages: int) -> KVCache:
     return cache
 
 
-def bench_format(path: str, name: str, steps: int, batches: list[int], bandwidth: float) -> FormatResult:
+def load(path: str, name: str, compile_mode: str) -> LlamaModel:
     dtype, weight_format = FORMATS[name]
-    model = load_model(
-        path, rank=0, world_size=1, dtype=dtype, device=torch.device("cpu"), weight_format=weight_format
+    if dtype is None:
+        if probe_cpu is None:
+            raise SystemExit("format auto needs executor.probe, which this checkout has not")
+        dtype = TORCH_DTYPES[probe_cpu().dtype]
+    options = {"compile_mode": compile_mode} if "compile_mode" in inspect.signature(load_model).parameters else {}
+    return load_model(
+        path, rank=0, world_size=1, dtype=dtype, device=torch.device("cpu"), weight_format=weight_format, **options
     )
+
+
+def resolved_format(model: LlamaModel) -> str:
+    layer = model.layers[0].qkv
+    kind = "mixed" if layer.int4 is not None and layer.weight is not None else "int4" if layer.int4 is not None else "dense"
+    rows = f" (int4 up to {getattr(layer, 'int4_max_rows', INT4_MAX_ROWS)} rows)" if kind == "mixed" else ""
+    return f"{str(model.dtype).removeprefix('torch.')} {kind}{rows}"
+
+
+def bench_format(
+    path: str, name: str, steps: int, batches: list[int], bandwidth: float, compile_mode: str
+) -> FormatResult:
+    model = load(path, name, compile_mode)
     vocab = model.config.vocab_size
     pages_per_seq = -(-(CONTEXT + 1) // PAGE_SIZE)
     spare = 8
@@ -168,13 +215,14 @@ def bench_format(path: str, name: str, steps: int, batches: list[int], bandwidth
         step_bytes = weight_bytes(model, batch, batch) + batch * (CONTEXT + 1) * kv_bytes_per_token
         floor = step_bytes / bandwidth
         decode.append(
-            DecodeResult(batch, step * 1e3, batch / step, step_bytes, floor * 1e3, floor / step)
+            DecodeResult(batch, step * 1e3, min(times) * 1e3, batch / step, step_bytes, floor * 1e3, floor / step)
         )
 
     prompt = 1024
     prefill = make_prepare([list(range(100, 100 + prompt))], [prompt], [], vocab)
     run_step(model, cache, prefill)
-    prefill_s = statistics.median(run_step(model, cache, prefill) for _ in range(max(3, steps // 5)))
+    prefill_times = [run_step(model, cache, prefill) for _ in range(max(3, steps // 5))]
+    prefill_s = statistics.median(prefill_times)
     # The A/B difference drowns in step noise on a shared machine; the clear timed alone does not.
     clear_list = np.asarray(spare_pages[: max(1, -(-32 // PAGE_SIZE))], dtype=np.int32)
     clear_alone = []
@@ -184,12 +232,16 @@ def bench_format(path: str, name: str, steps: int, batches: list[int], bandwidth
         clear_alone.append(time.perf_counter() - start)
     on = statistics.median(clear_on) if clear_on else float("nan")
     off = statistics.median(clear_off) if clear_off else float("nan")
+    compiled = model.compiled_decode(cache) if hasattr(model, "compiled_decode") else None
     return FormatResult(
         weight_format=name,
+        resolved=resolved_format(model),
+        compiled_decode=compiled is not None and compiled.covers(1),
         weight_bytes=weight_bytes(model, 1, 1),
         decode=decode,
         prefill_tokens=prompt,
         prefill_ms=prefill_s * 1e3,
+        prefill_min_ms=min(prefill_times) * 1e3,
         prefill_tokens_per_s=prompt / prefill_s,
         prefill_floor_ms=(weight_bytes(model, prompt, 1) + prompt * kv_bytes_per_token) / bandwidth * 1e3,
         clear_on_ms=on * 1e3,
@@ -204,29 +256,176 @@ def bench_format(path: str, name: str, steps: int, batches: list[int], bandwidth
     )
 
 
+@dataclass
+class RssResult:
+    steps: int
+    rss_mib: list[tuple[int, float]]  # (steps run, RSS after malloc_trim)
+    growth_first_half_mib: float
+    growth_second_half_mib: float
+
+
+def rss_mib() -> float:
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def bench_rss(path: str, name: str, steps: int, compile_mode: str, seed: int = 0) -> RssResult:
+    """`steps` random steps: half decode batches of 1-32 sequences (compiled where built), half a
+    prefill chunk of 1-400 tokens with 0-8 decodes (eager), over contexts of up to 512 tokens in
+    a pool of 256 pages that the tables share (the values attended over do not matter here)."""
+    model = load(path, name, compile_mode)
+    cache = new_cache(model, 256)
+    rng = np.random.default_rng(seed)
+    vocab, samples = model.config.vocab_size, []
+    for step in range(steps + 1):
+        if step % max(1, steps // 10) == 0:
+            samples.append((step, rss_mib()))
+        if rng.random() < 0.5:
+            chunks = [[int(t)] for t in rng.integers(0, vocab, int(rng.integers(1, 33)))]
+            contexts = [int(c) for c in rng.integers(1, 513, len(chunks))]
+        else:
+            prompt = int(rng.integers(1, 401))
+            chunks = [[int(t) for t in rng.integers(0, vocab, prompt)]]
+            chunks += [[int(t)] for t in rng.integers(0, vocab, int(rng.integers(0, 9)))]
+            contexts = [prompt + int(rng.integers(0, 112))] + [int(c) for c in rng.integers(1, 513, len(chunks) - 1)]
+        tables = [rng.integers(0, 256, -(-c // PAGE_SIZE)) for c in contexts]
+        prepare = Prepare.greedy(
+            query_lens=[len(t) for t in chunks],
+            context_lens=contexts,
+            token_ids=[x for t in chunks for x in t],
+            page_table_lens=[len(t) for t in tables],
+            page_table=np.concatenate(tables),
+        )
+        run_step(model, cache, prepare)
+    half = samples[len(samples) // 2][1]
+    return RssResult(steps, samples, half - samples[1][1], samples[-1][1] - half)
+
+
+def run_tree(tree: Path, args: list[str]) -> dict:
+    """This benchmark, run on the checkout at `tree`, as a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "BENCH_TREE": str(tree)}
+    done = subprocess.run(
+        [sys.executable, __file__, "--json", *args], env=env, cwd=tree, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: bench_model failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Rounds of the baseline tree's default format and ours, each in its own process, in turn."""
+    here = Path(__file__).resolve().parents[1]
+    common = ["--batches", args.batches, "--steps", str(args.steps)]
+    if args.model:
+        common += ["--model", args.model]
+    if args.threads:
+        common += ["--threads", str(args.threads)]
+    # With --compile wait a missing library is built in the first batch's untimed warm-up steps.
+    ours_args = [*common, "--formats", args.formats.split(",")[0], "--compile", args.compile]
+    base_args = [*common, "--formats", args.baseline_format, "--compile", "off"]
+    rounds = []
+    for index in range(args.rounds):
+        pair = {"baseline": run_tree(Path(args.baseline), base_args), "ours": run_tree(here, ours_args)}
+        rounds.append(pair)
+        print(f"round {index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    return summarize(rounds, args)
+
+
+def summarize(rounds: list[dict], args: argparse.Namespace) -> dict:
+    def median(side: str, pick) -> float:  # noqa: ANN001
+        return statistics.median(pick(r[side]["formats"][0]) for r in rounds)
+
+    batches = [d["batch"] for d in rounds[0]["ours"]["formats"][0]["decode"]]
+    table = {}
+    for side in ("baseline", "ours"):
+        row = {}
+        for i, batch in enumerate(batches):
+            row[f"decode_{batch}_ms"] = median(side, lambda f, i=i: f["decode"][i]["step_ms"])
+            row[f"decode_{batch}_min_ms"] = median(side, lambda f, i=i: f["decode"][i]["min_step_ms"])
+            row[f"decode_{batch}_tok_s"] = median(side, lambda f, i=i: f["decode"][i]["tokens_per_s"])
+            row[f"decode_{batch}_of_floor"] = median(side, lambda f, i=i: f["decode"][i]["fraction_of_floor"])
+        row["prefill_ms"] = median(side, lambda f: f["prefill_ms"])
+        row["prefill_min_ms"] = median(side, lambda f: f["prefill_min_ms"])
+        row["prefill_tok_s"] = median(side, lambda f: f["prefill_tokens_per_s"])
+        row["clear_alone_us"] = median(side, lambda f: f["clear_alone_us"])
+        row["copy_bandwidth_gb_s"] = statistics.median(r[side]["copy_bandwidth_gb_s"] for r in rounds)
+        table[side] = row
+    ours, base = table["ours"], table["baseline"]
+    targets = {}
+    if 1 in batches:
+        targets["batch 1 at >= 50% of its floor"] = (ours["decode_1_of_floor"], ours["decode_1_of_floor"] >= 0.5)
+    if 32 in batches:
+        ratio = ours["decode_32_tok_s"] / base["decode_32_tok_s"]
+        targets["batch 32 >= 1.5x baseline tok/s"] = (ratio, ratio >= 1.5)
+        clear = ours["clear_alone_us"] / 1e3 / ours["decode_32_ms"]
+        targets["clears <= 1% of a batch-32 step"] = (clear, clear <= 0.01)
+    prefill = base["prefill_ms"] / ours["prefill_ms"]
+    targets["1024-token prefill >= 1.5x baseline"] = (prefill, prefill >= 1.5)
+    if 1 in batches and 8 in batches:
+        ratio = ours["decode_8_ms"] / ours["decode_1_ms"]
+        targets["a batch-8 step <= 2 batch-1 steps"] = (ratio, ratio <= 2.0)
+    return {
+        "rounds": len(rounds),
+        "baseline": {"tree": args.baseline, "format": args.baseline_format, "medians": base},
+        "ours": {"format": rounds[0]["ours"]["formats"][0]["resolved"], "compiled_decode": rounds[0]["ours"]["formats"][0]["compiled_decode"], "medians": ours},
+        "targets": {name: {"value": value, "met": met} for name, (value, met) in targets.items()},
+        "raw": rounds,
+    }
+
+
+def print_comparison(report: dict) -> None:
+    base, ours = report["baseline"]["medians"], report["ours"]["medians"]
+    print(
+        f"medians of {report['rounds']} rounds; baseline {report['baseline']['tree']} ({report['baseline']['format']}) "
+        f"against ours ({report['ours']['format']}, compiled decode: {report['ours']['compiled_decode']})"
+    )
+    print(f"{'':24}{'baseline':>12}{'ours':>12}{'ratio':>9}")
+    for key in base:
+        faster = key.endswith("_ms") or key.endswith("_us")
+        ratio = base[key] / ours[key] if faster else ours[key] / base[key]
+        print(f"{key:24}{base[key]:12.3f}{ours[key]:12.3f}{ratio:8.2f}x")
+    for name, target in report["targets"].items():
+        print(f"  {'met' if target['met'] else 'NOT met':8} {name}: {target['value']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--formats", default="fp32,bf16,mixed",
-        help="comma-separated: fp32, bf16 (dense weights), int4 (4-bit matrices, bf16 activations), mixed",
+        "--formats", default="auto,fp32,bf16,mixed",
+        help="comma-separated: auto (what --dtype/--weight-format auto pick here), fp32, bf16 (dense "
+        "weights), int4 (4-bit matrices, bf16 activations), mixed",
     )
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2)")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per batch size")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--compile", choices=("wait", "off"), default="wait", help="compiled decode layers")
+    parser.add_argument("--rss-steps", type=int, default=0, help="also run this many random steps, reporting RSS")
+    parser.add_argument("--baseline", default=None, help="a checkout to compare against, side by side")
+    parser.add_argument("--baseline-format", default="mixed", help="the baseline's format (its default: mixed)")
+    parser.add_argument("--rounds", type=int, default=5, help="with --baseline: rounds of both")
     args = parser.parse_args()
+    names = args.formats.split(",")
+    unknown = sorted(set(names) - set(FORMATS))
+    if unknown:
+        parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    if args.baseline:
+        report = compare(args)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print_comparison(report)
+        return
     retain_freed_memory()  # as the executor does
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = copy_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
-    names = args.formats.split(",")
-    unknown = sorted(set(names) - set(FORMATS))
-    if unknown:
-        parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
     path = args.model or default_model_path()
-    results = [bench_format(path, name, args.steps, batches, bandwidth) for name in names]
+    results = [bench_format(path, name, args.steps, batches, bandwidth, args.compile) for name in names]
     report = {
         "model": Path(path).name,
         "threads": torch.get_num_threads(),
@@ -235,16 +434,21 @@ def main() -> None:
         "page_size": PAGE_SIZE,
         "formats": [asdict(r) for r in results],
     }
+    if args.rss_steps:
+        report["rss"] = asdict(bench_rss(path, names[0], args.rss_steps, args.compile))
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"{report['model']}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {report['threads']} threads")
     for r in results:
-        print(f"\n{r.weight_format}: {r.weight_bytes / 1e6:.0f} MB of weights read by a batch-1 step")
+        print(
+            f"\n{r.weight_format} ({r.resolved}, compiled decode: {r.compiled_decode}): "
+            f"{r.weight_bytes / 1e6:.0f} MB of weights read by a batch-1 step"
+        )
         for d in r.decode:
             print(
-                f"  decode batch {d.batch:3d}: {d.step_ms:8.2f} ms/step {d.tokens_per_s:8.1f} tok/s  "
-                f"floor {d.floor_ms:6.2f} ms ({d.fraction_of_floor:.0%} of floor speed)"
+                f"  decode batch {d.batch:3d}: {d.step_ms:8.2f} ms/step (fastest {d.min_step_ms:.2f}) "
+                f"{d.tokens_per_s:8.1f} tok/s  floor {d.floor_ms:6.2f} ms ({d.fraction_of_floor:.0%} of floor speed)"
             )
         print(
             f"  prefill {r.prefill_tokens} tokens: {r.prefill_ms:.0f} ms, "
@@ -256,6 +460,10 @@ def main() -> None:
             f"({r.clear_cost_percent:+.2f}%); the clear alone {r.clear_alone_us:.1f} us "
             f"({r.clear_alone_us / 1e3 / r.clear_off_ms:.3%} of the step)"
         )
+    if args.rss_steps:
+        rss = report["rss"]
+        print(f"\nRSS over {rss['steps']} random steps ({names[0]}): " + ", ".join(f"{s}: {m:.0f} MiB" for s, m in rss["rss_mib"]))
+        print(f"  growth: first half {rss['growth_first_half_mib']:+.1f} MiB, second half {rss['growth_second_half_mib']:+.1f} MiB")
 
 
 if __name__ == "__main__":

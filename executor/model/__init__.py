@@ -14,7 +14,9 @@ import torch
 from executor.model.config import ModelConfig, ModelLoadError
 from executor.gguf_file import Q4Blocks
 from executor.options import WEIGHT_FORMATS
-from executor.model.layers import Linear, int4_packable
+from executor.probe import probe_cpu
+from executor.model.compiled import compile_mode as compile_mode_from_env
+from executor.model.layers import INT4_MAX_ROWS, Linear, int4_packable
 from executor.model.llama import LayerWeights, LlamaModel
 from executor.model.loader import Phase, WeightSource, files_digest, open_source
 from executor.model.sharding import ShardPlan, ShardingError
@@ -62,13 +64,14 @@ class WeightFormatError(ModelLoadError):
 def resolve_weight_format(
     weight_format: str, dtype: torch.dtype, device: torch.device, source: WeightSource
 ) -> str:
-    """`auto` is `mixed` where the int4 kernel is fast (the CPU, bf16 or fp16 activations) and the
-    file has 4-bit matrices, else `dense`; an explicit int4 format that cannot run is refused."""
+    """`auto` is what the start-up probe measured to be faster on this CPU (executor/probe.py):
+    `mixed` or `dense`, where int4 can run (the CPU, bf16 or fp16 activations) and the file has
+    4-bit matrices, else `dense`; an explicit int4 format that cannot run is refused."""
     if weight_format not in WEIGHT_FORMATS:
         raise WeightFormatError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
     int4_runs = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     if weight_format == "auto":
-        return "mixed" if int4_runs and source.stores_q4() else "dense"
+        return probe_cpu().weight_format if int4_runs and source.stores_q4() else "dense"
     if weight_format == "dense":
         return weight_format
     if device.type != "cpu":
@@ -95,14 +98,18 @@ def load_model(
     device: torch.device,
     weight_format: str = "dense",
     progress: bool = False,
+    compile_mode: str | None = None,
 ) -> LlamaModel:
     """weight_format: `dense` (every matrix in `dtype`), `int4` (the file's 4-bit GGUF matrices
-    stay 4-bit), `mixed` (both copies: int4 for steps of few rows, dense for the rest) or `auto`."""
+    stay 4-bit), `mixed` (both copies: int4 for steps of few rows, dense for the rest) or `auto`.
+    compile_mode: compiled decode layers (executor.model.compiled), `$TP_RUNTIME_COMPILE` if None."""
     source = open_source(path)
     config = source.config
     shard = ShardPlan.build(config, rank, world_size)
     device = torch.device(device)
     requested, weight_format = weight_format, resolve_weight_format(weight_format, dtype, device, source)
+    # Where a step switches from the int4 copies to the dense ones: measured on this CPU.
+    int4_max_rows = probe_cpu().int4_max_rows if weight_format == "mixed" else INT4_MAX_ROWS
     show_bar = progress and sys.stderr.isatty()
 
     def weight(key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
@@ -122,7 +129,7 @@ def load_model(
         dense = None
         if q4 is None or weight_format == "mixed":
             dense = torch.cat([weight(key, layer, **span) for key, span in parts])
-        return Linear(dense, q4, dtype=dtype)
+        return Linear(dense, q4, dtype=dtype, int4_max_rows=int4_max_rows)
 
     head_dim = config.head_dim
     q_rows = (shard.q_heads[0] * head_dim, shard.q_heads[1] * head_dim)
@@ -159,6 +166,7 @@ def load_model(
         layers=layers,
         fingerprint=fingerprint(source, config, world_size),
         device=device,
+        compile_mode=compile_mode or compile_mode_from_env(),
     )
 
 

@@ -1,10 +1,15 @@
 """Paged attention that reads whole pages, as the fast kernels do.
 
-Every slot of every page in a sequence's page table is gathered (including the slots past its
-length in the last page, and pad pages) and excluded only by a -inf score. The softmax weight of
-such a slot is then exactly 0, and 0 x NaN is NaN: stale or uninitialized bytes in V poison the
-output (in K too: NaN + -inf is NaN). That is deliberate; the runtime's clearing rule is what keeps those bytes zero, and the
-poison tests depend on this kernel being able to see a violation.
+Every slot of every page in a decoding sequence's page table is gathered (including the slots
+past its length in the last page, and pad pages) and excluded only by a -inf score. The softmax
+weight of such a slot is then exactly 0, and 0 x NaN is NaN: stale or uninitialized bytes in V
+poison the output (in K too: NaN + -inf is NaN). That is deliberate; the runtime's clearing rule is
+what keeps those bytes zero, and the poison tests depend on this kernel being able to see a
+violation.
+
+A prefill chunk on the CPU skips work that is masked anyway (DESIGN.md allows it): its causal
+upper triangle is never computed. The slots of its last page past the chunk's end are still read
+and added in with weight exp(-inf) = 0, so a NaN left there reaches the chunk's rows too.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ class Prefill:
 
     start: int
     stop: int
+    past: int  # tokens of its context before this chunk: the chunk's first position
     table: torch.Tensor  # [1, W]: its pages covering its context
-    bias: torch.Tensor  # [G * L, W * page_size]: a KV head's G query heads in turn, L rows each
+    # [G * L, W * page_size] additive mask, a KV head's G query heads in turn, L rows each: only
+    # where the kernel that skips the upper triangle does not run (CUDA).
+    bias: torch.Tensor | None
 
 
 @dataclass
@@ -81,16 +89,17 @@ class AttentionMasks:
             bias = _bias(masked, dtype)[:, None]
         prefill = []
         if not inputs.is_decode:
-            slot = torch.arange(inputs.page_table.shape[1] * page_size, device=device)
             start = 0
             for seq, length in enumerate(query_lens.tolist()):
                 if length > 1:
-                    width = int(pages[seq])
-                    visible = slot[: width * page_size]
-                    masked = visible[None, :] > inputs.positions[start : start + length, None]
-                    bias_rows = _bias(masked, dtype).repeat(group, 1)
+                    width, past = int(pages[seq]), int(inputs.context_lens_host[seq]) - length
                     own_table = inputs.page_table[seq : seq + 1, :width]
-                    prefill.append(Prefill(start, start + length, own_table, bias_rows))
+                    bias_rows = None
+                    if device.type != "cpu":
+                        slot = torch.arange(width * page_size, device=device)
+                        masked = slot[None, :] > inputs.positions[start : start + length, None]
+                        bias_rows = _bias(masked, dtype).repeat(group, 1)
+                    prefill.append(Prefill(start, start + length, past, own_table, bias_rows))
                 start += length
         return cls(rows, table, bias, prefill)
 
@@ -106,10 +115,12 @@ def _gather_pages(
 ) -> torch.Tensor:
     """[B, W] page ids -> [B, W * page_size * H, D]: token-major, heads fastest, as stored.
 
-    index_select copies whole pages (advanced indexing, cache[page_table], is ~9x slower here);
-    the view after it is free.
+    A layer's K (or V) is a strided view of the cache (its pages lie num_layers * 2 apart);
+    index_select on it as [pages, page_bytes] rows copies each page whole, where the 4-d view
+    took a per-element path 5-20x slower here (two threads, docs/model.md). Advanced indexing,
+    cache[page_table], is slower still.
     """
-    pages = cache.index_select(0, page_table.reshape(-1))
+    pages = cache.flatten(1).index_select(0, page_table.reshape(-1))
     pages = pages.view(page_table.shape[0], -1, cache.shape[-1])
     if cache.dtype == torch.float8_e4m3fn:
         return pages.to(dtype).mul_(kv_scale)
@@ -134,13 +145,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D] (already rotated; this step's K/V already written) -> [T, Hq * D].
 
-    Both paths call torch's fused attention with an explicit additive mask, never is_causal or a
-    kernel that skips masked blocks: every gathered slot is multiplied in, so a NaN left in a
+    Decoding rows call torch's fused attention with an explicit additive mask, never is_causal or
+    a kernel that skips masked blocks: every gathered slot is multiplied in, so a NaN left in a
     masked slot still reaches the output (tests/model/test_attention.py holds torch to that).
     """
     num_tokens, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[-2]
-    group = q_heads // kv_heads
     dtype = q.dtype
     if masks.batched_rows is None:
         return _one_token_each(q, k_cache, v_cache, masks, kv_scale).view(num_tokens, -1)
@@ -150,17 +159,10 @@ def paged_attention(
         rows = masks.batched_rows
         out[rows] = _one_token_each(q[rows], k_cache, v_cache, masks, kv_scale).view(rows.shape[0], -1)
     for p in masks.prefill:
-        length = p.stop - p.start
-        k = _head_major(_gather_pages(k_cache, p.table, dtype, kv_scale), kv_heads)
-        v = _head_major(_gather_pages(v_cache, p.table, dtype, kv_scale), kv_heads)
-        # A KV head's G query heads folded into the rows of one call: broadcasting K over G
-        # would copy it G times.
-        rows = q[p.start : p.stop].view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        rows = rows.reshape(1, kv_heads, group * length, head_dim)
-        attended = _sdpa(rows, k, v, p.bias)
-        out[p.start : p.stop] = attended.view(kv_heads, group, length, head_dim).permute(
-            2, 0, 1, 3
-        ).reshape(length, q_heads * head_dim)
+        k = _gather_pages(k_cache, p.table, dtype, kv_scale)
+        v = _gather_pages(v_cache, p.table, dtype, kv_scale)
+        chunk = _chunk_attention if p.bias is None else _masked_chunk_attention
+        out[p.start : p.stop] = chunk(q[p.start : p.stop], k, v, p, k_cache.shape[-2])
     return out
 
 
@@ -181,6 +183,62 @@ def _one_token_each(
     k = _gather_pages(k_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
     v = _gather_pages(v_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
     return _sdpa(q[:, None], k, v, masks.batched_bias)
+
+
+def _chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill, kv_heads: int
+) -> torch.Tensor:
+    """One prefill chunk on the CPU: q [L, Hq, D], its pages' K and V [1, S * Hkv, D] -> [L, Hq * D].
+
+    Three parts, merged by their log-sum-exps: the chunk's own keys with the fused kernel's causal
+    mode (which skips the blocks above the diagonal: half the work of a whole prefill), the keys
+    before the chunk (all visible, no mask), and the rest of the last page (masked for every row,
+    so weight exp(-inf) = 0: computed, small, to keep a NaN there visible).
+    """
+    length, q_heads, head_dim = q.shape
+    slots, group = k.shape[1] // kv_heads, q_heads // kv_heads
+    end = p.past + length
+    # [Hkv, G, L, D] as a view: the kernel's output comes back in the same [L, Hkv, G, D] order.
+    rows = q.view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    # K and V head-major and contiguous, broadcast over each KV head's G query heads: with strided
+    # keys the kernel ran 2x slower on two threads.
+    keys = _head_major(k, kv_heads).transpose(0, 1)  # [Hkv, 1, S, D]
+    values = _head_major(v, kv_heads).transpose(0, 1)
+
+    def part(a: int, b: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (kv_heads, group, b - a, head_dim)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            rows, keys[:, :, a:b].expand(shape), values[:, :, a:b].expand(shape), 0.0, causal
+        )
+
+    out, lse = part(p.past, end, True)
+    if p.past or end < slots:
+        out = out.float()
+        if p.past:
+            before, before_lse = part(0, p.past, False)
+            total = torch.logaddexp(lse, before_lse)
+            out = out * (lse - total).exp()[..., None] + before.float() * (before_lse - total).exp()[..., None]
+            lse = total
+        if end < slots:
+            scores = torch.matmul(rows.float(), keys[:, :, end:].float().transpose(-1, -2)) * head_dim**-0.5
+            weights = (scores + float("-inf") - lse[..., None]).exp()
+            out = out + torch.matmul(weights, values[:, :, end:].float())
+    return out.to(q.dtype).permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
+
+
+def _masked_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill, kv_heads: int
+) -> torch.Tensor:
+    """One prefill chunk with an explicit mask over all of its pages' slots (CUDA)."""
+    length, q_heads, head_dim = q.shape
+    group = q_heads // kv_heads
+    k, v = _head_major(k, kv_heads), _head_major(v, kv_heads)
+    # A KV head's G query heads folded into the rows of one call: broadcasting K over G would
+    # copy it G times.
+    rows = q.view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    rows = rows.reshape(1, kv_heads, group * length, head_dim)
+    attended = _sdpa(rows, k, v, p.bias)
+    return attended.view(kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

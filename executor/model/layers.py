@@ -87,7 +87,8 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# Steps of at most this many rows use a matrix's int4 copy where it has one. Measured on SmolLM2's
+# Steps of at most this many rows use a matrix's int4 copy where it has one, unless the loader sets
+# the crossover the start-up probe measured on this CPU (executor/probe.py). Measured on SmolLM2's
 # layer matrices (30 layers, bf16 activations, 2 threads of an AVX-512 EPYC, docs/model.md): int4
 # against oneDNN bf16 is 2.4x faster at 1-2 rows, 1.8x at 4, 1.16x at 6-8 and 0.9x from 10 rows on.
 INT4_MAX_ROWS = 8
@@ -112,20 +113,41 @@ def padded_rows(rows: int) -> int:
     return -(-rows >> shift) << shift
 
 
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T for W as Linear holds it: oneDNN-packed or plain; on the CPU at a rounded row count."""
+    if weight.device.type != "cpu":
+        return F.linear(x, weight)
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    if weight.is_mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    else:
+        y = F.linear(x, weight)
+    return y[:rows]
+
+
 class Linear:
     """y = x W^T, with W [out, in] packed once at load for the kernels that run fastest here.
 
     A matrix may hold a dense copy (`weight`, in the compute dtype), an int4 copy of GGUF 4-bit
     blocks (torch's CPU int4 kernel, groups of 32 = GGUF's blocks, so the file's values are kept up
-    to the scales' rounding to the compute dtype), or both: then a step of at most INT4_MAX_ROWS
+    to the scales' rounding to the compute dtype), or both: then a step of at most `int4_max_rows`
     rows takes the int4 copy and a larger one the dense copy.
     """
 
     def __init__(
-        self, weight: torch.Tensor | None, q4: Q4Blocks | None = None, *, dtype: torch.dtype | None = None
+        self,
+        weight: torch.Tensor | None,
+        q4: Q4Blocks | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        int4_max_rows: int = INT4_MAX_ROWS,
     ) -> None:
         if weight is None and q4 is None:
             raise ValueError("a Linear needs a dense weight, 4-bit blocks, or both")
+        self.int4_max_rows = int4_max_rows
         self.dtype = weight.dtype if weight is not None else dtype
         self.shape = tuple(weight.shape) if weight is not None else tuple(q4.q.shape)
         self.nbytes = weight.numel() * weight.element_size() if weight is not None else 0
@@ -147,7 +169,7 @@ class Linear:
             self.int4_nbytes = self.int4.numel() + self.int4_scales.numel() * self.int4_scales.element_size()
 
     def uses_int4(self, rows: int) -> bool:
-        return self.int4 is not None and (self.weight is None or rows <= INT4_MAX_ROWS)
+        return self.int4 is not None and (self.weight is None or rows <= self.int4_max_rows)
 
     def bytes_read(self, rows: int) -> int:
         """Weight bytes one call with `rows` rows reads."""
@@ -165,19 +187,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        rows = x.shape[0]
-        if self.uses_int4(rows):
+        if self.uses_int4(x.shape[0]):
             return self._int4_matmul(x)
-        if self.weight.device.type != "cpu":
-            return F.linear(x, self.weight)
-        padded = padded_rows(rows)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        if self.packed:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        else:
-            y = F.linear(x, self.weight)
-        return y[:rows]
+        return dense_matmul(x, self.weight)
 
 
 class VocabParallelEmbedding:

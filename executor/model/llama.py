@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from executor.cache import KVCache
 from executor.inputs import StepInputs
 from executor.model.attention import AttentionMasks, paged_attention
+from executor.model.compiled import CompiledDecode
 from executor.model.config import ModelConfig
 from executor.model.layers import (
     Rotary,
@@ -46,6 +48,7 @@ class LlamaModel:
         layers: list[LayerWeights],
         fingerprint: str,
         device: torch.device,
+        compile_mode: str = "off",
     ) -> None:
         self.config = config
         self.shard = shard
@@ -60,20 +63,52 @@ class LlamaModel:
         self.q_width = shard.local_q_heads * head_dim
         self.kv_width = shard.local_kv_heads * head_dim
         self.ffn_width = shard.ffn[1] - shard.ffn[0]
+        # executor.model.compiled: `auto`, `wait` or `off`; the libraries depend on the cache's
+        # geometry, so they are attached at the first decode step over a cache of a new geometry.
+        self.compile_mode = compile_mode
+        self._compiled: dict[tuple, CompiledDecode | None] = {}
 
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].qkv.dtype
 
+    def compiled_decode(self, cache: KVCache) -> CompiledDecode | None:
+        """The compiled decode layers for this cache's geometry, attached on first use."""
+        geometry = (cache.page_size, cache.storage_dtype, cache.scale, cache.num_layers)
+        if geometry not in self._compiled:
+            self._compiled[geometry] = CompiledDecode.attach(self, cache, self.compile_mode)
+        return self._compiled[geometry]
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         """Float32 logits [m, vocab] of the sampled rows on rank 0; None on the other ranks."""
+        config = self.config
+        x = self.embed(inputs.token_ids)
+        cos, sin = self.rotary.cos_sin(inputs.positions)
+        compiled = self.compiled_decode(cache) if inputs.is_decode else None
+        if compiled is not None and compiled.covers(inputs.num_tokens):
+            x = compiled.run(x, cos, sin, inputs, cache)
+        elif compiled is not None:
+            begin = time.perf_counter()
+            x = self._layers(x, cos, sin, inputs, cache)
+            compiled.eager_decoded(time.perf_counter() - begin)
+        else:
+            x = self._layers(x, cos, sin, inputs, cache)
+        if inputs.sample_rows.shape[0] == 0:
+            if self.shard.rank != 0:
+                return None
+            return torch.empty(0, config.vocab_size, dtype=torch.float32, device=self.device)
+        hidden = rms_norm(x[inputs.sample_rows], self.final_norm, config.rms_eps)
+        return self.lm_head(hidden)
+
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: StepInputs, cache: KVCache
+    ) -> torch.Tensor:
+        """Every decoder layer, eager: prefill and mixed steps, and decode without compiled layers."""
         config, world = self.config, self.shard.world_size
         head_dim, tokens = config.head_dim, inputs.num_tokens
-        x = self.embed(inputs.token_ids)
         q_heads, kv_heads = self.shard.local_q_heads, self.shard.local_kv_heads
         qk_width = self.q_width + self.kv_width
-        cos, sin = self.rotary.cos_sin(inputs.positions)
         masks = AttentionMasks.build(
             inputs, q_heads, kv_heads, cache.page_size, self.dtype, self.device
         )
@@ -91,9 +126,4 @@ class LlamaModel:
             h = rms_norm(x, layer.ffn_norm, config.rms_eps)
             gate, up = layer.gate_up(h).split(self.ffn_width, dim=-1)
             x = x + all_reduce(layer.down(F.silu(gate) * up).float(), world)
-        if inputs.sample_rows.shape[0] == 0:
-            if self.shard.rank != 0:
-                return None
-            return torch.empty(0, config.vocab_size, dtype=torch.float32, device=self.device)
-        hidden = rms_norm(x[inputs.sample_rows], self.final_norm, config.rms_eps)
-        return self.lm_head(hidden)
+        return x

@@ -36,7 +36,14 @@ def free_port() -> int:
 
 
 def run_rank(
-    rank: int, world_size: int, port: int, model_dir: str, out_dir: str, dtype: str, weight_format: str
+    rank: int,
+    world_size: int,
+    port: int,
+    model_dir: str,
+    out_dir: str,
+    dtype: str,
+    weight_format: str,
+    compile_mode: str = "off",
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -50,6 +57,7 @@ def run_rank(
             dtype=TORCH_DTYPES[dtype],
             device=torch.device("cpu"),
             weight_format=weight_format,
+            compile_mode=compile_mode,
         )
         logits, generated = scenario(model)
         out = Path(out_dir)
@@ -72,11 +80,12 @@ def run_tp(
     *,
     dtype: str = "fp32",
     weight_format: str = "dense",
+    compile_mode: str = "off",
 ) -> None:
     """Run `scenario` on `world_size` spawned ranks; kill them all if any hangs or fails."""
     context = mp.start_processes(
         run_rank,
-        args=(world_size, free_port(), str(model_dir), str(out_dir), dtype, weight_format),
+        args=(world_size, free_port(), str(model_dir), str(out_dir), dtype, weight_format, compile_mode),
         nprocs=world_size,
         join=False,
         start_method="spawn",
