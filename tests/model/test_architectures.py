@@ -40,6 +40,8 @@ CASES = {
     "qwen2": ("qwen2", {"tie_word_embeddings": True}, "hf"),
     # 6 query heads over 3 KV groups: at TP=2 the biases split unevenly with their heads (2 + 1 groups).
     "qwen2-uneven-gguf": ("qwen2", {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}, "gguf"),
+    # 1 KV head: at TP=2 both ranks hold it (and its k/v biases), each with half the query heads.
+    "qwen2-replicated-kv": ("qwen2", {"num_key_value_heads": 1}, "hf"),
     # Qwen2's own window: layers from max_window_layers on attend to the last 4 positions only.
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, "hf"),
 }
