@@ -134,6 +134,14 @@ def load_model(
     head_dim = config.head_dim
     q_rows = (shard.q_heads[0] * head_dim, shard.q_heads[1] * head_dim)
     kv_rows = (shard.kv_heads[0] * head_dim, shard.kv_heads[1] * head_dim)
+
+    def qkv_bias(layer: int) -> torch.Tensor | None:
+        """Column-parallel like QKV: each rank adds the biases of its own rows."""
+        if not config.qkv_bias:
+            return None
+        spans = (("q_bias", q_rows), ("k_bias", kv_rows), ("v_bias", kv_rows))
+        return torch.cat([weight(key, layer, rows) for key, rows in spans])
+
     layers = []
     for index in Phase(f"loading {Path(path).name} (rank {rank})", config.num_layers, show_bar):
         layers.append(
@@ -144,6 +152,7 @@ def load_model(
                 ffn_norm=norm("ffn_norm", index),
                 gate_up=matrix(index, ("gate", {"rows": shard.ffn}), ("up", {"rows": shard.ffn})),
                 down=matrix(index, ("down", {"cols": shard.ffn})),
+                qkv_bias=qkv_bias(index),
             )
         )
     _check_shapes(source, config, layers[0], shard)

@@ -38,7 +38,8 @@ class Prefill:
 
 @dataclass
 class AttentionMasks:
-    """What attention needs beyond the cache, the same for every layer, so built once per step.
+    """What attention needs beyond the cache, the same for every layer of one attention window, so
+    built once per step and window.
 
     Every sequence with one new token (decodes, and a prefill's one-token last chunk) goes through
     one batched call, so that a step mixing a prefill chunk into 31 decodes loops over one
@@ -59,7 +60,11 @@ class AttentionMasks:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        window: int | None = None,
     ) -> AttentionMasks:
+        """window: a query sees only the last `window` positions, itself included (Mistral's
+        sliding window): older slots are masked like the ones past the end, still read whole."""
         query_lens = inputs.query_lens_host
         group = q_heads // kv_heads
         if inputs.is_decode:
@@ -86,6 +91,8 @@ class AttentionMasks:
             masked = (slot[None, None, :] >= context[:, None, None]) | (
                 head[None, None, :] != q_head[None, :, None]
             )
+            if window is not None:
+                masked |= slot[None, None, :] < (context - window)[:, None, None]
             bias = _bias(masked, dtype)[:, None]
         prefill = []
         if not inputs.is_decode:
@@ -95,9 +102,13 @@ class AttentionMasks:
                     width, past = int(pages[seq]), int(inputs.context_lens_host[seq]) - length
                     own_table = inputs.page_table[seq : seq + 1, :width]
                     bias_rows = None
-                    if device.type != "cpu":
+                    # The CPU's causal fast path has no window: a windowed chunk takes the mask.
+                    if device.type != "cpu" or window is not None:
                         slot = torch.arange(width * page_size, device=device)
-                        masked = slot[None, :] > inputs.positions[start : start + length, None]
+                        position = inputs.positions[start : start + length, None]
+                        masked = slot[None, :] > position
+                        if window is not None:
+                            masked |= slot[None, :] <= position - window
                         bias_rows = _bias(masked, dtype).repeat(group, 1)
                     prefill.append(Prefill(start, start + length, past, own_table, bias_rows))
                 start += length

@@ -30,6 +30,8 @@ def rotary_inv_freq(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if config.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     return inv_freq.float()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from executor.model.layers import (
 )
 from executor.model.sharding import ShardPlan
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class LayerWeights:
@@ -34,6 +37,7 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # float32 [hidden]
     gate_up: Linear  # [2 * local_ffn, hidden]
     down: Linear  # [hidden, local_ffn]
+    qkv_bias: torch.Tensor | None = None  # [(local_q + 2 * local_kv) * head_dim]: Qwen2's q/k/v biases
 
 
 class LlamaModel:
@@ -65,6 +69,12 @@ class LlamaModel:
         self.ffn_width = shard.ffn[1] - shard.ffn[0]
         # executor.model.compiled: `auto`, `wait` or `off`; the libraries depend on the cache's
         # geometry, so they are attached at the first decode step over a cache of a new geometry.
+        if compile_mode != "off" and (config.qkv_bias or config.sliding_window is not None):
+            log.info(
+                "%s decodes eager: the compiled decode layers have no q/k/v biases and no attention window",
+                config.architecture,
+            )
+            compile_mode = "off"
         self.compile_mode = compile_mode
         self._compiled: dict[tuple, CompiledDecode | None] = {}
 
@@ -109,12 +119,20 @@ class LlamaModel:
         head_dim, tokens = config.head_dim, inputs.num_tokens
         q_heads, kv_heads = self.shard.local_q_heads, self.shard.local_kv_heads
         qk_width = self.q_width + self.kv_width
-        masks = AttentionMasks.build(
-            inputs, q_heads, kv_heads, cache.page_size, self.dtype, self.device
-        )
+        # One set of masks per distinct window (Qwen2 may mix windowed and full layers).
+        windows = [config.layer_window(index) for index in range(config.num_layers)]
+        masks_of = {
+            window: AttentionMasks.build(
+                inputs, q_heads, kv_heads, cache.page_size, self.dtype, self.device, window=window
+            )
+            for window in dict.fromkeys(windows)
+        }
         for index, layer in enumerate(self.layers):
+            masks = masks_of[windows[index]]
             h = rms_norm(x, layer.attn_norm, config.rms_eps)
             qkv = layer.qkv(h)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
             qk = qkv[:, :qk_width].view(tokens, q_heads + kv_heads, head_dim)
             qk = Rotary.apply(qk, cos, sin)
             q, k = qk.split([q_heads, kv_heads], dim=1)

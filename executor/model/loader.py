@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from executor.model.config import ModelConfig, ModelLoadError, config_from_hf
+from executor.model.config import ModelConfig, ModelLoadError, UnsupportedModelError, config_from_hf
 from executor.gguf_file import Q4_BLOCK_BYTES, GGUFFile, GGUFFormatError, GGUFTensor, Q4Blocks
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,9 @@ GGUF_NAMES = {
     "gate": "blk.{}.ffn_gate.weight",
     "up": "blk.{}.ffn_up.weight",
     "down": "blk.{}.ffn_down.weight",
+    "q_bias": "blk.{}.attn_q.bias",
+    "k_bias": "blk.{}.attn_k.bias",
+    "v_bias": "blk.{}.attn_v.bias",
 }
 HF_NAMES = {
     "embed": "model.embed_tokens.weight",
@@ -54,7 +57,33 @@ HF_NAMES = {
     "gate": "model.layers.{}.mlp.gate_proj.weight",
     "up": "model.layers.{}.mlp.up_proj.weight",
     "down": "model.layers.{}.mlp.down_proj.weight",
+    "q_bias": "model.layers.{}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{}.self_attn.v_proj.bias",
 }
+GLOBAL_KEYS = ("embed", "final_norm", "lm_head")
+BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+# GGUF architectures this runtime runs; llama.cpp permutes Q/K rows of `llama` only (its rotary
+# is interleaved there and half-split, as in Hugging Face, for qwen2).
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+def expected_tensors(names: dict[str, str], config: ModelConfig) -> set[str]:
+    """Every tensor name the forward reads: a checkpoint with others holds weights it would skip."""
+    layer_keys = [k for k in names if k not in GLOBAL_KEYS and (config.qkv_bias or k not in BIAS_KEYS)]
+    expected = {names[k] for k in GLOBAL_KEYS}
+    expected.update(names[k].format(layer) for layer in range(config.num_layers) for k in layer_keys)
+    return expected
+
+
+def refuse_unused(source: str, present: set[str], expected: set[str], config: ModelConfig) -> None:
+    unused = sorted(present - expected)
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        raise UnsupportedModelError(
+            f"{source}: holds tensors that a {config.architecture} model of this runtime does not use "
+            f"({shown}); running without them would compute another model"
+        )
 
 
 class WeightSource(Protocol):
@@ -81,7 +110,7 @@ def _slice_2d(shape: tuple[int, ...], rows: Range | None, cols: Range | None, na
 
 
 class GGUFSource:
-    """A llama-architecture GGUF file (llama.cpp's converter layout)."""
+    """A llama or qwen2 GGUF file (llama.cpp's converter layout)."""
 
     def __init__(self, path: Path) -> None:
         self.files = [path]
@@ -91,45 +120,80 @@ class GGUFSource:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({error})") from None
         self.tensors = self.file.tensors
         self.config = self._config(path)
-        if "rope_freqs.weight" in self.tensors:
-            raise ModelLoadError(
-                f"{path}: per-frequency rotary factors (rope_freqs.weight, Llama 3.1 GGUF) are not "
-                "supported; load the Hugging Face directory instead"
-            )
+        refuse_unused(str(path), set(self.tensors) - {"rope_freqs.weight"}, expected_tensors(GGUF_NAMES, self.config), self.config)
 
     def _field(self, key: str, default: object = None) -> object:
         return self.file.metadata.get(key, default)
 
     def _config(self, path: Path) -> ModelConfig:
         arch = self._field("general.architecture")
-        if arch != "llama":
-            raise ModelLoadError(f"{path}: architecture {arch!r} is not a Llama-family model")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            )
+        self.arch = str(arch)
+        self._refuse_features(path)
+
+        def field(key: str, default: object = None) -> object:
+            return self._field(f"{arch}.{key}", default)
+
         try:
-            num_heads = int(self._field("llama.attention.head_count"))
-            hidden = int(self._field("llama.embedding_length"))
-            vocab = self._field("llama.vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
+            num_heads = int(field("attention.head_count"))
+            hidden = int(field("embedding_length"))
+            head_dim = int(field("rope.dimension_count", hidden // num_heads))
+            vocab = field("vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
+            window = field("attention.sliding_window")
+            num_layers = int(field("block_count"))
             config = ModelConfig(
                 vocab_size=int(vocab),
                 hidden_size=hidden,
-                intermediate_size=int(self._field("llama.feed_forward_length")),
-                num_layers=int(self._field("llama.block_count")),
+                intermediate_size=int(field("feed_forward_length")),
+                num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=int(self._field("llama.attention.head_count_kv", num_heads)),
-                head_dim=int(self._field("llama.rope.dimension_count", hidden // num_heads)),
-                rope_theta=float(self._field("llama.rope.freq_base", 10000.0)),
+                num_kv_heads=int(field("attention.head_count_kv", num_heads)),
+                head_dim=head_dim,
+                rope_theta=float(field("rope.freq_base", 10000.0)),
                 rope_scaling=None,
-                rms_eps=float(self._field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+                rms_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
                 tie_embeddings="output.weight" not in self.tensors,
-                max_position_embeddings=int(self._field("llama.context_length", 4096)),
+                max_position_embeddings=int(field("context_length", 4096)),
                 bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=tuple(
                     int(t) for t in (self._field("tokenizer.ggml.eos_token_id"),) if t is not None
                 ),
+                architecture=self.arch,
+                qkv_bias=self.arch == "qwen2",
+                sliding_window=None if window is None else int(window),
+                windowed_layers=() if window is None else tuple(range(num_layers)),
+                rope_freq_factors=self._rope_freq_factors(),
             )
         except (TypeError, ValueError) as error:
-            raise ModelLoadError(f"{path}: missing or malformed llama metadata ({error})") from None
+            raise ModelLoadError(f"{path}: missing or malformed {arch} metadata ({error})") from None
         config.validate(str(path))
         return config
+
+    def _refuse_features(self, path: Path) -> None:
+        """Metadata llama.cpp would act on and this runtime would not."""
+        experts = self._field(f"{self.arch}.expert_count") or 0
+        if int(experts) > 0:
+            raise UnsupportedModelError(f"{path}: mixture-of-experts models ({experts} experts) are not supported")
+        # llama.cpp reads a scaling factor without a type as linear scaling.
+        kind = self._field(f"{self.arch}.rope.scaling.type", "linear")
+        factor = float(self._field(f"{self.arch}.rope.scaling.factor", 0.0))
+        if kind != "none" and factor not in (0.0, 1.0):
+            raise UnsupportedModelError(
+                f"{path}: rope scaling {kind!r} (factor {factor}) is not supported; Llama 3.1 "
+                "frequency factors (rope_freqs.weight) are"
+            )
+
+    def _rope_freq_factors(self) -> tuple[float, ...] | None:
+        tensor = self.tensors.get("rope_freqs.weight")
+        if tensor is None:
+            return None
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return tuple(float(f) for f in dequantize(tensor.data, GGMLQuantizationType(tensor.ggml_type)).reshape(-1))
 
     def has(self, key: str, layer: int | None = None) -> bool:
         return GGUF_NAMES[key].format(layer) in self.tensors
@@ -146,13 +210,14 @@ class GGUFSource:
         tensor = self._tensor(key, layer)
         qtype = GGMLQuantizationType(tensor.ggml_type)
         if len(tensor.shape) == 1:
-            return torch.from_numpy(dequantize(tensor.data, qtype).reshape(-1).astype(np.float32))
+            values = dequantize(tensor.data, qtype).reshape(-1).astype(np.float32)
+            return torch.from_numpy(values[slice(*rows) if rows else slice(None)].copy())
         data, trailing_cols = self._slice(tensor, rows, cols)
         values = dequantize(np.ascontiguousarray(data), qtype).astype(np.float32, copy=False)
         values = values.reshape(data.shape[0], -1)
         if trailing_cols is not None:
             values = values[:, trailing_cols[0] : trailing_cols[1]]
-        if key in ("q", "k"):
+        if key in ("q", "k") and self.arch == "llama":
             values = values[_rotary_row_order(values.shape[0], self.config.head_dim)]
         if not values.flags.writeable:  # an F32 tensor comes straight from the read-only map
             values = values.copy()
@@ -170,7 +235,7 @@ class GGUFSource:
         if trailing_cols is not None:
             return None
         blocks = Q4Blocks.parse(data, tensor.ggml_type)
-        if key in ("q", "k"):
+        if key in ("q", "k") and self.arch == "llama":
             blocks = blocks.take_rows(_rotary_row_order(data.shape[0], self.config.head_dim))
         return blocks
 
@@ -235,8 +300,26 @@ class HFSource:
             self.handles[file] = handle
             for name in handle.keys():
                 self.location[name] = file
-        if self.config.tie_embeddings is False and "lm_head.weight" not in self.location:
+        # Checkpoints of models trained with rotary caches sometimes saved them; they are derived.
+        present = {name for name in self.location if not name.endswith("rotary_emb.inv_freq")}
+        refuse_unused(str(directory), present, expected_tensors(HF_NAMES, self.config), self.config)
+        self._check_tying(directory)
+
+    def _check_tying(self, directory: Path) -> None:
+        """The config's tie_word_embeddings must agree with the weights: untied with no lm_head would
+        leave the head random in transformers, tied with a different lm_head is two models at once."""
+        has_head = HF_NAMES["lm_head"] in self.location
+        if not self.config.tie_embeddings and not has_head:
             raise ModelLoadError(f"{directory}: tie_word_embeddings is false but lm_head.weight is missing")
+        if self.config.tie_embeddings and has_head:
+            # Evenly spaced rows tell a copy of the embedding from another matrix, without reading both.
+            rows = sorted({self.config.vocab_size * i // 8 for i in range(8)})
+            embed, head = (self.handles[self.location[HF_NAMES[k]]].get_slice(HF_NAMES[k]) for k in ("embed", "lm_head"))
+            if not all(torch.equal(embed[r : r + 1], head[r : r + 1]) for r in rows):
+                raise UnsupportedModelError(
+                    f"{directory}: tie_word_embeddings is true but lm_head.weight differs from the "
+                    "embedding; set it to false in config.json to use the separate head"
+                )
 
     def has(self, key: str, layer: int | None = None) -> bool:
         return HF_NAMES[key].format(layer) in self.location
@@ -254,7 +337,7 @@ class HFSource:
         view = self.handles[file].get_slice(name)
         shape = tuple(view.get_shape())
         if len(shape) == 1:
-            return view[:].float()
+            return view[slice(*rows) if rows else slice(None)].float()
         _slice_2d(shape, rows, cols, name)
         r0, r1 = rows if rows is not None else (0, shape[0])
         c0, c1 = cols if cols is not None else (0, shape[1])
