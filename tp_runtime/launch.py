@@ -497,6 +497,7 @@ def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptio
         dtype=config.dtype,
         weight_format=config.weight_format,
         kv_cache_dtype=config.resolved_kv_dtype,
+        kv_cache_scales=config.kv_cache_scales,
         num_kv_pages=config.num_kv_pages,
         page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
