@@ -7,6 +7,12 @@ never handed out: vectorized attention pads page tables with it.
 
 The storage is allocated uninitialized on purpose (DESIGN.md): the scheduler's clear marks, not the
 allocator, are what keep attention from reading garbage, and `poison=True` makes garbage visible.
+
+An fp8-e4m3 cache stores x / scale and reads stored * scale, with a K and a V scale per layer
+(executor/kv_scales.py says where they come from). The scales are a tensor on the cache's device,
+read by every write and every gather (and by CUDA graphs at replay, so calibrating them after
+capture is seen); they are finite and positive, so a zeroed slot still reads back as exactly 0 and a
+0xFF slot as NaN.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from executor.kv_scales import KVScales, ScaleCalibration
+from protocol.errors import TPRuntimeError
 from protocol.frames import KVDtype
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -28,7 +36,7 @@ FP8_E4M3_MAX = 448.0
 POISON_BYTE = 0xFF
 
 
-class CacheConfigError(ValueError):
+class CacheConfigError(TPRuntimeError, ValueError):
     """The cache geometry or dtype asked for cannot be built."""
 
 
@@ -56,8 +64,10 @@ class KVCache:
         device: torch.device,
         num_host_pages: int = 0,
         poison: bool = False,
-        scale: float = 1.0,
+        scales: KVScales | ScaleCalibration | None = None,
     ) -> None:
+        """scales (fp8 only): fixed per-layer scales, a calibration that the first armed forward
+        runs (`begin_calibration`), or None for 1.0 everywhere."""
         for name, value in (
             ("num_kv_pages", num_kv_pages),
             ("page_size", page_size),
@@ -74,8 +84,10 @@ class KVCache:
             raise CacheConfigError(
                 f"unknown KV cache dtype {kv_dtype!r}; expected one of {sorted(STORAGE_DTYPES)}"
             )
-        if not scale > 0.0:
-            raise CacheConfigError(f"KV cache scale must be positive, got {scale}")
+        if scales is not None and kv_dtype != KVDtype.FP8_E4M3.value:
+            raise CacheConfigError(f"KV cache scales apply to an fp8-e4m3 cache, not to {kv_dtype}")
+        if isinstance(scales, KVScales) and len(scales.k) != num_layers:
+            raise CacheConfigError(f"{len(scales.k)} layers of KV cache scales for a cache of {num_layers} layers")
         self.num_kv_pages = num_kv_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -84,7 +96,6 @@ class KVCache:
         self.kv_dtype = kv_dtype
         self.storage_dtype = STORAGE_DTYPES[kv_dtype]
         self.device = torch.device(device)
-        self.scale = float(scale)
         self.pad_page = num_kv_pages
         shape = (num_kv_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
         self.data = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
@@ -93,6 +104,12 @@ class KVCache:
         self.data[self.pad_page].zero_()
         # Every layer asks for its K and V twice a step; views made once save ~8 ops per layer.
         self._layers = [(self.data[:, layer, 0], self.data[:, layer, 1]) for layer in range(num_layers)]
+        self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=self.device)  # [layer, K/V]
+        if isinstance(scales, KVScales):
+            self.scales.copy_(torch.tensor(list(zip(scales.k, scales.v)), dtype=torch.float32))
+        self._layer_scales = [(self.scales[layer, 0], self.scales[layer, 1]) for layer in range(num_layers)]
+        self._calibration = scales if isinstance(scales, ScaleCalibration) else None
+        self._armed = False
         self.host = torch.empty(
             (num_host_pages, *shape[1:]),
             dtype=self.storage_dtype,
@@ -111,6 +128,26 @@ class KVCache:
         """K and V of one layer as views [num_kv_pages + 1, page_size, H, D] in the storage dtype."""
         return self._layers[layer]
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V scale of one layer: 0-d float32 views of `scales`, on the cache's device."""
+        return self._layer_scales[layer]
+
+    @property
+    def calibration_pending(self) -> bool:
+        return self._calibration is not None and not self._calibration.done
+
+    @property
+    def calibrating(self) -> bool:
+        """An armed calibration is under way: the forward must write through `write`, eagerly
+        (compiled layers and CUDA graphs write K and V themselves)."""
+        return self._armed and self.calibration_pending
+
+    def begin_calibration(self) -> None:
+        """Arm the pending calibration: the next forward's writes set the scales, layer by layer."""
+        if not self.calibration_pending:
+            raise RuntimeError("this KV cache has no calibration pending")
+        self._armed = True
+
     def write(
         self,
         layer: int,
@@ -120,13 +157,16 @@ class KVCache:
         v: torch.Tensor,
     ) -> None:
         """Store new tokens' K and V [T, H, D] at (pages[t], offsets[t])."""
+        if self.calibrating:
+            self._calibration.observe(layer, k, v, self.scales)
         k_cache, v_cache = self.key_value(layer)
-        k_cache[pages, offsets] = self._to_storage(k)
-        v_cache[pages, offsets] = self._to_storage(v)
+        k_scale, v_scale = self.layer_scales(layer)
+        k_cache[pages, offsets] = self._to_storage(k, k_scale)
+        v_cache[pages, offsets] = self._to_storage(v, v_scale)
 
-    def _to_storage(self, x: torch.Tensor) -> torch.Tensor:
+    def _to_storage(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.storage_dtype == torch.float8_e4m3fn:
-            scaled = (x.float() / self.scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            scaled = (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
             return scaled.to(torch.float8_e4m3fn)
         return x.to(self.storage_dtype)
 

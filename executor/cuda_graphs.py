@@ -11,7 +11,10 @@ Requirements on the model's decode path (all of them hold for a forward that der
 its tensors): no host synchronization, no shape taken from host copies.
 
 Steps that are not pure decode, or larger than the largest size, or that sample fewer rows than
-they have sequences, run eagerly. Nothing here imports CUDA until a runner is built.
+they have sequences, run eagerly, and so does the step that calibrates an fp8 cache's scales (its
+writes go through KVCache.write, which sets them). The graphs read the scales from the cache's
+device tensor at replay, so the calibrated values are the ones they use.
+Nothing here imports CUDA until a runner is built.
 """
 
 from __future__ import annotations
@@ -221,7 +224,7 @@ class DecodeGraphRunner:
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         if cache is not self.cache:
             raise CudaGraphError("the graphs were captured against another KVCache")
-        captured = self.graph_for(inputs)
+        captured = None if cache.calibrating else self.graph_for(inputs)
         if captured is None:
             return self.model.forward(inputs, cache)
         captured.batch.load(inputs)

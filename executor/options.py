@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from executor.kv_scales import KVScaleError, parse_scales_option
 from protocol.frames import KVDtype
 
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
@@ -29,6 +30,8 @@ class ExecutorOptions:
     dtype: str = "bf16"
     weight_format: str = "auto"
     kv_cache_dtype: str = "bf16"
+    # fp8 KV: auto, checkpoint, calibrate or a number (executor/kv_scales.py).
+    kv_cache_scales: str = "auto"
     page_size: int = 16
     num_host_pages: int = 0
     device: str = "auto"  # auto: cuda:LOCAL_RANK when CUDA is available, else the CPU
@@ -78,6 +81,10 @@ class ExecutorOptions:
             raise OptionsError(
                 f"kv_cache_dtype must be one of {', '.join(kv_dtypes)}, got {self.kv_cache_dtype!r}"
             )
+        try:
+            parse_scales_option(self.kv_cache_scales)
+        except KVScaleError as exc:
+            raise OptionsError(str(exc)) from None
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise OptionsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:

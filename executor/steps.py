@@ -89,6 +89,8 @@ class StepRunner:
 
     def _cache_operations(self, staged: StagedStep) -> None:
         prepare, cache, options = staged.prepare, self.cache, self.options
+        if cache.calibration_pending:  # the first step run sets an fp8 cache's scales
+            cache.begin_calibration()
         if prepare.offload_pages.size:
             cache.offload(prepare.offload_pages, prepare.offload_slots)
         if options.debug_poison_freed and prepare.poison_pages.size:

@@ -174,6 +174,7 @@ def run_executor(
     # Imported when a rank starts, not with this module: the transport pulls in zmq and the model
     # package the weight readers.
     from executor.allocator import retain_freed_memory
+    from executor.kv_scales import cache_scales
     from executor.model import TORCH_DTYPES
     from protocol.transport import ExecutorEndpoint
 
@@ -204,6 +205,9 @@ def run_executor(
         device=device,
         num_host_pages=options.num_host_pages,
         poison=options.debug_poison_cache,
+        scales=cache_scales(
+            options.kv_cache_scales, options.model, model.config.num_layers, world_size, options.kv_cache_dtype
+        ),
     )
     step_model: StepModel = model
     if device.type == "cuda" and options.cuda_graphs:

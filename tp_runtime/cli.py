@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from executor.options import WEIGHT_FORMATS
-from tp_runtime.config import DTYPES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
+from tp_runtime.config import DTYPES, KV_DTYPE_ALIASES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
 
 EXIT_USAGE = 2
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: the server's API key when --api-key is not given
@@ -42,7 +42,19 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g = p.add_argument_group("KV cache and batching")
-    g.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
+    g.add_argument(
+        "--kv-cache-dtype", type=_kv_cache_dtype, default="auto", metavar="{" + ",".join(KV_DTYPES) + "}",
+        help="KV cache storage (vLLM's fp8 and fp8_e4m3 mean fp8-e4m3; auto: the model's --dtype)",
+    )
+    g.add_argument(
+        "--kv-cache-scales", default="auto", metavar="{auto,checkpoint,calibrate,NUMBER}",
+        help="fp8 KV scales per layer: auto (the checkpoint's k_scale/v_scale, else calibrated on the first "
+        "prefill), checkpoint (required), calibrate, or one number for every layer (1.0: vLLM's uncalibrated)",
+    )
+    g.add_argument(
+        "--calculate-kv-scales", action="store_true",
+        help="vLLM's spelling of --kv-cache-scales calibrate",
+    )
     g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16)
     g.add_argument("--num-kv-pages", type=int, default=0, help="pages in the KV pool (default: from --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"), help="KV pool size per rank (default 1GiB)")
@@ -148,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         dtype=args.dtype,
         weight_format=args.weight_format,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scales=_kv_cache_scales(args),
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,
         kv_cache_memory=args.kv_cache_memory,
@@ -216,8 +229,50 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         check_port_free(config.host, config.port)
         _check_http_options(config)
     try:
-        return resolve(config)
+        resolved = resolve(config)
+        _check_kv_scales(resolved)
     except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+    return resolved
+
+
+def _kv_cache_dtype(text: str) -> str:
+    """--kv-cache-dtype: ours, or vLLM's names for the same storage."""
+    name = KV_DTYPE_ALIASES.get(text, text)
+    if name not in KV_DTYPES:
+        unsupported = " (only e4m3 fp8 is supported: use fp8)" if text.startswith("fp8") else ""
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r}{unsupported}; choose from {', '.join((*KV_DTYPES, *KV_DTYPE_ALIASES))}"
+        )
+    return name
+
+
+def _kv_cache_scales(args: argparse.Namespace) -> str:
+    if args.calculate_kv_scales:
+        if args.kv_cache_scales not in ("auto", "calibrate"):
+            raise ConfigError(f"--calculate-kv-scales contradicts --kv-cache-scales {args.kv_cache_scales}")
+        return "calibrate"
+    return args.kv_cache_scales
+
+
+def _check_kv_scales(config: RuntimeConfig) -> None:
+    """--kv-cache-scales names a source that exists, for an fp8 cache (with another one it would do nothing)."""
+    from executor.kv_scales import KVScaleError, checkpoint_scales, parse_scales_option, resolve_scales
+    from tp_runtime.launch import read_model_config
+
+    try:
+        option = parse_scales_option(config.kv_cache_scales)
+        if config.resolved_kv_dtype != "fp8-e4m3":
+            if config.kv_cache_scales != "auto":
+                raise ConfigError(
+                    f"--kv-cache-scales {config.kv_cache_scales} (or --calculate-kv-scales) applies to an fp8 KV "
+                    f"cache; this one is {config.resolved_kv_dtype} (add --kv-cache-dtype fp8)"
+                )
+            return
+        if option in ("auto", "checkpoint"):
+            num_layers = read_model_config(config).num_layers
+            resolve_scales(option, checkpoint_scales(config.model, num_layers), num_layers)
+    except KVScaleError as exc:
         raise ConfigError(str(exc)) from None
 
 

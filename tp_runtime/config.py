@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("auto", "bf16", "fp32", "fp16")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8-e4m3")
+KV_DTYPE_ALIASES = {"fp8": "fp8-e4m3", "fp8_e4m3": "fp8-e4m3", "bfloat16": "bf16"}  # vLLM's --kv-cache-dtype names
 
 
 class ConfigError(ValueError):
@@ -25,6 +26,7 @@ class RuntimeConfig:
     dtype: str = "auto"  # resolved by the launcher: bf16 where the hardware has it, else fp32
     weight_format: str = "auto"  # checked by the launcher, resolved by each rank as it loads
     kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "auto"  # fp8: auto, checkpoint, calibrate or a number (executor/kv_scales.py)
     page_size: int = 16
     num_kv_pages: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes per rank for the KV pool, when num_kv_pages is 0

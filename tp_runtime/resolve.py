@@ -36,15 +36,15 @@ def uses_cuda(config: RuntimeConfig) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 def pick_dtype(config: RuntimeConfig) -> str:
-    """`auto`: bf16 where the hardware computes in it (GPUs, CPUs with AMX or AVX512-BF16); fp32
-    elsewhere, where bf16 matmuls run several times slower than fp32 (docs/model.md measures it)."""
-    import torch
-
+    """`auto`: bf16 on GPUs; on the CPU whichever of bf16 and fp32 the start-up probe timed faster
+    on this machine (executor/probe.py: measured once, kept, the reason logged)."""
     if config.dtype != "auto":
         return config.dtype
-    if uses_cuda(config) or torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+    if uses_cuda(config):
         return "bf16"
-    return "fp32"
+    from executor.probe import probe_cpu
+
+    return probe_cpu().dtype
 
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
     """Fills in what derives from the model and the machine: the dtype, the context length and the
@@ -84,6 +84,7 @@ def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptio
         dtype=config.dtype,
         weight_format=config.weight_format,
         kv_cache_dtype=config.resolved_kv_dtype,
+        kv_cache_scales=config.kv_cache_scales,
         num_kv_pages=config.num_kv_pages,
         page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,

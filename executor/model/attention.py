@@ -122,7 +122,7 @@ def _bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather_pages(
-    cache: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype, kv_scale: float
+    cache: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float
 ) -> torch.Tensor:
     """[B, W] page ids -> [B, W * page_size * H, D]: token-major, heads fastest, as stored.
 
@@ -134,7 +134,7 @@ def _gather_pages(
     pages = cache.flatten(1).index_select(0, page_table.reshape(-1))
     pages = pages.view(page_table.shape[0], -1, cache.shape[-1])
     if cache.dtype == torch.float8_e4m3fn:
-        return pages.to(dtype).mul_(kv_scale)
+        return pages.to(dtype).mul_(scale)
     return pages.to(dtype)
 
 
@@ -152,9 +152,11 @@ def paged_attention(
     inputs: StepInputs,
     masks: AttentionMasks,
     *,
-    kv_scale: float = 1.0,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (already rotated; this step's K/V already written) -> [T, Hq * D].
+    k_scale, v_scale: what an fp8 cache's K and V are multiplied by as they are read.
 
     Decoding rows call torch's fused attention with an explicit additive mask, never is_causal or
     a kernel that skips masked blocks: every gathered slot is multiplied in, so a NaN left in a
@@ -163,15 +165,15 @@ def paged_attention(
     num_tokens, q_heads, head_dim = q.shape
     dtype = q.dtype
     if masks.batched_rows is None:
-        return _one_token_each(q, k_cache, v_cache, masks, kv_scale).view(num_tokens, -1)
+        return _one_token_each(q, k_cache, v_cache, masks, k_scale, v_scale).view(num_tokens, -1)
 
     out = torch.empty(num_tokens, q_heads * head_dim, dtype=dtype, device=q.device)
     if masks.batched_bias is not None:
         rows = masks.batched_rows
-        out[rows] = _one_token_each(q[rows], k_cache, v_cache, masks, kv_scale).view(rows.shape[0], -1)
+        out[rows] = _one_token_each(q[rows], k_cache, v_cache, masks, k_scale, v_scale).view(rows.shape[0], -1)
     for p in masks.prefill:
-        k = _gather_pages(k_cache, p.table, dtype, kv_scale)
-        v = _gather_pages(v_cache, p.table, dtype, kv_scale)
+        k = _gather_pages(k_cache, p.table, dtype, k_scale)
+        v = _gather_pages(v_cache, p.table, dtype, v_scale)
         chunk = _chunk_attention if p.bias is None else _masked_chunk_attention
         out[p.start : p.stop] = chunk(q[p.start : p.stop], k, v, p, k_cache.shape[-2])
     return out
@@ -182,7 +184,8 @@ def _one_token_each(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     masks: AttentionMasks,
-    kv_scale: float,
+    k_scale: torch.Tensor | float,
+    v_scale: torch.Tensor | float,
 ) -> torch.Tensor:
     """q [d, Hq, D], one row per sequence -> [d, 1, Hq, D].
 
@@ -191,8 +194,8 @@ def _one_token_each(
     of K and V into head-major order, which is what a decode step's attention pays for: it halved
     a batch-32 SmolLM2 step's attention.
     """
-    k = _gather_pages(k_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
-    v = _gather_pages(v_cache, masks.batched_table, q.dtype, kv_scale)[:, None]
+    k = _gather_pages(k_cache, masks.batched_table, q.dtype, k_scale)[:, None]
+    v = _gather_pages(v_cache, masks.batched_table, q.dtype, v_scale)[:, None]
     return _sdpa(q[:, None], k, v, masks.batched_bias)
 
 

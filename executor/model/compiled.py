@@ -97,7 +97,6 @@ class LayerSpec:
     page_size: int
     dtype: str
     kv_dtype: str
-    kv_scale: float
     matmuls: tuple[str, str, str, str]
     min_rows: int
     max_rows: int
@@ -135,9 +134,10 @@ def _attention(spec: LayerSpec, x: torch.Tensor, w: list[torch.Tensor], step: li
     """o_proj(attention(rotary(QKV(RMSNorm(x))))), writing this step's K and V into the cache.
 
     w: attn_norm, QKV's tensors, o_proj's. step: cos, sin, kv (the whole cache), the layer index
-    [1], write pages and offsets [n], page tables [n, W], context lengths [n].
+    [1], write pages and offsets [n], page tables [n, W], context lengths [n], the cache's scales
+    [num_layers, 2] (fp8: K and V per layer, inputs so that calibrating them needs no rebuild).
     """
-    cos, sin, kv, layer, write_pages, write_offsets, table, context = step
+    cos, sin, kv, layer, write_pages, write_offsets, table, context, scales = step
     n, dtype = x.shape[0], spec.torch_dtype
     hq, hkv, d, page = spec.q_heads, spec.kv_heads, spec.head_dim, spec.page_size
     qkv_n, o_n = _tensor_count(spec.matmuls[0]), _tensor_count(spec.matmuls[1])
@@ -149,12 +149,13 @@ def _attention(spec: LayerSpec, x: torch.Tensor, w: list[torch.Tensor], step: li
     q, k = qk.split([hq, hkv], dim=1)
     v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
     layers = layer.expand(n)
-    kv.index_put_((write_pages, layers, torch.zeros_like(write_pages), write_offsets), _to_storage(spec, k))
-    kv.index_put_((write_pages, layers, torch.ones_like(write_pages), write_offsets), _to_storage(spec, v))
+    k_scale, v_scale = scales[layer][0]
+    kv.index_put_((write_pages, layers, torch.zeros_like(write_pages), write_offsets), _to_storage(spec, k, k_scale))
+    kv.index_put_((write_pages, layers, torch.ones_like(write_pages), write_offsets), _to_storage(spec, v, v_scale))
     pages = kv[table, layer]  # [n, W, 2, page, Hkv, D]: every slot of every page in the table
     slots = table.shape[1] * page
-    keys = _from_storage(spec, pages[:, :, 0]).reshape(n, slots, hkv, d).float()
-    values = _from_storage(spec, pages[:, :, 1]).reshape(n, slots, hkv, d).float()
+    keys = _from_storage(spec, pages[:, :, 0], k_scale).reshape(n, slots, hkv, d).float()
+    values = _from_storage(spec, pages[:, :, 1], v_scale).reshape(n, slots, hkv, d).float()
     group = q.reshape(n, hkv, hq // hkv, d).float()
     # -inf added, not written: a NaN score (NaN in K) stays NaN, and exp(-inf) = 0 times a NaN
     # in V is NaN. Either way a slot the clears missed reaches the output.
@@ -173,15 +174,15 @@ def _mlp(spec: LayerSpec, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tenso
     return _matmul(spec.matmuls[3], F.silu(gate) * up, w[1 + gate_up_n :])
 
 
-def _to_storage(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+def _to_storage(spec: LayerSpec, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if spec.storage_dtype == torch.float8_e4m3fn:
-        return (x.float() / spec.kv_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return x.to(spec.storage_dtype)
 
 
-def _from_storage(spec: LayerSpec, x: torch.Tensor) -> torch.Tensor:
+def _from_storage(spec: LayerSpec, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if spec.storage_dtype == torch.float8_e4m3fn:
-        return x.to(spec.torch_dtype) * spec.kv_scale
+        return x.to(spec.torch_dtype) * scale
     return x.to(spec.torch_dtype)
 
 
@@ -268,6 +269,7 @@ def _example_inputs(spec: LayerSpec) -> tuple[tuple, dict]:
         index(rows),
         index(rows, width),
         torch.full((rows,), 2, dtype=torch.int64),
+        torch.ones(spec.num_layers, 2),
     ]
     row = {0: row_dim}
     step_dims = [
@@ -279,6 +281,7 @@ def _example_inputs(spec: LayerSpec) -> tuple[tuple, dict]:
         row,
         {0: row_dim, 1: Dim("pages_per_seq", min=1, max=1 << 20)},
         row,
+        None,
     ]
     if spec.part == "layer":
         weights = attention_w + mlp_w
@@ -459,7 +462,10 @@ class CompiledDecode:
         """The residual stream after every layer of a decode step of x.shape[0] rows."""
         rows = x.shape[0]
         calls = next(layers for low, high, layers in self.ranges if low <= rows <= high)
-        step = [cos, sin, cache.data, None, inputs.write_pages, inputs.write_offsets, inputs.page_table, inputs.context_lens]
+        step = [
+            cos, sin, cache.data, None, inputs.write_pages, inputs.write_offsets, inputs.page_table, inputs.context_lens,
+            cache.scales,
+        ]
         # The libraries assume the layouts they were compiled for: all of these are contiguous.
         if not all(t.is_contiguous() for t in (x, *step[:3], *step[4:])):
             raise RuntimeError("compiled decode layers need contiguous inputs")
@@ -500,7 +506,6 @@ def _plan(model: LlamaModel, cache: KVCache) -> list[tuple[int, int, list[list[L
             page_size=cache.page_size,
             dtype=str(model.dtype).removeprefix("torch."),
             kv_dtype=str(cache.storage_dtype).removeprefix("torch."),
-            kv_scale=cache.scale,
             matmuls=("dense",) * 4,
             min_rows=low,
             max_rows=high,

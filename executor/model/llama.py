@@ -84,7 +84,7 @@ class LlamaModel:
 
     def compiled_decode(self, cache: KVCache) -> CompiledDecode | None:
         """The compiled decode layers for this cache's geometry, attached on first use."""
-        geometry = (cache.page_size, cache.storage_dtype, cache.scale, cache.num_layers)
+        geometry = (cache.page_size, cache.storage_dtype, cache.num_layers)
         if geometry not in self._compiled:
             self._compiled[geometry] = CompiledDecode.attach(self, cache, self.compile_mode)
         return self._compiled[geometry]
@@ -95,7 +95,8 @@ class LlamaModel:
         config = self.config
         x = self.embed(inputs.token_ids)
         cos, sin = self.rotary.cos_sin(inputs.positions)
-        compiled = self.compiled_decode(cache) if inputs.is_decode else None
+        # A calibrating step writes K and V through the cache, which sets the scales as it goes.
+        compiled = self.compiled_decode(cache) if inputs.is_decode and not cache.calibrating else None
         if compiled is not None and compiled.covers(inputs.num_tokens):
             x = compiled.run(x, cos, sin, inputs, cache)
         elif compiled is not None:
@@ -139,7 +140,8 @@ class LlamaModel:
             v = qkv[:, qk_width:].view(tokens, kv_heads, head_dim)
             cache.write(index, inputs.write_pages, inputs.write_offsets, k, v)
             k_cache, v_cache = cache.key_value(index)
-            attended = paged_attention(q, k_cache, v_cache, inputs, masks, kv_scale=cache.scale)
+            k_scale, v_scale = cache.layer_scales(index)
+            attended = paged_attention(q, k_cache, v_cache, inputs, masks, k_scale=k_scale, v_scale=v_scale)
             x = x + all_reduce(layer.o(attended).float(), world)
             h = rms_norm(x, layer.ffn_norm, config.rms_eps)
             gate, up = layer.gate_up(h).split(self.ffn_width, dim=-1)

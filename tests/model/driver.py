@@ -14,6 +14,7 @@ import torch
 
 from executor.cache import KVCache
 from executor.inputs import StepInputs
+from executor.kv_scales import KVScales, ScaleCalibration
 from executor.model import LlamaModel
 from protocol.frames import Prepare
 
@@ -35,6 +36,7 @@ class Driver:
         poison: bool = False,
         clear: bool = True,
         seed: int = 0,
+        kv_scales: KVScales | ScaleCalibration | None = None,
     ) -> None:
         self.model = model
         self.page_size = page_size
@@ -48,6 +50,7 @@ class Driver:
             kv_dtype=kv_dtype,
             device=model.device,
             poison=poison,
+            scales=kv_scales,
         )
         self.free = list(np.random.default_rng(seed).permutation(num_kv_pages))
         self.seqs: dict[int, Sequence] = {}
@@ -81,6 +84,8 @@ class Driver:
             cleared_pages=sorted(cleared) if self.clear else [],
         )
         self.cache.clear_pages(prepare.cleared_pages)
+        if self.cache.calibration_pending:  # as executor.steps does: the first step calibrates
+            self.cache.begin_calibration()
         inputs = StepInputs.from_prepare(
             prepare, pad_page=self.cache.pad_page, page_size=self.page_size, device=self.model.device
         )

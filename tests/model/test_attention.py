@@ -58,7 +58,7 @@ class Case:
     def run(self) -> torch.Tensor:
         inputs = StepInputs.from_prepare(self.prepare, pad_page=PAD, page_size=PAGE, device=self.device)
         masks = AttentionMasks.build(inputs, self.q_heads, self.kv_heads, PAGE, self.dtype, self.device)
-        return paged_attention(self.q, self.k, self.v, inputs, masks, kv_scale=1.0).float().cpu()
+        return paged_attention(self.q, self.k, self.v, inputs, masks).float().cpu()
 
     def reference(self) -> torch.Tensor:
         """Each sequence, each query head, over exactly the slots at or before its token's position."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from executor.cache import STORAGE_DTYPES, CacheConfigError, KVCache, page_runs
+from executor.kv_scales import KVScales
 
 CPU = torch.device("cpu")
 
@@ -52,17 +53,29 @@ def test_clear_rejects_out_of_range_pages():
         _cache("fp32").clear_pages(np.array([3, 10], dtype=np.int32))
 
 
-def test_write_lands_in_the_addressed_slots_and_fp8_applies_the_scale():
-    cache = _cache("fp8-e4m3", scale=0.5)
+def test_write_lands_in_the_addressed_slots_and_fp8_applies_each_layers_scales():
+    cache = _cache("fp8-e4m3", scales=KVScales(k=(2.0, 0.5), v=(1.0, 0.25), source="flag"))
     cache.clear_pages(np.arange(10, dtype=np.int32))
     k = torch.full((2, 3, 8), 1.5)
-    v = torch.full((2, 3, 8), -1000.0)  # / 0.5 = -2000: clamped to the e4m3 limit
+    v = torch.full((2, 3, 8), -1000.0)  # / 0.25 = -4000: clamped to the e4m3 limit
     cache.write(1, torch.tensor([4, 7]), torch.tensor([0, 3]), k, v)
+    cache.write(0, torch.tensor([4]), torch.tensor([1]), k[:1], -k[:1])
     keys, values = cache.key_value(1)
     assert keys.shape == (11, 4, 3, 8) and keys.dtype == torch.float8_e4m3fn
-    assert (keys[4, 0].float() * cache.scale == 1.5).all()
+    k_scale, v_scale = cache.layer_scales(1)
+    assert (k_scale.item(), v_scale.item()) == (0.5, 0.25)
+    assert (keys[4, 0].float() == 3.0).all() and (keys[4, 0].float() * k_scale == 1.5).all()
     assert (values[7, 3].float() == -448.0).all()
-    assert not keys[4, 1:].float().any() and not cache.key_value(0)[0].float().any()
+    assert (cache.key_value(0)[0][4, 1].float() == 0.75).all() and (cache.key_value(0)[1][4, 1].float() == -1.5).all()
+    assert not keys[4, 1:].float().any() and not cache.key_value(0)[0][4, 0].float().any()
+
+
+def test_unit_scales_are_the_default_and_scales_are_for_fp8_only():
+    assert torch.equal(_cache("fp8-e4m3").scales, torch.ones(2, 2))
+    with pytest.raises(CacheConfigError, match="fp8-e4m3 cache, not to bf16"):
+        _cache("bf16", scales=KVScales.uniform(2, 0.5))
+    with pytest.raises(CacheConfigError, match="3 layers of KV cache scales for a cache of 2"):
+        _cache("fp8-e4m3", scales=KVScales.uniform(3, 0.5))
 
 
 def test_offload_and_restore_round_trip_whole_pages():
@@ -77,7 +90,7 @@ def test_offload_and_restore_round_trip_whole_pages():
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [({"kv_dtype": "int4"}, "unknown KV cache dtype"), ({"num_kv_pages": 0}, "num_kv_pages"), ({"scale": 0.0}, "scale")],
+    [({"kv_dtype": "int4"}, "unknown KV cache dtype"), ({"num_kv_pages": 0}, "num_kv_pages")],
 )
 def test_bad_geometry_is_a_clear_error(overrides, message):
     with pytest.raises(CacheConfigError, match=message):

@@ -112,7 +112,7 @@ def test_a_second_start_loads_the_library_without_building(tiny_path, built, mon
 def _spec(**changes) -> LayerSpec:
     fields = dict(
         part="layer", hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, rms_eps=1e-5, num_layers=30,
-        page_size=16, dtype="bfloat16", kv_dtype="bfloat16", kv_scale=1.0, matmuls=("int4",) * 4,
+        page_size=16, dtype="bfloat16", kv_dtype="bfloat16", matmuls=("int4",) * 4,
         min_rows=1, max_rows=8, threads=2,
     )
     return LayerSpec(**{**fields, **changes})
