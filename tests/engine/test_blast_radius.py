@@ -63,7 +63,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         SchedulerConfig(
             num_kv_pages=PAGES, page_size=PAGE, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, max_model_len=LENGTH,
             enable_prefix_cache=False, max_inflight_steps=2,
-        )  # fmt: skip
+        )
     )
     engine = Engine(scheduler=scheduler, endpoint=endpoint, world_size=WORLD, model_name="tiny", max_model_len=LENGTH)
     cluster = ExecutorCluster(

@@ -340,6 +340,8 @@ def test_compiled_decode_reads_the_calibrated_scales_as_eager_does(tmp_path):
             assert model.compiled_decode(driver.cache).covers(len(PROMPTS)), "decode steps ran compiled"
     assert not torch.equal(runs["wait"][2], torch.ones_like(runs["wait"][2]))
     assert torch.equal(runs["wait"][2], runs["off"][2])
-    # As tests/model/test_compiled.py: bf16 rounding apart (the library sums in other orders).
-    torch.testing.assert_close(runs["wait"][0], runs["off"][0], atol=0.05, rtol=0)
+    # The library sums in other orders (tests/model/test_compiled.py allows 0.05 with a bf16 cache);
+    # a K or V that lands on the other side of an fp8 rounding boundary then moves by a whole fp8
+    # step (up to 1/8): measured 0.062 in 3 of 4480 logits.
+    torch.testing.assert_close(runs["wait"][0], runs["off"][0], atol=0.15, rtol=0)
     assert runs["wait"][1] == runs["off"][1]
