@@ -78,6 +78,7 @@ from scripts.harness.strangers import KINDS, StrangerAct, Strangers
 
 COMPLETIONS = "/v1/completions"
 BODY_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 2.0  # below the short form's --header-wait-s
 DRAIN_S = 2.0
 DRAIN_TOKENS = 1500  # far more than a drain of DRAIN_S lets a stream make
 
@@ -362,7 +363,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         tensor_parallel_size=args.tp, model=args.model, dtype="fp32", num_kv_pages=args.num_kv_pages,
         max_model_len=2048, max_num_seqs=max(8, args.normal_streams), max_num_batched_tokens=512,
         extra_args=(
-            "--max-num-queued-reqs", str(args.max_queued), "--request-body-timeout", str(BODY_TIMEOUT_S),
+            "--max-num-queued-reqs", str(args.max_queued), "--request-body-timeout", str(BODY_TIMEOUT_S), "--request-header-timeout", str(HEADER_TIMEOUT_S),
             "--shutdown-timeout", str(DRAIN_S),
         ),
     )  # fmt: skip

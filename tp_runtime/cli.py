@@ -102,6 +102,10 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-size", type=parse_size, default=0, help="largest request body (default: from --max-prompt-chars)")
     g.add_argument("--max-prompt-chars", type=int, default=0, help="longest prompt text (default: --max-model-len x the longest token)")
     g.add_argument("--request-body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (default 30)")
+    g.add_argument(
+        "--request-header-timeout", type=float, default=10.0,
+        help="seconds a request's line and headers may take to arrive; slower connections are closed (default 10)",
+    )
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
 
 
@@ -193,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         max_request_body_size=getattr(args, "max_request_body_size", 0),
         max_prompt_chars=getattr(args, "max_prompt_chars", 0),
         request_body_timeout=getattr(args, "request_body_timeout", 30.0),
+        request_header_timeout=getattr(args, "request_header_timeout", 10.0),
         timeout_keep_alive=getattr(args, "timeout_keep_alive", 5),
         require_api_key_for_metrics=getattr(args, "require_api_key_for_metrics", False),
     )
@@ -258,7 +263,7 @@ def _kv_cache_scales(args: argparse.Namespace) -> str:
 def _check_kv_scales(config: RuntimeConfig) -> None:
     """--kv-cache-scales names a source that exists, for an fp8 cache (with another one it would do nothing)."""
     from executor.kv_scales import KVScaleError, checkpoint_scales, parse_scales_option, resolve_scales
-    from tp_runtime.launch import read_model_config
+    from tp_runtime.resolve import read_model_config
 
     try:
         option = parse_scales_option(config.kv_cache_scales)
@@ -320,8 +325,10 @@ def _check_http_options(config: RuntimeConfig) -> None:
     ):
         if value < 0:
             raise ConfigError(f"{flag} must be at least 1, or 0 for its default; got {value}")
-    if not config.request_body_timeout > 0 or config.timeout_keep_alive < 1:
-        raise ConfigError("--request-body-timeout must be positive and --timeout-keep-alive at least 1 second")
+    if not config.request_body_timeout > 0 or not config.request_header_timeout > 0 or config.timeout_keep_alive < 1:
+        raise ConfigError(
+            "--request-body-timeout and --request-header-timeout must be positive and --timeout-keep-alive at least 1 second"
+        )
 
 
 def check_port_free(host: str, port: int) -> None:

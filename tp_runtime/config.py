@@ -65,6 +65,7 @@ class RuntimeConfig:
     max_request_body_size: int = 0  # bytes; 0: derived from the prompt cap
     max_prompt_chars: int = 0  # 0: max_model_len x the longest token's characters
     request_body_timeout: float = 30.0  # seconds for a whole request body to arrive
+    request_header_timeout: float = 10.0  # seconds for a request's line and headers to arrive
     timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open (uvicorn's)
     require_api_key_for_metrics: bool = False
 

@@ -156,6 +156,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
 
     from tp_runtime.cli import API_KEY_ENV
     from tp_runtime.http import ServerSettings, create_app
+    from tp_runtime.http.header_deadline import protocol_with_header_timeout
 
     settings = ServerSettings(
         served_model_names(config),
@@ -172,6 +173,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
             timeout_keep_alive=config.timeout_keep_alive,
+            http=protocol_with_header_timeout(config.request_header_timeout),
         )
     )
     # uvicorn in a non-main thread installs no signal handlers: the main thread owns SIGTERM (drain)

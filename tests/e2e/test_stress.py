@@ -17,10 +17,7 @@ def run_stress(tiny_model: Path, out: Path, *extra: str) -> tuple[int, dict]:
     return code, json.loads((out / "report.json").read_text())
 
 
-# uvicorn times out neither a request's headers nor its first request line: a client that trickles
-# one header byte at a time holds its connection for as long as it likes. The HTTP server's
-# protocol class needs a header timeout (tp_runtime/http, reported to the lead).
-KNOWN_GAPS = {"slowloris headers"}
+KNOWN_GAPS: set[str] = set()  # cases expected to fail until their fix lands (none now)
 
 
 def check(code: int, report: dict) -> None:

@@ -16,7 +16,7 @@ from executor.model.loader import open_source
 from tests.model.hermetic_cache import FIXED_PROBE
 from tests.tiny_models import write_tiny_gguf
 from tp_runtime.config import RuntimeConfig
-from tp_runtime.launch import pick_dtype
+from tp_runtime.resolve import pick_dtype
 
 
 def timings(fp32: float, bf16: float, int4: dict[int, float], prefill: tuple[float, float] = (10.0, 5.0)) -> dict[str, float]:
