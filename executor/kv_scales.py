@@ -60,6 +60,12 @@ _CHECKPOINT_NAMES = (
 )
 
 
+def checkpoint_scale_names(num_layers: int) -> set[str]:
+    """Every tensor name a checkpoint may hold KV-cache scales under: metadata for the cache, not
+    weights of the model, so the loader's check for tensors it would not use leaves them alone."""
+    return {name.format(layer) for layer in range(num_layers) for pair in _CHECKPOINT_NAMES for name in pair}
+
+
 class KVScaleError(TPRuntimeError, ValueError):
     """KV-cache scales that cannot be used: a bad option, or a checkpoint's scales out of shape."""
 

@@ -79,6 +79,13 @@ def ipc_address(tag: str = "sched") -> str:
     return f"ipc://{directory}/{tag}.sock"
 
 
+def remove_private_dirs() -> None:
+    """Removes every directory ipc_address() made in this process that no endpoint has removed: for
+    a process that exits while, or before, its endpoint binds there (a signal between the two)."""
+    while _PRIVATE_DIRS:
+        shutil.rmtree(_PRIVATE_DIRS.pop(), ignore_errors=True)
+
+
 def _first_seq() -> int:
     # seq only has to increase per sender; starting from the wall clock lets a restarted process
     # be accepted by a receiver that remembers its predecessor.

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from protocol.auth import new_key
 from protocol.curve import ServerCurve
-from protocol.transport import SchedulerEndpoint, ipc_address
+from protocol.transport import SchedulerEndpoint, ipc_address, remove_private_dirs
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tp_runtime import frame_keys, hosts
 from tp_runtime.bootstrap import Bootstrap, KeyMode
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown("the frontend exited")
         if endpoint is not None:
             endpoint.close()
+        remove_private_dirs()  # rank 0 may have died between making the directory and the bind
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:

@@ -22,6 +22,7 @@ import torch
 
 from executor.model.config import ModelConfig, ModelLoadError, UnsupportedModelError, config_from_hf
 from executor.gguf_file import Q4_BLOCK_BYTES, GGUFFile, GGUFFormatError, GGUFTensor, Q4Blocks
+from executor.kv_scales import checkpoint_scale_names
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,7 @@ class HFSource:
                 self.location[name] = file
         # Checkpoints of models trained with rotary caches sometimes saved them; they are derived.
         present = {name for name in self.location if not name.endswith("rotary_emb.inv_freq")}
+        present -= checkpoint_scale_names(self.config.num_layers)
         refuse_unused(str(directory), present, expected_tensors(HF_NAMES, self.config), self.config)
         self._check_tying(directory)
 

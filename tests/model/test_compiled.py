@@ -124,7 +124,7 @@ def test_the_cache_key_changes_with_the_model_the_shapes_the_formats_torch_and_t
     changed = [
         _spec(hidden=960), _spec(q_heads=8), _spec(kv_heads=1), _spec(head_dim=96), _spec(ffn=2560),
         _spec(rms_eps=1e-6), _spec(num_layers=24), _spec(page_size=32), _spec(dtype="float32"),
-        _spec(kv_dtype="float8_e4m3fn"), _spec(kv_scale=0.5), _spec(matmuls=("dense",) * 4),
+        _spec(kv_dtype="float8_e4m3fn"), _spec(matmuls=("dense",) * 4),
         _spec(min_rows=9, max_rows=1 << 14), _spec(threads=1), _spec(part="attention"),
     ]
     assert len({spec.key() for spec in changed} | {key}) == len(changed) + 1
