@@ -44,6 +44,7 @@ from protocol.frames import (
     Reject,
     Result,
     Welcome,
+    plain_sampling,
 )
 from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN
 from scripts.harness.frame_driver import FrameDriver, Sent
@@ -115,6 +116,7 @@ def valid_prepares(draw, g: CacheGeometry) -> Prepare:
         offload_slots=_arr("offload_slots", [s for _, s in offload]),
         poison_pages=_arr("poison_pages", others[3:4]),
         feedback=_arr("feedback", [0] * n),
+        **plain_sampling(n),
     )
 
 
