@@ -286,7 +286,7 @@ def fuzzed_requests(t: Target) -> Verdict:
         for case in grid:
             check(http, case)
 
-        @hypothesis_seed(t.args.seed)
+        @hypothesis_seed(t.rng.randrange(2**32))  # from --seed, another each round
         @settings(max_examples=t.args.http_fuzz_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=http_fuzz.CASES)
         def one(case: http_fuzz.Case) -> None:
