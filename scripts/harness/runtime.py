@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,11 +94,16 @@ class ServerOptions:
 class RuntimeServer:
     """One `tp-runtime serve` and every process it starts; a context manager, so it is always stopped.
 
-    Output goes to log_path, or to this process's stdout and stderr when there is none.
+    Output goes to log_path, or to this process's stdout and stderr when there is none. `env` is
+    added to the environment the server starts with (TMPDIR: where the frontend makes its ipc
+    directory).
     """
 
-    def __init__(self, options: ServerOptions, log_path: Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, options: ServerOptions, log_path: Path | None = None, port: int | None = None, env: Mapping[str, str] | None = None
+    ) -> None:
         self.options = options
+        self.env = dict(env or {})
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -121,7 +126,7 @@ class RuntimeServer:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         argv = ["-m", "tp_runtime", *self.options.argv(self.port)]
-        self.process = spawn(argv, cluster_tag=self._tracker.tag, log_path=self.log_path)
+        self.process = spawn(argv, cluster_tag=self._tracker.tag, log_path=self.log_path, env=self.env)
         try:
             launcher = ProcessRef.of(self.process.pid, LAUNCHER)
             if launcher is not None:

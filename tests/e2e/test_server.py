@@ -162,7 +162,7 @@ def test_fuzzed_requests_leave_the_server_healthy_and_greedy_unchanged(server_tp
     """The short live form of tests/server/test_fuzz_http.py: random requests and every wire field
     at every edge, against the real runtime. No 5xx, and the runtime is unharmed afterwards."""
     from hypothesis import HealthCheck, given, settings
-    from server.http_fuzz import CASES, check_answer, edge_grid, greedy_text, send
+    from scripts.harness.http_fuzz import CASES, check_answer, edge_grid, greedy_text, send
 
     with httpx.Client(base_url=server_tp2.url, timeout=60) as http:
         before = greedy_text(http)

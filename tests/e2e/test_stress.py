@@ -1,6 +1,8 @@
 """scripts/stress.py against a live TP=2 server of the tiny model: every adversarial case answered as
-it must be, every normal stream beside it correct, /health 200 after each, and the SIGTERM drain
-cutting long streams with an error event and [DONE]. The short form; the long form is `slow`."""
+it must be, every normal stream beside it correct, /health 200 after each, streams with random
+disconnects leaving nothing running, the HTTP fuzzer without a 5xx, and the SIGTERM drain cutting
+long streams with an error event and [DONE]. The short form; the long form (both fuzzers long,
+SIGSTOP and kill -9 of each process on fresh servers) is `slow`."""
 
 from __future__ import annotations
 
@@ -24,11 +26,17 @@ def check(code: int, report: dict) -> None:
     missed = [case for case in report["cases"] if not case["passed"]]
     assert [case for case in missed if case["name"] not in KNOWN_GAPS] == [], json.dumps(missed, indent=1)
     names = {case["name"] for case in report["cases"]}
-    assert names == {case.name for case in stress.CASES} | {"SIGTERM drain"}
+    assert names == {case.name for case in stress.CASES} | {stress.MANY_STREAMS, "SIGTERM drain"}
     for case in report["cases"]:
         normal = case["normal"]
-        assert normal["correct"] + normal["cancelled"] == normal["streams"] == report["normal_streams_per_case"]
+        streams = report["disconnect_streams"] if case["name"] == stress.MANY_STREAMS else report["normal_streams_per_case"]
+        assert normal["correct"] + normal["cancelled"] == normal["streams"] == streams
     assert set(report["rss_mib"]["start"]) == {"rank0", "rank1", "frontend"}
+    frames = report["frame_fuzz"]
+    assert frames is None or (frames["mutations"] > 0 and frames["good_tokens_after"] == frames["good_tokens_before"])
+    assert [fault["name"] for fault in report["faults"]] in ([], [f"{sig.name} {target}" for sig, target in stress.FAULTS])
+    for fault in report["faults"]:
+        assert fault["ended_with_error"] == fault["streams"] and fault["lost"] == [] and fault["port"] == "free", fault
     gaps = [case["name"] for case in missed]
     if gaps:
         assert code == 1 and not report["passed"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from server.fake_engine import MODEL_NAME, FakeEngine
-from server.http_fuzz import CASES, check_answer, edge_grid, greedy_text, send
 
+from scripts.harness.http_fuzz import CASES, check_answer, edge_grid, greedy_text, send
 from tp_runtime.http import ServerSettings, create_app
 
 

@@ -1,7 +1,7 @@
 """A property-based HTTP fuzzer over every route and every field: hypothesis strategies for
 requests, and the checks every answer must pass. Used against the app with the fake engine
-(tests/server/test_fuzz_http.py) and, in a short form, against the real server
-(tests/e2e/test_server.py).
+(tests/server/test_fuzz_http.py), in a short form against the real server (tests/e2e/test_server.py),
+and in a long form beside normal streams by scripts/stress.py.
 
 A case is a valid body with mutations (a field dropped, set to any JSON value, an unknown one
 added, nested values replaced), or raw bytes, wrong content types, other methods and paths.
@@ -186,12 +186,12 @@ def edge_grid() -> list[Case]:
     return cases
 
 
-def send(client, case: Case):  # noqa: ANN001, ANN201 (an httpx.Client or a TestClient)
+def send(client, case: Case):
     headers = {"content-type": case.content_type} if case.content_type else {}
     return client.request(case.method, case.path, content=case.content, headers=headers)
 
 
-def check_answer(case: Case, response) -> None:  # noqa: ANN001
+def check_answer(case: Case, response) -> None:
     """No 5xx; every error is the JSON error shape; every stream is well-formed server-sent events."""
     assert response.status_code < 500, f"{response.status_code} for {case!r}: {response.text[:500]}"
     content_type = response.headers.get("content-type", "")
@@ -217,7 +217,7 @@ def _streamed(case: Case) -> bool:
         return False
 
 
-def greedy_text(client) -> str:  # noqa: ANN001
+def greedy_text(client) -> str:
     body = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
