@@ -67,6 +67,11 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="plan and stage step N+1 while step N runs (default on; --no-async-scheduling runs steps in series)",
     )
+    g.add_argument(
+        "--frontend-nice", type=int, default=None, metavar="N",
+        help="nice value of the frontend process (scheduler, HTTP); default 10 on the CPU, where it shares "
+        "the cores with the forward, 0 on CUDA",
+    )
     g = p.add_argument_group("fault injection (debug)")
     g.add_argument("--debug-poison-kv-cache", action="store_true", help="fill the cache with 0xFF (NaN) at allocation")
     g.add_argument("--debug-poison-freed-pages", action="store_true", help="fill every page freed to the pool with 0xFF")
@@ -174,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        frontend_nice=getattr(args, "frontend_nice", None),
         device=args.device,
         enforce_eager=args.enforce_eager,
         host=getattr(args, "host", "127.0.0.1"),
@@ -325,6 +331,8 @@ def _check_http_options(config: RuntimeConfig) -> None:
     ):
         if value < 0:
             raise ConfigError(f"{flag} must be at least 1, or 0 for its default; got {value}")
+    if config.frontend_nice is not None and not 0 <= config.frontend_nice <= 19:
+        raise ConfigError(f"--frontend-nice takes 0 to 19 (a lower priority than the ranks'), got {config.frontend_nice}")
     if not config.request_body_timeout > 0 or not config.request_header_timeout > 0 or config.timeout_keep_alive < 1:
         raise ConfigError(
             "--request-body-timeout and --request-header-timeout must be positive and --timeout-keep-alive at least 1 second"

@@ -38,6 +38,8 @@ class RuntimeConfig:
     enable_prefix_caching: bool = True
     # Plan step N+1 while step N runs (vLLM's --async-scheduling); off runs every step in series.
     async_scheduling: bool = True
+    # The frontend's nice value; None: 10 on the CPU, 0 on CUDA (tp_runtime.bootstrap.frontend_nice).
+    frontend_nice: int | None = None
     device: str = "auto"
     enforce_eager: bool = False
     # Launch across hosts (torchrun's names; docs/deployment.md). One host of nnodes: the options

@@ -20,6 +20,7 @@ from tp_runtime.bootstrap import (
     Bootstrap,
     KeyMode,
     broadcast_bytes,
+    frontend_nice,
     rank_keys,
     start_frontend,
 )
@@ -84,7 +85,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     frontend: subprocess.Popen[bytes] | None = None
     payload = b""
     if rank == 0:
-        frontend, payload = start_frontend(config, mode, job, client_keys)
+        frontend, payload = start_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
     if world > 1:
         payload = broadcast_bytes(payload, bootstrap_group)
     info = Bootstrap.unpack(payload)
