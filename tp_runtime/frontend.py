@@ -34,6 +34,7 @@ from tp_runtime.tokenizer import Tokenizer
 log = logging.getLogger("tp_runtime.frontend")
 
 PARENT_DIED = signal.SIGHUP
+EXIT_DEADLINE_S = 8.0  # the longest the frontend's clean-up may take once it is exiting (engine join: up to 10 s is a hang)
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
 QUEUED_REQS_PER_SEQ = 8  # the default bound on requests in flight, per running slot
 
@@ -145,11 +146,27 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_generate_job(engine, tokenizer, [a for a in args.job if a != "--"])
     finally:
+        _exit_within(EXIT_DEADLINE_S)
+        remove_private_dirs()  # first: rank 0 may have died between making the directory and the bind
         if engine is not None:
             engine.shutdown("the frontend exited")
         if endpoint is not None:
             endpoint.close()
-        remove_private_dirs()  # rank 0 may have died between making the directory and the bind
+
+
+def _exit_within(seconds: float) -> None:
+    """Once the frontend is on its way out nothing may keep it alive: the engine thread stuck in a
+    call, or a zmq context whose term() waits on a socket another thread still holds, would leave a
+    frontend without a runtime behind it (seen once in the long stress run after kill -9 of rank 0)."""
+
+    def force() -> None:
+        sys.stderr.write(f"tp-runtime: error: the frontend did not finish exiting within {seconds:g} s: exiting now\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
