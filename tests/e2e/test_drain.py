@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import SERVER_OPTIONS, Server, alive, descendants
+from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server, alive, descendants
 
 
 def test_sigterm_lets_running_requests_finish_then_exits_cleanly(tiny_model: Path) -> None:
@@ -66,33 +66,14 @@ def test_a_stream_longer_than_the_drain_gets_an_error_and_the_group_exits_before
     server = Server(tiny_model, tp=2, extra=(*options, "--shutdown-timeout", str(drain_s)))
     try:
         group = [server.pid, *descendants(server.pid)]
-        events: list[str] = []
-        first_data = threading.Event()
-        ended_at: list[float] = []
-
-        def stream() -> None:
-            body = {"prompt": "on and on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-                    for line in response.iter_lines():
-                        events.append(line)
-                        if line.startswith("data: "):
-                            first_data.set()
-            except httpx.HTTPError as exc:
-                events.append(f"transport error: {exc!r}")
-            finally:
-                ended_at.append(time.monotonic())
-
-        reader = threading.Thread(target=stream, daemon=True)
-        reader.start()
-        assert first_data.wait(60), "the stream never started"
+        stream = RecordedStream(server.url, "on and on", 2000, timeout_s=60)
         stopped_at = time.monotonic()
         os.kill(server.pid, signal.SIGTERM)
-        reader.join(timeout=30)
-        assert ended_at, "the stream did not end"
-        took = ended_at[0] - stopped_at
+        stream.join(30)
+        assert stream.ended_at is not None, "the stream did not end"
+        took = stream.ended_at - stopped_at
         assert drain_s - 0.5 < took < drain_s + 5, f"the stream ended {took:.1f} s after SIGTERM"
-        data = [line for line in events if line.startswith("data: ")]
+        data = [line for line in stream.lines if line.startswith("data: ")]
         assert any('"error"' in line and "shutting down" in line for line in data[-2:]), data[-3:]
         assert server.process.wait(timeout=30) == 0
         exited = time.monotonic() - stopped_at

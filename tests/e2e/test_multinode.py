@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ import httpx
 import pytest
 
 from scripts.harness.processes import free_port
-from tests.e2e.serving import Server, alive, descendants
+from tests.e2e.serving import RecordedStream, Server, alive, descendants
 from tests.e2e.test_poison import POISON, PROMPTS, greedy
 from tp_runtime import hosts
 from tp_runtime.config import ConfigError
@@ -237,26 +236,7 @@ def test_losing_the_other_host_fails_requests_fast_and_leaves_nothing(poisoned_t
     nodes, url = poisoned_two_hosts
     frontend = next(node for node in nodes if node.runs_frontend())
     other = next(node for node in nodes if node is not frontend)
-    events: list[str] = []
-    first_data = threading.Event()
-    ended_at: list[float] = []
-
-    def stream() -> None:  # 8 + 50 tokens: within the fixture's --max-model-len 64
-        body = {"prompt": "keep going", "max_tokens": 50, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
-                for line in response.iter_lines():
-                    events.append(line)
-                    if line.startswith("data: "):
-                        first_data.set()
-        except httpx.HTTPError as exc:
-            events.append(f"transport error: {exc!r}")
-        finally:
-            ended_at.append(time.monotonic())
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert first_data.wait(60), "the stream never started"
+    stream = RecordedStream(url, "keep going", 50)  # 8 + 50 tokens: within the fixture's --max-model-len 64
     killed_at = time.monotonic()
     other.kill()
     health: list[int] = []
@@ -266,9 +246,9 @@ def test_losing_the_other_host_fails_requests_fast_and_leaves_nothing(poisoned_t
         except httpx.HTTPError:
             health.append(-1)
         time.sleep(0.05)
-    reader.join(timeout=max(0.1, 6 - (time.monotonic() - killed_at)))
-    assert ended_at and ended_at[0] - killed_at < 5, "the stream did not end within 5 s of losing a host"
-    data = [line for line in events if line.startswith("data: ")]
+    stream.join(max(0.1, 6 - (time.monotonic() - killed_at)))
+    assert stream.ended_at is not None and stream.ended_at - killed_at < 5, "the stream did not end within 5 s of losing a host"
+    data = [line for line in stream.lines if line.startswith("data: ")]
     assert any("error" in line.lower() for line in data[-2:]), data[-3:]  # the error event (then [DONE])
     assert 503 in health or -1 in health, health
     code, _, err = frontend.wait(30)

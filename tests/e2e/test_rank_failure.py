@@ -7,40 +7,20 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.serving import SERVER_OPTIONS, Server, alive, descendants, rank_pid
+from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server, alive, descendants, rank_pid
 
 
 def test_killed_rank_fails_requests_fast_and_leaves_nothing_behind(tiny_model: Path) -> None:
     server = Server(tiny_model, tp=2, extra=SERVER_OPTIONS)
     try:
         group = [server.pid, *descendants(server.pid)]
-        events: list[str] = []
-        first_data = threading.Event()
-        ended_at: list[float] = []
-
-        def stream_forever() -> None:
-            body = {"prompt": "keep going", "max_tokens": 240, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
-                    for line in response.iter_lines():
-                        events.append(line)
-                        if line.startswith("data: "):
-                            first_data.set()
-            except httpx.HTTPError as exc:
-                events.append(f"transport error: {exc!r}")
-            finally:
-                ended_at.append(time.monotonic())
-
-        reader = threading.Thread(target=stream_forever, daemon=True)
-        reader.start()
-        assert first_data.wait(60), "the stream never started"
+        stream = RecordedStream(server.url, "keep going", 240)
         health_codes: list[int] = []
         killed_at = time.monotonic()
         os.kill(rank_pid(server.pid, 1), signal.SIGKILL)
@@ -52,10 +32,10 @@ def test_killed_rank_fails_requests_fast_and_leaves_nothing_behind(tiny_model: P
             except httpx.HTTPError:
                 health_codes.append(-1)
             time.sleep(0.05)
-        reader.join(timeout=max(0.1, 6 - (time.monotonic() - killed_at)))
-        assert ended_at, "the stream did not end after a rank died"
-        assert ended_at[0] - killed_at < 5, f"the client waited {ended_at[0] - killed_at:.1f} s"
-        tail = "\n".join([line for line in events if line][-3:])  # the error event, then [DONE]
+        stream.join(max(0.1, 6 - (time.monotonic() - killed_at)))
+        assert stream.ended_at is not None, "the stream did not end after a rank died"
+        assert stream.ended_at - killed_at < 5, f"the client waited {stream.ended_at - killed_at:.1f} s"
+        tail = "\n".join([line for line in stream.lines if line][-3:])  # the error event, then [DONE]
         assert "error" in tail.lower(), f"the stream ended without an error: {tail}"
         assert 503 in health_codes or -1 in health_codes, health_codes
         deadline = time.monotonic() + 20
