@@ -91,6 +91,22 @@ class Node:
             pass
 
 
+
+def wait_healthy(nodes: list[Node], url: str, timeout_s: float = 180) -> None:
+    """Until the two-host server answers /health 200; then each node's process tree is recorded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert all(node.process.poll() is None for node in nodes), "a host exited during start-up"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the two-host server did not become healthy"
+        time.sleep(0.3)
+    for node in nodes:
+        node.tree()
+
 def two_nodes(
     command: list[str], key_dirs: tuple[str, str] | None, extra: tuple[str, ...] = (), extra1: tuple[str, ...] = ()
 ) -> list[Node]:
@@ -172,18 +188,7 @@ def poisoned_two_hosts(tiny_model: Path, key_dirs: tuple[str, str]) -> Iterator[
     nodes = two_nodes(["serve", "--model", str(tiny_model), "--log-level", "warning"], key_dirs, options)
     url = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert all(node.process.poll() is None for node in nodes), "a host exited during start-up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the two-host server did not become healthy"
-            time.sleep(0.3)
-        for node in nodes:
-            node.tree()
+        wait_healthy(nodes, url)
         yield nodes, url
     finally:
         for node in nodes:
@@ -267,18 +272,7 @@ def test_a_sigterm_to_the_frontend_host_stops_every_host_cleanly(tiny_model: Pat
     time.sleep(1.0)
     nodes.append(Node(command, 0, port, key_dirs[0]))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert all(node.process.poll() is None for node in nodes), "a host exited during start-up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the two-host server did not become healthy"
-            time.sleep(0.3)
-        for node in nodes:
-            node.tree()
+        wait_healthy(nodes, f"http://127.0.0.1:{http_port}")
         frontend = next(node for node in nodes if node.runs_frontend())
         stopped_at = time.monotonic()
         os.kill(frontend.process.pid, signal.SIGTERM)
