@@ -290,7 +290,7 @@ class Engine:
             self._failure = self._failure or str(exc)
             log.error("%s", exc)
         except HandshakeError as exc:
-            self._failure = f"handshake failed: {exc}"
+            self._failure = self._failure or f"handshake failed: {exc}"
             log.error("%s", self._failure)
         except Exception as exc:  # the loop must never die silently: fail everyone, say why
             self._failure = self._failure or f"engine loop failed: {exc!r}"

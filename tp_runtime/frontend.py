@@ -35,6 +35,7 @@ log = logging.getLogger("tp_runtime.frontend")
 
 PARENT_DIED = signal.SIGHUP
 EXIT_DEADLINE_S = 8.0  # the longest the frontend's clean-up may take once it is exiting (engine join: up to 10 s is a hang)
+RANK_0_GONE = "rank 0 exited: the runtime is down"
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
 QUEUED_REQS_PER_SEQ = 8  # the default bound on requests in flight, per running slot
 
@@ -115,13 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
     engine: Engine | None = None
+    parent_gone = threading.Event()
 
     def parent_died(_signum: int, _frame: object) -> None:
-        # Rank 0 gone: fail what runs, or stop starting; either way out through the finally below,
-        # which removes the ipc directory.
-        if engine is None:
-            raise SystemExit(1)
-        engine.fail("rank 0 exited: the runtime is down")
+        # Only a mark, never an exception: one raised here lands wherever the main thread happens to
+        # be, and a library's `except BaseException` there swallowed it (a frontend left waiting for
+        # a HELLO that never came). The engine's failure takes the main thread out through the
+        # finally below, which removes the ipc directory.
+        parent_gone.set()
+        if engine is not None:
+            engine.fail(RANK_0_GONE)
 
     signal.signal(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
     _die_with_parent()
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
         tokenizer = Tokenizer.from_model_path(config.model)
         engine = build_engine(config, endpoint, tokenizer)
+        if parent_gone.is_set():  # the signal came before `engine` was bound
+            engine.fail(RANK_0_GONE)
         engine.start()
         if args.mode == "serve":
             return _serve(engine, tokenizer, config)
@@ -204,7 +210,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
         threading.Thread(target=lambda: (engine.drain(config.shutdown_timeout), stop.set()), daemon=True).start()
 
     def parent_died(signum: int, _frame: object) -> None:
-        engine.fail("rank 0 exited: the runtime is down")
+        engine.fail(RANK_0_GONE)
         stop.set()
 
     signal.signal(signal.SIGTERM, drain)

@@ -88,6 +88,7 @@ def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_mo
     ]
     process = subprocess.Popen(command, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    group = [process.pid]
     try:
         deadline = time.monotonic() + 120
         while not ipc_dirs(tmp_path):
@@ -102,6 +103,6 @@ def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_mo
             time.sleep(0.1)
         assert not alive(group), f"processes left behind: {alive(group)}"
         assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}; {err[-2000:]}"
-    finally:
-        for pid in alive([process.pid, *descendants(process.pid)]):
+    finally:  # by the ids taken before the kill: an orphaned frontend is no descendant any more
+        for pid in alive([*group, *descendants(process.pid)]):
             os.kill(pid, signal.SIGKILL)
