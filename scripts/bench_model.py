@@ -62,7 +62,7 @@ FORMATS = {
     "mixed": (torch.bfloat16, "mixed"),
 }
 PAGE_SIZE = 16
-CONTEXT = 128  # tokens already in each sequence's cache at every timed decode step
+CONTEXT = 128  # the default of --context: tokens already in each sequence's cache at a decode step
 
 
 @dataclass
@@ -88,6 +88,11 @@ class FormatResult:
     prefill_min_ms: float
     prefill_tokens_per_s: float
     prefill_floor_ms: float
+    # A server's steady step at high concurrency: decodes plus one new prompt's prefill chunk,
+    # every prefill row on the dense copies and the decodes beside it eager (--mixed).
+    mixed_decodes: int
+    mixed_prompt: int
+    mixed_ms: float
     clear_on_ms: float
     clear_off_ms: float
     clear_cost_percent: float
@@ -183,20 +188,23 @@ def resolved_format(model: LlamaModel) -> str:
 
 
 def bench_format(
-    path: str, name: str, steps: int, batches: list[int], bandwidth: float, compile_mode: str
+    path: str, name: str, steps: int, batches: list[int], bandwidth: float, compile_mode: str,
+    context: int, mixed: tuple[int, int],
 ) -> FormatResult:
     model = load(path, name, compile_mode)
     vocab = model.config.vocab_size
-    pages_per_seq = -(-(CONTEXT + 1) // PAGE_SIZE)
+    pages_per_seq = -(-(context + 1) // PAGE_SIZE)
     spare = 8
-    cache = new_cache(model, max(batches) * pages_per_seq + spare + 1024 // PAGE_SIZE + 1)
+    mixed_decodes, mixed_prompt = mixed
+    decode_seqs = max(max(batches), mixed_decodes + 1)
+    cache = new_cache(model, decode_seqs * pages_per_seq + spare + 1024 // PAGE_SIZE + 1)
     spare_pages = list(range(cache.num_kv_pages - spare, cache.num_kv_pages))
     kv_bytes_per_token = cache.page_bytes // PAGE_SIZE
 
     decode, step_ms_by_batch = [], {}
     clear_on, clear_off = [], []
     for batch in batches:
-        contexts = [CONTEXT + 1] * batch
+        contexts = [context + 1] * batch
         prepare = make_prepare([[7 + i] for i in range(batch)], contexts, [], vocab)
         # Steady decode lists about batch / page_size newly committed pages per step.
         cleared = spare_pages[: max(1, -(-batch // PAGE_SIZE))]
@@ -212,7 +220,7 @@ def bench_format(
             times.append(run_step(model, cache, prepare))
         step = statistics.median(times)
         step_ms_by_batch[batch] = step * 1e3
-        step_bytes = weight_bytes(model, batch, batch) + batch * (CONTEXT + 1) * kv_bytes_per_token
+        step_bytes = weight_bytes(model, batch, batch) + batch * (context + 1) * kv_bytes_per_token
         floor = step_bytes / bandwidth
         decode.append(
             DecodeResult(batch, step * 1e3, min(times) * 1e3, batch / step, step_bytes, floor * 1e3, floor / step)
@@ -223,6 +231,13 @@ def bench_format(
     run_step(model, cache, prefill)
     prefill_times = [run_step(model, cache, prefill) for _ in range(max(3, steps // 5))]
     prefill_s = statistics.median(prefill_times)
+    # The prompt takes the pages after the decodes' (make_prepare lays tables out by sequence).
+    mixed_step = make_prepare(
+        [[7 + i] for i in range(mixed_decodes)] + [list(range(100, 100 + mixed_prompt))],
+        [context + 1] * mixed_decodes + [mixed_prompt], [], vocab,
+    )
+    run_step(model, cache, mixed_step)
+    mixed_s = statistics.median(run_step(model, cache, mixed_step) for _ in range(max(3, steps // 2)))
     # The A/B difference drowns in step noise on a shared machine; the clear timed alone does not.
     clear_list = np.asarray(spare_pages[: max(1, -(-32 // PAGE_SIZE))], dtype=np.int32)
     clear_alone = []
@@ -244,6 +259,9 @@ def bench_format(
         prefill_min_ms=min(prefill_times) * 1e3,
         prefill_tokens_per_s=prompt / prefill_s,
         prefill_floor_ms=(weight_bytes(model, prompt, 1) + prompt * kv_bytes_per_token) / bandwidth * 1e3,
+        mixed_decodes=mixed_decodes,
+        mixed_prompt=mixed_prompt,
+        mixed_ms=mixed_s * 1e3,
         clear_on_ms=on * 1e3,
         clear_off_ms=off * 1e3,
         clear_cost_percent=(on / off - 1) * 100,
@@ -317,7 +335,8 @@ def run_tree(tree: Path, args: list[str]) -> dict:
 def compare(args: argparse.Namespace) -> dict:
     """Rounds of the baseline tree's default format and ours, each in its own process, in turn."""
     here = Path(__file__).resolve().parents[1]
-    common = ["--batches", args.batches, "--steps", str(args.steps)]
+    common = ["--batches", args.batches, "--steps", str(args.steps), "--context", str(args.context),
+              "--mixed", ",".join(map(str, args.mixed))]
     if args.model:
         common += ["--model", args.model]
     if args.threads:
@@ -347,6 +366,7 @@ def summarize(rounds: list[dict], args: argparse.Namespace) -> dict:
             row[f"decode_{batch}_tok_s"] = median(side, lambda f, i=i: f["decode"][i]["tokens_per_s"])
             row[f"decode_{batch}_of_floor"] = median(side, lambda f, i=i: f["decode"][i]["fraction_of_floor"])
         row["prefill_ms"] = median(side, lambda f: f["prefill_ms"])
+        row["mixed_ms"] = median(side, lambda f: f["mixed_ms"])
         row["prefill_min_ms"] = median(side, lambda f: f["prefill_min_ms"])
         row["prefill_tok_s"] = median(side, lambda f: f["prefill_tokens_per_s"])
         row["clear_alone_us"] = median(side, lambda f: f["clear_alone_us"])
@@ -390,6 +410,16 @@ def print_comparison(report: dict) -> None:
         print(f"  {'met' if target['met'] else 'NOT met':8} {name}: {target['value']:.3f}")
 
 
+def _mixed(text: str) -> tuple[int, int]:
+    try:
+        decodes, prompt = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not DECODES,PROMPT (two integers)") from None
+    if decodes < 0 or prompt < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: DECODES must be >= 0 and PROMPT >= 2")
+    return decodes, prompt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -407,6 +437,13 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a checkout to compare against, side by side")
     parser.add_argument("--baseline-format", default="mixed", help="the baseline's format (its default: mixed)")
     parser.add_argument("--rounds", type=int, default=5, help="with --baseline: rounds of both")
+    parser.add_argument(
+        "--context", type=int, default=CONTEXT, help="tokens in each decoding sequence's cache before its step"
+    )
+    parser.add_argument(
+        "--mixed", type=_mixed, default=(31, 256), metavar="DECODES,PROMPT",
+        help="the mixed step timed: DECODES sequences decoding beside one PROMPT-token prefill (default 31,256)",
+    )
     args = parser.parse_args()
     names = args.formats.split(",")
     unknown = sorted(set(names) - set(FORMATS))
@@ -425,12 +462,15 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
     path = args.model or default_model_path()
-    results = [bench_format(path, name, args.steps, batches, bandwidth, args.compile) for name in names]
+    results = [
+        bench_format(path, name, args.steps, batches, bandwidth, args.compile, args.context, args.mixed)
+        for name in names
+    ]
     report = {
         "model": Path(path).name,
         "threads": torch.get_num_threads(),
         "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "context_tokens": CONTEXT,
+        "context_tokens": args.context,
         "page_size": PAGE_SIZE,
         "formats": [asdict(r) for r in results],
     }
@@ -454,6 +494,7 @@ def main() -> None:
             f"  prefill {r.prefill_tokens} tokens: {r.prefill_ms:.0f} ms, "
             f"{r.prefill_tokens_per_s:.0f} tok/s (weight floor {r.prefill_floor_ms:.1f} ms)"
         )
+        print(f"  mixed: {r.mixed_decodes} decodes + a {r.mixed_prompt}-token prompt: {r.mixed_ms:.0f} ms")
         print(f"  batch-32 aggregate / batch-1: {r.batch32_over_batch1:.1f}x")
         print(
             f"  clears at batch 32: on {r.clear_on_ms:.2f} ms, off {r.clear_off_ms:.2f} ms "

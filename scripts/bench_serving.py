@@ -171,8 +171,8 @@ def bench_servers(urls: dict[str, str], levels: dict[int, list[tuple[int, ...]]]
 
 
 def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:
-    """bench_model's batch-1 decode step (seconds) with the server's dtype and weight format, and
-    how it was run; None where the pair has no bench_model format."""
+    """bench_model's batch-1 decode step (seconds) with the server's dtype and weight format at the
+    run's mean context, and how it was run; None where the pair has no bench_model format."""
     if args.dtype == "auto" and args.weight_format == "auto":
         name = "auto"
     elif args.weight_format == "dense" and args.dtype in ("fp32", "bf16"):
@@ -181,7 +181,13 @@ def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:
         name = args.weight_format
     else:
         return None, f"bench_model has no format for --dtype {args.dtype} --weight-format {args.weight_format}"
-    command = [sys.executable, "-m", "scripts.bench_model", "--formats", name, "--batches", "1", "--steps", "40", "--json"]
+    # At the context a decode step of this run has on average (its prompt and half its output): the
+    # attention over 288 tokens costs more than over bench_model's default 128.
+    context = args.input_len + args.output_len // 2
+    command = [
+        sys.executable, "-m", "scripts.bench_model", "--formats", name, "--batches", "1", "--steps", "40",
+        "--context", str(context), "--json",
+    ]
     if args.model:
         command += ["--model", args.model]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)

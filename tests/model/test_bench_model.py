@@ -1,0 +1,39 @@
+"""bench_model's options reach the steps it times: a run on a tiny checkpoint, read back as JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import write_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_context_and_mixed_step_are_the_ones_asked_for(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "tiny")
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_model.py", "--json", "--model", str(model), "--formats", "fp32",
+         "--batches", "1,2", "--steps", "2", "--compile", "off", "--context", "40", "--mixed", "3,20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["context_tokens"] == 40
+    (result,) = report["formats"]
+    assert [d["batch"] for d in result["decode"]] == [1, 2]
+    assert (result["mixed_decodes"], result["mixed_prompt"]) == (3, 20)
+    assert result["mixed_ms"] > 0 and all(d["step_ms"] > 0 for d in result["decode"])
+
+
+@pytest.mark.parametrize("value", ["3", "a,b", "3,1", "-1,20"])
+def test_a_malformed_mixed_step_is_refused_with_a_sentence(value: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_model.py", "--mixed", value], cwd=ROOT, capture_output=True, text=True,
+        timeout=120, check=False,
+    )
+    assert done.returncode == 2 and "--mixed" in done.stderr, done.stderr
