@@ -196,8 +196,10 @@ def bench_format(
     pages_per_seq = -(-(context + 1) // PAGE_SIZE)
     spare = 8
     mixed_decodes, mixed_prompt = mixed
-    decode_seqs = max(max(batches), mixed_decodes + 1)
-    cache = new_cache(model, decode_seqs * pages_per_seq + spare + 1024 // PAGE_SIZE + 1)
+    # make_prepare gives every sequence of a step as many pages as its longest needs.
+    mixed_pages = (mixed_decodes + 1) * -(-max(context + 1, mixed_prompt) // PAGE_SIZE)
+    tables = max(max(batches) * pages_per_seq, mixed_pages, -(-1024 // PAGE_SIZE))
+    cache = new_cache(model, tables + spare)
     spare_pages = list(range(cache.num_kv_pages - spare, cache.num_kv_pages))
     kv_bytes_per_token = cache.page_bytes // PAGE_SIZE
 

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_context_and_mixed_step_are_the_ones_asked_for(tmp_path: Path) -> None:
+    """With a prompt longer than the decodes' context: the cache must hold the mixed step's tables."""
     model = write_tiny_llama(tmp_path / "tiny")
     done = subprocess.run(
         [sys.executable, "scripts/bench_model.py", "--json", "--model", str(model), "--formats", "fp32",
-         "--batches", "1,2", "--steps", "2", "--compile", "off", "--context", "40", "--mixed", "3,20"],
+         "--batches", "1,2", "--steps", "2", "--compile", "off", "--context", "40", "--mixed", "3,900"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -26,7 +27,7 @@ def test_context_and_mixed_step_are_the_ones_asked_for(tmp_path: Path) -> None:
     assert report["context_tokens"] == 40
     (result,) = report["formats"]
     assert [d["batch"] for d in result["decode"]] == [1, 2]
-    assert (result["mixed_decodes"], result["mixed_prompt"]) == (3, 20)
+    assert (result["mixed_decodes"], result["mixed_prompt"]) == (3, 900)
     assert result["mixed_ms"] > 0 and all(d["step_ms"] > 0 for d in result["decode"])
 
 
