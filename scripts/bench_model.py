@@ -63,6 +63,7 @@ FORMATS = {
 }
 PAGE_SIZE = 16
 CONTEXT = 128  # the default of --context: tokens already in each sequence's cache at a decode step
+PREFILL_TOKENS = 1024
 
 
 @dataclass
@@ -187,68 +188,49 @@ def resolved_format(model: LlamaModel) -> str:
     return f"{str(model.dtype).removeprefix('torch.')} {kind}{rows}"
 
 
+@dataclass
+class Bench:
+    """One loaded format and a cache that holds every table its steps use."""
+
+    model: LlamaModel
+    cache: KVCache
+    context: int
+    spare_pages: list[int]  # at the pool's end, in no table: the clears' targets
+
+    @property
+    def vocab(self) -> int:
+        return self.model.config.vocab_size
+
+    def timed(self, prepare: Prepare, runs: int) -> list[float]:
+        """Seconds per step, after one untimed warm-up step."""
+        run_step(self.model, self.cache, prepare)
+        return [run_step(self.model, self.cache, prepare) for _ in range(runs)]
+
+
 def bench_format(
     path: str, name: str, steps: int, batches: list[int], bandwidth: float, compile_mode: str,
     context: int, mixed: tuple[int, int],
 ) -> FormatResult:
     model = load(path, name, compile_mode)
-    vocab = model.config.vocab_size
-    pages_per_seq = -(-(context + 1) // PAGE_SIZE)
     spare = 8
-    mixed_decodes, mixed_prompt = mixed
     # make_prepare gives every sequence of a step as many pages as its longest needs.
-    mixed_pages = (mixed_decodes + 1) * -(-max(context + 1, mixed_prompt) // PAGE_SIZE)
-    tables = max(max(batches) * pages_per_seq, mixed_pages, -(-1024 // PAGE_SIZE))
+    mixed_pages = (mixed[0] + 1) * -(-max(context + 1, mixed[1]) // PAGE_SIZE)
+    tables = max(max(batches) * -(-(context + 1) // PAGE_SIZE), mixed_pages, -(-PREFILL_TOKENS // PAGE_SIZE))
     cache = new_cache(model, tables + spare)
-    spare_pages = list(range(cache.num_kv_pages - spare, cache.num_kv_pages))
+    bench = Bench(model, cache, context, list(range(tables, tables + spare)))
     kv_bytes_per_token = cache.page_bytes // PAGE_SIZE
 
-    decode, step_ms_by_batch = [], {}
-    clear_on, clear_off = [], []
-    for batch in batches:
-        contexts = [context + 1] * batch
-        prepare = make_prepare([[7 + i] for i in range(batch)], contexts, [], vocab)
-        # Steady decode lists about batch / page_size newly committed pages per step.
-        cleared = spare_pages[: max(1, -(-batch // PAGE_SIZE))]
-        with_clears = make_prepare([[7 + i] for i in range(batch)], contexts, cleared, vocab)
-        for _ in range(2):
-            run_step(model, cache, prepare)
-        times = []
-        for _ in range(steps):
-            if batch == 32:
-                # Interleaved A/B so that machine noise hits both sides alike.
-                clear_on.append(run_step(model, cache, with_clears))
-                clear_off.append(run_step(model, cache, prepare))
-            times.append(run_step(model, cache, prepare))
-        step = statistics.median(times)
-        step_ms_by_batch[batch] = step * 1e3
-        step_bytes = weight_bytes(model, batch, batch) + batch * (context + 1) * kv_bytes_per_token
-        floor = step_bytes / bandwidth
-        decode.append(
-            DecodeResult(batch, step * 1e3, min(times) * 1e3, batch / step, step_bytes, floor * 1e3, floor / step)
-        )
-
-    prompt = 1024
-    prefill = make_prepare([list(range(100, 100 + prompt))], [prompt], [], vocab)
-    run_step(model, cache, prefill)
-    prefill_times = [run_step(model, cache, prefill) for _ in range(max(3, steps // 5))]
+    decode, clear_on, clear_off = bench_decode(bench, batches, steps, bandwidth)
+    prefill_times = bench.timed(make_prepare([list(range(100, 100 + PREFILL_TOKENS))], [PREFILL_TOKENS], [], bench.vocab), max(3, steps // 5))
     prefill_s = statistics.median(prefill_times)
-    # The prompt takes the pages after the decodes' (make_prepare lays tables out by sequence).
     mixed_step = make_prepare(
-        [[7 + i] for i in range(mixed_decodes)] + [list(range(100, 100 + mixed_prompt))],
-        [context + 1] * mixed_decodes + [mixed_prompt], [], vocab,
+        [[7 + i] for i in range(mixed[0])] + [list(range(100, 100 + mixed[1]))],
+        [context + 1] * mixed[0] + [mixed[1]], [], bench.vocab,
     )
-    run_step(model, cache, mixed_step)
-    mixed_s = statistics.median(run_step(model, cache, mixed_step) for _ in range(max(3, steps // 2)))
-    # The A/B difference drowns in step noise on a shared machine; the clear timed alone does not.
-    clear_list = np.asarray(spare_pages[: max(1, -(-32 // PAGE_SIZE))], dtype=np.int32)
-    clear_alone = []
-    for _ in range(200):
-        start = time.perf_counter()
-        cache.clear_pages(clear_list)
-        clear_alone.append(time.perf_counter() - start)
+    mixed_s = statistics.median(bench.timed(mixed_step, max(3, steps // 2)))
     on = statistics.median(clear_on) if clear_on else float("nan")
     off = statistics.median(clear_off) if clear_off else float("nan")
+    step_ms = {d.batch: d.step_ms for d in decode}
     compiled = model.compiled_decode(cache) if hasattr(model, "compiled_decode") else None
     return FormatResult(
         weight_format=name,
@@ -256,24 +238,62 @@ def bench_format(
         compiled_decode=compiled is not None and compiled.covers(1),
         weight_bytes=weight_bytes(model, 1, 1),
         decode=decode,
-        prefill_tokens=prompt,
+        prefill_tokens=PREFILL_TOKENS,
         prefill_ms=prefill_s * 1e3,
         prefill_min_ms=min(prefill_times) * 1e3,
-        prefill_tokens_per_s=prompt / prefill_s,
-        prefill_floor_ms=(weight_bytes(model, prompt, 1) + prompt * kv_bytes_per_token) / bandwidth * 1e3,
-        mixed_decodes=mixed_decodes,
-        mixed_prompt=mixed_prompt,
+        prefill_tokens_per_s=PREFILL_TOKENS / prefill_s,
+        prefill_floor_ms=(weight_bytes(model, PREFILL_TOKENS, 1) + PREFILL_TOKENS * kv_bytes_per_token) / bandwidth * 1e3,
+        mixed_decodes=mixed[0],
+        mixed_prompt=mixed[1],
         mixed_ms=mixed_s * 1e3,
         clear_on_ms=on * 1e3,
         clear_off_ms=off * 1e3,
         clear_cost_percent=(on / off - 1) * 100,
-        clear_alone_us=statistics.median(clear_alone) * 1e6,
-        batch32_over_batch1=(
-            (32 / step_ms_by_batch[32]) / (1 / step_ms_by_batch[1])
-            if 1 in step_ms_by_batch and 32 in step_ms_by_batch
-            else float("nan")
-        ),
+        clear_alone_us=clear_alone_us(cache, bench.spare_pages[: -(-32 // PAGE_SIZE)]),
+        batch32_over_batch1=(32 / step_ms[32]) / (1 / step_ms[1]) if 1 in step_ms and 32 in step_ms else float("nan"),
     )
+
+
+def bench_decode(
+    bench: Bench, batches: list[int], steps: int, bandwidth: float
+) -> tuple[list[DecodeResult], list[float], list[float]]:
+    """Decode steps by batch size, and at batch 32 steps with and without clears, interleaved so
+    that machine noise hits both sides alike."""
+    model, context = bench.model, bench.context
+    kv_bytes_per_token = bench.cache.page_bytes // PAGE_SIZE
+    decode, clear_on, clear_off = [], [], []
+    for batch in batches:
+        tokens, contexts = [[7 + i] for i in range(batch)], [context + 1] * batch
+        prepare = make_prepare(tokens, contexts, [], bench.vocab)
+        # Steady decode lists about batch / page_size newly committed pages per step.
+        with_clears = make_prepare(tokens, contexts, bench.spare_pages[: max(1, -(-batch // PAGE_SIZE))], bench.vocab)
+        for _ in range(2):
+            run_step(model, bench.cache, prepare)
+        times = []
+        for _ in range(steps):
+            if batch == 32:
+                clear_on.append(run_step(model, bench.cache, with_clears))
+                clear_off.append(run_step(model, bench.cache, prepare))
+            times.append(run_step(model, bench.cache, prepare))
+        step = statistics.median(times)
+        step_bytes = weight_bytes(model, batch, batch) + batch * (context + 1) * kv_bytes_per_token
+        floor = step_bytes / bandwidth
+        decode.append(
+            DecodeResult(batch, step * 1e3, min(times) * 1e3, batch / step, step_bytes, floor * 1e3, floor / step)
+        )
+    return decode, clear_on, clear_off
+
+
+def clear_alone_us(cache: KVCache, pages: list[int], runs: int = 200) -> float:
+    """A batch-32 step's clear_pages call timed alone: the A/B difference of whole steps drowns in
+    step noise on a shared machine; this does not."""
+    page_list = np.asarray(pages, dtype=np.int32)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        cache.clear_pages(page_list)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 @dataclass
@@ -480,7 +500,12 @@ def main() -> None:
         report["rss"] = asdict(bench_rss(path, names[0], args.rss_steps, args.compile))
     if args.json:
         print(json.dumps(report, indent=2))
-        return
+    else:
+        print_report(report, results, names[0])
+
+
+def print_report(report: dict, results: list[FormatResult], rss_format: str) -> None:
+    bandwidth = report["copy_bandwidth_gb_s"] * 1e9
     print(f"{report['model']}: copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {report['threads']} threads")
     for r in results:
         print(
@@ -503,9 +528,9 @@ def main() -> None:
             f"({r.clear_cost_percent:+.2f}%); the clear alone {r.clear_alone_us:.1f} us "
             f"({r.clear_alone_us / 1e3 / r.clear_off_ms:.3%} of the step)"
         )
-    if args.rss_steps:
+    if "rss" in report:
         rss = report["rss"]
-        print(f"\nRSS over {rss['steps']} random steps ({names[0]}): " + ", ".join(f"{s}: {m:.0f} MiB" for s, m in rss["rss_mib"]))
+        print(f"\nRSS over {rss['steps']} random steps ({rss_format}): " + ", ".join(f"{s}: {m:.0f} MiB" for s, m in rss["rss_mib"]))
         print(f"  growth: first half {rss['growth_first_half_mib']:+.1f} MiB, second half {rss['growth_second_half_mib']:+.1f} MiB")
 
 
