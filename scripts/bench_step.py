@@ -256,17 +256,9 @@ def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
     return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
 
 
-def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: float) -> dict[str, object]:
-    """The step loop at world_size ranks, driven as the engine drives it, through the protocol's
-    conversation: PREPARE to all, every READY, GO to all, every RESULT/DONE. With max_inflight 2
-    the next PREPARE goes out as soon as GO is out, as the engine does with async scheduling."""
-    from protocol.auth import new_key
-    from protocol.conversation import HandshakeComplete, Phase, SchedulerConversation, StepDone, StepReady
-    from protocol.transport import SchedulerEndpoint, ipc_address
-    from scripts.harness.executors import ExecutorCluster
-
+def _loop_options() -> ExecutorOptions:
     g = bench_geometry()
-    options = ExecutorOptions(
+    return ExecutorOptions(
         model="bench",
         num_kv_pages=g.num_kv_pages,
         page_size=g.page_size,
@@ -277,25 +269,77 @@ def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: fl
         peer_timeout_s=60.0,
         heartbeat_interval_s=30.0,  # out of the way of the measurement; the driver is never idle long
     )
+
+
+class _LoopDriver:
+    """The scheduler's side of the step loop, driven as the engine drives it through the
+    protocol's conversation, with the time of each phase of every step."""
+
+    def __init__(self, endpoint: object, world_size: int, max_inflight: int) -> None:
+        from protocol.conversation import SchedulerConversation
+
+        self.endpoint = endpoint
+        self.conv = SchedulerConversation(world_size=world_size, run_id="bench", max_inflight=max_inflight)
+        self.max_inflight = max_inflight
+        self.sent: dict[int, float] = {}
+        self.ready_at: dict[int, float] = {}
+        self.go_at: dict[int, float] = {}
+        self.phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
+
+    def events(self, timeout_ms: int = 100) -> list[object]:
+        got = self.endpoint.recv(timeout_ms)
+        return [] if got is None else self.conv.receive(got.rank, got.frame or got.error, time.monotonic())
+
+    def handshake(self, timeout_s: float = 120) -> None:
+        from protocol.conversation import HandshakeComplete, Phase
+
+        deadline = time.monotonic() + timeout_s
+        while self.conv.phase is Phase.HANDSHAKE and time.monotonic() < deadline:
+            for event in self.events():
+                if not isinstance(event, HandshakeComplete):
+                    raise RuntimeError(f"the handshake failed: {event}")
+        self.endpoint.version = self.conv.version
+        self.endpoint.send_all(self.conv.ranks, *self.conv.welcome())
+
+    def run(self, steps: int) -> None:
+        """PREPARE to all, every READY, GO to all, every RESULT/DONE; with max_inflight 2 the next
+        PREPARE goes out as soon as GO is out, as the engine does with async scheduling."""
+        from protocol.conversation import StepDone, StepReady
+
+        conv, endpoint = self.conv, self.endpoint
+        finished = 0
+        while finished < steps:
+            while conv.next_step <= steps and conv.staged is None and len(conv.in_flight) < self.max_inflight:
+                step = conv.next_step
+                endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step)))
+                self.sent[step] = time.perf_counter()
+            for event in self.events():
+                now = time.perf_counter()
+                if isinstance(event, StepReady):
+                    self.ready_at[event.step] = now
+                    endpoint.send_all(conv.ranks, *conv.go(event.step))
+                    self.go_at[event.step] = time.perf_counter()
+                elif isinstance(event, StepDone):
+                    finished += 1
+                    n = event.step
+                    self.phases["step"].append(now - self.sent[n])
+                    self.phases["prepare_to_all_ready"].append(self.ready_at[n] - self.sent[n])
+                    self.phases["go_to_all_done"].append(now - self.go_at[n])
+                else:
+                    raise RuntimeError(f"the step loop broke: {event}")
+        endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
+
+
+def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: float) -> dict[str, object]:
+    """The step loop at world_size ranks whose forward is a sleep of forward_ms (collectives only):
+    the time each step spends outside its forward, and the gap between two forwards on a rank."""
+    from protocol.auth import new_key
+    from protocol.transport import SchedulerEndpoint, ipc_address
+    from scripts.harness.executors import ExecutorCluster
+
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
-    conv = SchedulerConversation(world_size=world_size, run_id="bench", max_inflight=max_inflight)
-
-    def events(timeout_ms: int = 100) -> list[object]:
-        got = endpoint.recv(timeout_ms)
-        return [] if got is None else conv.receive(got.rank, got.frame or got.error, time.monotonic())
-
-    sent: dict[int, float] = {}
-    ready_at: dict[int, float] = {}
-    go_at: dict[int, float] = {}
-    phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
-
-    def prepare_what_may_go() -> None:
-        while conv.next_step <= steps and conv.staged is None and len(conv.in_flight) < max_inflight:
-            step = conv.next_step
-            endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step)))
-            sent[step] = time.perf_counter()
-
+    driver = _LoopDriver(endpoint, world_size, max_inflight)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-step-") as times_dir:
             cluster = ExecutorCluster(
@@ -303,38 +347,15 @@ def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: fl
                 address=endpoint.address,
                 key=key,
                 run_id="bench",
-                options=options,
+                options=_loop_options(),
                 load="scripts.bench_step:load_collective_only",
                 collective_timeout_s=60.0,
                 log_level="WARNING",
                 env={TIMES_DIR_ENV: times_dir, TIMES_CAPACITY_ENV: str(steps), FORWARD_MS_ENV: str(forward_ms)},
             )
             with cluster:
-                deadline = time.monotonic() + 120
-                while conv.phase is Phase.HANDSHAKE and time.monotonic() < deadline:
-                    for event in events():
-                        if not isinstance(event, HandshakeComplete):
-                            raise RuntimeError(f"the handshake failed: {event}")
-                endpoint.version = conv.version
-                endpoint.send_all(conv.ranks, *conv.welcome())
-                finished = 0
-                while finished < steps:
-                    prepare_what_may_go()
-                    for event in events():
-                        now = time.perf_counter()
-                        if isinstance(event, StepReady):
-                            ready_at[event.step] = now
-                            endpoint.send_all(conv.ranks, *conv.go(event.step))
-                            go_at[event.step] = time.perf_counter()
-                        elif isinstance(event, StepDone):
-                            finished += 1
-                            n = event.step
-                            phases["step"].append(now - sent[n])
-                            phases["prepare_to_all_ready"].append(ready_at[n] - sent[n])
-                            phases["go_to_all_done"].append(now - go_at[n])
-                        else:
-                            raise RuntimeError(f"the step loop broke: {event}")
-                endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
+                driver.handshake()
+                driver.run(steps)
                 codes = cluster.stop(grace_s=30.0)
             if any(codes.values()):
                 raise RuntimeError(f"the executors exited with codes {codes}")
@@ -343,7 +364,7 @@ def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: fl
         endpoint.close()
     warmup = min(10, steps // 4)
     gaps = forward_gaps(times, steps)[warmup:]
-    warm = {name: values[warmup:] for name, values in phases.items()}
+    warm = {name: values[warmup:] for name, values in driver.phases.items()}
     return {
         "median_step_us": statistics.median(warm["step"]) * 1e6,
         "p90_step_us": float(np.percentile(warm["step"], 90) * 1e6),
