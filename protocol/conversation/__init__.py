@@ -80,21 +80,20 @@ from protocol.conversation.executor_side import (
     Welcomed,
     WelcomeRefused,
 )
-from protocol.conversation.scheduler_side import (
-    PLANNED_FIELDS,
+from protocol.conversation.scheduler_events import (
     HandshakeComplete,
     HandshakeRefused,
-    PlannedGeometry,
     ProtocolViolation,
     RankShutdown,
     Rejection,
-    SchedulerConversation,
     SchedulerEvent,
     StepDone,
     StepFailed,
     StepReady,
     StepRefused,
 )
+from protocol.conversation.scheduler_handshake import PLANNED_FIELDS, PlannedGeometry
+from protocol.conversation.scheduler_side import SchedulerConversation
 
 __all__ = [
     "PLANNED_FIELDS", "AbortReceived", "ExecutorConversation", "ExecutorEvent", "GoReceived", "HandshakeComplete",

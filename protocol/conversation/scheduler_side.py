@@ -1,18 +1,26 @@
-"""The scheduler's half of the conversation: the handshake, then steps numbered 1, 2, 3, ..."""
+"""The scheduler's half of the conversation: the handshake (scheduler_handshake.py), then steps
+numbered 1, 2, 3, ... with their READY sets, answers and ends."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from protocol.conversation.common import (
-    Outgoing,
-    Phase,
-    check_handshake_envelope,
-    not_valid_now,
+from protocol.conversation.common import Outgoing, Phase, not_valid_now
+from protocol.conversation.scheduler_events import (
+    HandshakeComplete,
+    HandshakeRefused,
+    ProtocolViolation,
+    RankShutdown,
+    Rejection,
+    SchedulerEvent,
+    StepDone,
+    StepFailed,
+    StepReady,
+    StepRefused,
 )
+from protocol.conversation.scheduler_handshake import Handshake, PlannedGeometry
 from protocol.errors import ProtocolError, RejectCode, UsageError
 from protocol.frames import (
     LAYOUT_VERSION,
@@ -31,131 +39,11 @@ from protocol.frames import (
     Shutdown,
     Welcome,
 )
-from protocol.validate import check_envelope, check_geometry, negotiate_version
+from protocol.validate import check_envelope
 
 # Late answers to the last aborted steps are dropped rather than reported as violations; a rank that
 # lags further behind has long been declared silent by the caller's timeouts.
 _ABORTED_REMEMBERED = 64
-
-
-# ---- the scheduler's side -------------------------------------------------------------------
-
-
-class PlannedGeometry(Protocol):
-    """What the scheduler plans with (scheduler.SchedulerConfig has these): every rank's cache must
-    agree, or the scheduler would plan pages and lengths the executors do not have."""
-
-    num_kv_pages: int
-    page_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_host_pages: int
-
-
-PLANNED_FIELDS = ("num_kv_pages", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_host_pages")
-
-
-@dataclass(frozen=True)
-class HandshakeComplete:
-    """Every rank said HELLO and they agree: call welcome() and send it to every rank."""
-
-    version: int
-    geometry: CacheGeometry
-    hellos: tuple[Hello, ...]  # by rank
-
-
-@dataclass(frozen=True)
-class HandshakeRefused:
-    """A rank cannot join this launch; the message names it and its host. Send shutdown()."""
-
-    rank: int
-    host: str
-    code: RejectCode
-    message: str
-
-
-@dataclass(frozen=True)
-class StepReady:
-    """Every rank answered READY for `step`: go(step) may be sent."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class Rejection:
-    rank: int
-    host: str
-    code: RejectCode
-    message: str
-    seq_ids: tuple[int, ...]  # empty: the whole frame was refused
-
-
-@dataclass(frozen=True)
-class StepRefused:
-    """Every rank answered `step` and at least one refused it: abort(step) is the only way on."""
-
-    step: int
-    rejections: tuple[Rejection, ...]
-
-    @property
-    def seq_ids(self) -> tuple[int, ...]:
-        """The sequences to fail when every refusal named its sequences (the rest of the step may
-        be planned again at once); empty when some rank refused the whole frame."""
-        if any(not r.seq_ids for r in self.rejections):
-            return ()
-        return tuple(sorted({s for r in self.rejections for s in r.seq_ids}))
-
-    @property
-    def message(self) -> str:
-        return "; ".join(
-            f"rank {r.rank} on host {r.host} rejected step {self.step}: {r.code.name}: {r.message}"
-            for r in self.rejections
-        )
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """Rank 0's RESULT and every other rank's DONE for `step` are in. Steps finish in order."""
-
-    step: int
-    result: Result
-
-
-@dataclass(frozen=True)
-class StepFailed:
-    """A rank refused a step after GO (its forward failed, or GO was not valid there): the other
-    ranks may be inside a collective, so the group cannot go on."""
-
-    step: int
-    rank: int
-    host: str
-    code: RejectCode
-    message: str
-
-
-@dataclass(frozen=True)
-class RankShutdown:
-    rank: int
-    host: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ProtocolViolation:
-    """A launched rank sent a frame that is undecodable, stamped wrong, or not valid now. `step` is
-    the frame's step (None when it did not decode)."""
-
-    rank: int
-    host: str
-    step: int | None
-    code: RejectCode
-    message: str
-
-
-SchedulerEvent = (
-    HandshakeComplete | HandshakeRefused | StepReady | StepRefused | StepDone | StepFailed | RankShutdown | ProtocolViolation
-)
 
 
 @dataclass
@@ -202,11 +90,16 @@ class SchedulerConversation:
         self.max_inflight = max_inflight
         self.supported_versions = tuple(supported_versions)
         self.layout = layout
-        self._planned = planned
+        self._handshake = Handshake(
+            world_size=world_size,
+            run_id=run_id,
+            planned=planned,
+            supported_versions=self.supported_versions,
+            layout=layout,
+        )
         self.phase = Phase.HANDSHAKE
         self.version: int | None = None
         self.geometry: CacheGeometry | None = None
-        self._hellos: dict[int, Hello] = {}
         self._last_heard: dict[int, float] = {}
         self.next_step = 1
         self._steps: deque[_Step] = deque()  # in flight, oldest first; the last may wait for GO
@@ -216,7 +109,7 @@ class SchedulerConversation:
 
     @property
     def hellos(self) -> Mapping[int, Hello]:
-        return dict(self._hellos)
+        return dict(self._handshake.hellos)
 
     @property
     def last_heard(self) -> Mapping[int, float]:
@@ -234,7 +127,7 @@ class SchedulerConversation:
 
     def who(self, rank: int) -> str:
         """How errors name a rank: with its host, once its HELLO said which."""
-        return f"rank {rank} on host {self._host(rank)}"
+        return self._handshake.who(rank)
 
     def unanswered(self, step: int) -> frozenset[int]:
         """Ranks that have answered neither READY nor REJECT for the step waiting for GO."""
@@ -360,76 +253,15 @@ class SchedulerConversation:
             return [RankShutdown(rank, self._host(rank), body.reason)]
         if not isinstance(body, Hello):
             return [self._violation(rank, frame.step, not_valid_now(frame, "before the handshake ended"))]
-        if rank in self._hellos:
+        if rank in self._handshake.hellos:
             return [self._violation(rank, frame.step, not_valid_now(frame, "a second time"))]
-        self._hellos[rank] = body
-        try:
-            check_handshake_envelope(frame, self.supported_versions, self.layout, self.run_id)
-            self._check_hello(rank, body)
-        except ProtocolError as exc:
-            return [self._refuse(rank, exc.code, f"{self.who(rank)}: {exc.message}")]
-        if 0 in self._hellos:
-            for other in [rank] if rank != 0 else sorted(self._hellos)[1:]:
-                try:
-                    self._check_against_rank0(other, self._hellos[other])
-                except ProtocolError as exc:
-                    return [self._refuse(other, exc.code, exc.message)]
-        if len(self._hellos) < self.world_size:
-            return []
-        common = set(self.supported_versions).intersection(*(h.versions for h in self._hellos.values()))
-        try:
-            self.version = negotiate_version(common)
-        except ProtocolError:
-            offers = ", ".join(f"{self.who(r)} {list(h.versions)}" for r, h in sorted(self._hellos.items()))
-            return [self._refuse(rank, RejectCode.BAD_VERSION, (
-                f"no protocol version is common to every rank and the scheduler ({list(self.supported_versions)}): {offers}"))]
-        self.geometry = self._hellos[0].geometry
-        self.phase = Phase.AGREED
-        return [HandshakeComplete(self.version, self.geometry, tuple(self._hellos[r] for r in self.ranks))]
-
-    def _refuse(self, rank: int, code: RejectCode, message: str) -> HandshakeRefused:
-        self.phase = Phase.REFUSED
-        return HandshakeRefused(rank, self._host(rank), code, message)
-
-    def _check_hello(self, rank: int, hello: Hello) -> None:
-        if hello.rank != rank:
-            raise ProtocolError(RejectCode.MALFORMED, f"its connection is rank {rank}'s, but its HELLO says rank {hello.rank}")
-        if hello.world_size != self.world_size:
-            raise ProtocolError(
-                RejectCode.GEOMETRY_MISMATCH, f"runs with world size {hello.world_size}, this launch has {self.world_size}"
-            )
-        if hello.layout != self.layout:
-            raise ProtocolError(RejectCode.BAD_LAYOUT, f"uses cache layout {hello.layout}, the scheduler {self.layout}")
-        if not set(hello.versions) & set(self.supported_versions):
-            raise ProtocolError(
-                RejectCode.BAD_VERSION,
-                f"speaks protocol versions {list(hello.versions)}, the scheduler {list(self.supported_versions)}",
-            )
-        if self._planned is not None:
-            for name in PLANNED_FIELDS:
-                have, planned = getattr(hello.geometry, name), getattr(self._planned, name)
-                if have != planned:
-                    raise ProtocolError(
-                        RejectCode.GEOMETRY_MISMATCH,
-                        f"was started with other options than the scheduler: its cache has {name} {have}, the "
-                        f"scheduler plans with {planned}; every host must be given the same model and options",
-                    )
-
-    def _check_against_rank0(self, rank: int, hello: Hello) -> None:
-        first = self._hellos[0]
-        if hello.config_fingerprint != first.config_fingerprint:
-            raise ProtocolError(
-                RejectCode.GEOMETRY_MISMATCH,
-                f"{self.who(rank)} was started with other options (fingerprint {hello.config_fingerprint}) than "
-                f"{self.who(0)} ({first.config_fingerprint}): every host must be given the same model and options",
-            )
-        if hello.model_fingerprint != first.model_fingerprint:
-            raise ProtocolError(
-                RejectCode.GEOMETRY_MISMATCH,
-                f"{self.who(rank)} loaded other weights (fingerprint {hello.model_fingerprint}) than {self.who(0)} "
-                f"({first.model_fingerprint})",
-            )
-        check_geometry(first.geometry, hello.geometry, who=f"{self.who(rank)} (compared with rank 0)")
+        outcome = self._handshake.add(rank, frame)
+        if isinstance(outcome, HandshakeRefused):
+            self.phase = Phase.REFUSED
+        elif isinstance(outcome, HandshakeComplete):
+            self.version, self.geometry = outcome.version, outcome.geometry
+            self.phase = Phase.AGREED
+        return [] if outcome is None else [outcome]
 
     def _on_answer(self, rank: int, frame: Frame, reject: Reject | None) -> list[SchedulerEvent]:
         s = self._find(frame.step)
@@ -482,8 +314,7 @@ class SchedulerConversation:
         return next((s for s in self._steps if s.step == step), None)
 
     def _host(self, rank: int) -> str:
-        hello = self._hellos.get(rank)
-        return hello.host if hello is not None and hello.host else "?"
+        return self._handshake.host(rank)
 
     def _violation(self, rank: int, step: int | None, error: ProtocolError) -> ProtocolViolation:
         return ProtocolViolation(rank, self._host(rank), step, error.code, error.message)

@@ -1,0 +1,214 @@
+"""PREPARE's rules against the cache geometry: lengths and limits, sequences, page ids, positions,
+then (on an otherwise sound frame) the sequences' own fields. Arithmetic on wire values is done in
+int64 after the operands are range-checked (or compares instead of subtracting), so no int32 wraps.
+Anything broken here but the own fields refuses the whole frame."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol.errors import ProtocolError, RejectCode
+from protocol.frames import CacheGeometry, Prepare
+from protocol.sampling_limits import LOGIT_BIAS_MAX_ENTRIES
+from protocol.validate.array_checks import check_length, check_range, first_bad
+from protocol.validate.own_fields import check_own_fields
+
+_PER_SEQUENCE = (
+    "query_lens",
+    "context_lens",
+    "page_table_lens",
+    "page_table_base",
+    "sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seeds",
+    "feedback",
+    "num_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "sampling_state",
+    "history_lens",
+    "history_prompt_lens",
+    "logit_bias_lens",
+    "banned_lens",
+)
+# Per-sequence counts of PREPARE's flat logits-processing arrays: (counts, flat arrays, the most
+# one sequence may have, or None for max_model_len / vocab_size).
+_FLAT = (
+    ("history_lens", ("history",), None),
+    ("logit_bias_lens", ("logit_bias_ids", "logit_bias"), LOGIT_BIAS_MAX_ENTRIES),
+    ("banned_lens", ("banned_ids",), None),
+)
+
+
+def validate_prepare(p: Prepare, g: CacheGeometry) -> None:
+    """Every rule of DESIGN.md for one step against the cache geometry (docs/protocol.md lists
+    them), for a Prepare with the wire's dtypes (as decoded). Each rule costs one or two numpy
+    reductions; the precise message is worked out only once a rule has failed."""
+    total_tokens = _check_shapes(p, g)
+    if len(p.seq_ids):
+        _check_sequences(p, g)
+    _check_pages(p, g)
+    if total_tokens:
+        _check_positions(p, g, total_tokens)
+        check_own_fields(p, g)
+
+
+def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
+    n = len(p.seq_ids)
+    for name in _PER_SEQUENCE:
+        check_length(name, getattr(p, name), n, "the number of sequences (len(seq_ids))")
+    check_length("restore_slots", p.restore_slots, len(p.restore_pages), "len(restore_pages)")
+    check_length("offload_slots", p.offload_slots, len(p.offload_pages), "len(offload_pages)")
+    _check_flat_lengths(p, g)
+    if n > g.max_num_seqs:
+        raise ProtocolError(RejectCode.LIMIT_EXCEEDED, f"{n} sequences exceed max_num_seqs {g.max_num_seqs}")
+    if n == 0:
+        check_length("token_ids", p.token_ids, 0, "sum(query_lens)")
+        check_length("positions", p.positions, 0, "sum(query_lens)")
+        check_length("page_table", p.page_table, 0, "sum(page_table_lens)")
+        return 0
+    query_lens = p.query_lens
+    if query_lens.min() < 1:
+        i = first_bad(query_lens < 1)
+        raise ProtocolError(
+            RejectCode.BAD_QUERY_LEN,
+            f"query_lens[{i}] = {query_lens[i]}; every sequence needs >= 1 new token",
+        )
+    total_tokens = int(query_lens.sum(dtype=np.int64))
+    check_length("token_ids", p.token_ids, total_tokens, "sum(query_lens)")
+    check_length("positions", p.positions, total_tokens, "sum(query_lens)")
+    if total_tokens > g.max_num_batched_tokens:
+        raise ProtocolError(
+            RejectCode.LIMIT_EXCEEDED,
+            f"{total_tokens} new tokens exceed max_num_batched_tokens {g.max_num_batched_tokens}",
+        )
+    page_table_lens = p.page_table_lens
+    if page_table_lens.view(np.uint32).max() > g.max_pages_per_seq:
+        i = first_bad((page_table_lens < 0) | (page_table_lens > g.max_pages_per_seq))
+        code = RejectCode.LENGTH_MISMATCH if page_table_lens[i] < 0 else RejectCode.LIMIT_EXCEEDED
+        raise ProtocolError(
+            code,
+            f"page_table_lens[{i}] = {page_table_lens[i]} is outside [0, {g.max_pages_per_seq}] "
+            f"(max_model_len {g.max_model_len} / page_size {g.page_size})",
+        )
+    base = p.page_table_base
+    if base.min() < 0 or (base > page_table_lens).any():
+        i = first_bad((base < 0) | (base > page_table_lens))
+        raise ProtocolError(
+            RejectCode.LENGTH_MISMATCH,
+            f"page_table_base[{i}] = {base[i]} is outside [0, page_table_lens[{i}] = {page_table_lens[i]}]",
+        )
+    delta_pages = int(page_table_lens.sum(dtype=np.int64) - base.sum(dtype=np.int64))
+    check_length("page_table", p.page_table, delta_pages, "sum(page_table_lens - page_table_base)")
+    return total_tokens
+
+
+def _check_flat_lengths(p: Prepare, g: CacheGeometry) -> None:
+    """Each flat logits-processing array holds what its per-sequence counts say (checked >= 0 and
+    under their limits first, so that the int64 sums are exact)."""
+    for counts_name, flat_names, most in _FLAT:
+        counts = getattr(p, counts_name)
+        if not counts.shape[0]:
+            limit = 0
+        else:
+            if counts.min() < 0:
+                i = first_bad(counts < 0)
+                raise ProtocolError(RejectCode.LENGTH_MISMATCH, f"{counts_name}[{i}] = {counts[i]} is negative")
+            limit = most if most is not None else (g.max_model_len if counts_name == "history_lens" else g.vocab_size)
+            if counts.max() > limit:
+                i = first_bad(counts > limit)
+                raise ProtocolError(
+                    RejectCode.LIMIT_EXCEEDED, f"{counts_name}[{i}] = {counts[i]} exceeds the limit of {limit}"
+                )
+        total = int(counts.sum(dtype=np.int64))
+        for name in flat_names:
+            check_length(name, getattr(p, name), total, f"sum({counts_name})")
+    prompt = p.history_prompt_lens
+    if prompt.shape[0] and ((prompt < 0) | (prompt > p.history_lens)).any():
+        i = first_bad((prompt < 0) | (prompt > p.history_lens))
+        raise ProtocolError(
+            RejectCode.LENGTH_MISMATCH,
+            f"history_prompt_lens[{i}] = {prompt[i]} is outside [0, history_lens[{i}] = {p.history_lens[i]}]",
+        )
+
+
+def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
+    query_lens, context_lens = p.query_lens, p.context_lens
+    if (context_lens < query_lens).any() or context_lens.max() > g.max_model_len:
+        i = first_bad((context_lens < query_lens) | (context_lens > g.max_model_len))
+        raise ProtocolError(
+            RejectCode.BAD_CONTEXT_LEN,
+            f"context_lens[{i}] = {context_lens[i]} must be in [query_lens[{i}] = {query_lens[i]}, "
+            f"max_model_len {g.max_model_len}]",
+        )
+    # page_table_lens <= max_pages_per_seq holds, so the int64 product is exact.
+    slots = p.page_table_lens.astype(np.int64) * g.page_size
+    if (slots < context_lens).any():
+        i = first_bad(slots < context_lens)
+        raise ProtocolError(
+            RejectCode.PAGE_TABLE_TOO_SHORT,
+            f"sequence {i} has {p.page_table_lens[i]} pages of {g.page_size} slots for a context of "
+            f"{context_lens[i]} tokens",
+        )
+    if len(p.seq_ids) > 1:
+        ids = np.sort(p.seq_ids)
+        repeated = ids[1:] == ids[:-1]
+        if repeated.any():
+            raise ProtocolError(
+                RejectCode.DUPLICATE_SEQ_ID,
+                f"seq_id {ids[first_bad(repeated)]} appears more than once in one step",
+            )
+
+
+def _check_pages(p: Prepare, g: CacheGeometry) -> None:
+    for name in ("page_table", "cleared_pages", "restore_pages", "offload_pages", "poison_pages"):
+        check_range(name, getattr(p, name), g.num_kv_pages, RejectCode.PAGE_OUT_OF_RANGE)
+    check_range("restore_slots", p.restore_slots, g.num_host_pages, RejectCode.SLOT_OUT_OF_RANGE)
+    check_range("offload_slots", p.offload_slots, g.num_host_pages, RejectCode.SLOT_OUT_OF_RANGE)
+
+    cleared = p.cleared_pages
+    if cleared.size > 1:
+        unsorted = cleared[1:] <= cleared[:-1]
+        if unsorted.any():
+            i = first_bad(unsorted) + 1
+            raise ProtocolError(
+                RejectCode.CLEARED_NOT_SORTED_UNIQUE,
+                f"cleared_pages must be strictly increasing: cleared_pages[{i}] = {cleared[i]} follows "
+                f"{cleared[i - 1]}",
+            )
+    if cleared.size and p.restore_pages.size:
+        at = np.minimum(np.searchsorted(cleared, p.restore_pages), cleared.size - 1)
+        both = cleared[at] == p.restore_pages
+        if both.any():
+            page = p.restore_pages[first_bad(both)]
+            raise ProtocolError(
+                RejectCode.CLEARED_RESTORE_OVERLAP,
+                f"page {page} is both cleared and a restore target; a restore overwrites it whole",
+            )
+
+
+def _check_positions(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
+    # Token j of sequence i sits at position context_lens[i] - query_lens[i] + j: anything else would
+    # write KV outside the slots its page table covers. With query_lens <= context_lens <=
+    # max_model_len checked, this also keeps every position in [0, max_model_len).
+    context_lens = p.context_lens.astype(np.int64)
+    if total_tokens == len(p.seq_ids):
+        expected = context_lens - 1
+    else:
+        query_lens = p.query_lens.astype(np.int64)
+        starts = np.cumsum(query_lens) - query_lens
+        expected = np.repeat(context_lens - query_lens - starts, query_lens) + np.arange(total_tokens)
+    wrong = p.positions != expected
+    if wrong.any():
+        check_range("positions", p.positions, g.max_model_len, RejectCode.POSITION_OUT_OF_RANGE)
+        t = first_bad(wrong)
+        raise ProtocolError(
+            RejectCode.POSITION_MISMATCH,
+            f"positions[{t}] = {p.positions[t]}, expected {expected[t]} "
+            f"(context_lens - query_lens + offset within the sequence)",
+        )
+
+
