@@ -50,13 +50,7 @@ class StepInputs:
 
     @classmethod
     def from_prepare(
-        cls,
-        p: Prepare,
-        *,
-        pad_page: int,
-        page_size: int,
-        device: torch.device | str,
-        page_table: np.ndarray | None = None,
+        cls, p: Prepare, *, pad_page: int, page_size: int, device: torch.device | str, page_table: np.ndarray | None = None
     ) -> StepInputs:
         """`page_table`: the whole page tables, concatenated, that protocol.page_tables resolved
         from p's deltas; without it p must carry whole tables (every page_table_base 0)."""
@@ -69,90 +63,40 @@ class StepInputs:
         query_lens = p.query_lens.astype(np.int64)
         context_lens = p.context_lens.astype(np.int64)
         table_lens = p.page_table_lens.astype(np.int64)
-        if query_lens.sum() != num_tokens or p.positions.shape[0] != num_tokens:
-            raise StepInputsError(
-                f"query_lens sum to {int(query_lens.sum())} but the step has {num_tokens} token ids "
-                f"and {p.positions.shape[0]} positions"
-            )
-        if table_lens.sum() != page_table.shape[0]:
-            raise StepInputsError(
-                f"page_table_lens sum to {int(table_lens.sum())} but page_table has "
-                f"{page_table.shape[0]} entries"
-            )
-        needed = -(-context_lens // page_size)
-        if np.any(needed > table_lens):
-            bad = int(np.flatnonzero(needed > table_lens)[0])
-            raise StepInputsError(
-                f"sequence {int(p.seq_ids[bad])} has {int(context_lens[bad])} tokens of context "
-                f"but only {int(table_lens[bad])} pages of {page_size} slots"
-            )
-
-        query_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        table_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(table_lens, out=table_start[1:])
+        needed = _pages_needed(p, page_table, query_lens, context_lens, table_lens, page_size)
+        query_start, table_start = _starts(query_lens), _starts(table_lens)
         flat_table = page_table.astype(np.int64)
-
         width = int(needed.max()) if n else 0
-        columns = np.arange(width, dtype=np.int64)
-        in_context = columns[None, :] < needed[:, None]
-        gather = np.where(in_context, table_start[:n, None] + columns[None, :], 0)
-        page_table = (
-            np.where(in_context, flat_table[gather], pad_page)
-            if flat_table.size
-            else np.full((n, width), pad_page, dtype=np.int64)
-        )
-
         positions = p.positions.astype(np.int64)
-        seq_of_token = np.repeat(np.arange(n, dtype=np.int64), query_lens)
-        write_pages = (
-            flat_table[table_start[seq_of_token] + positions // page_size]
-            if num_tokens
-            else np.zeros(0, dtype=np.int64)
-        )
-        write_offsets = positions % page_size
-
         sampled = np.flatnonzero(p.sample)
         sample_rows = query_start[sampled + 1] - 1
-        sample_positions = positions[sample_rows]
-
-        pieces = (
-            p.token_ids.astype(np.int64),
-            positions,
-            query_lens,
-            query_start,
-            context_lens,
-            page_table.reshape(-1),
-            write_pages,
-            write_offsets,
-            sample_rows,
-            p.top_k[sampled].astype(np.int64),
-            p.seeds[sampled].astype(np.int64),
-            sample_positions,
+        ints = _int64_on_device(  # ints[0] to ints[11] below
+            device, p.token_ids.astype(np.int64), positions, query_lens, query_start, context_lens,
+            _padded_tables(flat_table, table_start, needed, width, pad_page).reshape(-1),
+            _write_pages(flat_table, table_start, query_lens, positions, page_size), positions % page_size,
+            sample_rows, p.top_k[sampled].astype(np.int64), p.seeds[sampled].astype(np.int64), positions[sample_rows],
         )
-        packed = torch.from_numpy(np.concatenate(pieces)).to(device, non_blocking=True)
-        views = torch.split(packed, [piece.shape[0] for piece in pieces])
         floats = torch.from_numpy(
             np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
         ).to(device, non_blocking=True)
         m = int(sampled.shape[0])
         num_logprobs = p.num_logprobs[sampled]
         return cls(
-            token_ids=views[0],
-            positions=views[1],
-            query_lens=views[2],
-            query_start=views[3],
-            context_lens=views[4],
-            page_table=views[5].view(n, width),
-            write_pages=views[6],
-            write_offsets=views[7],
-            sample_rows=views[8],
+            token_ids=ints[0],
+            positions=ints[1],
+            query_lens=ints[2],
+            query_start=ints[3],
+            context_lens=ints[4],
+            page_table=ints[5].view(n, width),
+            write_pages=ints[6],
+            write_offsets=ints[7],
+            sample_rows=ints[8],
             sample_seq_ids=p.seq_ids[sampled].astype(np.int64),
             temperature=floats[:m],
             top_p=floats[m:],
-            top_k=views[9],
-            seeds=views[10],
-            sample_positions=views[11],
+            top_k=ints[9],
+            seeds=ints[10],
+            sample_positions=ints[11],
             num_logprobs_host=num_logprobs,
             num_logprobs=torch.from_numpy(num_logprobs.astype(np.int64)).to(device) if num_logprobs.any() else None,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
@@ -161,3 +105,71 @@ class StepInputs:
             query_lens_host=query_lens,
             context_lens_host=context_lens,
         )
+
+
+def _pages_needed(
+    p: Prepare,
+    page_table: np.ndarray,
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    table_lens: np.ndarray,
+    page_size: int,
+) -> np.ndarray:
+    """The pages each sequence's context covers, once p's lengths are checked to describe one step
+    and each sequence's table to hold its context."""
+    num_tokens = p.token_ids.shape[0]
+    if query_lens.sum() != num_tokens or p.positions.shape[0] != num_tokens:
+        raise StepInputsError(
+            f"query_lens sum to {int(query_lens.sum())} but the step has {num_tokens} token ids "
+            f"and {p.positions.shape[0]} positions"
+        )
+    if table_lens.sum() != page_table.shape[0]:
+        raise StepInputsError(
+            f"page_table_lens sum to {int(table_lens.sum())} but page_table has "
+            f"{page_table.shape[0]} entries"
+        )
+    needed = -(-context_lens // page_size)
+    if np.any(needed > table_lens):
+        bad = int(np.flatnonzero(needed > table_lens)[0])
+        raise StepInputsError(
+            f"sequence {int(p.seq_ids[bad])} has {int(context_lens[bad])} tokens of context "
+            f"but only {int(table_lens[bad])} pages of {page_size} slots"
+        )
+    return needed
+
+
+def _starts(lens: np.ndarray) -> np.ndarray:
+    """[0, cumulative sums]: where each sequence's run begins, and the total at the end."""
+    starts = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=starts[1:])
+    return starts
+
+
+def _padded_tables(
+    flat_table: np.ndarray, table_start: np.ndarray, needed: np.ndarray, width: int, pad_page: int
+) -> np.ndarray:
+    """[n, width]: each sequence's pages covering its context, then pad_page. Reserved pages past
+    the context are not read: they may not be cleared yet."""
+    n = needed.shape[0]
+    if not flat_table.size:
+        return np.full((n, width), pad_page, dtype=np.int64)
+    columns = np.arange(width, dtype=np.int64)
+    in_context = columns[None, :] < needed[:, None]
+    gather = np.where(in_context, table_start[:n, None] + columns[None, :], 0)
+    return np.where(in_context, flat_table[gather], pad_page)
+
+
+def _write_pages(
+    flat_table: np.ndarray, table_start: np.ndarray, query_lens: np.ndarray, positions: np.ndarray, page_size: int
+) -> np.ndarray:
+    """The page each new token's K and V go to."""
+    if not positions.shape[0]:
+        return np.zeros(0, dtype=np.int64)
+    seq_of_token = np.repeat(np.arange(query_lens.shape[0], dtype=np.int64), query_lens)
+    return flat_table[table_start[seq_of_token] + positions // page_size]
+
+
+def _int64_on_device(device: torch.device | str, *pieces: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """The pieces in one host-to-device copy, as views of it."""
+    packed = torch.from_numpy(np.concatenate(pieces)).to(device, non_blocking=True)
+    return torch.split(packed, [piece.shape[0] for piece in pieces])

@@ -174,48 +174,16 @@ def run_executor(
     # Imported when a rank starts, not with this module: the transport pulls in zmq and the model
     # package the weight readers.
     from executor.allocator import retain_freed_memory
-    from executor.kv_scales import cache_scales
-    from executor.model import TORCH_DTYPES
     from protocol.transport import ExecutorEndpoint
-
-    if load is None:
-        from executor.model import load_model as load
 
     retain_freed_memory()
     device = pick_device(options)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load(
-        options.model,
-        rank=rank,
-        world_size=world_size,
-        dtype=TORCH_DTYPES[options.dtype],
-        device=device,
-        weight_format=options.weight_format,
-        progress=rank == 0,
-    )
+    model = _load_shard(options, load, rank=rank, world_size=world_size, device=device)
     geometry = build_geometry(options, model.config)
-    cache = KVCache(
-        num_kv_pages=options.num_kv_pages,
-        page_size=options.page_size,
-        num_layers=model.config.num_layers,
-        num_kv_heads=model.shard.local_kv_heads,
-        head_dim=model.config.head_dim,
-        kv_dtype=options.kv_cache_dtype,
-        device=device,
-        num_host_pages=options.num_host_pages,
-        poison=options.debug_poison_cache,
-        scales=cache_scales(
-            options.kv_cache_scales, options.model, model.config.num_layers, world_size, options.kv_cache_dtype
-        ),
-    )
-    step_model: StepModel = model
-    if device.type == "cuda" and options.cuda_graphs:
-        from executor.cuda_graphs import DecodeGraphRunner
-
-        step_model = DecodeGraphRunner(
-            model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes
-        )
+    cache = _allocate_cache(options, model, world_size=world_size, device=device)
+    step_model = _step_model(options, model, cache, geometry)
     endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(
@@ -231,3 +199,51 @@ def run_executor(
         return worker.run()
     finally:
         endpoint.close()
+
+
+def _load_shard(
+    options: ExecutorOptions, load: Callable[..., Any] | None, *, rank: int, world_size: int, device: torch.device
+) -> Any:
+    from executor.model import TORCH_DTYPES
+
+    if load is None:
+        from executor.model import load_model as load
+
+    return load(
+        options.model,
+        rank=rank,
+        world_size=world_size,
+        dtype=TORCH_DTYPES[options.dtype],
+        device=device,
+        weight_format=options.weight_format,
+        progress=rank == 0,
+    )
+
+
+def _allocate_cache(options: ExecutorOptions, model: Any, *, world_size: int, device: torch.device) -> KVCache:
+    """This rank's KV cache: its share of the KV heads, and the fp8 scales of every layer."""
+    from executor.kv_scales import cache_scales
+
+    return KVCache(
+        num_kv_pages=options.num_kv_pages,
+        page_size=options.page_size,
+        num_layers=model.config.num_layers,
+        num_kv_heads=model.shard.local_kv_heads,
+        head_dim=model.config.head_dim,
+        kv_dtype=options.kv_cache_dtype,
+        device=device,
+        num_host_pages=options.num_host_pages,
+        poison=options.debug_poison_cache,
+        scales=cache_scales(
+            options.kv_cache_scales, options.model, model.config.num_layers, world_size, options.kv_cache_dtype
+        ),
+    )
+
+
+def _step_model(options: ExecutorOptions, model: Any, cache: KVCache, geometry: CacheGeometry) -> StepModel:
+    """The model, or on CUDA its decode steps replayed from CUDA graphs."""
+    if cache.device.type == "cuda" and options.cuda_graphs:
+        from executor.cuda_graphs import DecodeGraphRunner
+
+        return DecodeGraphRunner(model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes)
+    return model

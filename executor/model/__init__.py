@@ -6,7 +6,7 @@ import hashlib
 import importlib.util
 import logging
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -110,52 +110,84 @@ def load_model(
     requested, weight_format = weight_format, resolve_weight_format(weight_format, dtype, device, source)
     # Where a step switches from the int4 copies to the dense ones: measured on this CPU.
     int4_max_rows = probe_cpu().int4_max_rows if weight_format == "mixed" else INT4_MAX_ROWS
+    reader = _ShardReader(source, shard, device, dtype, weight_format, int4_max_rows)
     show_bar = progress and sys.stderr.isatty()
+    layers = [
+        reader.layer(index) for index in Phase(f"loading {Path(path).name} (rank {rank})", config.num_layers, show_bar)
+    ]
+    _check_shapes(source, config, layers[0], shard)
+    _check_int4_fits(path, requested, layers)
+    embed = reader.weight("embed", rows=shard.vocab)
+    tied = config.tie_embeddings or not source.has("lm_head")
+    lm_head = embed if tied else reader.weight("lm_head", rows=shard.vocab)
+    return LlamaModel(
+        config,
+        shard,
+        embed=embed,
+        lm_head=lm_head,
+        final_norm=reader.norm("final_norm"),
+        layers=layers,
+        fingerprint=fingerprint(source, config, world_size),
+        device=device,
+        compile_mode=compile_mode or compile_mode_from_env(),
+    )
 
-    def weight(key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
-        return source.read(key, layer, rows, cols).to(device=device, dtype=dtype)
 
-    def norm(key: str, layer: int | None = None) -> torch.Tensor:
-        return source.read(key, layer).to(device=device, dtype=torch.float32)
+@dataclass(frozen=True)
+class _ShardReader:
+    """This rank's slices of a checkpoint, on the device, in the weight format asked for."""
 
-    def matrix(layer: int, *parts: tuple[str, dict[str, tuple[int, int]]]) -> Linear:
+    source: WeightSource
+    shard: ShardPlan
+    device: torch.device
+    dtype: torch.dtype
+    weight_format: str
+    int4_max_rows: int
+
+    def weight(self, key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
+        return self.source.read(key, layer, rows, cols).to(device=self.device, dtype=self.dtype)
+
+    def norm(self, key: str, layer: int | None = None) -> torch.Tensor:
+        return self.source.read(key, layer).to(device=self.device, dtype=torch.float32)
+
+    def matrix(self, layer: int, *parts: tuple[str, dict[str, tuple[int, int]]]) -> Linear:
         """One Linear from row-stacked slices, in the weight format asked for."""
         q4 = None
-        if weight_format != "dense":
-            blocks = [source.read_q4(key, layer, **span) for key, span in parts]
+        if self.weight_format != "dense":
+            blocks = [self.source.read_q4(key, layer, **span) for key, span in parts]
             if all(b is not None for b in blocks):
                 q4 = Q4Blocks.cat(blocks)
                 q4 = q4 if int4_packable(q4) else None
         dense = None
-        if q4 is None or weight_format == "mixed":
-            dense = torch.cat([weight(key, layer, **span) for key, span in parts])
-        return Linear(dense, q4, dtype=dtype, int4_max_rows=int4_max_rows)
+        if q4 is None or self.weight_format == "mixed":
+            dense = torch.cat([self.weight(key, layer, **span) for key, span in parts])
+        return Linear(dense, q4, dtype=self.dtype, int4_max_rows=self.int4_max_rows)
 
-    head_dim = config.head_dim
-    q_rows = (shard.q_heads[0] * head_dim, shard.q_heads[1] * head_dim)
-    kv_rows = (shard.kv_heads[0] * head_dim, shard.kv_heads[1] * head_dim)
+    def layer(self, index: int) -> LayerWeights:
+        head_dim, shard = self.source.config.head_dim, self.shard
+        q_rows = (shard.q_heads[0] * head_dim, shard.q_heads[1] * head_dim)
+        kv_rows = (shard.kv_heads[0] * head_dim, shard.kv_heads[1] * head_dim)
+        return LayerWeights(
+            attn_norm=self.norm("attn_norm", index),
+            qkv=self.matrix(index, ("q", {"rows": q_rows}), ("k", {"rows": kv_rows}), ("v", {"rows": kv_rows})),
+            o=self.matrix(index, ("o", {"cols": q_rows})),
+            ffn_norm=self.norm("ffn_norm", index),
+            gate_up=self.matrix(index, ("gate", {"rows": shard.ffn}), ("up", {"rows": shard.ffn})),
+            down=self.matrix(index, ("down", {"cols": shard.ffn})),
+            qkv_bias=self._qkv_bias(index, q_rows, kv_rows),
+        )
 
-    def qkv_bias(layer: int) -> torch.Tensor | None:
+    def _qkv_bias(self, layer: int, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> torch.Tensor | None:
         """Column-parallel like QKV: each rank adds the biases of its own rows."""
-        if not config.qkv_bias:
+        if not self.source.config.qkv_bias:
             return None
         spans = (("q_bias", q_rows), ("k_bias", kv_rows), ("v_bias", kv_rows))
-        return torch.cat([weight(key, layer, rows) for key, rows in spans])
+        return torch.cat([self.weight(key, layer, rows) for key, rows in spans])
 
-    layers = []
-    for index in Phase(f"loading {Path(path).name} (rank {rank})", config.num_layers, show_bar):
-        layers.append(
-            LayerWeights(
-                attn_norm=norm("attn_norm", index),
-                qkv=matrix(index, ("q", {"rows": q_rows}), ("k", {"rows": kv_rows}), ("v", {"rows": kv_rows})),
-                o=matrix(index, ("o", {"cols": q_rows})),
-                ffn_norm=norm("ffn_norm", index),
-                gate_up=matrix(index, ("gate", {"rows": shard.ffn}), ("up", {"rows": shard.ffn})),
-                down=matrix(index, ("down", {"cols": shard.ffn})),
-                qkv_bias=qkv_bias(index),
-            )
-        )
-    _check_shapes(source, config, layers[0], shard)
+
+def _check_int4_fits(path: str, requested: str, layers: list[LayerWeights]) -> None:
+    """An explicit int4 format is refused where none of the model's 4-bit matrices fits the kernel:
+    it would run dense, against what was asked for."""
     if requested in ("int4", "mixed") and not any(
         m.int4 is not None for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ):
@@ -163,20 +195,6 @@ def load_model(
             f"{path}: weight format {requested}: none of its 4-bit matrices fits torch's int4 kernel "
             "(output rows in multiples of 16 on each rank); use --weight-format dense"
         )
-    embed = weight("embed", rows=shard.vocab)
-    tied = config.tie_embeddings or not source.has("lm_head")
-    lm_head = embed if tied else weight("lm_head", rows=shard.vocab)
-    return LlamaModel(
-        config,
-        shard,
-        embed=embed,
-        lm_head=lm_head,
-        final_norm=norm("final_norm"),
-        layers=layers,
-        fingerprint=fingerprint(source, config, world_size),
-        device=device,
-        compile_mode=compile_mode or compile_mode_from_env(),
-    )
 
 
 def _check_shapes(source: WeightSource, config: ModelConfig, layer: LayerWeights, shard: ShardPlan) -> None:

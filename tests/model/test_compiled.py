@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from executor import disk_cache
-from executor.model import compiled, default_model_path, load_model
+from executor.model import aot_layer, compiled, default_model_path, kernel_cache, load_model
 from executor.model.compiled import LayerSpec
 from tests.model.driver import Driver
 from tests.model.tp_worker import PROMPTS, run_tp, scenario
@@ -102,7 +102,7 @@ def test_a_second_start_loads_the_library_without_building(tiny_path, built, mon
     def no_build(*args, **kwargs):
         raise AssertionError("a cached library was built again")
 
-    monkeypatch.setattr(compiled, "_start_build", no_build)
+    monkeypatch.setattr(kernel_cache, "start_build", no_build)
     model = load(tiny_path, "auto")
     driver, logits, _ = greedy(model)
     assert model.compiled_decode(driver.cache).covers(1)
@@ -130,10 +130,10 @@ def test_the_cache_key_changes_with_the_model_the_shapes_the_formats_torch_and_t
     assert len({spec.key() for spec in changed} | {key}) == len(changed) + 1
     identity = dict(disk_cache.cpu_identity())
     for field, value in (("torch", "2.99.0"), ("cpu_flags", "0" * 16), ("cpu", "another CPU")):
-        monkeypatch.setattr(compiled, "cpu_identity", lambda f=field, v=value: {**identity, f: v})
+        monkeypatch.setattr(aot_layer, "cpu_identity", lambda f=field, v=value: {**identity, f: v})
         assert _spec().key() != key, field
-    monkeypatch.setattr(compiled, "cpu_identity", lambda: identity)
-    monkeypatch.setattr(compiled, "_SOURCE_DIGEST", "another version of compiled.py")
+    monkeypatch.setattr(aot_layer, "cpu_identity", lambda: identity)
+    monkeypatch.setattr(aot_layer, "_SOURCE_DIGEST", "another version of aot_layer.py")
     assert _spec().key() != key
 
 
@@ -141,13 +141,13 @@ def test_a_built_cache_serves_no_other_model_shape_nor_another_torch(tiny_path, 
     """End to end through the loader: with the module's library on disk, a model of another shape
     (a wider FFN) and the same model under another torch version find nothing to load, and decode
     eager."""
-    monkeypatch.setattr(compiled, "_start_build", lambda *a, **k: pytest.fail("auto built at start-up"))
+    monkeypatch.setattr(kernel_cache, "start_build", lambda *a, **k: pytest.fail("auto built at start-up"))
     assert load(tiny_path, "auto").compiled_decode(Driver(built[0], page_size=4, kv_dtype="bf16").cache).covers(1)
     wider = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "wider.gguf", num_heads=16, num_kv_heads=2, intermediate_size=256)
     driver, _, _ = greedy(load(wider, "auto"))
     assert not driver.model.compiled_decode(driver.cache).covers(1)
     identity = dict(disk_cache.cpu_identity())
-    monkeypatch.setattr(compiled, "cpu_identity", lambda: {**identity, "torch": "2.99.0"})
+    monkeypatch.setattr(aot_layer, "cpu_identity", lambda: {**identity, "torch": "2.99.0"})
     driver, _, tokens = greedy(load(tiny_path, "auto"))
     assert not driver.model.compiled_decode(driver.cache).covers(1)
     assert tokens == built[2]
@@ -158,7 +158,7 @@ def test_auto_builds_in_the_background_once_enough_eager_decoding_is_spent(tiny_
     monkeypatch.setattr(compiled, "REPORT_EVERY_S", 0.2)
     monkeypatch.setattr(compiled, "BUILD_AFTER_EAGER_S", 1.0)
     builds = []
-    monkeypatch.setattr(compiled, "_start_build", lambda specs, *, background: builds.append((specs, background)))
+    monkeypatch.setattr(kernel_cache, "start_build", lambda specs, *, background: builds.append((specs, background)))
     model = load(tiny_path, "auto")
     driver = Driver(model, num_kv_pages=32, page_size=4, kv_dtype="bf16")
     driver.step([(0, [5, 6, 7], True)])  # a prefill: no decode time to count
@@ -179,12 +179,12 @@ def test_auto_builds_in_the_background_once_enough_eager_decoding_is_spent(tiny_
 
 def test_a_build_that_failed_is_not_retried(tiny_path, tmp_path, monkeypatch):
     monkeypatch.setenv("TP_RUNTIME_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compiled, "_start_build", lambda *a, **k: pytest.fail("a failed build was retried"))
+    monkeypatch.setattr(kernel_cache, "start_build", lambda *a, **k: pytest.fail("a failed build was retried"))
     model = load(tiny_path, "wait")
     driver = Driver(model, num_kv_pages=32, page_size=4, kv_dtype="bf16")
     specs = compiled.CompiledDecode(model, compiled._plan(model, driver.cache), "wait").specs
     for spec in specs:
-        disk_cache.write_atomically(compiled._failure_log(spec), b"compiler error\n")
+        disk_cache.write_atomically(kernel_cache.failure_log(spec), b"compiler error\n")
     driver.greedy({0: [5, 6, 7]}, 2)
     assert not model.compiled_decode(driver.cache).covers(1)
 

@@ -1,26 +1,18 @@
-"""The `tp-runtime` command: serve, generate, soak, bench.
+"""The `tp-runtime` command's options: vLLM's flag names and spellings, and the RuntimeConfig they make.
 
-Outside torchrun, `serve` and `generate` validate every option, then re-enter themselves through
-torch.distributed's launcher; inside torchrun they become one rank. Options follow vLLM's names.
-Bad options get one sentence on stderr and exit code 2, before any rank starts.
+argparse's own usage errors get one sentence on stderr and exit code 2, as every bad option does.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
-import importlib.util
-import os
-import socket
 import sys
-from collections.abc import Sequence
 
 from executor.options import WEIGHT_FORMATS
 from tp_runtime.config import DTYPES, KV_DTYPE_ALIASES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
 
 EXIT_USAGE = 2
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: the server's API key when --api-key is not given
-TOOL_SCRIPTS = {"soak": "soak", "bench": "bench_serving"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,22 +106,6 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
 
 
-def _hide_api_key(args: argparse.Namespace, argv: list[str]) -> list[str]:
-    """Moves --api-key into the environment that every process of the launch inherits, and out of
-    the argv handed on to them, so that the key shows in no command line but the one it was typed on."""
-    if getattr(args, "api_key", None):
-        os.environ[API_KEY_ENV] = args.api_key
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--api-key":
-            skip = True
-        elif not arg.startswith("--api-key="):
-            out.append(arg)
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tp-runtime", description="Tensor-parallel LLM inference that never reads unwritten KV bytes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -209,44 +185,6 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     )
 
 
-def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
-    """Everything that can be checked before a rank starts; raises ConfigError with one sentence."""
-    from executor.model import ModelLoadError
-    from tp_runtime.resolve import resolve
-
-    if config.tensor_parallel_size < 1:
-        raise ConfigError("--tensor-parallel-size must be at least 1")
-    if config.page_size < 1 or config.page_size & (config.page_size - 1):
-        raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
-    if not os.path.exists(config.model):
-        raise ConfigError(f"the model path {config.model} does not exist")
-    _check_hosts(config)
-    if config.device == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < config.ranks_per_node:
-            raise ConfigError(
-                f"{config.ranks_per_node} ranks on this host need that many GPUs; it has {torch.cuda.device_count()}"
-            )
-    if args.command == "generate":
-        if args.max_tokens < 1:
-            raise ConfigError("--max-tokens must be at least 1")
-        if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-            raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
-    if args.command == "serve":
-        if not 0 <= config.shutdown_timeout < 3600:
-            raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {config.shutdown_timeout}")
-        # Any host may be the one torchrun gives rank 0, and so the HTTP server.
-        check_port_free(config.host, config.port)
-        _check_http_options(config)
-    try:
-        resolved = resolve(config)
-        _check_kv_scales(resolved)
-    except ModelLoadError as exc:
-        raise ConfigError(str(exc)) from None
-    return resolved
-
-
 def _kv_cache_dtype(text: str) -> str:
     """--kv-cache-dtype: ours, or vLLM's names for the same storage."""
     name = KV_DTYPE_ALIASES.get(text, text)
@@ -264,174 +202,3 @@ def _kv_cache_scales(args: argparse.Namespace) -> str:
             raise ConfigError(f"--calculate-kv-scales contradicts --kv-cache-scales {args.kv_cache_scales}")
         return "calibrate"
     return args.kv_cache_scales
-
-
-def _check_kv_scales(config: RuntimeConfig) -> None:
-    """--kv-cache-scales names a source that exists, for an fp8 cache (with another one it would do nothing)."""
-    from executor.kv_scales import KVScaleError, checkpoint_scales, parse_scales_option, resolve_scales
-    from tp_runtime.resolve import read_model_config
-
-    try:
-        option = parse_scales_option(config.kv_cache_scales)
-        if config.resolved_kv_dtype != "fp8-e4m3":
-            if config.kv_cache_scales != "auto":
-                raise ConfigError(
-                    f"--kv-cache-scales {config.kv_cache_scales} (or --calculate-kv-scales) applies to an fp8 KV "
-                    f"cache; this one is {config.resolved_kv_dtype} (add --kv-cache-dtype fp8)"
-                )
-            return
-        if option in ("auto", "checkpoint"):
-            num_layers = read_model_config(config).num_layers
-            resolve_scales(option, checkpoint_scales(config.model, num_layers), num_layers)
-    except KVScaleError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _check_hosts(config: RuntimeConfig) -> None:
-    from tp_runtime import frame_keys, hosts
-
-    if config.nnodes < 1 or not 0 <= config.node_rank < config.nnodes:
-        raise ConfigError(f"--node-rank must be in 0..{max(config.nnodes, 1) - 1} and --nnodes at least 1")
-    ranks = config.ranks_per_node * config.nnodes
-    if config.nproc_per_node < 0 or config.ranks_per_node < 1 or ranks != config.tensor_parallel_size:
-        raise ConfigError(
-            f"--tensor-parallel-size {config.tensor_parallel_size} must equal --nnodes {config.nnodes} times "
-            f"--nproc-per-node ({config.nproc_per_node or 'its default'})"
-        )
-    for flag, port, low in (("--master-port", config.master_port, 1), ("--frame-port", config.frame_port, 0)):
-        if not low <= port < 65536:
-            raise ConfigError(f"{flag} must be in {low}..65535, got {port}")
-    if config.frame_key_dir and config.trust_rendezvous_store:
-        raise ConfigError("pass --frame-key-dir or --trust-rendezvous-store, not both")
-    if not config.multi_node:
-        return
-    if not (config.frame_key_dir or config.trust_rendezvous_store):
-        raise ConfigError(
-            "across hosts the frames are encrypted with keys the operator provides: make them with "
-            "`tp-runtime keys DIR`, copy DIR to every host and pass --frame-key-dir DIR (or pass "
-            "--trust-rendezvous-store; docs/deployment.md says what each trusts)"
-        )
-    if config.frame_key_dir:
-        frame_keys.load_key_dir(config.frame_key_dir)
-    elif importlib.util.find_spec("cryptography") is None:
-        raise ConfigError("--trust-rendezvous-store needs the `cryptography` package: pip install 'tp-runtime[multinode]'")
-    hosts.resolve(config.master_addr)
-    if config.advertise_host:
-        hosts.resolve(config.advertise_host)
-
-
-def _check_http_options(config: RuntimeConfig) -> None:
-    names = config.served_model_name
-    if any(not name for name in names) or len(set(names)) != len(names):
-        raise ConfigError(f"--served-model-name takes distinct, non-empty names, got {list(names)}")
-    for flag, value in (
-        ("--max-num-queued-reqs", config.max_num_queued_reqs),
-        ("--max-request-body-size", config.max_request_body_size),
-        ("--max-prompt-chars", config.max_prompt_chars),
-    ):
-        if value < 0:
-            raise ConfigError(f"{flag} must be at least 1, or 0 for its default; got {value}")
-    if config.frontend_nice is not None and not 0 <= config.frontend_nice <= 19:
-        raise ConfigError(f"--frontend-nice takes 0 to 19 (a lower priority than the ranks'), got {config.frontend_nice}")
-    if not config.request_body_timeout > 0 or not config.request_header_timeout > 0 or config.timeout_keep_alive < 1:
-        raise ConfigError(
-            "--request-body-timeout and --request-header-timeout must be positive and --timeout-keep-alive at least 1 second"
-        )
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Refuses a port uvicorn could not listen on; one that only lingers in TIME_WAIT is free."""
-    from tp_runtime.hosts import check_can_listen
-
-    if not 0 < port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {port}")
-    try:
-        check_can_listen(host, port)
-    except socket.gaierror as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port {port} on {host} is already in use") from None
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-
-
-def run_generate_job(engine, tokenizer, argv: Sequence[str]) -> int:  # noqa: ANN001 (frontend types)
-    """The frontend side of `generate`: one request, text to stdout as it comes."""
-    from scheduler.request import SamplingParams
-    from tp_runtime.chat import render_chat
-    from tp_runtime.engine import EngineUnavailable
-    from tp_runtime.tokenizer import IncrementalDetokenizer
-
-    args = build_parser().parse_args(list(argv))
-    try:
-        engine.wait_ready()
-    except EngineUnavailable as exc:
-        sys.stderr.write(f"tp-runtime: error: {exc}\n")
-        return 1
-    if args.raw:
-        ids = tokenizer.encode(args.prompt)
-    else:  # the template writes BOS and the turn markers itself
-        ids = tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": args.prompt}]), add_special_tokens=False)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop_token_ids=tuple(tokenizer.eos_token_ids),
-    )
-    detok = IncrementalDetokenizer(tokenizer, ids)
-    pieces: list[str] = []
-    for event in engine.submit(ids, params):
-        if event.error:
-            sys.stdout.flush()
-            sys.stderr.write(f"tp-runtime: generation failed: {event.error}\n")
-            return 1
-        for token in event.token_ids:
-            delta = detok.add(token)
-            pieces.append(delta)
-            if args.stream:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-    tail = detok.flush()
-    pieces.append(tail)
-    sys.stdout.write(tail if args.stream else "".join(pieces))
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOL_SCRIPTS:  # their options are the scripts' own, --help included
-        from tp_runtime.tools import run_script
-
-        return run_script(TOOL_SCRIPTS[argv[0]], argv[1:])
-    args = build_parser().parse_args(argv)
-    argv = _hide_api_key(args, argv)
-    from tp_runtime.launcher import launch, quiet_torchrun, under_torchrun
-    from tp_runtime.worker_process import run_worker
-
-    if args.command in ("serve", "generate") and not under_torchrun():
-        quiet_torchrun(args.log_level)
-    from executor.model import ModelLoadError
-
-    try:
-        if args.command == "keys":
-            from tp_runtime.frame_keys import create_key_dirs
-
-            for host, directory in create_key_dirs(args.directory, args.hosts).items():
-                sys.stdout.write(f"{host}: copy {directory} to that host and pass --frame-key-dir with its path\n")
-            return 0
-        config = config_from_args(args)
-        if under_torchrun():
-            return run_worker(config, args.command, argv)
-        config = validate(config, args)
-        return launch(config, argv)
-    except (ConfigError, ModelLoadError) as exc:
-        sys.stderr.write(f"tp-runtime: error: {exc}\n")
-        return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Everything about a launch that can be checked before a rank starts: one sentence (ConfigError) each."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib.util
+import os
+import socket
+
+from tp_runtime.config import ConfigError, RuntimeConfig
+
+
+def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
+    """Everything that can be checked before a rank starts; raises ConfigError with one sentence."""
+    from executor.model import ModelLoadError
+    from tp_runtime.resolve import resolve
+
+    if config.tensor_parallel_size < 1:
+        raise ConfigError("--tensor-parallel-size must be at least 1")
+    if config.page_size < 1 or config.page_size & (config.page_size - 1):
+        raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
+    if not os.path.exists(config.model):
+        raise ConfigError(f"the model path {config.model} does not exist")
+    _check_hosts(config)
+    if config.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < config.ranks_per_node:
+            raise ConfigError(
+                f"{config.ranks_per_node} ranks on this host need that many GPUs; it has {torch.cuda.device_count()}"
+            )
+    if args.command == "generate":
+        if args.max_tokens < 1:
+            raise ConfigError("--max-tokens must be at least 1")
+        if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+            raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
+    if args.command == "serve":
+        if not 0 <= config.shutdown_timeout < 3600:
+            raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {config.shutdown_timeout}")
+        # Any host may be the one torchrun gives rank 0, and so the HTTP server.
+        check_port_free(config.host, config.port)
+        _check_http_options(config)
+    try:
+        resolved = resolve(config)
+        _check_kv_scales(resolved)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+    return resolved
+
+
+def _check_kv_scales(config: RuntimeConfig) -> None:
+    """--kv-cache-scales names a source that exists, for an fp8 cache (with another one it would do nothing)."""
+    from executor.kv_scales import KVScaleError, checkpoint_scales, parse_scales_option, resolve_scales
+    from tp_runtime.resolve import read_model_config
+
+    try:
+        option = parse_scales_option(config.kv_cache_scales)
+        if config.resolved_kv_dtype != "fp8-e4m3":
+            if config.kv_cache_scales != "auto":
+                raise ConfigError(
+                    f"--kv-cache-scales {config.kv_cache_scales} (or --calculate-kv-scales) applies to an fp8 KV "
+                    f"cache; this one is {config.resolved_kv_dtype} (add --kv-cache-dtype fp8)"
+                )
+            return
+        if option in ("auto", "checkpoint"):
+            num_layers = read_model_config(config).num_layers
+            resolve_scales(option, checkpoint_scales(config.model, num_layers), num_layers)
+    except KVScaleError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_hosts(config: RuntimeConfig) -> None:
+    from tp_runtime import frame_keys, hosts
+
+    if config.nnodes < 1 or not 0 <= config.node_rank < config.nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{max(config.nnodes, 1) - 1} and --nnodes at least 1")
+    ranks = config.ranks_per_node * config.nnodes
+    if config.nproc_per_node < 0 or config.ranks_per_node < 1 or ranks != config.tensor_parallel_size:
+        raise ConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} must equal --nnodes {config.nnodes} times "
+            f"--nproc-per-node ({config.nproc_per_node or 'its default'})"
+        )
+    for flag, port, low in (("--master-port", config.master_port, 1), ("--frame-port", config.frame_port, 0)):
+        if not low <= port < 65536:
+            raise ConfigError(f"{flag} must be in {low}..65535, got {port}")
+    if config.frame_key_dir and config.trust_rendezvous_store:
+        raise ConfigError("pass --frame-key-dir or --trust-rendezvous-store, not both")
+    if not config.multi_node:
+        return
+    if not (config.frame_key_dir or config.trust_rendezvous_store):
+        raise ConfigError(
+            "across hosts the frames are encrypted with keys the operator provides: make them with "
+            "`tp-runtime keys DIR`, copy DIR to every host and pass --frame-key-dir DIR (or pass "
+            "--trust-rendezvous-store; docs/deployment.md says what each trusts)"
+        )
+    if config.frame_key_dir:
+        frame_keys.load_key_dir(config.frame_key_dir)
+    elif importlib.util.find_spec("cryptography") is None:
+        raise ConfigError("--trust-rendezvous-store needs the `cryptography` package: pip install 'tp-runtime[multinode]'")
+    hosts.resolve(config.master_addr)
+    if config.advertise_host:
+        hosts.resolve(config.advertise_host)
+
+
+def _check_http_options(config: RuntimeConfig) -> None:
+    names = config.served_model_name
+    if any(not name for name in names) or len(set(names)) != len(names):
+        raise ConfigError(f"--served-model-name takes distinct, non-empty names, got {list(names)}")
+    for flag, value in (
+        ("--max-num-queued-reqs", config.max_num_queued_reqs),
+        ("--max-request-body-size", config.max_request_body_size),
+        ("--max-prompt-chars", config.max_prompt_chars),
+    ):
+        if value < 0:
+            raise ConfigError(f"{flag} must be at least 1, or 0 for its default; got {value}")
+    if config.frontend_nice is not None and not 0 <= config.frontend_nice <= 19:
+        raise ConfigError(f"--frontend-nice takes 0 to 19 (a lower priority than the ranks'), got {config.frontend_nice}")
+    if not config.request_body_timeout > 0 or not config.request_header_timeout > 0 or config.timeout_keep_alive < 1:
+        raise ConfigError(
+            "--request-body-timeout and --request-header-timeout must be positive and --timeout-keep-alive at least 1 second"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuses a port uvicorn could not listen on; one that only lingers in TIME_WAIT is free."""
+    from tp_runtime.hosts import check_can_listen
+
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    try:
+        check_can_listen(host, port)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
