@@ -36,6 +36,7 @@ from executor.model import ModelLoadError, default_model_path, load_model
 from tests.model.driver import Driver
 from tests.tiny_models import write_tiny_llama
 from tp_runtime import cli
+from tp_runtime.cli import checks
 from tp_runtime.config import ConfigError, RuntimeConfig
 
 CPU = torch.device("cpu")
@@ -159,12 +160,12 @@ def test_an_fp8_format_that_is_not_e4m3_is_refused_in_one_sentence(capsys):
 def test_scale_options_are_checked_before_any_rank_starts(tmp_path):
     directory = write_tiny_llama(tmp_path / "plain")
     with pytest.raises(ConfigError, match="applies to an fp8 KV cache"):
-        cli._check_kv_scales(RuntimeConfig(model=str(directory), dtype="fp32", kv_cache_scales="calibrate"))
+        checks._check_kv_scales(RuntimeConfig(model=str(directory), dtype="fp32", kv_cache_scales="calibrate"))
     with pytest.raises(ConfigError, match="has no KV-cache scales"):
-        cli._check_kv_scales(RuntimeConfig(model=str(directory), dtype="fp32", kv_cache_dtype="fp8-e4m3", kv_cache_scales="checkpoint"))
+        checks._check_kv_scales(RuntimeConfig(model=str(directory), dtype="fp32", kv_cache_dtype="fp8-e4m3", kv_cache_scales="checkpoint"))
     with pytest.raises(ConfigError, match="finite positive number"):
-        cli._check_kv_scales(RuntimeConfig(model=str(directory), kv_cache_dtype="fp8-e4m3", kv_cache_scales="-2"))
-    cli._check_kv_scales(RuntimeConfig(model=str(directory), dtype="fp32", kv_cache_dtype="fp8-e4m3"))
+        checks._check_kv_scales(RuntimeConfig(model=str(directory), kv_cache_dtype="fp8-e4m3", kv_cache_scales="-2"))
+    checks._check_kv_scales(RuntimeConfig(model=str(directory), dtype="fp32", kv_cache_dtype="fp8-e4m3"))
 
 
 # -- calibration and the clearing rule ---------------------------------------------------------------

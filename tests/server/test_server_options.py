@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tp_runtime import cli, frontend
+from tp_runtime.cli import checks
 from tp_runtime.config import ConfigError, RuntimeConfig
 
 
@@ -59,7 +60,7 @@ def test_the_api_key_leaves_the_command_line_for_the_environment(monkeypatch):
 )
 def test_bad_http_options_are_one_sentence(argv, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        cli._check_http_options(config_of(*argv))
+        checks._check_http_options(config_of(*argv))
 
 
 def test_the_engine_bounds_requests_in_flight_by_default():

@@ -14,8 +14,6 @@ import sys
 from collections.abc import Sequence
 
 from tp_runtime.cli.checks import check_port_free, validate
-# Two single checks that tests call on their own, as `cli._check_...`.
-from tp_runtime.cli.checks import _check_http_options, _check_kv_scales  # noqa: F401
 from tp_runtime.cli.generate import run_generate_job
 from tp_runtime.cli.options import API_KEY_ENV, EXIT_USAGE, build_parser, config_from_args
 from tp_runtime.config import ConfigError
