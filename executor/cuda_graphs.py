@@ -28,6 +28,7 @@ import torch
 
 from executor.cache import KVCache
 from executor.inputs import StepInputs
+from protocol.errors import TPRuntimeError
 from protocol.frames import CacheGeometry, Prepare
 
 # The StepInputs fields this runner knows how to pad. A field added to StepInputs must be taught
@@ -58,7 +59,7 @@ KNOWN_FIELDS = frozenset(
 )
 
 
-class CudaGraphError(RuntimeError):
+class CudaGraphError(TPRuntimeError, RuntimeError):
     """The decode forward cannot be captured as CUDA graphs."""
 
 

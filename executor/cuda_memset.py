@@ -13,8 +13,10 @@ from types import ModuleType
 
 import torch
 
+from protocol.errors import TPRuntimeError
 
-class CudaMemsetError(RuntimeError):
+
+class CudaMemsetError(TPRuntimeError, RuntimeError):
     """A page memset could not be issued: no cuda-python, a non-CUDA tensor, a bad run, a driver error."""
 
 

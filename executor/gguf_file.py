@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.errors import TPRuntimeError
+
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types -> struct format of a scalar.
@@ -32,7 +34,7 @@ Q4_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20}
 Q4_BLOCK = 32
 
 
-class GGUFFormatError(ValueError):
+class GGUFFormatError(TPRuntimeError, ValueError):
     """The bytes do not follow the GGUF format."""
 
 

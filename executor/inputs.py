@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from protocol.errors import TPRuntimeError
 from protocol.frames import Prepare
 
 
-class StepInputsError(ValueError):
+class StepInputsError(TPRuntimeError, ValueError):
     """A PREPARE whose arrays cannot describe a step (lengths or page tables disagree)."""
 
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from executor.kv_scales import KVScaleError, parse_scales_option
+from protocol.errors import TPRuntimeError
 from protocol.frames import KVDtype
 
 MODEL_DTYPES = ("fp32", "bf16", "fp16")
@@ -16,7 +17,7 @@ WEIGHT_FORMATS = ("auto", "dense", "int4", "mixed")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-class OptionsError(ValueError):
+class OptionsError(TPRuntimeError, ValueError):
     """An executor option is out of range or names something that does not exist."""
 
 

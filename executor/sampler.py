@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.errors import TPRuntimeError
+
 _MASK64 = (1 << 64) - 1
 # A top-k / top-p row's candidates are its tokens with at least this share of its most likely
 # token's probability: 2**-12 holds the nucleus of peaked rows (a few hundred candidates at most),
@@ -35,7 +37,7 @@ _MASK64 = (1 << 64) - 1
 CANDIDATE_RATIOS = (2.0**-12, 2.0**-24, 0.0)
 
 
-class SamplingError(ValueError):
+class SamplingError(TPRuntimeError, ValueError):
     """The sampling parameters do not match the logits they are meant for."""
 
 

@@ -1,10 +1,12 @@
 """Architecture rules a reviewer cannot keep by eye:
 - protocol/ and scheduler/ never import torch, directly or through anything they import;
-- no runtime package uses pickle (the wire is msgpack and raw buffers, nothing else)."""
+- no runtime package uses pickle (the wire is msgpack and raw buffers, nothing else);
+- every exception class the runtime defines derives from protocol.errors.TPRuntimeError."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import os
 import subprocess
@@ -162,3 +164,53 @@ def test_the_pickle_scan_finds_each_pattern(source: str) -> None:
 def test_the_pickle_scan_passes_clean_code() -> None:
     clean = "import msgpack\nimport numpy as np\nnp.load(p)\ntorch.load(p, weights_only=True)\nmsgpack.packb(x)\n"
     assert pickle_uses(clean, "sample.py") == []
+
+
+def exceptions_outside_the_base(sources: dict[str, str]) -> list[str]:
+    """The exception classes defined in `sources` (path -> code) that do not derive from
+    TPRuntimeError, judged by base names (a class's bases resolved through the classes the sources
+    define; a builtin exception ends the chain)."""
+    bases: dict[str, list[str]] = {}
+    where: dict[str, str] = {}
+    for path, code in sources.items():
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ClassDef):
+                names = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, ast.Name | ast.Attribute)]
+                bases[node.name] = names
+                where[node.name] = f"{path}:{node.lineno}"
+
+    def reaches(name: str, goal: object, seen: frozenset[str] = frozenset()) -> bool:
+        if goal(name):
+            return True
+        return name in bases and name not in seen and any(reaches(b, goal, seen | {name}) for b in bases[name])
+
+    def builtin_exception(name: str) -> bool:
+        value = getattr(builtins, name, None)
+        return isinstance(value, type) and issubclass(value, BaseException)
+
+    return sorted(
+        f"{where[name]} {name}"
+        for name in bases
+        if name != "TPRuntimeError"
+        and reaches(name, builtin_exception)
+        and not reaches(name, lambda n: n == "TPRuntimeError")
+    )
+
+
+def test_every_runtime_exception_derives_from_the_base() -> None:
+    files = [p for pkg in RUNTIME_PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in files}
+    assert "TPRuntimeError" in sources["protocol/errors.py"]
+    assert exceptions_outside_the_base(sources) == []
+
+
+def test_the_exception_check_can_fail() -> None:
+    code = (
+        "class TPRuntimeError(Exception): ...\n"
+        "class Good(TPRuntimeError, ValueError): ...\n"
+        "class Later(Good): ...\n"
+        "class Bad(ValueError): ...\n"
+        "class Worse(Bad): ...\n"
+        "class NotAnError: ...\n"
+    )
+    assert exceptions_outside_the_base({"m.py": code}) == ["m.py:4 Bad", "m.py:5 Worse"]

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from protocol.errors import TPRuntimeError
+
 if TYPE_CHECKING:
     from tp_runtime.tokenizer import Tokenizer
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(TPRuntimeError, ValueError):
     """The messages cannot be rendered: a malformed list, no template, or a template that fails."""
 
 

@@ -10,12 +10,14 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
+from protocol.errors import TPRuntimeError
+
 DTYPES = ("auto", "bf16", "fp32", "fp16")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8-e4m3")
 KV_DTYPE_ALIASES = {"fp8": "fp8-e4m3", "fp8_e4m3": "fp8-e4m3", "bfloat16": "bf16"}  # vLLM's --kv-cache-dtype names
 
 
-class ConfigError(ValueError):
+class ConfigError(TPRuntimeError, ValueError):
     """An option that cannot work; the CLI prints it as one sentence and exits with code 2."""
 
 

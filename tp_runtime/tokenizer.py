@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _HFTokenizer
 
 from executor.gguf_file import GGUFFile, GGUFFormatError
+from protocol.errors import TPRuntimeError
 
 _REPLACEMENT = "\ufffd"
 # sentencepiece's byte-fallback tokens spell one byte each: <0x0A>.
@@ -40,7 +41,7 @@ _LLAMA3_SPLIT = (
 _SPLITS_BY_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(TPRuntimeError, ValueError):
     """The model files do not describe a tokenizer that this runtime can build."""
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from executor.model.config import ModelConfig
+from protocol.errors import TPRuntimeError
 
 
-class ShardingError(ValueError):
+class ShardingError(TPRuntimeError, ValueError):
     """The model cannot be split over the requested number of ranks."""
 
 
