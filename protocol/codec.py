@@ -1,10 +1,13 @@
 """Frame <-> ZeroMQ parts, with no socket in sight (sans-IO).
 
-Parts: [envelope, array_0, ..., array_k-1, mac].
+Parts: [envelope, payload, mac].
 - envelope: a msgpack map {version, layout, type, run_id, step, seq, body, arrays}; `body` maps the
-  body's scalar fields (nested dataclasses as maps) and `arrays` lists [name, length] pairs, length in
-  elements, in the order of the array parts.
-- array parts: raw little-endian buffers, dtypes from frames.ARRAY_DTYPES.
+  body's scalar fields (nested dataclasses as maps) and `arrays` lists every array field's length in
+  elements, in the order frames.ARRAY_DTYPES declares the body's arrays.
+- payload: the arrays' raw little-endian buffers one after the other, each starting at a multiple
+  of 8 bytes (zero padding between them), dtypes from frames.ARRAY_DTYPES. One part, not one per
+  array: every ZeroMQ part costs a message of its own on both sides (a 33-array PREPARE took 30x
+  the time of the same bytes in one part to send and receive, docs/control_plane.md).
 - mac: HMAC-SHA256 over a header of the part count and every part's byte length, then every earlier
   part: with the lengths under the MAC, bytes cannot be moved between parts.
 
@@ -43,7 +46,7 @@ class Limits:
 
     max_frame_bytes: int = 64 << 20  # all parts together
     max_envelope_bytes: int = 1 << 20
-    max_parts: int = 40  # envelope + arrays + mac
+    max_parts: int = 3  # envelope, payload, mac
     max_array_len: int = 1024  # msgpack arrays inside the envelope
     max_map_len: int = 64
     max_str_len: int = 64 << 10
@@ -61,9 +64,8 @@ class _Spec:
     cls: type
     scalars: tuple[tuple[str, object], ...]  # (name, kind); kind is one of the above or a _Spec
     arrays: tuple[tuple[str, np.dtype], ...]
-    itemsizes: tuple[tuple[str, int], ...]  # (name, dtype.itemsize) of each array
+    itemsizes: np.ndarray  # int64, each array's dtype.itemsize, in the order of `arrays`
     scalar_names: frozenset[str]
-    array_dtypes: dict[str, np.dtype]
 
 
 def _kind_of(hint: object) -> object:
@@ -83,25 +85,21 @@ def _kind_of(hint: object) -> object:
 def _spec_of(cls: type) -> _Spec:
     hints = typing.get_type_hints(cls, vars(frames))
     dtypes = ARRAY_DTYPES.get(cls, {})
-    scalars = []
-    arrays = []
-    for f in dataclasses.fields(cls):
-        if f.name in dtypes:
-            arrays.append((f.name, dtypes[f.name]))
-        else:
-            scalars.append((f.name, _kind_of(hints[f.name])))
+    arrays = list(dtypes.items())
+    scalars = [(f.name, _kind_of(hints[f.name])) for f in dataclasses.fields(cls) if f.name not in dtypes]
     return _Spec(
         cls=cls,
         scalars=tuple(scalars),
         arrays=tuple(arrays),
-        itemsizes=tuple((name, dtype.itemsize) for name, dtype in arrays),
+        itemsizes=np.array([dtype.itemsize for _, dtype in arrays], dtype=np.int64),
         scalar_names=frozenset(n for n, _ in scalars),
-        array_dtypes=dict(arrays),
     )
 
 
 _SPECS: dict[type, _Spec] = {cls: _spec_of(cls) for cls in BODY_TYPES.values()}
 _FRAME_TYPES_BY_VALUE: dict[int, FrameType] = {int(t): t for t in FrameType}
+_ALIGN = 8
+_PADDING = tuple(bytes(n) for n in range(_ALIGN))
 
 
 def frame_mac(key: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
@@ -156,9 +154,13 @@ def encode(frame: Frame, key: bytes) -> list[bytes]:
     if spec is None:
         raise UsageError(f"{type(body).__name__} is not a frame body")
     cls_name = spec.cls.__name__
-    array_parts = [
-        _array_bytes(cls_name, name, getattr(body, name), dtype) for name, dtype in spec.arrays
-    ]
+    chunks: list[bytes] = []
+    lengths: list[int] = []
+    for name, dtype in spec.arrays:
+        data = _array_bytes(cls_name, name, getattr(body, name), dtype)
+        lengths.append(len(data) // dtype.itemsize)
+        chunks.append(data)
+        chunks.append(_PADDING[-len(data) % _ALIGN])
     envelope = {
         "version": frame.version,
         "layout": frame.layout,
@@ -167,13 +169,13 @@ def encode(frame: Frame, key: bytes) -> list[bytes]:
         "step": frame.step,
         "seq": frame.seq,
         "body": _scalars_to_map(spec, body),
-        "arrays": [[name, len(part) // size] for (name, size), part in zip(spec.itemsizes, array_parts)],
+        "arrays": lengths,
     }
     try:
         packed = msgpack.packb(envelope, default=_pack_default, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise UsageError(f"cannot encode {cls_name}: {exc}") from exc
-    parts = [packed, *array_parts]
+    parts = [packed, b"".join(chunks)]
     parts.append(frame_mac(key, parts))
     return parts
 
@@ -272,43 +274,40 @@ def _scalars_from_map(spec: _Spec, data: object, where: str) -> dict[str, object
     return out
 
 
-def _arrays_from_parts(
-    spec: _Spec, listing: object, parts: list[memoryview]
-) -> dict[str, np.ndarray]:
+def _arrays_from_payload(spec: _Spec, lengths: object, payload: memoryview) -> dict[str, np.ndarray]:
+    """Read-only views into the payload, one per array the body declares, at the offsets the
+    lengths imply; the payload must hold exactly them (and their padding). The offsets are worked
+    out in numpy: a Python loop over a PREPARE's 33 arrays cost more than the views themselves."""
     cls_name = spec.cls.__name__
-    if type(listing) is not list or len(listing) != len(spec.arrays):
+    if type(lengths) is not list or len(lengths) != len(spec.arrays) or not all(type(n) is int for n in lengths):
         raise ProtocolError(
             RejectCode.MALFORMED,
-            f"{cls_name} carries {len(spec.arrays)} arrays; the envelope must list each once",
+            f"{cls_name} carries {len(spec.arrays)} arrays; the envelope must list each one's length",
         )
-    if len(parts) != len(listing):
+    if not lengths:
+        if payload.nbytes:
+            raise ProtocolError(RejectCode.LENGTH_MISMATCH, f"{cls_name} carries no arrays, the payload is not empty")
+        return {}
+    # A length over the payload's byte count cannot fit; checked before any multiplication, so that
+    # the int64 arithmetic below is exact.
+    if min(lengths) < 0:
+        raise ProtocolError(RejectCode.MALFORMED, f"{cls_name}: an array length is negative")
+    if max(lengths) > payload.nbytes:
         raise ProtocolError(
-            RejectCode.MALFORMED,
-            f"{cls_name} lists {len(listing)} arrays but the frame has {len(parts)} array parts",
+            RejectCode.LENGTH_MISMATCH, f"{cls_name}: an array length exceeds the {payload.nbytes}-byte payload"
         )
-    dtypes = spec.array_dtypes
-    out: dict[str, np.ndarray] = {}
-    for entry, part in zip(listing, parts):
-        if type(entry) is not list or len(entry) != 2:
-            raise ProtocolError(RejectCode.MALFORMED, f"{cls_name}: an array entry must be [name, length]")
-        name, length = entry
-        dtype = dtypes.get(name) if type(name) is str else None
-        if dtype is None or name in out:
-            raise ProtocolError(
-                RejectCode.MALFORMED, f"{cls_name}: unexpected or repeated array name {name!r}"
-            )
-        if type(length) is not int or length < 0:
-            raise ProtocolError(
-                RejectCode.MALFORMED, f"{cls_name}.{name}: the length must be a non-negative integer"
-            )
-        if part.nbytes != length * dtype.itemsize:
-            raise ProtocolError(
-                RejectCode.LENGTH_MISMATCH,
-                f"{cls_name}.{name}: {length} elements of {dtype.name} need "
-                f"{length * dtype.itemsize} bytes, the part has {part.nbytes}",
-            )
-        out[name] = np.frombuffer(part, dtype=dtype)
-    return out
+    padded = (np.array(lengths, dtype=np.int64) * spec.itemsizes + (_ALIGN - 1)) & -_ALIGN
+    ends = np.cumsum(padded)
+    if ends[-1] != payload.nbytes:
+        raise ProtocolError(
+            RejectCode.LENGTH_MISMATCH,
+            f"{cls_name}: the array lengths need a {int(ends[-1])}-byte payload, the frame has {payload.nbytes}",
+        )
+    offsets = (ends - padded).tolist()
+    return {
+        name: np.frombuffer(payload, dtype, length, offset)
+        for (name, dtype), length, offset in zip(spec.arrays, lengths, offsets)
+    }
 
 
 def verify(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[memoryview]:
@@ -318,8 +317,8 @@ def verify(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEF
         count = len(parts)
     except TypeError as exc:
         raise ProtocolError(RejectCode.MALFORMED, "a frame must be a sequence of parts") from exc
-    if count < 2:
-        raise ProtocolError(RejectCode.MALFORMED, f"a frame has at least 2 parts, got {count}")
+    if count < 3:
+        raise ProtocolError(RejectCode.MALFORMED, f"a frame has 3 parts (envelope, payload, MAC), got {count}")
     if count > limits.max_parts:
         raise ProtocolError(RejectCode.TOO_LARGE, f"{count} parts exceed the limit of {limits.max_parts}")
     views = _byte_views(parts)
@@ -355,7 +354,7 @@ def decode_verified(views: list[memoryview], limits: Limits = DEFAULT_LIMITS) ->
         raise ProtocolError(RejectCode.MALFORMED, "envelope.run_id must be a string")
     spec = _SPECS[BODY_TYPES[frame_type]]
     fields = _scalars_from_map(spec, env["body"], spec.cls.__name__)
-    fields.update(_arrays_from_parts(spec, env["arrays"], views[1:-1]))
+    fields.update(_arrays_from_payload(spec, env["arrays"], views[1]))
     return Frame(
         version=_check_int("envelope.version", env["version"]),
         layout=_check_int("envelope.layout", env["layout"]),

@@ -1,8 +1,8 @@
 """Typed frames of the wire protocol.
 
 Every frame is a frozen dataclass. Integer and float arrays are numpy arrays with a fixed dtype
-(see ARRAY_DTYPES): the codec sends them as raw little-endian buffers in extra ZeroMQ frame parts
-and decodes them zero-copy, so they are read-only on the receiving side.
+(see ARRAY_DTYPES): the codec sends them as raw little-endian buffers, one after the other in one
+ZeroMQ part, and decodes them zero-copy, so they are read-only on the receiving side.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import numpy as np
 #    logits processing (alternatives wanted, penalties, logit bias, banned tokens and the sampling
 #    state rank 0 holds between steps) and RESULT's top alternatives, added before anything outside
 #    this repository spoke version 3.
-PROTOCOL_VERSION = 3
+# 4: every array of a frame in one payload part (offsets from the lengths the envelope lists, in
+#    ARRAY_DTYPES' order, 8-byte aligned) instead of one ZeroMQ part per array.
+PROTOCOL_VERSION = 4
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1

@@ -8,9 +8,9 @@ Two kinds of frames, each checked against what the protocol requires of every ra
   every rank must answer alike: READY (the frame is sound; it then runs, and its RESULT must be
   well-formed) or REJECT with a code, naming only sequences of the frame when it names any.
 - wire cases (`wire_cases`, a fixed list run whole): parts the codec never makes, re-signed with the
-  key so they get past the MAC (array parts whose byte length fits no element count, another
-  field's dtype, missing and extra parts, a truncated or oversized envelope, frames over the size
-  limit), every envelope field (version, layout, run id, step, seq: replays), frames of types the
+  key so they get past the MAC (a payload shorter or longer than its array listing, an array in
+  another field's dtype, missing and extra parts, a truncated or oversized envelope, frames over the
+  size limit), every envelope field (version, layout, run id, step, seq: replays), frames of types the
   scheduler never sends, and frames that fail the MAC. Each names the one code every rank must
   answer with, or None for a frame the protocol ignores (a HEARTBEAT: no answer at all).
 
@@ -33,6 +33,7 @@ from protocol.conversation import StepDone, StepRefused
 from protocol.errors import RejectCode
 from protocol.frames import (
     ARRAY_DTYPES,
+    PROTOCOL_VERSION,
     CacheGeometry,
     Done,
     FrameType,
@@ -51,7 +52,7 @@ from scripts.harness.frame_driver import FrameDriver, Sent
 
 PREPARE_DTYPES = ARRAY_DTYPES[Prepare]
 FIELDS = tuple(sorted(PREPARE_DTYPES))
-ARRAY_ORDER = tuple(f.name for f in dataclasses.fields(Prepare))  # the order of the array parts
+PAYLOAD_ALIGN = 8  # docs/protocol.md: each array starts at a multiple of 8 bytes of the payload
 KINDS = ("one", "all", "truncate", "extend", "huge", "empty")
 I32 = np.iinfo(np.int32)
 I64 = np.iinfo(np.int64)
@@ -219,22 +220,33 @@ def _parts(driver: FrameDriver, step: int, p: Prepare, **envelope: object) -> li
     return driver.stamp(p, step, **envelope)
 
 
-def _array_index(name: str) -> int:
-    """The part index of a PREPARE array (the envelope is part 0)."""
-    return 1 + ARRAY_ORDER.index(name)
-
-
 def _replace_array(driver: FrameDriver, step: int, p: Prepare, name: str, raw: bytes, listed: int | None) -> list[list[bytes]]:
-    parts = _parts(driver, step, p)
-    parts[_array_index(name)] = raw
+    """The PREPARE's parts with array `name`'s bytes in the payload replaced by `raw` (padded as the
+    wire pads an array) and, when `listed` is given, its length in the listing set to it. The offsets
+    are worked out here from docs/protocol.md, as a peer in another language would."""
+    envelope, payload, _ = _parts(driver, step, p)
+    env = msgpack.unpackb(envelope)
+    offset = 0
+    for field, length in zip(PREPARE_DTYPES, env["arrays"]):
+        size = length * PREPARE_DTYPES[field].itemsize
+        padded = size + (-size % PAYLOAD_ALIGN)
+        if field == name:
+            payload = payload[:offset] + raw + bytes(-len(raw) % PAYLOAD_ALIGN) + payload[offset + padded :]
+            break
+        offset += padded
+    if listed is not None:
+        env["arrays"][list(PREPARE_DTYPES).index(name)] = listed
+    return [driver.resign([msgpack.packb(env, use_bin_type=True), payload, b""])]
 
-    def relist(env: dict) -> dict:
-        for entry in env["arrays"]:
-            if entry[0] == name and listed is not None:
-                entry[1] = listed
-        return env
 
-    return [driver.repack(parts, relist)]
+def _payload(change: Callable[[bytes], bytes]) -> Build:
+    """Parts whose payload is change(the right one), re-signed."""
+
+    def build(d: FrameDriver, s: int, p: Prepare) -> list[list[bytes]]:
+        envelope, payload, _ = _parts(d, s, p)
+        return [d.resign([envelope, change(payload), b""])]
+
+    return build
 
 
 def _rebuild(envelope_of: Callable[[dict], object]) -> Build:
@@ -276,6 +288,11 @@ def _unsigned(d: FrameDriver, s: int, p: Prepare) -> list[list[bytes]]:
     return [parts]
 
 
+def _mac_over_another_payload(d: FrameDriver, s: int, p: Prepare) -> list[list[bytes]]:
+    envelope, payload, mac = _parts(d, s, p)
+    return [[envelope, payload + bytes(8), mac]]
+
+
 def _too_many_parts(d: FrameDriver, s: int, p: Prepare) -> list[list[bytes]]:
     parts = _parts(d, s, p)
     return [d.resign([*parts[:-1], *([b""] * 20), b""])]
@@ -296,8 +313,8 @@ def wire_cases(g: CacheGeometry, big: bool = True) -> list[WireCase]:
     cases = [
         WireCase("mac_flipped", _unsigned, RejectCode.BAD_MAC),
         WireCase("mac_of_another_key", lambda d, s, p: [d.stamp(p, s, key=os.urandom(32))], RejectCode.BAD_MAC),
-        WireCase("mac_missing", lambda d, s, p: [_parts(d, s, p)[:-1]], RejectCode.BAD_MAC),
-        WireCase("mac_over_other_parts", lambda d, s, p: [[*_parts(d, s, p)[:-2], _parts(d, s, p)[-1]]], RejectCode.BAD_MAC),
+        WireCase("mac_missing", lambda d, s, p: [_parts(d, s, p)[:-1]], RejectCode.MALFORMED),  # two parts, not three
+        WireCase("mac_over_another_payload", _mac_over_another_payload, RejectCode.BAD_MAC),
         WireCase("one_part", lambda d, s, p: [[b"\x93\x01\x02\x03"]], RejectCode.MALFORMED),
         WireCase("empty_part", lambda d, s, p: [[b""]], RejectCode.MALFORMED),
         WireCase("too_many_parts", _too_many_parts, RejectCode.TOO_LARGE),
@@ -316,14 +333,15 @@ def wire_cases(g: CacheGeometry, big: bool = True) -> list[WireCase]:
         WireCase("step_a_string", _edit(_set("step", "1")), RejectCode.MALFORMED),
         WireCase("seq_a_float", _edit(_set("seq", 1.5)), RejectCode.MALFORMED),
         WireCase("version_a_bool", _edit(_set("version", True)), RejectCode.MALFORMED),
-        WireCase("listing_length_plus_one", _listing(lambda a: a[0].__setitem__(1, a[0][1] + 1)), RejectCode.LENGTH_MISMATCH),
-        WireCase("listing_length_negative", _listing(lambda a: a[0].__setitem__(1, -1)), RejectCode.MALFORMED),
-        WireCase("listing_unknown_name", _listing(lambda a: a[0].__setitem__(0, "tokens")), RejectCode.MALFORMED),
-        WireCase("listing_repeated_name", _listing(lambda a: a[1].__setitem__(0, a[0][0])), RejectCode.MALFORMED),
+        WireCase("listing_length_plus_one", _listing(lambda a: a.__setitem__(0, a[0] + 1)), RejectCode.LENGTH_MISMATCH),
+        WireCase("listing_length_negative", _listing(lambda a: a.__setitem__(0, -1)), RejectCode.MALFORMED),
+        WireCase("listing_length_a_name", _listing(lambda a: a.__setitem__(0, "tokens")), RejectCode.MALFORMED),
+        WireCase("listing_of_version_3_pairs", _listing(lambda a: a.__setitem__(0, ["seq_ids", a[0]])), RejectCode.MALFORMED),
         WireCase("listing_missing_entry", _listing(lambda a: a.pop()), RejectCode.MALFORMED),
-        WireCase("array_part_missing", lambda d, s, p: [d.resign([*_parts(d, s, p)[:-2], b""])], RejectCode.MALFORMED),
-        WireCase("array_part_extra", lambda d, s, p: [d.resign([*_parts(d, s, p)[:-1], b"\0" * 8, b""])], RejectCode.MALFORMED),
-        WireCase("array_cut_mid_element", lambda d, s, p: _replace_array(d, s, p, "token_ids", p.token_ids.tobytes()[:-1], None), RejectCode.LENGTH_MISMATCH),
+        WireCase("payload_missing", lambda d, s, p: [d.resign([_parts(d, s, p)[0], b""])], RejectCode.MALFORMED),
+        WireCase("part_extra", lambda d, s, p: [d.resign([*_parts(d, s, p)[:-1], b"\0" * 8, b""])], RejectCode.TOO_LARGE),
+        WireCase("payload_one_byte_short", _payload(lambda b: b[:-1]), RejectCode.LENGTH_MISMATCH),
+        WireCase("payload_one_byte_long", _payload(lambda b: b + b"\0"), RejectCode.LENGTH_MISMATCH),
         WireCase("array_bytes_of_int64", tokens_as_int64, RejectCode.LENGTH_MISMATCH),
         WireCase(
             "array_int64_relisted_as_int32",
@@ -335,8 +353,8 @@ def wire_cases(g: CacheGeometry, big: bool = True) -> list[WireCase]:
             lambda d, s, p: _replace_array(d, s, p, "temperature", np.arange(len(p.seq_ids), dtype="<i4").tobytes(), None),
             RejectCode.BAD_SAMPLING,
         ),
-        WireCase("version_old", lambda d, s, p: [_parts(d, s, p, version=2)], RejectCode.BAD_VERSION),
-        WireCase("version_next", lambda d, s, p: [_parts(d, s, p, version=4)], RejectCode.BAD_VERSION),
+        WireCase("version_old", lambda d, s, p: [_parts(d, s, p, version=PROTOCOL_VERSION - 1)], RejectCode.BAD_VERSION),
+        WireCase("version_next", lambda d, s, p: [_parts(d, s, p, version=PROTOCOL_VERSION + 1)], RejectCode.BAD_VERSION),
         WireCase("version_negative", lambda d, s, p: [_parts(d, s, p, version=-1)], RejectCode.BAD_VERSION),
         WireCase("version_huge", lambda d, s, p: [_parts(d, s, p, version=2**63 - 1)], RejectCode.BAD_VERSION),
         WireCase("layout_zero", lambda d, s, p: [_parts(d, s, p, layout=0)], RejectCode.BAD_LAYOUT),

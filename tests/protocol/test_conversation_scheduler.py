@@ -47,12 +47,13 @@ def test_agreeing_hellos_complete_the_handshake_with_rank_zeros_geometry() -> No
 
 
 def test_the_highest_version_common_to_every_rank_is_chosen() -> None:
-    _, events = handshake(hello(0, versions=(2, 3, 4)), hello(1, versions=(3, 4)), supported=(1, 2, 3))
-    assert events[0].version == 3
-    _, events = handshake(hello(0, versions=(2,)), hello(1, versions=(3,)), supported=(2, 3))
+    # The HELLO frames themselves go out at version V, which every side here supports.
+    _, events = handshake(hello(0, versions=(V - 1, V, V + 1)), hello(1, versions=(V, V + 1)), supported=(V - 2, V - 1, V))
+    assert events[0].version == V
+    _, events = handshake(hello(0, versions=(V - 1,)), hello(1, versions=(V,)), supported=(V - 1, V))
     (refused,) = events
     assert isinstance(refused, HandshakeRefused) and refused.code == RejectCode.BAD_VERSION
-    assert "rank 0 on host host-0 [2]" in refused.message and "rank 1 on host host-1 [3]" in refused.message
+    assert f"rank 0 on host host-0 [{V - 1}]" in refused.message and f"rank 1 on host host-1 [{V}]" in refused.message
 
 
 class Planned:

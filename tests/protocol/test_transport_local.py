@@ -153,7 +153,7 @@ def test_a_wrong_mac_from_a_ranks_connection_is_counted_and_ignored(scheduler: S
 
 
 def test_an_authenticated_frame_that_fails_decoding_is_the_ranks_error(scheduler: SchedulerEndpoint, rank0: RawPeer) -> None:
-    parts = [b"\xc1", frame_mac(KEY, [b"\xc1"])]  # 0xc1 is never valid msgpack
+    parts = [b"\xc1", b"", frame_mac(KEY, [b"\xc1", b""])]  # 0xc1 is never valid msgpack
     assert received_error(scheduler, rank0, parts).code == RejectCode.MALFORMED
 
 
@@ -184,7 +184,7 @@ def test_executor_raises_on_a_bad_frame_and_keeps_working() -> None:
             ex.send(Ready(2), step=0)
             identity = router.recv_multipart()[0]
             assert identity.startswith(b"\0")  # made by the ROUTER: executors choose none
-            router.send_multipart([identity, b"garbage", b"x" * 32])
+            router.send_multipart([identity, b"garbage", b"", b"x" * 32])
             with pytest.raises(ProtocolError) as info:
                 ex.recv(TIMEOUT_MS)
             assert info.value.code == RejectCode.BAD_MAC
