@@ -1,17 +1,22 @@
 """Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
 
     python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only] [--forward-ms 10]
+                                 [--rows 16,256] [--forward sleep,gil]
 
 1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
    byte fill (bytes written per second), measured here, side by side with
 2. clear_pages on a SmolLM2-shaped bf16 cache (30 layers, 3 KV heads of 64, pages of 16 slots):
    the cost per page when every page is its own run, and per run of 8 and 64 contiguous pages.
 3. The step loop itself at 1, 2 and 3 ranks: PREPARE -> validate + stage -> READY -> GO -> forward
-   -> RESULT/DONE, with a forward that is one all_reduce and a sleep of --forward-ms (and zero
-   logits on rank 0), so what is measured is the protocol, the staging and the sampler, not a model. Per world size:
-   the step (median, p90), and the gap between two forwards (median, p90): from the end of forward
-   N on the last rank to finish it to the start of forward N+1 on the last rank to start it, which
-   each rank's model stamps itself; that is the PREPARE -> READY -> GO time no forward overlaps.
+   -> RESULT/DONE, with a forward that is one all_reduce and --forward-ms of sleep (a GPU model's
+   thread, waiting with the GIL released) or of tiny torch ops (`--forward gil`: a CPU model's many
+   small ops, which hold the GIL between kernels), and zero logits on rank 0, so what is measured
+   is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
+   steady decode steps of --rows rows (feedback tokens, page tables held). Per run: the step
+   (median, p90), and the gap between two forwards (median, p90): from the end of forward N on the
+   last rank to finish it to the start of forward N+1 on the last rank to start it, which each
+   rank's model stamps itself; and rank 0's model thread idle between two steps (RESULT.gap_us:
+   the gap less sampling and the cache operations).
    Each world size runs serially (the next PREPARE after the RESULT) and overlapped (the next
    PREPARE as soon as GO is out, as --async-scheduling does): the gap is what overlapping saves.
    The executors are started and stopped by scripts/harness/executors.py.
@@ -106,9 +111,14 @@ def clear_cost(num_kv_pages: int = 512, repeats: int = 7) -> dict[str, float]:
 # -- the step ------------------------------------------------------------------------------------
 
 
-def bench_geometry() -> CacheGeometry:
+PAGES_PER_SEQ = 8
+
+
+def bench_geometry(rows: int = DECODE_SEQS) -> CacheGeometry:
+    """SmolLM2's cache shape, with room for `rows` decoding sequences of PAGES_PER_SEQ pages each
+    and 64 pages more for the step's clears."""
     return CacheGeometry(
-        num_kv_pages=512,
+        num_kv_pages=max(512, rows * PAGES_PER_SEQ + 64),
         page_size=PAGE_SIZE,
         num_layers=LAYERS,
         num_kv_heads=KV_HEADS,
@@ -116,38 +126,40 @@ def bench_geometry() -> CacheGeometry:
         kv_dtype="bf16",
         vocab_size=BENCH_VOCAB,
         max_model_len=2048,
-        max_num_seqs=64,
-        max_num_batched_tokens=1024,
+        max_num_seqs=max(64, rows),
+        max_num_batched_tokens=max(1024, rows),
     )
 
 
-def decode_prepare(step: int, seqs: int = DECODE_SEQS) -> Prepare:
-    """A decode step of `seqs` sequences, 8 pages each, one freshly cleared page per step."""
+def decode_prepare(step: int, seqs: int = DECODE_SEQS, steady: bool = False) -> Prepare:
+    """A decode step of `seqs` sequences, PAGES_PER_SEQ pages each, one freshly cleared page per step.
+    `steady`: as a server's steps after the first: every row's token is the one its sequence sampled
+    at the step before (feedback) and the ranks hold the page tables already (an empty delta)."""
     i32 = np.int32
-    pages_per_seq = 8
-    context = np.full(seqs, pages_per_seq * PAGE_SIZE - 3, dtype=i32)
-    table = np.arange(seqs * pages_per_seq, dtype=i32)
+    context = np.full(seqs, PAGES_PER_SEQ * PAGE_SIZE - 3, dtype=i32)
+    base = PAGES_PER_SEQ if steady else 0
+    table = np.zeros(0, dtype=i32) if steady else np.arange(seqs * PAGES_PER_SEQ, dtype=i32)
     return Prepare(
         seq_ids=np.arange(seqs, dtype=np.int64),
         query_lens=np.ones(seqs, dtype=i32),
         context_lens=context,
         token_ids=np.full(seqs, 7, dtype=i32),
         positions=context - 1,
-        page_table_lens=np.full(seqs, pages_per_seq, dtype=i32),
-        page_table_base=np.zeros(seqs, dtype=i32),
+        page_table_lens=np.full(seqs, PAGES_PER_SEQ, dtype=i32),
+        page_table_base=np.full(seqs, base, dtype=i32),
         page_table=table,
         sample=np.ones(seqs, dtype=np.uint8),
         temperature=np.full(seqs, 0.7, dtype=np.float32),
         top_p=np.full(seqs, 0.9, dtype=np.float32),
         top_k=np.zeros(seqs, dtype=i32),
         seeds=np.full(seqs, -1, dtype=np.int64),
-        cleared_pages=np.array([seqs * pages_per_seq + step % 64], dtype=i32),
+        cleared_pages=np.array([seqs * PAGES_PER_SEQ + step % 64], dtype=i32),
         restore_pages=np.zeros(0, dtype=i32),
         restore_slots=np.zeros(0, dtype=i32),
         offload_pages=np.zeros(0, dtype=i32),
         offload_slots=np.zeros(0, dtype=i32),
         poison_pages=np.zeros(0, dtype=i32),
-        feedback=np.zeros(seqs, dtype=np.uint8),
+        feedback=np.full(seqs, int(steady), dtype=np.uint8),
         **plain_sampling(seqs),
     )
 
@@ -194,51 +206,101 @@ class CollectiveShard:
 TIMES_DIR_ENV = "BENCH_STEP_FORWARD_TIMES"
 TIMES_CAPACITY_ENV = "BENCH_STEP_FORWARD_CAPACITY"
 # How long each forward takes besides its all_reduce: a real model's step, during which a planned
-# ahead PREPARE can be staged. It sleeps (a model's kernels leave the GIL to the link thread, too).
+# ahead PREPARE can be staged.
 FORWARD_MS_ENV = "BENCH_STEP_FORWARD_MS"
+# How the forward spends that time: `sleep` leaves the GIL to the link thread the whole time (a GPU
+# model's thread waiting on its stream); `gil` runs tiny torch ops back to back, holding the GIL for
+# each op's Python dispatch and leaving it for each op's kernel, as a CPU model's many small ops
+# do: then the link thread's Python work and the model's contend for the GIL, and the gap shows it.
+FORWARD_KIND_ENV = "BENCH_STEP_FORWARD_KIND"
+FORWARD_KINDS = ("sleep", "gil")
+# A real model's loader ("module:function") that load_stamped wraps, for the gap around a real
+# forward (scripts/device_check.py on a GPU).
+INNER_LOAD_ENV = "BENCH_STEP_INNER_LOAD"
 
 
 def forward_times_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.npy"
 
 
+def _stamps(rank: int) -> np.ndarray:
+    capacity = int(os.environ[TIMES_CAPACITY_ENV])
+    times = np.lib.format.open_memmap(
+        forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64, shape=(capacity, 2)
+    )
+    times[:] = np.nan
+    return times
+
+
 class CollectiveOnlyModel:
-    """A forward that is one all_reduce (the peers' rendezvous) and zero logits on rank 0. It
-    stamps its start and end into a memory-mapped file (two floats per forward), which the
-    benchmark reads once the ranks have exited: no frame carries them."""
+    """A forward that is one all_reduce (the peers' rendezvous), --forward-ms of sleep or of tiny
+    torch ops, and zero logits on rank 0."""
 
     fingerprint = "bench-collective-only"
 
-    def __init__(self, rank: int, world_size: int, times: np.ndarray, forward_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, forward_s: float, kind: str) -> None:
+        if kind not in FORWARD_KINDS:
+            raise ValueError(f"{FORWARD_KIND_ENV}={kind!r}: expected one of {FORWARD_KINDS}")
         self.rank = rank
         self.forward_s = forward_s
+        self.kind = kind
         self.world_size = world_size
         self.config = CollectiveConfig()
         self.shard = CollectiveShard(local_kv_heads=len(range(rank, KV_HEADS, world_size)))
         self.token = torch.zeros(1)
-        self.times = times
-        self.forwards = 0
+        self._scratch = torch.zeros(64)
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         started = time.perf_counter()
         if self.world_size > 1:
             torch.distributed.all_reduce(self.token)
-        if self.forward_s:
+        if self.kind == "sleep":
             time.sleep(self.forward_s)
-        logits = torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB) if self.rank == 0 else None
+        else:
+            end = started + self.forward_s
+            while time.perf_counter() < end:
+                self._scratch.add_(1.0)
+        return torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB) if self.rank == 0 else None
+
+
+class StampedModel:
+    """Any step model, with the start and end of each forward written into a memory-mapped file
+    (two floats per forward), which the benchmark reads once the ranks have exited: no frame
+    carries them."""
+
+    def __init__(self, inner: object, times: np.ndarray) -> None:
+        self.inner = inner
+        self.fingerprint = inner.fingerprint
+        self.config = inner.config
+        self.shard = inner.shard
+        self.times = times
+        self.forwards = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
+        started = time.perf_counter()
+        logits = self.inner.forward(inputs, cache)
         if self.forwards < len(self.times):
             self.times[self.forwards] = (started, time.perf_counter())
         self.forwards += 1
         return logits
 
 
-def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress) -> CollectiveOnlyModel:
-    capacity = int(os.environ[TIMES_CAPACITY_ENV])
-    times = np.lib.format.open_memmap(
-        forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64, shape=(capacity, 2)
-    )
-    times[:] = np.nan
-    return CollectiveOnlyModel(rank, world_size, times, float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000)
+def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress) -> StampedModel:
+    forward_s = float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000
+    inner = CollectiveOnlyModel(rank, world_size, forward_s, os.environ.get(FORWARD_KIND_ENV, "sleep"))
+    return StampedModel(inner, _stamps(rank))
+
+
+def load_stamped(path, **kwargs: object) -> StampedModel:
+    """The loader named by BENCH_STEP_INNER_LOAD, its model's forwards stamped."""
+    import importlib
+
+    module, _, function = os.environ[INNER_LOAD_ENV].partition(":")
+    inner = getattr(importlib.import_module(module), function)(path, **kwargs)
+    return StampedModel(inner, _stamps(int(kwargs["rank"])))
 
 
 def forward_gaps(times_by_rank: list[np.ndarray], steps: int) -> np.ndarray:
@@ -256,8 +318,21 @@ def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
     return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
 
 
-def _loop_options() -> ExecutorOptions:
-    g = bench_geometry()
+@dataclass(frozen=True)
+class LoopSpec:
+    """One run of the step loop: world size, steps, rows per decode step, the fake forward, and
+    serial (max_inflight 1) or overlapped (2) planning."""
+
+    world_size: int = 1
+    steps: int = 100
+    rows: int = DECODE_SEQS
+    forward_ms: float = 5.0
+    forward: str = "sleep"
+    max_inflight: int = 2
+
+
+def loop_options(rows: int = DECODE_SEQS) -> ExecutorOptions:
+    g = bench_geometry(rows)
     return ExecutorOptions(
         model="bench",
         num_kv_pages=g.num_kv_pages,
@@ -275,16 +350,18 @@ class _LoopDriver:
     """The scheduler's side of the step loop, driven as the engine drives it through the
     protocol's conversation, with the time of each phase of every step."""
 
-    def __init__(self, endpoint: object, world_size: int, max_inflight: int) -> None:
+    def __init__(self, endpoint: object, world_size: int, max_inflight: int, rows: int) -> None:
         from protocol.conversation import SchedulerConversation
 
         self.endpoint = endpoint
         self.conv = SchedulerConversation(world_size=world_size, run_id="bench", max_inflight=max_inflight)
         self.max_inflight = max_inflight
+        self.rows = rows
         self.sent: dict[int, float] = {}
         self.ready_at: dict[int, float] = {}
         self.go_at: dict[int, float] = {}
         self.phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
+        self.model_gaps_us: list[int] = []  # rank 0's RESULT.gap_us: its model thread idle between steps
 
     def events(self, timeout_ms: int = 100) -> list[object]:
         got = self.endpoint.recv(timeout_ms)
@@ -303,7 +380,8 @@ class _LoopDriver:
 
     def run(self, steps: int) -> None:
         """PREPARE to all, every READY, GO to all, every RESULT/DONE; with max_inflight 2 the next
-        PREPARE goes out as soon as GO is out, as the engine does with async scheduling."""
+        PREPARE goes out as soon as GO is out, as the engine does with async scheduling. Steps
+        after the first are steady ones (feedback rows, held page tables), as a server's are."""
         from protocol.conversation import StepDone, StepReady
 
         conv, endpoint = self.conv, self.endpoint
@@ -311,7 +389,7 @@ class _LoopDriver:
         while finished < steps:
             while conv.next_step <= steps and conv.staged is None and len(conv.in_flight) < self.max_inflight:
                 step = conv.next_step
-                endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step)))
+                endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step, self.rows, steady=step > 1)))
                 self.sent[step] = time.perf_counter()
             for event in self.events():
                 now = time.perf_counter()
@@ -325,53 +403,84 @@ class _LoopDriver:
                     self.phases["step"].append(now - self.sent[n])
                     self.phases["prepare_to_all_ready"].append(self.ready_at[n] - self.sent[n])
                     self.phases["go_to_all_done"].append(now - self.go_at[n])
+                    self.model_gaps_us.append(event.result.gap_us)
                 else:
                     raise RuntimeError(f"the step loop broke: {event}")
         endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
 
 
-def loop_overhead(world_size: int, steps: int, max_inflight: int, forward_ms: float) -> dict[str, object]:
-    """The step loop at world_size ranks whose forward is a sleep of forward_ms (collectives only):
-    the time each step spends outside its forward, and the gap between two forwards on a rank."""
+def measure_loop(
+    spec: LoopSpec,
+    *,
+    options: ExecutorOptions | None = None,
+    load: str = "scripts.bench_step:load_collective_only",
+    env: dict[str, str] | None = None,
+) -> dict[str, object]:
+    """The step loop as `spec` says, with executors started by scripts/harness/executors.py: the time
+    each step spends outside its forward, and the gap between two forwards. `options`, `load` and
+    `env` put a real model under the same measurement (load_stamped, INNER_LOAD_ENV); the defaults
+    run the fake forward."""
     from protocol.auth import new_key
     from protocol.transport import SchedulerEndpoint, ipc_address
     from scripts.harness.executors import ExecutorCluster
+    from scripts.harness.processes import cpu_seconds
 
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
-    driver = _LoopDriver(endpoint, world_size, max_inflight)
+    driver = _LoopDriver(endpoint, spec.world_size, spec.max_inflight, spec.rows)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-step-") as times_dir:
             cluster = ExecutorCluster(
-                world_size,
+                spec.world_size,
                 address=endpoint.address,
                 key=key,
                 run_id="bench",
-                options=_loop_options(),
-                load="scripts.bench_step:load_collective_only",
+                options=options or loop_options(spec.rows),
+                load=load,
                 collective_timeout_s=60.0,
                 log_level="WARNING",
-                env={TIMES_DIR_ENV: times_dir, TIMES_CAPACITY_ENV: str(steps), FORWARD_MS_ENV: str(forward_ms)},
+                env={
+                    TIMES_DIR_ENV: times_dir,
+                    TIMES_CAPACITY_ENV: str(spec.steps),
+                    FORWARD_MS_ENV: str(spec.forward_ms),
+                    FORWARD_KIND_ENV: spec.forward,
+                    **(env or {}),
+                },
             )
             with cluster:
                 driver.handshake()
-                driver.run(steps)
+                pids = cluster.pids()
+                cpu_before = {rank: cpu_seconds(pid) for rank, pid in pids.items()}
+                driver_before = time.process_time()
+                driver.run(spec.steps)
+                driver_cpu = time.process_time() - driver_before
+                cpu = {f"rank{rank}": (cpu_seconds(pid) or 0.0) - (cpu_before[rank] or 0.0) for rank, pid in pids.items()}
                 codes = cluster.stop(grace_s=30.0)
             if any(codes.values()):
                 raise RuntimeError(f"the executors exited with codes {codes}")
-            times = [np.load(forward_times_path(times_dir, rank)) for rank in range(world_size)]
+            times = [np.load(forward_times_path(times_dir, rank)) for rank in range(spec.world_size)]
     finally:
         endpoint.close()
-    warmup = min(10, steps // 4)
-    gaps = forward_gaps(times, steps)[warmup:]
+    warmup = min(10, spec.steps // 4)
+    gaps = forward_gaps(times, spec.steps)[warmup:]
     warm = {name: values[warmup:] for name, values in driver.phases.items()}
     return {
         "median_step_us": statistics.median(warm["step"]) * 1e6,
         "p90_step_us": float(np.percentile(warm["step"], 90) * 1e6),
         "steps": len(warm["step"]),
         "forward_gap_us": quantiles_us(gaps),
+        # Rank 0's model thread from the end of a step (its samples drawn) to the start of the
+        # next one (its feedback tokens): the forward gap less the sampling and the cache work.
+        "model_idle_us": quantiles_us(np.asarray(driver.model_gaps_us[warmup + 1 :]) / 1e6),
         "prepare_to_all_ready_us": quantiles_us(warm["prepare_to_all_ready"]),
         "go_to_all_done_us": quantiles_us(warm["go_to_all_done"]),
+        # CPU time (all threads) per step: the driver is the scheduler's side of the protocol (no
+        # planning); a rank's includes its forward when that is `gil`. Unlike the times above, it
+        # barely moves when other processes load the machine.
+        "cpu_us_per_step": {
+            "driver": driver_cpu / spec.steps * 1e6,
+            **{name: seconds / spec.steps * 1e6 for name, seconds in cpu.items()},
+        },
     }
 
 
@@ -389,6 +498,10 @@ def main() -> None:
         "--modes", default="serial,overlap",
         help="serial: the next PREPARE after the RESULT; overlap: after the GO, as --async-scheduling does",
     )
+    parser.add_argument("--rows", default=str(DECODE_SEQS), help="rows per decode step (comma-separated: several runs)")
+    parser.add_argument(
+        "--forward", default="sleep", help=f"the fake forward: {' or '.join(FORWARD_KINDS)} (comma-separated: several runs)"
+    )
     args = parser.parse_args()
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     torch.set_num_threads(1)
@@ -397,8 +510,12 @@ def main() -> None:
         report |= {"bandwidth": bandwidth(), "clear_pages_bf16_smollm2_pages": clear_cost(), "step_pieces": step_pieces()}
     inflight = {"serial": 1, "overlap": 2}
     report["loop"] = {
-        f"{mode}/{w}": loop_overhead(int(w), args.steps, inflight[mode], args.forward_ms)
+        f"{mode}/{w}/rows={rows}/{forward}": measure_loop(
+            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode])
+        )
         for w in args.ranks.split(",")
+        for rows in args.rows.split(",")
+        for forward in args.forward.split(",")
         for mode in args.modes.split(",")
     }
     if args.json:
@@ -406,11 +523,13 @@ def main() -> None:
         return
     if not args.loop_only:
         print_pieces(report)
-    for world, loop in report["loop"].items():
-        gap, ready, done = loop["forward_gap_us"], loop["prepare_to_all_ready_us"], loop["go_to_all_done_us"]
+    for run, loop in report["loop"].items():
+        gap, idle = loop["forward_gap_us"], loop["model_idle_us"]
+        ready, done = loop["prepare_to_all_ready_us"], loop["go_to_all_done_us"]
         print(
-            f"loop {world} rank(s): median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}; "
-            f"gap between two forwards median {gap['median']:.0f} us, p90 {gap['p90']:.0f} "
+            f"loop {run}: median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}; "
+            f"gap between two forwards median {gap['median']:.0f} us, p90 {gap['p90']:.0f}; "
+            f"model thread idle median {idle['median']:.0f} us, p90 {idle['p90']:.0f} "
             f"(PREPARE to every READY {ready['median']:.0f} us, GO to every RESULT/DONE {done['median']:.0f} us)"
         )
 

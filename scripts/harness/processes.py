@@ -50,6 +50,16 @@ def _stat(pid: int) -> _Stat | None:
     return _Stat(state=fields[0], ppid=int(fields[1]), start_ticks=int(fields[19]))
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time the process has used so far (all its threads), or None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pids() -> list[int]:
     return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
 

@@ -1,0 +1,29 @@
+"""scripts/bench_step.py's step-loop measurement: it runs the real executors over the real protocol
+and reports what it says it does, for both fake forwards and more rows than one page of tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench_step import DECODE_SEQS, LoopSpec, bench_geometry, decode_prepare, measure_loop
+from protocol.validate import validate_prepare
+
+
+@pytest.mark.parametrize("forward", ["sleep", "gil"])
+def test_the_loop_measurement_reports_every_phase(forward: str) -> None:
+    steps = 12
+    report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=4, forward_ms=2.0, forward=forward))
+    assert report["steps"] == steps - min(10, steps // 4)
+    for phase in ("forward_gap_us", "model_idle_us", "prepare_to_all_ready_us", "go_to_all_done_us"):
+        assert 0 <= report[phase]["median"] <= report[phase]["p90"], phase
+    # A step holds its forward (2 ms) and then some: the stamps are the forwards' own.
+    assert report["median_step_us"] >= 2000
+
+
+@pytest.mark.parametrize("rows", [DECODE_SEQS, 256])
+def test_steady_decode_steps_are_valid_for_the_geometry(rows: int) -> None:
+    g = bench_geometry(rows)
+    for step, steady in ((1, False), (2, True), (200, True)):
+        p = decode_prepare(step, rows, steady=steady)
+        validate_prepare(p, g)
+        assert bool(p.feedback.all()) is steady and p.page_table.shape[0] == (0 if steady else rows * 8)
