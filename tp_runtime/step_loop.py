@@ -15,6 +15,7 @@ SHUTDOWN or breaks the protocol after GO.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter
 log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DUTY_INTERVAL_S = 0.05  # how often liveness (closed connections, silence, deadlines) is looked at
 
 
 class RankFailure(TPRuntimeError):
@@ -137,6 +139,7 @@ class StepLoop:
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
         self._last_heartbeat = 0.0
+        self._duties_at = 0.0
         # Silence counts from the WELCOME at the earliest: a rank that said HELLO first waits for the
         # others (still loading their weights) without a word, for as long as they take.
         self._welcomed_at = 0.0
@@ -197,12 +200,14 @@ class StepLoop:
         """Plan what can be planned, then handle frames for up to wait_s (less if woken)."""
         self._plan()
         now = time.monotonic()
-        got = self.endpoint.recv(max(0, int(min(wait_s, self._next_duty(now) - now) * 1000)))
+        got = self.endpoint.recv(max(0, math.ceil(min(wait_s, self._next_duty(now) - now) * 1000)))
         while got is not None:
             for event in self.conversation.receive(got.rank, got.frame or got.error, time.monotonic()):
                 self._on_event(event)
             got = self.endpoint.recv(0)
-        self._duties(time.monotonic())
+        now = time.monotonic()
+        if now >= self._next_duty(now):
+            self._duties(now)
 
     def _plan(self) -> None:
         conv = self.conversation
@@ -284,9 +289,13 @@ class StepLoop:
     # ---- liveness --------------------------------------------------------------------------------
 
     def _next_duty(self, now: float) -> float:
-        return min(self._last_heartbeat + self.timeouts.heartbeat_s, now + self.timeouts.heartbeat_s)
+        """When liveness is looked at next: every DUTY_INTERVAL_S, and when a heartbeat is due. Not
+        after every frame: with steps back to back that was several times per step, for detections
+        whose thresholds are seconds."""
+        return min(self._duties_at + DUTY_INTERVAL_S, self._last_heartbeat + self.timeouts.heartbeat_s)
 
     def _duties(self, now: float) -> None:
+        self._duties_at = now
         if closed := self.endpoint.disconnected_ranks():
             names = ", ".join(self.conversation.who(r) for r in sorted(closed))
             raise RankFailure(f"the connection of {names} closed: its process ended")
