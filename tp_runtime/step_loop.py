@@ -144,6 +144,7 @@ class StepLoop:
         # others (still loading their weights) without a word, for as long as they take.
         self._welcomed_at = 0.0
         self._model_had_work = False  # the last RESULT left work behind: the next step follows at once
+        self._undelivered: list[RequestOutput] = []  # a RESULT's outputs, held until the next PREPARE is out
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -219,15 +220,23 @@ class StepLoop:
             t0 = time.perf_counter()
             plan = self.scheduler.plan_step()
             self.counters.plan_s += time.perf_counter() - t0
-            self._deliver(self.scheduler.drain_outputs())
             if plan is None:
-                return
+                break
             back_to_back = bool(self._inflight) or self._model_had_work
             self.counters.planned_ahead += bool(self._inflight)
             self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
+            self._flush_outputs()
             self._inflight[plan.step] = _InFlight(plan, time.monotonic(), back_to_back=back_to_back)
             self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))
             self._on_scheduled(plan)
+        self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        """Outputs go to the streams after the PREPARE they came before: handing them over wakes
+        the HTTP thread, whose Python work would otherwise hold the GIL in front of the frame the
+        ranks wait for. In the order they were made: a step's tokens, then what planning ended."""
+        outputs, self._undelivered = self._undelivered + self.scheduler.drain_outputs(), []
+        self._deliver(outputs)
 
     def _on_event(self, event: object) -> None:
         conv = self.conversation
@@ -284,7 +293,8 @@ class StepLoop:
         outputs = self.scheduler.on_result(entry.plan, result)
         self.counters.plan_s += time.perf_counter() - t0
         self._model_had_work = self.scheduler.has_work()
-        self._deliver(outputs)
+        self._undelivered.extend(outputs)
+        self._plan()  # the next PREPARE first: it is on the model's path, the tokens on the client's
 
     # ---- liveness --------------------------------------------------------------------------------
 
