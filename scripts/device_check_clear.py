@@ -36,12 +36,14 @@ if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scrip
 
 from scripts.device_decode import SHAPES, random_model  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
+from scripts.device_report import Checks, report  # noqa: E402
 from executor.cuda_graphs import DecodeGraphRunner  # noqa: E402
 from executor.cuda_memset import memset_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from protocol.frames import CacheGeometry, KVDtype, Prepare  # noqa: E402
 
-FAILURES: list[str] = []
+CHECKS = Checks()
+FAILURES, check = CHECKS.failures, CHECKS.check
 # `--device cpu` runs the sections that need no CUDA (the CPU fill stands in for the memsets), so
 # that this script's use of the runtime's API is tested where there is no GPU.
 DEVICE = torch.device("cuda")
@@ -52,14 +54,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def check(condition: bool, what: str) -> bool:
-    if not condition:
-        FAILURES.append(what)
-    return condition
-
-
-def report(section: str, **values: object) -> None:
-    print(json.dumps({"section": section, **values}), flush=True)
 
 
 def make_cache(

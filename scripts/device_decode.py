@@ -35,6 +35,7 @@ from scripts.bench_model import copy_bandwidth, weight_bytes  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.model.config import ModelConfig  # noqa: E402
+from scripts.device_models import LLAMA3_8B  # noqa: E402
 from executor.model.layers import Linear  # noqa: E402
 from executor.model.llama import LayerWeights, LlamaModel  # noqa: E402
 from executor.model.sharding import ShardPlan  # noqa: E402
@@ -42,22 +43,6 @@ from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, sample  # noqa: E402
 from protocol.frames import CacheGeometry, Prepare  # noqa: E402
 
-LLAMA3_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    rope_scaling=None,
-    rms_eps=1e-5,
-    tie_embeddings=False,
-    max_position_embeddings=8192,
-    bos_token_id=128000,
-    eos_token_ids=(128001, 128009),
-)
 SHAPES = {
     "llama3-8b": LLAMA3_8B,
     "tiny": replace(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),

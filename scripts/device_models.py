@@ -14,65 +14,71 @@ and greedy choices depend on the computation.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from executor.model.config import ModelConfig
 from scripts.device_tokenizer import copy_into
 
 
-@dataclass(frozen=True)
-class Shape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 500000.0
-    max_position_embeddings: int = 8192
-
-    def parameters(self) -> int:
-        attention = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attention += self.num_heads * self.head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        layers = self.num_layers * (attention + mlp + 2 * self.hidden_size)
-        return layers + 2 * self.vocab_size * self.hidden_size + self.hidden_size
-
-
-# Llama-3-8B's shape; its vocabulary is larger than SmolLM2's tokenizer, whose ids it all covers.
-LLAMA3_8B = Shape(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rope_scaling=None,
+    rms_eps=1e-5,
+    tie_embeddings=False,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
 # Small and fast, for correctness; SmolLM2's vocabulary, so every token the tokenizer makes exists.
-TINY = Shape(vocab_size=49152, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32)
+# (Llama-3-8B's vocabulary is larger than the tokenizer's, and covers all of its ids.)
+TINY = replace(LLAMA3_8B, vocab_size=49152, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32)
+
+
+def parameters(config: ModelConfig) -> int:
+    c = config
+    attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    layers = c.num_layers * (attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
+    return layers + (1 if c.tie_embeddings else 2) * c.vocab_size * c.hidden_size + c.hidden_size
+
+
 SHARD_LAYERS = 8  # layers per safetensors file: four files for the 8B shape
 
 
-def hf_config(shape: Shape) -> dict[str, object]:
+def hf_config(config: ModelConfig) -> dict[str, object]:
+    """config.json as transformers writes it for a Llama of this shape (untied, no rope scaling)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": shape.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_eps,
+        "rope_theta": config.rope_theta,
         "rope_scaling": None,
         "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_ids[0],
         "torch_dtype": "bfloat16",
     }
 
 
-def layer_tensors(shape: Shape, layer: int, draw) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def layer_tensors(shape: ModelConfig, layer: int, draw) -> dict[str, torch.Tensor]:  # noqa: ANN001
     s, prefix = shape, f"model.layers.{layer}."
     return {
         prefix + "input_layernorm.weight": draw.norm(s.hidden_size),
@@ -108,7 +114,7 @@ class Draw:
 
 
 def write_checkpoint(
-    directory: Path, shape: Shape, tokenizer: Path, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    directory: Path, shape: ModelConfig, tokenizer: Path, *, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> Path:
     """config.json, model-NNNNN.safetensors (SHARD_LAYERS layers each) and the tokenizer's files."""
     from safetensors.torch import save_file
@@ -128,5 +134,4 @@ def write_checkpoint(
             tensors["lm_head.weight"] = draw.matrix(shape.vocab_size, shape.hidden_size)
         save_file(tensors, str(directory / f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"))
     copy_into(directory, tokenizer)
-    (directory / "shape.json").write_text(json.dumps(asdict(shape)))
     return directory

@@ -41,6 +41,7 @@ if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scrip
     sys.path.insert(0, REPO_ROOT)
 
 from scripts.device_env import TOKENIZER  # noqa: E402
+from scripts.device_report import Checks, report  # noqa: E402
 from scripts.device_loop import Loop, LoopSpec  # noqa: E402
 from scripts.device_models import TINY, write_checkpoint  # noqa: E402
 from scripts.harness.metrics import parse_metrics  # noqa: E402
@@ -52,7 +53,8 @@ MAX_TOKENS = 24
 MIN_FP8_AGREEMENT = 0.5
 POOL = {"num_kv_pages": 40, "max_num_seqs": 8, "max_model_len": 256, "swap_space": "32MiB"}
 START_TIMEOUT_S = 60.0
-FAILURES: list[str] = []
+CHECKS = Checks()
+FAILURES, check = CHECKS.failures, CHECKS.check
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,6 @@ class Answer:
     token_ids: tuple[int, ...] = ()
 
 
-def check(condition: bool, what: str) -> bool:
-    if not condition:
-        FAILURES.append(what)
-    return condition
-
-
-def report(section: str, **values: object) -> None:
-    print(json.dumps({"section": section, **values}), flush=True)
 
 
 def answers_match(clean: list[Answer], dirty: list[Answer]) -> list[str]:

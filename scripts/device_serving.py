@@ -40,8 +40,9 @@ if str(REPO) not in sys.path:
 from protocol.frames import CacheGeometry  # noqa: E402
 from scripts.bench_step import TIMES_CAPACITY_ENV, TIMES_DIR_ENV, forward_gaps, forward_times_path, quantiles_us  # noqa: E402
 from scripts.device_env import TOKENIZER  # noqa: E402
+from scripts.device_report import Checks, report  # noqa: E402
 from scripts.device_loop import Loop, LoopSpec  # noqa: E402
-from scripts.device_models import LLAMA3_8B, TINY, write_checkpoint  # noqa: E402
+from scripts.device_models import LLAMA3_8B, TINY, parameters, write_checkpoint  # noqa: E402
 from scripts.harness.client import CompletionRequest, served_model, stream_completion  # noqa: E402
 from scripts.harness.runtime import RuntimeServer, ServerOptions  # noqa: E402
 
@@ -53,17 +54,10 @@ TPOT_TARGET_RATIO = 1.05  # issue 22: a served token within 5% of the step
 POOL = {"num_kv_pages": 64, "page_size": 16, "max_num_seqs": 4, "max_model_len": 512}
 GEOMETRY_ENV = "DEVICE_SERVING_GEOMETRY"  # the loop's geometry, for the wrapper's graphs (JSON)
 START_TIMEOUT_S = 120.0
-FAILURES: list[str] = []
+CHECKS = Checks()
+FAILURES, check = CHECKS.failures, CHECKS.check
 
 
-def check(condition: bool, what: str) -> bool:
-    if not condition:
-        FAILURES.append(what)
-    return condition
-
-
-def report(section: str, **values: object) -> None:
-    print(json.dumps({"section": section, **values}), flush=True)
 
 
 class TimedForward:
@@ -209,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     started = time.perf_counter()
     model = write_checkpoint(args.work / args.shape, SHAPES[args.shape], args.tokenizer, device=torch.device(device))
-    report("checkpoint", shape=args.shape, parameters=SHAPES[args.shape].parameters(), seconds=round(time.perf_counter() - started, 1))
+    report("checkpoint", shape=args.shape, parameters=parameters(SHAPES[args.shape]), seconds=round(time.perf_counter() - started, 1))
     prompt = [(7 * i) % 1000 + 100 for i in range(PROMPT_TOKENS)]
     # Both load the checkpoint at once (the GPU holds two copies of 16 GB with room to spare).
     with ThreadPoolExecutor(2) as pool:

@@ -150,10 +150,10 @@ def test_the_random_checkpoints_load_as_real_ones(tmp_path: Path) -> None:
     import torch
 
     from executor.model import load_model
-    from scripts.device_models import LLAMA3_8B, TINY, write_checkpoint
+    from scripts.device_models import LLAMA3_8B, TINY, parameters, write_checkpoint
     from scripts.device_tokenizer import export
 
-    assert LLAMA3_8B.parameters() == 8_030_261_248  # Llama-3-8B's count
+    assert parameters(LLAMA3_8B) == 8_030_261_248  # Llama-3-8B's count
     tokenizer = export(Path(__import__("executor.model", fromlist=["x"]).default_model_path()), tmp_path / "tok")
     directory = write_checkpoint(tmp_path / "tiny", TINY, tokenizer, device=torch.device("cpu"))
     model = load_model(str(directory), rank=0, world_size=1, dtype=torch.bfloat16, device=torch.device("cpu"))

@@ -103,13 +103,19 @@ def tiny_llama(g: torch.Generator):
     )
 
 
+def two_caches_with_history(g: torch.Generator):
+    """Two caches whose first six pages hold the same random K/V, the rest zero."""
+    first, second = zero_cache(), zero_cache()
+    history = torch.randn(first.data[:6].shape, generator=g)
+    first.data[:6] = history
+    second.data[:6] = history
+    return first, second
+
+
 def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffers():
     g = torch.Generator().manual_seed(0)
     model = tiny_llama(g)
-    eager_cache, static_cache = zero_cache(), zero_cache()
-    history = torch.randn(eager_cache.data[:6].shape, generator=g)
-    eager_cache.data[:6] = history
-    static_cache.data[:6] = history
+    eager_cache, static_cache = two_caches_with_history(g)
     step = make_prepare([Seq(1, (5,), 6, (0, 1)), Seq(2, (9,), 2, (3,)), Seq(3, (7,), 4, (4, 5))])
     batch = StaticDecodeBatch(4, 8, G, static_cache)
     expected = model.forward(inputs_of(step, eager_cache), eager_cache)
@@ -205,10 +211,7 @@ def test_the_runner_without_capture_agrees_with_eager_and_a_padding_mistake_is_c
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(2)
         model = tiny_llama(g)
-        eager_cache, graph_cache = zero_cache(), zero_cache()
-        history = torch.randn(eager_cache.data[:6].shape, generator=g)
-        eager_cache.data[:6] = history
-        graph_cache.data[:6] = history
+        eager_cache, graph_cache = two_caches_with_history(g)
         runner = DecodeGraphRunner(model, graph_cache, geometry=G, batch_sizes=(4,), capture=False)
         step = make_prepare([Seq(1, (5,), 6, (0, 1)), Seq(2, (9,), 2, (3,))])
         expected = model.forward(inputs_of(step, eager_cache), eager_cache)
