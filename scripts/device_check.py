@@ -43,18 +43,18 @@ class Part:
 
 def plan(python: tuple[str, ...] = PYTHON) -> tuple[Part, ...]:
     return (
-        Part("setup", (*python, "scripts/device_setup.py"), 20,
+        Part("setup", (*python, "scripts/device_setup.py"), 15,
              "torch's version and floor, the GPU, every carried pin and image package, every module the parts import"),
-        Part("clears", (*python, "scripts/device_check_clear.py"), 40,
+        Part("clears", (*python, "scripts/device_check_clear.py"), 30,
              "clear_pages exact in every KV dtype; clears ordered on the model stream before the real forward and before a "
              "CUDA graph replay; pinned offload and restore; memset bandwidth"),
-        Part("decode", (*python, "scripts/device_decode.py"), 60,
+        Part("decode", (*python, "scripts/device_decode.py"), 55,
              "Llama-3-8B-shaped bf16 decode at batch 1, 8, 64, eager and CUDA graphs: ms per step, greedy agreement, "
              "HBM roofline at batch 1, clears' cost as a fraction of a step"),
-        Part("poison", (*python, "scripts/device_runtime.py"), 80,
+        Part("poison", (*python, "scripts/device_runtime.py"), 75,
              "NCCL; poison both ways with and without CUDA graphs through the real executor loop: TP=1 (the real server) "
              "and TP=2 (two processes on the one GPU over gloo); fp8 KV end to end against bf16; pressure with pinned offload"),
-        Part("serving", (*python, "scripts/device_serving.py"), 85,
+        Part("serving", (*python, "scripts/device_serving.py"), 110,
              "the control plane around a real Llama-3-8B-shaped forward: the gap between two forwards, and the served "
              "time per output token against the step"),
     )

@@ -1,11 +1,12 @@
 """The oldest torch the runtime runs on, and the refusal of an older one before anything starts.
 
-2.11 is the GPU machine's image (torch 2.11.0+cu130), the oldest release whose every API the runtime
-uses was checked, by source, for it: CUDA graphs (torch.cuda.CUDAGraph, graph_pool_handle, graph
-with pool and stream), NCCL with init_process_group's device_id, TCPStore's master_listen_fd,
-torch.library.custom_op, torch.export with AOTInductor packages (AOTIModelPackageLoader) and
-torchrun's --signals-to-handle, on which the SIGTERM drain depends. torchrun's --shutdown-timeout
-came after 2.11 (pytorch#172596, March 2026): the launcher passes it only where torchrun has it.
+2.11 is the GPU machine's image (torch 2.11.0+cu130), the oldest torch the runtime is meant to run
+on. What it uses came before 2.11 by torch's history: CUDA graphs (torch.cuda.CUDAGraph,
+graph_pool_handle, graph with pool and stream), init_process_group's device_id, TCPStore's
+master_listen_fd, torch.library.custom_op, torch.export with AOTInductor packages, and torchrun's
+--signals-to-handle (pytorch#160690, August 2025), on which the SIGTERM drain depends. torchrun's
+--shutdown-timeout came after 2.11 (pytorch#172596, March 2026): the launcher passes it only where
+torchrun has it. The device check (docs/device.md) is what runs the CUDA paths on 2.11 itself.
 """
 
 from __future__ import annotations
