@@ -54,8 +54,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-
-
 def make_cache(
     kv_dtype: str, num_kv_pages: int, layers: int, heads: int, head_dim: int, page_size: int = 16, num_host_pages: int = 0
 ) -> KVCache:

@@ -66,8 +66,6 @@ class Answer:
     token_ids: tuple[int, ...] = ()
 
 
-
-
 def answers_match(clean: list[Answer], dirty: list[Answer]) -> list[str]:
     """Why a poisoned server's answers are not the clean server's, token for token (none: they are)."""
     problems = []

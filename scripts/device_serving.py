@@ -58,8 +58,6 @@ CHECKS = Checks()
 FAILURES, check = CHECKS.failures, CHECKS.check
 
 
-
-
 class TimedForward:
     """The model behind its decode graphs, with a CUDA event before and after every forward on the
     current (model) stream. The executor runs it with its own graphs off: the graphs are made here,
