@@ -20,7 +20,9 @@ Nothing here imports CUDA until a runner is built.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -31,41 +33,81 @@ from executor.inputs import StepInputs
 from protocol.errors import TPRuntimeError
 from protocol.frames import CacheGeometry, Prepare
 
-# The StepInputs fields this runner knows how to pad. A field added to StepInputs must be taught
-# here, or graphs would replay with a stale buffer: the runner refuses to start instead.
-KNOWN_FIELDS = frozenset(
-    {
-        "token_ids",
-        "positions",
-        "query_lens",
-        "query_start",
-        "context_lens",
-        "page_table",
-        "write_pages",
-        "write_offsets",
-        "sample_rows",
-        "sample_seq_ids",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seeds",
-        "sample_positions",
-        "is_decode",
-        "num_seqs",
-        "num_tokens",
-        "query_lens_host",
-        "context_lens_host",
-    }
-)
-
-
 class CudaGraphError(TPRuntimeError, RuntimeError):
     """The decode forward cannot be captured as CUDA graphs."""
 
 
+class Pad(Enum):
+    """How the graph of one (size B, width W) serves a decode step of n <= B sequences through one
+    StepInputs field."""
+
+    ROWS = "copied into the static buffer's first n rows; the other rows get the field's fill"
+    TABLE = "copied into the first n rows and w columns; every other entry is the pad page"
+    SHAPE = "the same for every decode step of B sequences: set when the buffers are made"
+    SAMPLER = "read from the step's own inputs by the sampler after the replay, never by the graph"
+    HOST = "a host copy that the decode forward does not read, so a replay never depends on it"
+
+
+@dataclass(frozen=True)
+class FieldPadding:
+    pad: Pad
+    # Pad.ROWS: the value of a padding row, given the static batch (its pad page, its context).
+    fill: Callable[[StaticDecodeBatch], int] | None = None
+
+
+# One rule for every StepInputs field. A field without one would replay with a stale buffer, so
+# the runner refuses to start (check_padding_rules), and tests/executor/test_graph_padding.py
+# runs that check, and each rule, on the CPU.
+FIELD_PADDING: dict[str, FieldPadding] = {
+    "token_ids": FieldPadding(Pad.ROWS, lambda b: 0),
+    "positions": FieldPadding(Pad.ROWS, lambda b: b.context - 1),
+    "query_lens": FieldPadding(Pad.SHAPE),
+    "query_start": FieldPadding(Pad.SHAPE),
+    "context_lens": FieldPadding(Pad.ROWS, lambda b: b.context),
+    "page_table": FieldPadding(Pad.TABLE),
+    "write_pages": FieldPadding(Pad.ROWS, lambda b: b.pad_page),
+    "write_offsets": FieldPadding(Pad.ROWS, lambda b: (b.context - 1) % b.page_size),
+    "sample_rows": FieldPadding(Pad.SHAPE),
+    "sample_seq_ids": FieldPadding(Pad.SAMPLER),
+    "temperature": FieldPadding(Pad.SAMPLER),
+    "top_p": FieldPadding(Pad.SAMPLER),
+    "top_k": FieldPadding(Pad.SAMPLER),
+    "seeds": FieldPadding(Pad.SAMPLER),
+    "sample_positions": FieldPadding(Pad.SAMPLER),
+    "num_logprobs_host": FieldPadding(Pad.SAMPLER),
+    "num_logprobs": FieldPadding(Pad.SAMPLER),
+    "is_decode": FieldPadding(Pad.SHAPE),
+    "num_seqs": FieldPadding(Pad.SHAPE),
+    "num_tokens": FieldPadding(Pad.SHAPE),
+    "query_lens_host": FieldPadding(Pad.SHAPE),
+    "context_lens_host": FieldPadding(Pad.HOST),
+}
+
+
+def check_padding_rules(declared: Iterable[str], rules: Mapping[str, FieldPadding] = FIELD_PADDING) -> None:
+    """Refuses StepInputs fields without a padding rule, and rules for fields that do not exist."""
+    declared = set(declared)
+    missing, stale = sorted(declared - set(rules)), sorted(set(rules) - declared)
+    if missing or stale:
+        raise CudaGraphError(
+            "the CUDA graph runner's padding rules do not match StepInputs: "
+            + "; ".join(
+                part
+                for part in (
+                    f"no rule for {', '.join(missing)}" if missing else "",
+                    f"rules for fields it does not have: {', '.join(stale)}" if stale else "",
+                )
+                if part
+            )
+        )
+    for name, rule in rules.items():
+        if (rule.fill is None) == (rule.pad is Pad.ROWS):
+            raise CudaGraphError(f"the padding rule of StepInputs.{name} must have a fill exactly when it pads rows")
+
+
 class StaticDecodeBatch:
     """Static StepInputs buffers of one (batch size, table width), and the copy of a real decode
-    step into them."""
+    step into them, field by field as FIELD_PADDING says."""
 
     def __init__(self, size: int, width: int, geometry: CacheGeometry, cache: KVCache) -> None:
         self.size = size
@@ -73,6 +115,8 @@ class StaticDecodeBatch:
         self.geometry = geometry
         self.pad_page = cache.pad_page
         self.page_size = cache.page_size
+        # Every padding row gets the longest context such a table holds.
+        self.context = min(width * cache.page_size, geometry.max_model_len)
         self.inputs = StepInputs.from_prepare(
             padding_prepare(size, width, geometry, cache.pad_page),
             pad_page=cache.pad_page,
@@ -95,32 +139,23 @@ class StaticDecodeBatch:
                 f"a step of {real.num_seqs} sequences, {real.page_table.shape[1]} pages wide, does not "
                 f"fit the graph of {self.size} x {self.width}"
             )
-        static = self.inputs
         n = real.num_seqs
-        width = real.page_table.shape[1]
-        context = min(self.width * self.page_size, self.geometry.max_model_len)
-        last = context - 1
-        static.token_ids[:n].copy_(real.token_ids)
-        static.token_ids[n:].zero_()
-        static.positions[:n].copy_(real.positions)
-        static.positions[n:].fill_(last)
-        static.context_lens[:n].copy_(real.context_lens)
-        static.context_lens[n:].fill_(context)
-        static.page_table[:n, :width].copy_(real.page_table)
-        static.page_table[:n, width:].fill_(self.pad_page)
-        static.page_table[n:].fill_(self.pad_page)
-        static.write_pages[:n].copy_(real.write_pages)
-        static.write_pages[n:].fill_(self.pad_page)
-        static.write_offsets[:n].copy_(real.write_offsets)
-        static.write_offsets[n:].fill_(last % self.page_size)
-        # query_lens, query_start and sample_rows are the same for every decode step of this size;
-        # the sampling fields are read by the sampler from the real inputs, never by the graph.
+        for name, rule in FIELD_PADDING.items():
+            if rule.pad is Pad.ROWS:
+                static = getattr(self.inputs, name)
+                static[:n].copy_(getattr(real, name))
+                static[n:].fill_(rule.fill(self))
+            elif rule.pad is Pad.TABLE:
+                static, width = getattr(self.inputs, name), getattr(real, name).shape[1]
+                static[:n, :width].copy_(getattr(real, name))
+                static[:n, width:].fill_(self.pad_page)
+                static[n:].fill_(self.pad_page)
 
 
 @dataclass
 class CapturedGraph:
     batch: StaticDecodeBatch  # the static buffers the graph reads
-    graph: Any  # torch.cuda.CUDAGraph
+    graph: Any  # torch.cuda.CUDAGraph; None when the runner does not capture
     logits: torch.Tensor | None  # the static buffer the graph writes, [size, vocab]; None off rank 0
 
 
@@ -154,7 +189,11 @@ def padding_prepare(batch_size: int, width: int, geometry: CacheGeometry, pad_pa
 
 
 class DecodeGraphRunner:
-    """Wraps a model: forward() replays a captured graph for decode steps, runs eagerly otherwise."""
+    """Wraps a model: forward() replays a captured graph for decode steps, runs eagerly otherwise.
+
+    capture=False runs each decode step eagerly on the padded static buffers a graph would read,
+    with no CUDA: what the graphs compute, checkable on the CPU against the plain forward.
+    """
 
     def __init__(
         self,
@@ -164,14 +203,11 @@ class DecodeGraphRunner:
         geometry: CacheGeometry,
         batch_sizes: tuple[int, ...],
         warmup_iters: int = 2,
+        capture: bool = True,
     ) -> None:
-        if cache.device.type != "cuda":
+        if capture and cache.device.type != "cuda":
             raise CudaGraphError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
-        unknown = {f.name for f in fields(StepInputs)} - KNOWN_FIELDS
-        if unknown:
-            raise CudaGraphError(
-                f"StepInputs has fields the graph runner cannot pad: {', '.join(sorted(unknown))}"
-            )
+        check_padding_rules(f.name for f in fields(StepInputs))
         self.model = model
         self.fingerprint = model.fingerprint
         self.config = model.config
@@ -184,7 +220,12 @@ class DecodeGraphRunner:
             )
         self.widths = graph_widths(geometry)
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
-        self._capture_all(warmup_iters)
+        self.captured = capture
+        if capture:
+            self._capture_all(warmup_iters)
+        else:
+            for size, width in ((b, w) for b in self.sizes for w in self.widths):
+                self.graphs[(size, width)] = CapturedGraph(StaticDecodeBatch(size, width, geometry, cache), None, None)
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (shard, ...) is the wrapped model's.
@@ -229,6 +270,10 @@ class DecodeGraphRunner:
         if captured is None:
             return self.model.forward(inputs, cache)
         captured.batch.load(inputs)
+        if not self.captured:
+            logits = self.model.forward(captured.batch.inputs, cache)
+            self._zero_pad_page()
+            return None if logits is None else logits[: inputs.num_seqs]
         captured.graph.replay()
         if captured.logits is None:  # ranks other than 0 return no logits
             return None

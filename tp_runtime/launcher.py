@@ -18,6 +18,7 @@ grace period STOP_MARGIN_S longer, so that the drain always ends before torchrun
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import math
@@ -26,10 +27,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
-from tp_runtime import hosts
+from tp_runtime import hosts, torch_floor
 from tp_runtime.config import ConfigError, RuntimeConfig
 
 log = logging.getLogger("tp_runtime.launch")
@@ -106,23 +108,61 @@ def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
     finally:
         del store
 
-def torchrun_argv(config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class TorchrunFlag:
+    """One option the launcher gives torchrun. `required` False: an older torchrun lacks it, and the
+    launch does without it (the comment where it is built says what is lost)."""
+
+    name: str
+    value: str
+    required: bool = True
+
+    def arg(self) -> str:
+        return f"{self.name}={self.value}"
+
+
+def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str) -> list[TorchrunFlag]:
     return [
-        f"--nnodes={config.nnodes}",
-        f"--nproc-per-node={config.ranks_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={RDZV_ID}",
-        "--rdzv-conf=is_host=false",  # the launcher hosts the store (above), the agent joins it
-        f"--local-addr={local_addr}",  # the address rank 0's agent publishes as MASTER_ADDR
-        "--max-restarts=0",
-        "--monitor-interval=0.2",
-        f"--shutdown-timeout={torchrun_grace_s(config)}",
-        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the launcher's (_Stop)
-        "-m",
-        "tp_runtime",
-        *argv,
+        TorchrunFlag("--nnodes", str(config.nnodes)),
+        TorchrunFlag("--nproc-per-node", str(config.ranks_per_node)),
+        TorchrunFlag("--rdzv-backend", "c10d"),
+        TorchrunFlag("--rdzv-endpoint", endpoint),
+        TorchrunFlag("--rdzv-id", RDZV_ID),
+        TorchrunFlag("--rdzv-conf", "is_host=false"),  # the launcher hosts the store (above), the agent joins it
+        TorchrunFlag("--local-addr", local_addr),  # the address rank 0's agent publishes as MASTER_ADDR
+        TorchrunFlag("--max-restarts", "0"),
+        TorchrunFlag("--monitor-interval", "0.2"),
+        # torch 2.12 on: its grace period before SIGKILL. Without it (torch 2.11) the agent waits its
+        # fixed TORCHRUN_DEFAULT_GRACE_S; a drain still gets --shutdown-timeout, since the launcher,
+        # not the agent, passes SIGTERM on and waits for the ranks (_Stop).
+        TorchrunFlag("--shutdown-timeout", str(torchrun_grace_s(config)), required=False),
+        TorchrunFlag("--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"),  # not SIGTERM: the launcher's (_Stop)
     ]
+
+
+def torchrun_options(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """Every option string torchrun's parser accepts (argparse lists them on its actions)."""
+    return frozenset(option for action in parser._actions for option in action.option_strings)
+
+
+def torchrun_argv(
+    config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str], supported: Collection[str] | None = None
+) -> list[str]:
+    """torchrun's arguments, with only the options this torch's torchrun has (`supported`; by
+    default asked of torch.distributed.run.get_args_parser()). A required one it lacks is refused
+    here, in a sentence, rather than by argparse inside the launch."""
+    if supported is None:
+        from torch.distributed.run import get_args_parser
+
+        supported = torchrun_options(get_args_parser())
+    flags = torchrun_flags(config, endpoint, local_addr)
+    lacking = [flag.name for flag in flags if flag.required and flag.name not in supported]
+    if lacking:
+        raise ConfigError(
+            f"this torch's torchrun has no {', '.join(lacking)}: tp-runtime needs torch {torch_floor.MIN_TORCH_TEXT} or newer"
+        )
+    return [*(flag.arg() for flag in flags if flag.name in supported), "-m", "tp_runtime", *argv]
+
 
 def quiet_torchrun(log_level: str) -> None:
     """At --log-level warning or error, the ranks and the frontend say what failed in one sentence;
@@ -141,17 +181,21 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    torch_floor.require_torch()
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
-    # The ranks check their drain against the grace period (check_drain_fits).
-    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
+    supported = torchrun_options(get_args_parser())
+    if "--shutdown-timeout" in supported:
+        # The ranks check their drain against the grace period (check_drain_fits); a torchrun
+        # without the option has its fixed default, which check_drain_fits assumes unset.
+        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(torchrun_grace_s(config))
     # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
     _end_stragglers(STOP_MARGIN_S)
     with _rendezvous(config) as (endpoint, local_addr):
-        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
+        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv, supported))
         try:
             run(torchrun_args)
         except SignalException as exc:

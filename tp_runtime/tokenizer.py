@@ -301,6 +301,10 @@ class Tokenizer:
             chat_template=chat_template if isinstance(chat_template, str) else None,
         )
 
+    def to_json(self) -> str:
+        """The tokenizer as a Hugging Face tokenizer.json, which _from_hf_dir reads back."""
+        return self._backend.to_str()
+
     @property
     def bos_token(self) -> str | None:
         return None if self.bos_token_id is None else self._backend.id_to_token(self.bos_token_id)

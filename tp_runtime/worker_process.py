@@ -15,7 +15,7 @@ import threading
 import time
 from datetime import timedelta
 
-from tp_runtime import frame_keys, hosts
+from tp_runtime import frame_keys, hosts, torch_floor
 from tp_runtime.bootstrap import (
     Bootstrap,
     KeyMode,
@@ -61,6 +61,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
 
     from executor.worker import run_executor
 
+    torch_floor.require_torch()
     drain_when_parent_dies()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,6 +1,9 @@
 """What of scripts/device_check.sh runs without a GPU: the plan and its budgets, the orchestration
-(a part that fails, prints a failure, or runs past its budget fails the check), the set-up's refusal
-to touch a machine without a GPU, and the checks' own logic and use of the runtime's API on the CPU."""
+(a part that fails, prints a failure, or runs past its budget fails the check; what comes back under
+--out), set-up's checks of what the GPU machine has, the carried set against the runtime's declared
+dependencies, and the parts' own logic and use of the runtime's API on the CPU, with comparisons
+that can fail there too. The offline install itself is proven by `bash scripts/device_check.sh
+--dry-run`, which scripts/test.sh runs."""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ import io
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from scripts import device_check, device_decode, device_runtime, device_setup
+from scripts import device_check, device_decode, device_env, device_runtime, device_setup
 from scripts.device_check import Part, plan, run
 
 PY = sys.executable
@@ -21,26 +25,36 @@ def fake(name: str, code: str, budget_s: float = 20) -> Part:
     return Part(name, (PY, "-c", code), budget_s, f"fake part {name}")
 
 
-def test_the_plan_fits_in_eight_minutes_and_names_scripts_that_exist() -> None:
+def test_the_plan_fits_in_five_minutes_and_names_scripts_that_exist() -> None:
     parts = plan()
-    assert [p.name for p in parts][0] == "setup"
-    assert len({p.name for p in parts}) == len(parts)
-    assert sum(p.budget_s for p in parts) <= device_check.TOTAL_BUDGET_S < 8 * 60
+    assert [p.name for p in parts] == ["setup", "clears", "decode", "poison", "serving"]
+    assert sum(p.budget_s for p in parts) <= device_check.TOTAL_BUDGET_S < 5 * 60
+    modules = {f"scripts.{Path(arg).stem}" for part in parts[1:] for arg in part.argv if arg.endswith(".py")}
+    assert modules == set(device_setup.PART_MODULES), "set-up must import every part's module"
     for part in parts:
         scripts = [arg for arg in part.argv if arg.endswith(".py") or arg.startswith("tests/")]
         assert scripts and all((device_check.REPO / s).exists() for s in scripts), part
 
 
-def run_fake(parts: list[Part], total_s: float = 60) -> tuple[int, list[dict]]:
+def run_fake(parts: list[Part], total_s: float = 60, out_dir: Path | None = None) -> tuple[int, list[dict]]:
     out = io.StringIO()
-    code = run(parts, total_s, env={"PATH": "/usr/bin:/bin"}, out=out)
+    code = run(parts, total_s, env={"PATH": "/usr/bin:/bin"}, out=out, out_dir=out_dir)
     return code, [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
 
 
-def test_every_part_passing_passes() -> None:
-    code, lines = run_fake([fake("setup", "print('{\"ok\": true}')"), fake("a", "print('{\"x\": 1, \"ok\": true}')")])
+def test_every_part_passing_passes_and_what_comes_back_is_written(tmp_path: Path) -> None:
+    code, lines = run_fake(
+        [fake("setup", "print('{\"ok\": true}')"), fake("a", "print('{\"x\": 1, \"ok\": true}'); print('plain text')")],
+        out_dir=tmp_path,
+    )
     assert code == 0
     assert lines[-1]["summary"] == {"setup": "ok", "a": "ok"} and lines[-1]["ok"] is True
+    assert json.loads((tmp_path / "summary.json").read_text())["ok"] is True
+    assert "plain text" in (tmp_path / "a.log").read_text() and "plain text" not in (tmp_path / "check.jsonl").read_text()
+    assert [json.loads(line) for line in (tmp_path / "check.jsonl").read_text().splitlines()] == lines
+    # The device tool brings back at most 8 files, no deeper than two folders, named plainly.
+    files = list(tmp_path.rglob("*"))
+    assert len(files) <= 8 and all(f.parent == tmp_path and f.name.replace(".", "").replace("_", "").isalnum() for f in files)
 
 
 def test_a_failed_line_an_exit_code_or_a_timeout_each_fail_the_check() -> None:
@@ -74,26 +88,108 @@ def test_the_whole_call_has_one_deadline() -> None:
     assert code == 1 and time.monotonic() - started < 15
 
 
-def test_set_up_installs_nothing_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    if device_setup.has_nvidia_gpu():
+def test_set_up_imports_everything_then_says_there_is_no_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert device_setup.main() == 2
-    assert "nothing installed" in capsys.readouterr().out
-    assert device_setup.cuda_python_requirement("12.8") == "cuda-python>=12,<13"
-    assert device_setup.cuda_python_requirement("13.0") == "cuda-python>=13,<14"
+    assert device_setup.main() == device_setup.EXIT_NO_DEVICE
+    line = json.loads(capsys.readouterr().out)
+    assert line["problems"] == [] and "no GPU on this machine" in line["error"] and line["torch"] == torch.__version__
 
 
-def test_decode_on_the_cpu_runs_the_same_code_and_its_failures_are_real(capsys: pytest.CaptureFixture[str]) -> None:
-    assert device_decode.main(["--shape", "tiny", "--device", "cpu", "--batches", "1", "2"]) == 0
+def test_set_up_names_a_missing_pin_a_wrong_version_and_an_unimportable_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    versions = {"uvicorn": None, "pyzmq": "26.0.0"}
+    real = device_setup.installed_version
+    monkeypatch.setattr(device_setup, "installed_version", lambda name: versions[name] if name in versions else real(name))
+    problems = device_setup.package_problems()
+    assert any(p.startswith("uvicorn==") and "not installed" in p for p in problems)
+    assert any(p.startswith("pyzmq==") and "pyzmq 26.0.0 comes first" in p for p in problems)
+    assert device_setup.import_problems(("tp_runtime.no_such_module",))[0].startswith("tp_runtime.no_such_module cannot be imported")
+
+
+def test_every_dependency_the_runtime_declares_travels_or_is_in_the_image(tmp_path: Path) -> None:
+    assert device_env.unprovided_dependencies() == []
+    pyproject = tmp_path / "pyproject.toml"
+    text = (device_env.REPO / "pyproject.toml").read_text()
+    pyproject.write_text(text.replace('"tqdm>=4.60",', '"tqdm>=4.60",\n    "msgspec>=0.18",'))
+    assert device_env.unprovided_dependencies(pyproject) == ["msgspec"]  # a new dependency must join the carried set
+
+
+def test_the_pins_and_wheel_names_are_read_strictly(tmp_path: Path) -> None:
+    pins = device_env.pins()
+    assert len({p.name for p in pins}) == len(pins) and all(p.version for p in pins)
+    assert "torch" not in {p.name for p in pins} and not {"numpy", "torch"} & {p.name for p in pins}
+    bad = tmp_path / "requirements.txt"
+    bad.write_text("fastapi>=0.1\n")
+    with pytest.raises(ValueError, match="not a pin"):
+        device_env.pins(bad)
+    assert device_env.wheel_pin("pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.whl") == device_env.Pin("pydantic-core", "2.46.4")
+    assert device_env.is_pure("idna-3.20-py3-none-any.whl") and not device_env.is_pure("pyzmq-27.3.0-cp312-abi3-manylinux_2_28_x86_64.whl")
+    for name in ("idna-3.20-py3-none-any.whl", "idna-3.19-py3-none-any.whl", "pyzmq-27.3.0-cp312-abi3-manylinux_2_28_x86_64.whl"):
+        (tmp_path / name).write_bytes(b"")
+    wanted = [device_env.Pin("idna", "3.20"), device_env.Pin("pyzmq", "27.3.0"), device_env.Pin("h11", "0.16.0")]
+    assert [p.name for p in device_env.strays(tmp_path, wanted)] == ["idna-3.19-py3-none-any.whl"]
+    assert device_env.missing(tmp_path, wanted) == [device_env.Pin("h11", "0.16.0")]
+    assert device_env.compiled_pins(tmp_path, wanted) == [device_env.Pin("pyzmq", "27.3.0")]
+
+
+def test_the_tokenizer_that_travels_is_the_ggufs(tmp_path: Path) -> None:
+    from executor.model import default_model_path
+    from scripts.device_tokenizer import export
+    from tp_runtime.tokenizer import Tokenizer
+
+    gguf = Tokenizer.from_model_path(default_model_path())
+    carried = Tokenizer.from_model_path(export(Path(default_model_path()), tmp_path))
+    text = "<|im_start|>user\nWhat is 2+2? Ünïcödé 12345 \t tabs<|im_end|>"
+    assert carried.encode(text) == gguf.encode(text) and carried.decode(gguf.encode(text)) == gguf.decode(gguf.encode(text))
+    assert (carried.bos_token_id, carried.eos_token_ids, carried.chat_template) == (gguf.bos_token_id, gguf.eos_token_ids, gguf.chat_template)
+
+
+def test_the_random_checkpoints_load_as_real_ones(tmp_path: Path) -> None:
+    import torch
+
+    from executor.model import load_model
+    from scripts.device_models import LLAMA3_8B, TINY, parameters, write_checkpoint
+    from scripts.device_tokenizer import export
+
+    assert parameters(LLAMA3_8B) == 8_030_261_248  # Llama-3-8B's count
+    tokenizer = export(Path(__import__("executor.model", fromlist=["x"]).default_model_path()), tmp_path / "tok")
+    directory = write_checkpoint(tmp_path / "tiny", TINY, tokenizer, device=torch.device("cpu"))
+    model = load_model(str(directory), rank=0, world_size=1, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert (model.config.num_layers, model.config.hidden_size, model.config.vocab_size) == (TINY.num_layers, TINY.hidden_size, TINY.vocab_size)
+    assert len(list(directory.glob("*.safetensors"))) == 1 and (directory / "tokenizer.json").is_file()
+
+
+def test_decode_on_the_cpu_runs_the_same_code_and_its_failures_are_real(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 3 rows pad up to the graph of 4, 19 pages of context up to the 32-wide table: the padded static
+    # buffers, run eagerly, against the plain forward.
+    argv = ["--shape", "tiny", "--device", "cpu", "--batches", "1", "3", "--context", "300"]
+    assert device_decode.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["batch"] for r in rows if r["section"] == "decode"] == [1, 2]
-    assert all(r["bytes_per_step"] > 0 and r["eager_tok_s"] > 0 for r in rows if r["section"] == "decode")
+    decode = [r for r in rows if r["section"] == "decode"]
+    assert [r["batch"] for r in decode] == [1, 3] and [r["graph"] for r in decode] == [[1, 32], [4, 32]]
+    assert all(r["bytes_per_step"] > 0 and r["eager_tok_s"] > 0 and r["argmax_agreement"] == 1.0 for r in decode)
+    cost = next(r for r in rows if r["section"] == "clears_cost")
+    assert cost["clear_4_pages_us"] > 0 and "4_pages_batch_3" in cost["fraction_of_step"]
+    # Negative control: a graph that replays with the previous step's token ids (a field whose rule
+    # says the graph never reads it) must break the agreement.
+    from executor import cuda_graphs
+
+    monkeypatch.setitem(cuda_graphs.FIELD_PADDING, "token_ids", cuda_graphs.FieldPadding(cuda_graphs.Pad.SAMPLER))
+    assert device_decode.main(argv) == 1
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "agrees" in " ".join(next(r for r in rows if r["section"] == "decode_summary")["failures"])
     assert device_decode.hbm_fraction(4_800_000_000, 1000.0, 4.8e9) == pytest.approx(1.0)
     assert device_decode.decode_failures(1, 1.0, 0.0, 0.9) == []
     assert device_decode.decode_failures(16, 1.0, 0.0, 0.1) == []  # the floor is batch 1's
     assert "HBM" in device_decode.decode_failures(1, 1.0, 0.0, 0.3)[0]
     assert "agrees" in device_decode.decode_failures(1, 0.9, 0.0, None)[0]
     assert device_decode.decode_failures(1, 1.0, float("nan"), None)
+    assert device_decode.clear_failures(0.001) == [] and device_decode.clear_failures(None) == []
+    assert "costs 5.0%" in device_decode.clear_failures(0.05)[0]
 
 
 def test_the_clear_checks_run_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,3 +214,38 @@ def test_the_runtime_checks_compare_what_they_claim() -> None:
     assert device_runtime.poison_detected([answer(None, error="connection refused")])  # failed, but not detected
     assert device_runtime.agreement([answer("x", (1, 2, 3, 4))], [answer("y", (1, 2, 9, 4))]) == 0.5
     assert device_runtime.agreement(clean, clean) == 1.0
+
+
+def test_the_poison_part_runs_its_two_rank_group_through_the_real_loop_on_the_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TP=2 over gloo through the engine and two executor processes: poisoned == clean token for
+    token, and every answer of the run with clears skipped fails as non-finite."""
+    from scripts.device_tokenizer import export
+    from executor.model import default_model_path
+
+    tokenizer = export(Path(default_model_path()), tmp_path / "tok")
+    argv = ["--device", "cpu", "--groups", "loop-eager", "--work", str(tmp_path / "work"), "--tokenizer", str(tokenizer)]
+    assert device_runtime.main(argv) == 0, capsys.readouterr().out[-3000:]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    group = next(line for line in lines if line.get("section") == "poison")
+    assert group["tp"] == 2 and group["identical_with_clears"] and group["detected_without_clears"] and group["answers"] == 10
+
+
+def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's half of the serving part on the CPU: every forward is stamped through the wrapper
+    the executor loads, and the gaps come out of bench_step's forward_gaps."""
+    import torch
+
+    from executor.model import default_model_path
+    from scripts import device_serving
+    from scripts.device_models import TINY, write_checkpoint
+    from scripts.device_tokenizer import export
+
+    monkeypatch.setattr(device_serving, "STREAM_TOKENS", 12)
+    model = write_checkpoint(tmp_path / "tiny", TINY, export(Path(default_model_path()), tmp_path / "tok"), device=torch.device("cpu"))
+    gaps = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)))
+    assert device_serving.FAILURES == []
+    assert gaps.forwards == 12 and gaps.step_ms > 0 and 0 < gaps.gap_us["median"] <= gaps.gap_us["p90"]

@@ -1,11 +1,23 @@
 """The CUDA graph runner's static decode buffers, checked on the CPU (capture itself needs a GPU)."""
 
+from dataclasses import fields, replace
+
+import numpy as np
+import pytest
 import torch
 
-from dataclasses import replace
-
-from executor.cuda_graphs import StaticDecodeBatch, graph_widths
+from executor.cuda_graphs import (
+    FIELD_PADDING,
+    CudaGraphError,
+    DecodeGraphRunner,
+    FieldPadding,
+    Pad,
+    StaticDecodeBatch,
+    check_padding_rules,
+    graph_widths,
+)
 from executor.inputs import StepInputs
+from protocol.frames import Prepare
 from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
 
 G = geometry()
@@ -59,7 +71,8 @@ def test_graph_widths_are_powers_of_two_up_to_the_widest_table():
     assert graph_widths(replace(G, max_model_len=100, page_size=16)) == [7]
 
 
-def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffers():
+def tiny_llama(g: torch.Generator):
+    """A two-layer Llama decode forward, the one CUDA graphs capture, on the CPU."""
     from executor.model.config import ModelConfig
     from executor.model.layers import Linear
     from executor.model.llama import LayerWeights, LlamaModel
@@ -70,7 +83,6 @@ def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffer
         head_dim=G.head_dim, rope_theta=10000.0, rope_scaling=None, rms_eps=1e-5, tie_embeddings=True,
         max_position_embeddings=256, bos_token_id=None, eos_token_ids=(0,),
     )
-    g = torch.Generator().manual_seed(0)
 
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.2
@@ -85,14 +97,25 @@ def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffer
         for _ in range(config.num_layers)
     ]
     embed = w(64, 32)
-    model = LlamaModel(
+    return LlamaModel(
         config, ShardPlan.build(config, 0, 1), embed=embed, lm_head=embed, final_norm=torch.ones(32),
         layers=layers, fingerprint="tiny", device=torch.device("cpu"),
     )
-    eager_cache, static_cache = zero_cache(), zero_cache()
-    history = torch.randn(eager_cache.data[:6].shape, generator=g)
-    eager_cache.data[:6] = history
-    static_cache.data[:6] = history
+
+
+def two_caches_with_history(g: torch.Generator):
+    """Two caches whose first six pages hold the same random K/V, the rest zero."""
+    first, second = zero_cache(), zero_cache()
+    history = torch.randn(first.data[:6].shape, generator=g)
+    first.data[:6] = history
+    second.data[:6] = history
+    return first, second
+
+
+def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffers():
+    g = torch.Generator().manual_seed(0)
+    model = tiny_llama(g)
+    eager_cache, static_cache = two_caches_with_history(g)
     step = make_prepare([Seq(1, (5,), 6, (0, 1)), Seq(2, (9,), 2, (3,)), Seq(3, (7,), 4, (4, 5))])
     batch = StaticDecodeBatch(4, 8, G, static_cache)
     expected = model.forward(inputs_of(step, eager_cache), eager_cache)
@@ -102,3 +125,103 @@ def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffer
     # Batched matmuls round differently at another batch size: close, and no real page stray-written.
     pages = slice(0, static_cache.pad_page)
     torch.testing.assert_close(static_cache.data[pages], eager_cache.data[pages], rtol=1e-5, atol=1e-5)
+
+
+def test_every_step_inputs_field_has_a_padding_rule_and_a_new_field_without_one_is_refused():
+    declared = [f.name for f in fields(StepInputs)]
+    check_padding_rules(declared)  # what DecodeGraphRunner runs first, on any device
+    with pytest.raises(CudaGraphError, match="no rule for num_draft_tokens"):
+        check_padding_rules([*declared, "num_draft_tokens"])
+    with pytest.raises(CudaGraphError, match="fields it does not have: num_logprobs"):
+        check_padding_rules([name for name in declared if name != "num_logprobs"])
+    with pytest.raises(CudaGraphError, match="fill exactly when it pads rows"):
+        check_padding_rules(declared, {**FIELD_PADDING, "token_ids": FieldPadding(Pad.ROWS)})
+
+
+class Tripwire:
+    """Stands for a field the decode forward must not read: any use of it raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attribute: str):
+        raise AssertionError(f"the decode forward read StepInputs.{self.name} (.{attribute})")
+
+    def __getitem__(self, index):
+        raise AssertionError(f"the decode forward read StepInputs.{self.name}[{index}]")
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError(f"the decode forward read StepInputs.{self.name} as an array")
+
+
+def logprob_prepare(seqs: list[Seq]) -> Prepare:
+    """make_prepare's step, with every row asking for alternatives (num_logprobs on the device)."""
+    prepare = make_prepare(seqs)
+    return replace(prepare, num_logprobs=np.full(len(seqs), 3, dtype=np.uint8))
+
+
+def test_the_runner_pads_every_field_by_its_rule_on_the_cpu():
+    """DecodeGraphRunner without capture builds the guard and the static buffers of every graph; a
+    decode step of 2 sequences loaded into the 4-row graph is checked field by field, by rule."""
+    g = torch.Generator().manual_seed(1)
+    model, cache = tiny_llama(g), zero_cache()
+    runner = DecodeGraphRunner(model, cache, geometry=G, batch_sizes=(1, 4), capture=False)
+    real = inputs_of(logprob_prepare([Seq(1, (5,), 6, (0, 1)), Seq(2, (9,), 2, (3,))]), cache)
+    assert real.num_logprobs is not None, "the step must carry every optional field"
+    captured = runner.graph_for(real)
+    batch = captured.batch
+    assert (batch.size, batch.width) == (4, runner.widths[0])
+    batch.load(real)
+    shape_only = StaticDecodeBatch(4, batch.width, G, zero_cache()).inputs  # as made, before any load
+    n, static = real.num_seqs, batch.inputs
+    checked = set()
+    for name, rule in FIELD_PADDING.items():
+        ours, theirs = getattr(static, name), getattr(real, name)
+        if rule.pad is Pad.ROWS:
+            assert torch.equal(ours[:n], theirs), name
+            assert bool((ours[n:] == rule.fill(batch)).all()), name
+        elif rule.pad is Pad.TABLE:
+            width = theirs.shape[1]
+            assert torch.equal(ours[:n, :width], theirs), name
+            assert bool((ours[:n, width:] == cache.pad_page).all()) and bool((ours[n:] == cache.pad_page).all()), name
+        elif rule.pad is Pad.SHAPE:
+            # Set when the buffers were made, never by a load; and right for the real step's rows.
+            made = getattr(shape_only, name)
+            assert (torch.equal(ours, made) if isinstance(ours, torch.Tensor) else np.array_equal(ours, made)), name
+            if isinstance(theirs, (torch.Tensor, np.ndarray)):
+                head = ours[: theirs.shape[0]]
+                assert (torch.equal(head, theirs) if isinstance(theirs, torch.Tensor) else np.array_equal(head, theirs)), name
+            elif isinstance(theirs, bool):
+                assert ours == theirs, name
+        else:
+            assert rule.pad in (Pad.SAMPLER, Pad.HOST), name
+        checked.add(rule.pad)
+    assert checked == set(Pad), "a kind of rule that no field exercises is untested"
+    # SAMPLER and HOST fields: the decode forward never reads them, so a replay cannot depend on them.
+    unread = {name: Tripwire(name) for name, rule in FIELD_PADDING.items() if rule.pad in (Pad.SAMPLER, Pad.HOST)}
+    expected = model.forward(static, cache)
+    tripped = model.forward(replace(static, **unread), cache)
+    torch.testing.assert_close(tripped, expected)
+
+
+def test_the_runner_without_capture_agrees_with_eager_and_a_padding_mistake_is_caught(monkeypatch):
+    """What device_decode compares on the CPU: the padded static buffers against the plain forward.
+    A padding row whose K/V goes to a real page (not the pad page) must make them disagree."""
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(2)
+        model = tiny_llama(g)
+        eager_cache, graph_cache = two_caches_with_history(g)
+        runner = DecodeGraphRunner(model, graph_cache, geometry=G, batch_sizes=(4,), capture=False)
+        step = make_prepare([Seq(1, (5,), 6, (0, 1)), Seq(2, (9,), 2, (3,))])
+        expected = model.forward(inputs_of(step, eager_cache), eager_cache)
+        runner.forward(inputs_of(step, graph_cache), graph_cache)  # the padding rows write their K/V
+        again = make_prepare([Seq(1, (6,), 7, (0, 1)), Seq(2, (10,), 3, (3,))])
+        expected = model.forward(inputs_of(again, eager_cache), eager_cache)
+        return expected, runner.forward(inputs_of(again, graph_cache), graph_cache)
+
+    expected, padded = run()
+    torch.testing.assert_close(padded, expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setitem(FIELD_PADDING, "write_pages", FieldPadding(Pad.ROWS, lambda b: 0))  # page 0 is live
+    expected, padded = run()
+    assert not torch.allclose(padded, expected, rtol=1e-5, atol=1e-5), "a stray padding write went unnoticed"

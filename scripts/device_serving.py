@@ -1,0 +1,232 @@
+"""The control plane around a real forward on one GPU: a Llama-3-8B-shaped bf16 model (random
+weights written here, scripts/device_models.py) at batch 1, with CUDA graphs.
+
+1. The gap between two forwards: the real executor loop (scripts/device_loop.py: the engine in this
+   process, one executor) serves one stream of STREAM_TOKENS tokens, and a wrapper around the decode
+   graphs records a CUDA event before and after each forward on the model's stream. Their times, on
+   the GPU's own clock, go into scripts/bench_step.py's per-rank file format and through its
+   forward_gaps, so that the gap is measured as bench_step measures it around a fake forward: from
+   the end of forward N to the start of forward N+1, the time the GPU waits on the control plane.
+2. The served time per output token: the real server (`tp-runtime serve`) on the same checkpoint,
+   one streaming client, the same length; its median inter-token time against the loop's median
+   forward (the step).
+
+Fails when a stream fails, when a forward was not recorded, or when a token came faster than the step
+(a measurement that cannot be right). The targets (issue 22: a gap of at most 150 us median, a
+served token within 5% of the step) are reported beside the numbers, not enforced: docs/device.md.
+`--shape tiny --device cpu` runs the same code on a small model without graphs (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from protocol.frames import CacheGeometry  # noqa: E402
+from scripts.bench_step import TIMES_CAPACITY_ENV, TIMES_DIR_ENV, forward_gaps, forward_times_path, quantiles_us  # noqa: E402
+from scripts.device_env import TOKENIZER  # noqa: E402
+from scripts.device_report import Checks, report  # noqa: E402
+from scripts.device_loop import Loop, LoopSpec  # noqa: E402
+from scripts.device_models import LLAMA3_8B, TINY, parameters, write_checkpoint  # noqa: E402
+from scripts.harness.client import CompletionRequest, served_model, stream_completion  # noqa: E402
+from scripts.harness.runtime import RuntimeServer, ServerOptions  # noqa: E402
+
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+STREAM_TOKENS = 128
+PROMPT_TOKENS = 64
+GAP_TARGET_US = 150.0  # issue 22's median gap between two forwards
+TPOT_TARGET_RATIO = 1.05  # issue 22: a served token within 5% of the step
+POOL = {"num_kv_pages": 64, "page_size": 16, "max_num_seqs": 4, "max_model_len": 512}
+GEOMETRY_ENV = "DEVICE_SERVING_GEOMETRY"  # the loop's geometry, for the wrapper's graphs (JSON)
+START_TIMEOUT_S = 120.0
+CHECKS = Checks()
+FAILURES, check = CHECKS.failures, CHECKS.check
+
+
+class TimedForward:
+    """The model behind its decode graphs, with a CUDA event before and after every forward on the
+    current (model) stream. The executor runs it with its own graphs off: the graphs are made here,
+    around the model, so that the events bracket each replay. Times go to bench_step's file, in
+    seconds from the first event, once the events have completed (never a sync in the step)."""
+
+    def __init__(self, model, times: np.ndarray, geometry: CacheGeometry, graphs: bool) -> None:  # noqa: ANN001
+        self.model = model
+        self.fingerprint = model.fingerprint
+        self.config = model.config
+        self.times = times
+        self.geometry = geometry
+        self.graphs = graphs
+        self.runner = None
+        self.events: list[tuple[object, object]] = []
+        self.written = 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - everything else (shard, ...) is the model's
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def forward(self, inputs, cache):  # noqa: ANN001, ANN201
+        if self.runner is None:
+            from executor.cuda_graphs import DecodeGraphRunner
+
+            self.runner = DecodeGraphRunner(self.model, cache, geometry=self.geometry, batch_sizes=(1,), capture=self.graphs)
+        if cache.device.type != "cuda":  # the CPU's forward is synchronous: the host clock serves
+            started = time.perf_counter()
+            logits = self.runner.forward(inputs, cache)
+            if self.written < len(self.times):
+                self.times[self.written] = (started, time.perf_counter())
+                self.written += 1
+            return logits
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = self.runner.forward(inputs, cache)
+        end.record()
+        if len(self.events) < len(self.times):
+            self.events.append((start, end))
+        self._write_completed()
+        return logits
+
+    def _write_completed(self) -> None:
+        """Times of the forwards whose end event has completed (query() never waits)."""
+        origin = self.events[0][0]
+        while self.written < len(self.events) and self.events[self.written][1].query():
+            start, end = self.events[self.written]
+            self.times[self.written] = (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
+            self.written += 1
+
+
+def load_timed(path, *, rank, world_size, dtype, device, weight_format, progress, **_):  # noqa: ANN001, ANN201
+    """The executor's `load` for the gap measurement (scripts/harness/executors.py imports it)."""
+    from executor.model import load_model
+
+    model = load_model(path, rank=rank, world_size=world_size, dtype=dtype, device=device, weight_format=weight_format, progress=progress)
+    capacity = int(os.environ[TIMES_CAPACITY_ENV])
+    times = np.lib.format.open_memmap(
+        forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64, shape=(capacity, 2)
+    )
+    times[:] = np.nan
+    geometry = CacheGeometry(**json.loads(os.environ[GEOMETRY_ENV]))
+    return TimedForward(model, times, geometry, graphs=device.type == "cuda")
+
+
+@dataclass(frozen=True)
+class Gaps:
+    gap_us: dict[str, float]
+    step_ms: float  # the median forward, on the GPU's clock
+    forwards: int
+
+
+def measure_gaps(model: Path, device: str, work: Path, prompt: list[int]) -> Gaps:
+    times_dir = work / "forward-times"
+    times_dir.mkdir(parents=True, exist_ok=True)
+    capacity = STREAM_TOKENS + 8
+    geometry = CacheGeometry(
+        num_kv_pages=POOL["num_kv_pages"], page_size=POOL["page_size"], num_layers=1, num_kv_heads=1, head_dim=1,
+        kv_dtype="bf16", vocab_size=1, max_model_len=POOL["max_model_len"], max_num_seqs=POOL["max_num_seqs"],
+        max_num_batched_tokens=512,
+    )  # fmt: skip  (only the sizes and widths of the graphs come from it)
+    spec = LoopSpec(
+        model=str(model), device=device, cuda_graphs=False, load="scripts.device_serving:load_timed",
+        num_kv_pages=POOL["num_kv_pages"], page_size=POOL["page_size"], max_num_seqs=POOL["max_num_seqs"],
+        max_model_len=POOL["max_model_len"], max_num_batched_tokens=512,
+        env={TIMES_DIR_ENV: str(times_dir), TIMES_CAPACITY_ENV: str(capacity), GEOMETRY_ENV: json.dumps(asdict(geometry))},
+    )  # fmt: skip
+    with Loop(spec, work / "loop-logs", run_id="device-serving") as loop:
+        loop.wait_ready(START_TIMEOUT_S)
+        generated = loop.generate(prompt, STREAM_TOKENS)
+        check(generated.error is None and len(generated.tokens) == STREAM_TOKENS, f"the loop's stream: {generated.error}")
+        codes = loop.close(grace_s=30.0)
+        check(codes == {0: 0}, f"the loop's executor exited with {codes}")
+    times = np.load(forward_times_path(times_dir, 0))
+    recorded = int((~np.isnan(times[:, 1])).sum())
+    # The first forward is the prompt's prefill; the rest are decodes at batch 1.
+    decodes = times[1:recorded]
+    if not check(len(decodes) >= STREAM_TOKENS // 2, f"only {recorded} forwards were recorded"):
+        return Gaps({}, float("nan"), recorded)
+    gaps = forward_gaps([decodes], len(decodes))
+    return Gaps(quantiles_us(gaps), float(np.median(decodes[:, 1] - decodes[:, 0]) * 1e3), recorded)
+
+
+async def one_stream(url: str, prompt: list[int]):  # noqa: ANN201
+    import httpx
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        request = CompletionRequest(tuple(prompt), STREAM_TOKENS, ignore_eos=True)
+        return await stream_completion(client, url, served_model(url), request, timeout_s=120.0)
+
+
+def measure_served(model: Path, device: str, work: Path, prompt: list[int]) -> dict[str, float]:
+    options = ServerOptions(model=str(model), dtype="bf16", kv_cache_dtype="bf16", extra_args=("--device", device.split(":")[0]), **{
+        "num_kv_pages": POOL["num_kv_pages"], "page_size": POOL["page_size"], "max_num_seqs": POOL["max_num_seqs"],
+        "max_model_len": POOL["max_model_len"],
+    })  # fmt: skip
+    server = RuntimeServer(options, work / "server.log")
+    try:
+        server.start(START_TIMEOUT_S)
+        asyncio.run(one_stream(server.url, prompt))  # warm: the first stream's graphs and allocations
+        result = asyncio.run(one_stream(server.url, prompt))
+    finally:
+        server.stop()
+    if not check(result.completed and result.output_tokens == STREAM_TOKENS, f"the served stream: {result.error}"):
+        return {}
+    intervals = np.diff(np.asarray(result.token_times)) if len(result.token_times) > 1 else np.array([float("nan")])
+    return {"tpot_ms": result.tpot_s * 1e3, "median_token_interval_ms": float(np.median(intervals) * 1e3), "ttft_ms": result.ttft_s * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tp-runtime-device-check/serving"))
+    parser.add_argument("--tokenizer", type=Path, default=TOKENIZER)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device visible to torch"}))
+        return 2
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    started = time.perf_counter()
+    model = write_checkpoint(args.work / args.shape, SHAPES[args.shape], args.tokenizer, device=torch.device(device))
+    report("checkpoint", shape=args.shape, parameters=parameters(SHAPES[args.shape]), seconds=round(time.perf_counter() - started, 1))
+    prompt = [(7 * i) % 1000 + 100 for i in range(PROMPT_TOKENS)]
+    # Both load the checkpoint at once (the GPU holds two copies of 16 GB with room to spare).
+    with ThreadPoolExecutor(2) as pool:
+        gaps_future = pool.submit(measure_gaps, model, device, args.work, prompt)
+        served_future = pool.submit(measure_served, model, device, args.work, prompt)
+        gaps, served = gaps_future.result(), served_future.result()
+    values: dict[str, object] = {"forwards": gaps.forwards, "step_ms": round(gaps.step_ms, 3)}
+    if gaps.gap_us:
+        values.update(
+            gap_between_forwards_us={k: round(v, 1) for k, v in gaps.gap_us.items()},
+            gap_fraction_of_step=round(gaps.gap_us["median"] / 1e3 / gaps.step_ms, 3),
+            gap_meets_target=gaps.gap_us["median"] <= GAP_TARGET_US,
+        )
+    if served:
+        ratio = served["median_token_interval_ms"] / gaps.step_ms
+        values.update({k: round(v, 3) for k, v in served.items()}, served_token_over_step=round(ratio, 3))
+        values["served_meets_target"] = ratio <= TPOT_TARGET_RATIO
+        # A token cannot come faster than the step that made it: a ratio under 1 is a broken clock.
+        check(ratio >= 0.9 or args.device == "cpu", f"a served token ({served['median_token_interval_ms']:.2f} ms) is faster than the step ({gaps.step_ms:.2f} ms)")
+    report("serving", shape=args.shape, device=device, **values, seconds=round(time.perf_counter() - started, 1), failures=FAILURES, ok=not FAILURES)
+    if FAILURES:
+        for log in sorted(args.work.rglob("*.log")):
+            print(f"--- {log.relative_to(args.work)}\n{log.read_text(errors='replace')[-2000:]}")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
