@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from executor.model import ModelLoadError, load_model
 from executor.model.config import UnsupportedModelError
-from executor.model.loader import open_source
+from executor.model.load import open_source
 from protocol.errors import TPRuntimeError
 from tests.model.checkpoints import LLAMA3_SCALING, reference_logits, reference_model, run_ranks, write_gguf, write_hf
 from tests.model.driver import Driver

@@ -14,8 +14,9 @@ from gguf.quants import dequantize, quantize
 
 from executor.gguf_file import Q4_0, Q4_1, Q4Blocks
 from executor.model import ModelLoadError, WeightFormatError, default_model_path, load_model, resolve_weight_format
-from executor.model.layers import INT4_MAX_ROWS, Linear
-from executor.model.loader import open_source
+from executor.kernels import INT4_MAX_ROWS
+from executor.model.layers import Linear
+from executor.model.load import open_source
 from tests.model.driver import Driver
 from tests.model.tp_worker import run_tp, scenario
 from tests.tiny_models import write_tiny_gguf, write_tiny_llama
