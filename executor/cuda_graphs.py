@@ -27,36 +27,14 @@ import numpy as np
 import torch
 
 from executor.cache import KVCache
-from executor.inputs import StepInputs
+from executor.inputs import Pad, StepInputs
 from protocol.errors import TPRuntimeError
 from protocol.frames import CacheGeometry, Prepare
 
-# The StepInputs fields this runner knows how to pad. A field added to StepInputs must be taught
-# here, or graphs would replay with a stale buffer: the runner refuses to start instead.
-KNOWN_FIELDS = frozenset(
-    {
-        "token_ids",
-        "positions",
-        "query_lens",
-        "query_start",
-        "context_lens",
-        "page_table",
-        "write_pages",
-        "write_offsets",
-        "sample_rows",
-        "sample_seq_ids",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seeds",
-        "sample_positions",
-        "is_decode",
-        "num_seqs",
-        "num_tokens",
-        "query_lens_host",
-        "context_lens_host",
-    }
-)
+def unpaddable_fields(inputs_type: type = StepInputs) -> list[str]:
+    """The fields of `inputs_type` that declare no padding rule (executor.inputs.Pad). A field added
+    to StepInputs without one would replay with a stale buffer: the runner refuses to start."""
+    return [f.name for f in fields(inputs_type) if not isinstance(f.metadata.get("pad"), Pad)]
 
 
 class CudaGraphError(TPRuntimeError, RuntimeError):
@@ -95,26 +73,28 @@ class StaticDecodeBatch:
                 f"a step of {real.num_seqs} sequences, {real.page_table.shape[1]} pages wide, does not "
                 f"fit the graph of {self.size} x {self.width}"
             )
-        static = self.inputs
         n = real.num_seqs
         width = real.page_table.shape[1]
         context = min(self.width * self.page_size, self.geometry.max_model_len)
         last = context - 1
-        static.token_ids[:n].copy_(real.token_ids)
-        static.token_ids[n:].zero_()
-        static.positions[:n].copy_(real.positions)
-        static.positions[n:].fill_(last)
-        static.context_lens[:n].copy_(real.context_lens)
-        static.context_lens[n:].fill_(context)
-        static.page_table[:n, :width].copy_(real.page_table)
-        static.page_table[:n, width:].fill_(self.pad_page)
-        static.page_table[n:].fill_(self.pad_page)
-        static.write_pages[:n].copy_(real.write_pages)
-        static.write_pages[n:].fill_(self.pad_page)
-        static.write_offsets[:n].copy_(real.write_offsets)
-        static.write_offsets[n:].fill_(last % self.page_size)
-        # query_lens, query_start and sample_rows are the same for every decode step of this size;
-        # the sampling fields are read by the sampler from the real inputs, never by the graph.
+        fill = {
+            Pad.ZERO: 0,
+            Pad.LAST_POSITION: last,
+            Pad.FULL_CONTEXT: context,
+            Pad.PAD_PAGE: self.pad_page,
+            Pad.LAST_SLOT: last % self.page_size,
+        }
+        for f in fields(StepInputs):
+            rule = f.metadata["pad"]
+            static, given = getattr(self.inputs, f.name), getattr(real, f.name)
+            if rule is Pad.PAGE_TABLE:
+                static[:n, :width].copy_(given)
+                static[:n, width:].fill_(self.pad_page)
+                static[n:].fill_(self.pad_page)
+            elif rule in fill:
+                static[:n].copy_(given)
+                static[n:].fill_(fill[rule])
+            # SAME, SAMPLER and CHECKED fields are not copied: see executor.inputs.Pad.
 
 
 @dataclass
@@ -167,10 +147,10 @@ class DecodeGraphRunner:
     ) -> None:
         if cache.device.type != "cuda":
             raise CudaGraphError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
-        unknown = {f.name for f in fields(StepInputs)} - KNOWN_FIELDS
+        unknown = unpaddable_fields()
         if unknown:
             raise CudaGraphError(
-                f"StepInputs has fields the graph runner cannot pad: {', '.join(sorted(unknown))}"
+                f"StepInputs has fields without a padding rule (executor.inputs.Pad): {', '.join(unknown)}"
             )
         self.model = model
         self.fingerprint = model.fingerprint

@@ -45,7 +45,10 @@ from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.model import TORCH_DTYPES, LlamaModel, default_model_path, load_model  # noqa: E402
-from executor.kernels import INT4_MAX_ROWS  # noqa: E402
+try:
+    from executor.kernels import INT4_MAX_ROWS  # noqa: E402
+except ImportError:  # a baseline checkout, from before executor/kernels.py
+    from executor.model.layers import INT4_MAX_ROWS  # noqa: E402
 from protocol.frames import Prepare  # noqa: E402
 
 try:
@@ -379,7 +382,9 @@ def compare(args: argparse.Namespace) -> dict:
         common += ["--threads", str(args.threads)]
     # With --compile wait a missing library is built in the first batch's untimed warm-up steps.
     ours_args = [*common, "--formats", args.formats.split(",")[0], "--compile", args.compile]
-    base_args = [*common, "--formats", args.baseline_format, "--compile", "off"]
+    # Both trees as they ship: each compiles what it compiles (a baseline that compiles nothing
+    # ignores the flag's effect).
+    base_args = [*common, "--formats", args.baseline_format, "--compile", args.compile]
     rounds = []
     for index in range(args.rounds):
         pair = {"baseline": run_tree(Path(args.baseline), base_args), "ours": run_tree(here, ours_args)}

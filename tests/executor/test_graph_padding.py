@@ -102,3 +102,31 @@ def test_the_real_decode_forward_gives_the_same_logits_from_padded_static_buffer
     # Batched matmuls round differently at another batch size: close, and no real page stray-written.
     pages = slice(0, static_cache.pad_page)
     torch.testing.assert_close(static_cache.data[pages], eager_cache.data[pages], rtol=1e-5, atol=1e-5)
+
+
+def test_every_step_inputs_field_declares_a_padding_rule_and_the_guard_catches_one_that_does_not():
+    """The runner's guard, run over every field of StepInputs as it is (nothing refused) and over
+    a StepInputs with one more field that declares no rule (refused by name): a guard derived from
+    the same list as the fields still has something to catch."""
+    from dataclasses import field, fields, make_dataclass
+
+    from executor.cuda_graphs import unpaddable_fields
+    from executor.inputs import Pad
+
+    assert unpaddable_fields() == []
+    assert {f.metadata["pad"] for f in fields(StepInputs)} <= set(Pad)
+    grown = make_dataclass("GrownInputs", [("grammar_mask", torch.Tensor, field(default=None))], bases=(StepInputs,))
+    assert unpaddable_fields(grown) == ["grammar_mask"]
+
+
+def test_padding_rows_follow_each_fields_rule():
+    """Rows past the real step hold what each field's rule says, after a bigger step left others."""
+    cache = zero_cache()
+    batch = StaticDecodeBatch(4, 8, G, cache)
+    for prepare in (make_prepare([Seq(i, (5,), 3, (i,)) for i in range(3)]), make_prepare([Seq(1, (6,), 7, (0, 1))])):
+        batch.load(inputs_of(prepare, cache))
+    static, context = batch.inputs, min(8 * G.page_size, G.max_model_len)
+    assert static.token_ids[1:].eq(0).all() and static.positions[1:].eq(context - 1).all()
+    assert static.context_lens[1:].eq(context).all() and static.write_pages[1:].eq(cache.pad_page).all()
+    assert static.write_offsets[1:].eq((context - 1) % G.page_size).all()
+    assert static.page_table[0, 2:].eq(cache.pad_page).all() and static.page_table[1:].eq(cache.pad_page).all()
