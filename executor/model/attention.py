@@ -199,7 +199,11 @@ def masked_chunk_attention(
 ) -> torch.Tensor:
     """One prefill chunk with an explicit mask (chunk_bias) over all of its pages' slots: q [L, Hq,
     D], K and V [1, S * Hkv, D] -> [L, Hq * D]. Where the causal kernel does not run: on CUDA, with
-    a window, and inside the compiled mixed-step layers."""
+    a window, and inside the compiled mixed-step layers.
+
+    On the CPU the scores are two matmuls around a softmax in float32, every column computed: a
+    fused kernel may skip blocks its mask covers, and Inductor's lowering of the fused call inside
+    the compiled layers let a NaN past the chunk's end vanish (tests/model/test_runners.py)."""
     length, q_heads, head_dim = q.shape
     group = q_heads // kv_heads
     k, v = _head_major(k, kv_heads), _head_major(v, kv_heads)
@@ -207,7 +211,11 @@ def masked_chunk_attention(
     # copy it G times.
     rows = q.view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     rows = rows.reshape(1, kv_heads, group * length, head_dim)
-    attended = _sdpa(rows, k, v, bias)
+    if q.device.type == "cuda":
+        attended = _sdpa(rows, k, v, bias)
+    else:
+        scores = torch.matmul(rows.float(), k.float().transpose(-1, -2)) * head_dim**-0.5 + bias.float()
+        attended = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
     return attended.view(kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
 
 
