@@ -167,6 +167,7 @@ def test_window_keeps_the_poison_proof(checkpoints):
     assert not torch.isfinite(unclear[:2]).any(dim=-1).any(), "every row reads a stale slot"
 
 
+@pytest.mark.timeout(1800)  # builds four libraries: two windows (layer 0 has none) x decode and mixed
 def test_biased_and_windowed_models_run_compiled(checkpoints):
     """Changed meaning on purpose: with one decoder layer, Qwen2's biases and its windowed layers
     run on the compiled layers like any other model (they used to decode eager). Every step's

@@ -130,7 +130,9 @@ def test_a_compiled_prefill_chunk_reads_the_rest_of_its_last_page(built, part):
         driver = Driver(built[0], num_kv_pages=32, page_size=4, kv_dtype="bf16")
         driver.step([(0, [5, 6, 7, 8, 9], True)])
         if poisoned:
-            _poison_past_the_end(driver, 0, part)
+            # The chunk below writes slots 5 and 6; slot 7 ends its last page, past its end.
+            page = driver.seqs[0].pages[1]
+            driver.cache.data[page, :, part, 3] = float("nan")
         logits = driver.step([(0, [10, 11], True)])
         assert driver.runner.last_runner == "compiled"
         assert torch.isnan(logits).all().item() is poisoned
