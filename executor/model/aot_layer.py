@@ -7,7 +7,7 @@ the eager forward runs, with the attention of their kind of step:
 - `decode`: every row one sequence's new token: executor.model.attention.decode_attention;
 - `mixed`: the first rows decodes (decode_attention over their tables), the rest one sequence's
   prefill chunk (masked_chunk_attention over its pages), the step a server at high concurrency
-  runs most; with no decode rows it is a prefill chunk alone.
+  runs most.
 
 The weights are inputs, not constants: one library serves every layer of a model and every
 checkpoint of the same shape. Inputs are the decoder's dataclasses (pytree nodes), flattened in

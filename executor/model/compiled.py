@@ -176,12 +176,16 @@ class CompiledLayers:
 
     @staticmethod
     def step_kind(inputs: StepInputs) -> str | None:
-        """`decode`, `mixed` (one sequence of several new tokens, last, after any number of
-        one-token ones), or None: a step of several chunks runs eager."""
+        """`decode`, `mixed` (decodes, then one sequence of several new tokens last), or None.
+
+        A prefill chunk with no decode beside it runs eager: the library computes every column of
+        its chunk's scores, where the eager CPU path skips the causal upper triangle with the
+        flash kernel; a 1024-token prefill took 2.4x as long compiled (docs/model.md). Several
+        chunks in one step run eager too."""
         if inputs.is_decode:
             return "decode"
         chunks = inputs.query_lens_host > 1
-        if inputs.num_seqs and chunks[-1] and not chunks[:-1].any():
+        if inputs.num_seqs > 1 and chunks[-1] and not chunks[:-1].any():
             return "mixed"
         return None
 

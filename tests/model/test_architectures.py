@@ -177,7 +177,7 @@ def test_biased_and_windowed_models_run_compiled(checkpoints):
     driver = Driver(model, page_size=4)
     prompt = PROMPT[:9]
     rows = [driver.step([(0, prompt, True)])]
-    assert driver.runner.last_runner == "compiled", "a prefill chunk alone"
+    assert driver.runner.last_runner == "eager", "a prefill chunk alone: the causal kernel"
     tokens = prompt + [int(rows[-1].argmax())]
     for _ in range(3):
         rows.append(driver.step([(0, tokens[-1:], True)]))
@@ -185,6 +185,11 @@ def test_biased_and_windowed_models_run_compiled(checkpoints):
         tokens.append(int(rows[-1].argmax()))
     expected = reference_logits(reference, tokens[:-1])
     torch.testing.assert_close(torch.cat(rows), expected[len(prompt) - 1 :], atol=ATOL, rtol=RTOL)
+    # A decode beside another prompt's chunk: the mixed library, held to the reference too.
+    mixed = driver.step([(0, tokens[-1:], True), (1, PROMPT[2:9], True)])
+    assert driver.runner.last_runner == "compiled", "a mixed step"
+    torch.testing.assert_close(mixed[0], reference_logits(reference, tokens)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(mixed[1], reference_logits(reference, PROMPT[2:9])[-1], atol=ATOL, rtol=RTOL)
 
 
 # -- refusals ----------------------------------------------------------------------------------------

@@ -64,10 +64,11 @@ def built(tiny_path):
     return model, logits, tokens
 
 
-# (steps, the runner that serves each): a prefill chunk alone, decodes beside a chunk, a decode
-# step, and two chunks in one step, which no library covers.
+# (steps, the runner that serves each): a prefill chunk alone (eager: the causal kernel skips half
+# its scores), decodes beside a chunk, a decode step, and two chunks in one step, which no library
+# covers.
 SCRIPT = [
-    ([(0, [5, 6, 7, 8, 9], True)], "compiled"),
+    ([(0, [5, 6, 7, 8, 9], True)], "eager"),
     ([(0, [11], True), (1, [3, 4, 5], True)], "compiled"),
     ([(0, [12], True), (1, [13], True)], "compiled"),
     ([(0, [14, 15], True), (1, [16, 17, 18], True)], "eager"),
@@ -125,17 +126,19 @@ def test_every_runner_reads_the_last_page_whole(tiny_path, built, mode, kind, pa
 
 @pytest.mark.parametrize("part", [0, 1], ids=["k", "v"])
 def test_a_compiled_prefill_chunk_reads_the_rest_of_its_last_page(built, part):
-    """A chunk's rows read its last page whole too: a NaN past the chunk's end reaches them."""
+    """A chunk's rows read its last page whole too: a NaN past the chunk's end reaches them, and
+    not the decode beside it."""
     for poisoned in (False, True):
         driver = Driver(built[0], num_kv_pages=32, page_size=4, kv_dtype="bf16")
-        driver.step([(0, [5, 6, 7, 8, 9], True)])
+        driver.step([(0, [5, 6, 7, 8, 9], True), (1, [3, 4], True)])
         if poisoned:
             # The chunk below writes slots 5 and 6; slot 7 ends its last page, past its end.
             page = driver.seqs[0].pages[1]
             driver.cache.data[page, :, part, 3] = float("nan")
-        logits = driver.step([(0, [10, 11], True)])
+        logits = driver.step([(1, [12], True), (0, [10, 11], True)])
         assert driver.runner.last_runner == "compiled"
-        assert torch.isnan(logits).all().item() is poisoned
+        assert torch.isnan(logits[1]).all().item() is poisoned
+        assert torch.isfinite(logits[0]).all()
 
 
 def test_poisoned_cache_with_clears_decodes_as_a_clean_one(built):
