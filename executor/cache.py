@@ -32,8 +32,42 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     KVDtype.FP16.value: torch.float16,
     KVDtype.FP8_E4M3.value: torch.float8_e4m3fn,
 }
-FP8_E4M3_MAX = 448.0
+# The largest finite float8_e4m3fn: what an fp8 cache clamps to.
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 POISON_BYTE = 0xFF
+
+
+def to_storage(x: torch.Tensor, scale: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
+    """New K or V as the cache stores it: fp8 divides by its layer's scale and clamps to e4m3's range."""
+    if storage_dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(storage_dtype)
+    return x.to(storage_dtype)
+
+
+def from_storage(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored K or V read back in `dtype` (fp8: times its layer's scale; 0xFF stays NaN)."""
+    if x.dtype == torch.float8_e4m3fn:
+        return x.to(dtype) * scale
+    return x.to(dtype)
+
+
+def store_kv(
+    data: torch.Tensor,
+    layer: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Write new tokens' K and V [T, H, D] of one layer (`layer`: long[1]) at (pages[t], offsets[t])
+    of the whole cache tensor. Plain tensor ops: the eager forward and the compiled layers (which
+    take the layer as an input, so that one library serves every layer) run this same code."""
+    layers = layer.expand(pages.shape[0])
+    k_scale, v_scale = scales[layer][0]
+    plane = torch.zeros_like(pages)
+    data.index_put_((pages, layers, plane, offsets), to_storage(k, k_scale, data.dtype))
+    data.index_put_((pages, layers, plane + 1, offsets), to_storage(v, v_scale, data.dtype))
 
 
 class CacheConfigError(TPRuntimeError, ValueError):
@@ -104,6 +138,8 @@ class KVCache:
         self.data[self.pad_page].zero_()
         # Every layer asks for its K and V twice a step; views made once save ~8 ops per layer.
         self._layers = [(self.data[:, layer, 0], self.data[:, layer, 1]) for layer in range(num_layers)]
+        # The layer index as store_kv and the attention gathers take it: long[1] on the device.
+        self.layer_ids = [torch.tensor([layer], device=self.device) for layer in range(num_layers)]
         self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=self.device)  # [layer, K/V]
         if isinstance(scales, KVScales):
             self.scales.copy_(torch.tensor(list(zip(scales.k, scales.v)), dtype=torch.float32))
@@ -148,6 +184,11 @@ class KVCache:
             raise RuntimeError("this KV cache has no calibration pending")
         self._armed = True
 
+    def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """While a calibration is armed: set this layer's scales from the K and V about to be written."""
+        if self.calibrating:
+            self._calibration.observe(layer, k, v, self.scales)
+
     def write(
         self,
         layer: int,
@@ -157,18 +198,8 @@ class KVCache:
         v: torch.Tensor,
     ) -> None:
         """Store new tokens' K and V [T, H, D] at (pages[t], offsets[t])."""
-        if self.calibrating:
-            self._calibration.observe(layer, k, v, self.scales)
-        k_cache, v_cache = self.key_value(layer)
-        k_scale, v_scale = self.layer_scales(layer)
-        k_cache[pages, offsets] = self._to_storage(k, k_scale)
-        v_cache[pages, offsets] = self._to_storage(v, v_scale)
-
-    def _to_storage(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.storage_dtype == torch.float8_e4m3fn:
-            scaled = (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-            return scaled.to(torch.float8_e4m3fn)
-        return x.to(self.storage_dtype)
+        self.observe(layer, k, v)
+        store_kv(self.data, self.layer_ids[layer], pages, offsets, k, v, self.scales)
 
     def clear_pages(self, pages: np.ndarray) -> None:
         """Zero every byte of the listed pages (sorted unique ids) in every layer's K and V."""

@@ -20,94 +20,30 @@ Nothing here imports CUDA until a runner is built.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
-from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
 from executor.cache import KVCache
-from executor.inputs import StepInputs
+from executor.inputs import Pad, StepInputs
 from protocol.errors import TPRuntimeError
 from protocol.frames import CacheGeometry, Prepare
+
+def unpaddable_fields(inputs_type: type = StepInputs) -> list[str]:
+    """The fields of `inputs_type` that declare no padding rule (executor.inputs.Pad). A field added
+    to StepInputs without one would replay with a stale buffer: the runner refuses to start."""
+    return [f.name for f in fields(inputs_type) if not isinstance(f.metadata.get("pad"), Pad)]
+
 
 class CudaGraphError(TPRuntimeError, RuntimeError):
     """The decode forward cannot be captured as CUDA graphs."""
 
 
-class Pad(Enum):
-    """How the graph of one (size B, width W) serves a decode step of n <= B sequences through one
-    StepInputs field."""
-
-    ROWS = "copied into the static buffer's first n rows; the other rows get the field's fill"
-    TABLE = "copied into the first n rows and w columns; every other entry is the pad page"
-    SHAPE = "the same for every decode step of B sequences: set when the buffers are made"
-    SAMPLER = "read from the step's own inputs by the sampler after the replay, never by the graph"
-    HOST = "a host copy that the decode forward does not read, so a replay never depends on it"
-
-
-@dataclass(frozen=True)
-class FieldPadding:
-    pad: Pad
-    # Pad.ROWS: the value of a padding row, given the static batch (its pad page, its context).
-    fill: Callable[[StaticDecodeBatch], int] | None = None
-
-
-# One rule for every StepInputs field. A field without one would replay with a stale buffer, so
-# the runner refuses to start (check_padding_rules), and tests/executor/test_graph_padding.py
-# runs that check, and each rule, on the CPU.
-FIELD_PADDING: dict[str, FieldPadding] = {
-    "token_ids": FieldPadding(Pad.ROWS, lambda b: 0),
-    "positions": FieldPadding(Pad.ROWS, lambda b: b.context - 1),
-    "query_lens": FieldPadding(Pad.SHAPE),
-    "query_start": FieldPadding(Pad.SHAPE),
-    "context_lens": FieldPadding(Pad.ROWS, lambda b: b.context),
-    "page_table": FieldPadding(Pad.TABLE),
-    "write_pages": FieldPadding(Pad.ROWS, lambda b: b.pad_page),
-    "write_offsets": FieldPadding(Pad.ROWS, lambda b: (b.context - 1) % b.page_size),
-    "sample_rows": FieldPadding(Pad.SHAPE),
-    "sample_seq_ids": FieldPadding(Pad.SAMPLER),
-    "temperature": FieldPadding(Pad.SAMPLER),
-    "top_p": FieldPadding(Pad.SAMPLER),
-    "top_k": FieldPadding(Pad.SAMPLER),
-    "seeds": FieldPadding(Pad.SAMPLER),
-    "sample_positions": FieldPadding(Pad.SAMPLER),
-    "num_logprobs_host": FieldPadding(Pad.SAMPLER),
-    "num_logprobs": FieldPadding(Pad.SAMPLER),
-    "is_decode": FieldPadding(Pad.SHAPE),
-    "num_seqs": FieldPadding(Pad.SHAPE),
-    "num_tokens": FieldPadding(Pad.SHAPE),
-    "query_lens_host": FieldPadding(Pad.SHAPE),
-    "context_lens_host": FieldPadding(Pad.HOST),
-}
-
-
-def check_padding_rules(declared: Iterable[str], rules: Mapping[str, FieldPadding] = FIELD_PADDING) -> None:
-    """Refuses StepInputs fields without a padding rule, and rules for fields that do not exist."""
-    declared = set(declared)
-    missing, stale = sorted(declared - set(rules)), sorted(set(rules) - declared)
-    if missing or stale:
-        raise CudaGraphError(
-            "the CUDA graph runner's padding rules do not match StepInputs: "
-            + "; ".join(
-                part
-                for part in (
-                    f"no rule for {', '.join(missing)}" if missing else "",
-                    f"rules for fields it does not have: {', '.join(stale)}" if stale else "",
-                )
-                if part
-            )
-        )
-    for name, rule in rules.items():
-        if (rule.fill is None) == (rule.pad is Pad.ROWS):
-            raise CudaGraphError(f"the padding rule of StepInputs.{name} must have a fill exactly when it pads rows")
-
-
 class StaticDecodeBatch:
     """Static StepInputs buffers of one (batch size, table width), and the copy of a real decode
-    step into them, field by field as FIELD_PADDING says."""
+    step into them."""
 
     def __init__(self, size: int, width: int, geometry: CacheGeometry, cache: KVCache) -> None:
         self.size = size
@@ -115,8 +51,6 @@ class StaticDecodeBatch:
         self.geometry = geometry
         self.pad_page = cache.pad_page
         self.page_size = cache.page_size
-        # Every padding row gets the longest context such a table holds.
-        self.context = min(width * cache.page_size, geometry.max_model_len)
         self.inputs = StepInputs.from_prepare(
             padding_prepare(size, width, geometry, cache.pad_page),
             pad_page=cache.pad_page,
@@ -132,6 +66,19 @@ class StaticDecodeBatch:
             and real.page_table.shape[1] <= self.width
         )
 
+    def fills(self) -> dict[Pad, int]:
+        """The value of a padding row, by rule: the longest context a table of this width holds,
+        its last position, the pad page it writes into."""
+        context = min(self.width * self.page_size, self.geometry.max_model_len)
+        last = context - 1
+        return {
+            Pad.ZERO: 0,
+            Pad.LAST_POSITION: last,
+            Pad.FULL_CONTEXT: context,
+            Pad.PAD_PAGE: self.pad_page,
+            Pad.LAST_SLOT: last % self.page_size,
+        }
+
     def load(self, real: StepInputs) -> None:
         """Copy a decode step into the static buffers and re-pad the rows it does not use."""
         if not self.fits(real):
@@ -140,16 +87,19 @@ class StaticDecodeBatch:
                 f"fit the graph of {self.size} x {self.width}"
             )
         n = real.num_seqs
-        for name, rule in FIELD_PADDING.items():
-            if rule.pad is Pad.ROWS:
-                static = getattr(self.inputs, name)
-                static[:n].copy_(getattr(real, name))
-                static[n:].fill_(rule.fill(self))
-            elif rule.pad is Pad.TABLE:
-                static, width = getattr(self.inputs, name), getattr(real, name).shape[1]
-                static[:n, :width].copy_(getattr(real, name))
+        width = real.page_table.shape[1]
+        fill = self.fills()
+        for f in fields(StepInputs):
+            rule = f.metadata["pad"]
+            static, given = getattr(self.inputs, f.name), getattr(real, f.name)
+            if rule is Pad.PAGE_TABLE:
+                static[:n, :width].copy_(given)
                 static[:n, width:].fill_(self.pad_page)
                 static[n:].fill_(self.pad_page)
+            elif rule in fill:
+                static[:n].copy_(given)
+                static[n:].fill_(fill[rule])
+            # SAME, SAMPLER and CHECKED fields are not copied: see executor.inputs.Pad.
 
 
 @dataclass
@@ -207,7 +157,11 @@ class DecodeGraphRunner:
     ) -> None:
         if capture and cache.device.type != "cuda":
             raise CudaGraphError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
-        check_padding_rules(f.name for f in fields(StepInputs))
+        unknown = unpaddable_fields()
+        if unknown:
+            raise CudaGraphError(
+                f"StepInputs has fields without a padding rule (executor.inputs.Pad): {', '.join(unknown)}"
+            )
         self.model = model
         self.fingerprint = model.fingerprint
         self.config = model.config
@@ -272,7 +226,6 @@ class DecodeGraphRunner:
         captured.batch.load(inputs)
         if not self.captured:
             logits = self.model.forward(captured.batch.inputs, cache)
-            self._zero_pad_page()
             return None if logits is None else logits[: inputs.num_seqs]
         captured.graph.replay()
         if captured.logits is None:  # ranks other than 0 return no logits

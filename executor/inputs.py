@@ -1,12 +1,17 @@
 """Per-step model inputs, built from a validated PREPARE with vectorized numpy (no per-token loops).
 
 All integer inputs are packed into one int64 buffer and moved to the device in one copy, then split
-into views: on CUDA that is one host-to-device transfer per step instead of a dozen.
+into views by name: on CUDA that is one host-to-device transfer per step instead of a dozen.
+
+Each field declares how a CUDA graph pads it (`Pad`, in the field's metadata): a graph captured for
+B sequences replays a step of n <= B with rows n.. padded so that they touch only the pad page
+(executor/cuda_graphs.py applies the rules; a field without one makes the runner refuse to start).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,35 +24,53 @@ class StepInputsError(TPRuntimeError, ValueError):
     """A PREPARE whose arrays cannot describe a step (lengths or page tables disagree)."""
 
 
+class Pad(enum.Enum):
+    """How a decode step's field is padded from its n rows to a CUDA graph's B (cuda_graphs.py)."""
+
+    ZERO = "zero"  # rows n.. hold 0 (a token id every vocabulary has)
+    LAST_POSITION = "last_position"  # the last position a table of the graph's width holds
+    FULL_CONTEXT = "full_context"  # the context such a table holds: every slot of the pad page
+    PAGE_TABLE = "page_table"  # columns past the real width and rows n.. read the pad page
+    PAD_PAGE = "pad_page"  # rows n.. write their K and V into the pad page
+    LAST_SLOT = "last_slot"  # ... at the slot of LAST_POSITION
+    SAME = "same"  # identical for every decode step of the graph's size (captured as built)
+    SAMPLER = "sampler"  # read by the sampler from the real inputs, never by the graph
+    CHECKED = "checked"  # host-side sizes and copies: `fits` compares them, the graph never reads them
+
+
+def _pad(rule: Pad):  # noqa: ANN202 - a dataclass field
+    return field(metadata={"pad": rule})
+
+
 @dataclass
 class StepInputs:
-    token_ids: torch.Tensor  # long[T]
-    positions: torch.Tensor  # long[T]
-    query_lens: torch.Tensor  # long[n]
-    query_start: torch.Tensor  # long[n + 1], cumulative
-    context_lens: torch.Tensor  # long[n]
+    token_ids: torch.Tensor = _pad(Pad.ZERO)  # long[T]
+    positions: torch.Tensor = _pad(Pad.LAST_POSITION)  # long[T]
+    query_lens: torch.Tensor = _pad(Pad.SAME)  # long[n]
+    query_start: torch.Tensor = _pad(Pad.SAME)  # long[n + 1], cumulative
+    context_lens: torch.Tensor = _pad(Pad.FULL_CONTEXT)  # long[n]
     # long[n, W]: each sequence's pages covering its context_lens, padded with pad_page. Reserved
     # pages past the context are replaced by pad_page too: they may not be cleared yet.
-    page_table: torch.Tensor
-    write_pages: torch.Tensor  # long[T]: the page of each new token's K/V
-    write_offsets: torch.Tensor  # long[T]: its slot in that page
-    sample_rows: torch.Tensor  # long[m]: index into T of each sampled sequence's last new token
-    sample_seq_ids: np.ndarray  # int64[m]
-    temperature: torch.Tensor  # float32[m]
-    top_p: torch.Tensor  # float32[m]
-    top_k: torch.Tensor  # long[m]
-    seeds: torch.Tensor  # long[m]; -1 means unseeded
-    sample_positions: torch.Tensor  # long[m]: position of the token whose logits are sampled
+    page_table: torch.Tensor = _pad(Pad.PAGE_TABLE)
+    write_pages: torch.Tensor = _pad(Pad.PAD_PAGE)  # long[T]: the page of each new token's K/V
+    write_offsets: torch.Tensor = _pad(Pad.LAST_SLOT)  # long[T]: its slot in that page
+    sample_rows: torch.Tensor = _pad(Pad.SAME)  # long[m]: index into T of each sampled sequence's last new token
+    sample_seq_ids: np.ndarray = _pad(Pad.SAMPLER)  # int64[m]
+    temperature: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
+    top_p: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
+    top_k: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]
+    seeds: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]; -1 means unseeded
+    sample_positions: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]: position of the token whose logits are sampled
     # Alternatives each sampled row wants returned (uint8[m] on the host; on the device as long[m],
     # or None when no row wants any).
-    num_logprobs_host: np.ndarray
-    num_logprobs: torch.Tensor | None
-    is_decode: bool  # every sequence brings exactly one new token
-    num_seqs: int
-    num_tokens: int
+    num_logprobs_host: np.ndarray = _pad(Pad.SAMPLER)
+    num_logprobs: torch.Tensor | None = _pad(Pad.SAMPLER)
+    is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
+    num_seqs: int = _pad(Pad.CHECKED)
+    num_tokens: int = _pad(Pad.CHECKED)
     # Host copies the attention loop over prefill sequences reads without a device sync.
-    query_lens_host: np.ndarray  # int64[n]
-    context_lens_host: np.ndarray  # int64[n]
+    query_lens_host: np.ndarray = _pad(Pad.CHECKED)  # int64[n]
+    context_lens_host: np.ndarray = _pad(Pad.CHECKED)  # int64[n]
 
     @classmethod
     def from_prepare(
@@ -71,33 +94,32 @@ class StepInputs:
         positions = p.positions.astype(np.int64)
         sampled = np.flatnonzero(p.sample)
         sample_rows = query_start[sampled + 1] - 1
-        ints = _int64_on_device(  # ints[0] to ints[11] below
-            device, p.token_ids.astype(np.int64), positions, query_lens, query_start, context_lens,
-            _padded_tables(flat_table, table_start, needed, width, pad_page).reshape(-1),
-            _write_pages(flat_table, table_start, query_lens, positions, page_size), positions % page_size,
-            sample_rows, p.top_k[sampled].astype(np.int64), p.seeds[sampled].astype(np.int64), positions[sample_rows],
+        ints = _int64_on_device(
+            device,
+            token_ids=p.token_ids.astype(np.int64),
+            positions=positions,
+            query_lens=query_lens,
+            query_start=query_start,
+            context_lens=context_lens,
+            page_table=_padded_tables(flat_table, table_start, needed, width, pad_page).reshape(-1),
+            write_pages=_write_pages(flat_table, table_start, query_lens, positions, page_size),
+            write_offsets=positions % page_size,
+            sample_rows=sample_rows,
+            top_k=p.top_k[sampled].astype(np.int64),
+            seeds=p.seeds[sampled].astype(np.int64),
+            sample_positions=positions[sample_rows],
         )
         floats = torch.from_numpy(
             np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
         ).to(device, non_blocking=True)
         m = int(sampled.shape[0])
         num_logprobs = p.num_logprobs[sampled]
+        ints["page_table"] = ints["page_table"].view(n, width)
         return cls(
-            token_ids=ints[0],
-            positions=ints[1],
-            query_lens=ints[2],
-            query_start=ints[3],
-            context_lens=ints[4],
-            page_table=ints[5].view(n, width),
-            write_pages=ints[6],
-            write_offsets=ints[7],
-            sample_rows=ints[8],
+            **ints,
             sample_seq_ids=p.seq_ids[sampled].astype(np.int64),
             temperature=floats[:m],
             top_p=floats[m:],
-            top_k=ints[9],
-            seeds=ints[10],
-            sample_positions=ints[11],
             num_logprobs_host=num_logprobs,
             num_logprobs=torch.from_numpy(num_logprobs.astype(np.int64)).to(device) if num_logprobs.any() else None,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
@@ -170,7 +192,7 @@ def _write_pages(
     return flat_table[table_start[seq_of_token] + positions // page_size]
 
 
-def _int64_on_device(device: torch.device | str, *pieces: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """The pieces in one host-to-device copy, as views of it."""
-    packed = torch.from_numpy(np.concatenate(pieces)).to(device, non_blocking=True)
-    return torch.split(packed, [piece.shape[0] for piece in pieces])
+def _int64_on_device(device: torch.device | str, **pieces: np.ndarray) -> dict[str, torch.Tensor]:
+    """The named pieces in one host-to-device copy, as views of it under the same names."""
+    packed = torch.from_numpy(np.concatenate(list(pieces.values()))).to(device, non_blocking=True)
+    return dict(zip(pieces, torch.split(packed, [piece.shape[0] for piece in pieces.values()])))

@@ -5,7 +5,7 @@ The CPUs these sessions land on differ (an AVX-512 + AMX Xeon, an AVX2-only EPYC
 table of CPU flags the executor times the kernels a step would run, on matrices large enough to
 stream from memory as a model's do:
 
-- dense fp32 against dense bf16 (oneDNN-packed, as executor.model.layers.Linear holds them) at 1
+- dense fp32 against dense bf16 (oneDNN-packed, as executor.kernels.Matrix holds them) at 1
   row (a decode step reads every weight once) and at 128 rows (a prefill chunk computes): bf16
   when it is faster at both, or by the geometric mean of the two ratios when they disagree;
 - with bf16, torch's int4 kernel against dense bf16 at 1 to 32 rows: `mixed` when int4 is faster
@@ -33,6 +33,7 @@ import torch
 
 from executor.disk_cache import cache_root, cpu_identity, digest, file_lock, write_atomically
 from executor.gguf_file import Q4_BLOCK, Q4Blocks
+from executor.kernels import Matrix
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,12 @@ def _read(path: Path) -> ProbeResult | None:
 
 
 def measure() -> ProbeResult:
-    from executor.model.layers import Linear
-
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(OUT_FEATURES, IN_FEATURES, generator=generator) * 0.02 for _ in range(MATRICES)]
     kernels = {
-        "fp32": [Linear(w) for w in weights],
-        "bf16": [Linear(w.bfloat16()) for w in weights],
-        "int4": [Linear(None, _blocks(w), dtype=torch.bfloat16) for w in weights],
+        "fp32": [Matrix(w) for w in weights],
+        "bf16": [Matrix(w.bfloat16()) for w in weights],
+        "int4": [Matrix(None, _blocks(w), dtype=torch.bfloat16) for w in weights],
     }
     del weights
     flush = torch.empty(_flush_bytes() // 4)

@@ -241,9 +241,17 @@ def _allocate_cache(options: ExecutorOptions, model: Any, *, world_size: int, de
 
 
 def _step_model(options: ExecutorOptions, model: Any, cache: KVCache, geometry: CacheGeometry) -> StepModel:
-    """The model, or on CUDA its decode steps replayed from CUDA graphs."""
+    """The model as a step runs it: executor.model.runner picks eager, compiled layers or, on CUDA
+    with graphs asked for, a captured decode graph. A stand-in model (the loop tests') runs as it is."""
+    from executor.model import LlamaModel
+
+    if not isinstance(model, LlamaModel):
+        return model
+    from executor.model.runner import ModelRunner
+
+    graphs = None
     if cache.device.type == "cuda" and options.cuda_graphs:
         from executor.cuda_graphs import DecodeGraphRunner
 
-        return DecodeGraphRunner(model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes)
-    return model
+        graphs = DecodeGraphRunner(model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes)
+    return ModelRunner(model, graphs=graphs)

@@ -183,30 +183,24 @@ class Prepare:
         n = query.shape[0]
         ends = np.cumsum(query)
         positions = np.arange(int(ends[-1]) if n else 0, dtype=i32) + np.repeat(context - ends, query)
-        empty = np.zeros(0, dtype=i32)
-        return cls(
-            seq_ids=np.arange(n, dtype=np.int64) if seq_ids is None else np.asarray(seq_ids, dtype=np.int64),
+        arrays = unused_fields(n)
+        arrays.update(
             query_lens=query,
             context_lens=context,
             token_ids=np.asarray(token_ids, dtype=i32),
             positions=positions.astype(i32),
             page_table_lens=np.asarray(page_table_lens, dtype=i32),
-            page_table_base=np.zeros(n, dtype=i32),
             page_table=np.asarray(page_table, dtype=i32),
-            sample=np.ones(n, dtype=np.uint8) if sample is None else np.asarray(sample, dtype=np.uint8),
-            temperature=np.zeros(n, dtype=np.float32),
-            top_p=np.ones(n, dtype=np.float32),
-            top_k=np.zeros(n, dtype=i32),
-            seeds=np.full(n, -1, dtype=np.int64),
-            cleared_pages=empty if cleared_pages is None else np.asarray(cleared_pages, dtype=i32),
-            restore_pages=empty,
-            restore_slots=empty,
-            offload_pages=empty,
-            offload_slots=empty,
-            poison_pages=empty,
-            feedback=np.zeros(n, dtype=np.uint8),
-            **plain_sampling(n),
         )
+        if seq_ids is None:
+            arrays["seq_ids"] = np.arange(n, dtype=np.int64)
+        else:
+            arrays["seq_ids"] = np.asarray(seq_ids, dtype=np.int64)
+        if sample is not None:
+            arrays["sample"] = np.asarray(sample, dtype=np.uint8)
+        if cleared_pages is not None:
+            arrays["cleared_pages"] = np.asarray(cleared_pages, dtype=i32)
+        return cls(**arrays)
 
     @classmethod
     def greedy_decode(
@@ -215,29 +209,6 @@ class Prepare:
         """One new token per sequence: the decode step graph capture and device checks build."""
         n = len(context_lens)
         return cls.greedy(np.ones(n), context_lens, token_ids, page_table_lens, page_table)
-
-
-def plain_sampling(n: int) -> dict[str, np.ndarray]:
-    """PREPARE's logits-processing fields for n sequences that use none of it: no alternatives, no
-    penalties, no sampling state, nothing banned. For PREPAREs built by hand."""
-    i32 = np.dtype("<i4")
-    zeros = np.zeros(n, dtype=i32)
-    empty = np.zeros(0, dtype=i32)
-    return dict(
-        num_logprobs=np.zeros(n, dtype=np.uint8),
-        presence_penalty=np.zeros(n, dtype=np.float32),
-        frequency_penalty=np.zeros(n, dtype=np.float32),
-        repetition_penalty=np.ones(n, dtype=np.float32),
-        sampling_state=np.zeros(n, dtype=np.uint8),
-        history_lens=zeros,
-        history_prompt_lens=zeros,
-        history=empty,
-        logit_bias_lens=zeros,
-        logit_bias_ids=empty,
-        logit_bias=np.zeros(0, dtype=np.float32),
-        banned_lens=zeros,
-        banned_ids=empty,
-    )
 
 
 @dataclass(frozen=True)
@@ -333,43 +304,88 @@ BODY_TYPES: dict[FrameType, type] = {
 }
 FRAME_TYPE_OF: dict[type, FrameType] = {cls: t for t, cls in BODY_TYPES.items()}
 
+class Extent(enum.Enum):
+    """How long a PREPARE array is."""
+
+    SEQUENCE = "sequence"  # one entry per sequence: len(seq_ids)
+    TOKEN = "token"  # one entry per new token: sum(query_lens)
+    COUNTED = "counted"  # each sequence's entries in turn, as many as its `counts` field says
+    LIST = "list"  # a list of its own length (pages, host slots), or as long as `counts` when set
+
+
+@dataclass(frozen=True)
+class ArrayField:
+    """One array field of PREPARE, declared once: the codec's dtype, the validator's length rule,
+    and the value a sequence that uses none of it takes (hand-built steps, the scheduler's rows
+    without logits processing). A field added here is carried, checked and defaulted everywhere."""
+
+    name: str
+    dtype: np.dtype
+    extent: Extent
+    default: int | float = 0
+    counts: str | None = None  # COUNTED: the per-sequence count field; LIST: the list it pairs with
+
+
+_I32, _I64, _U8, _F32 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1"), np.dtype("<f4")
+_SEQ, _TOKEN, _COUNTED, _LIST = Extent.SEQUENCE, Extent.TOKEN, Extent.COUNTED, Extent.LIST
+
+# In Prepare's field order (a test holds the two together).
+PREPARE_FIELDS: tuple[ArrayField, ...] = (
+    ArrayField("seq_ids", _I64, _SEQ),
+    ArrayField("query_lens", _I32, _SEQ, 1),
+    ArrayField("context_lens", _I32, _SEQ),
+    ArrayField("token_ids", _I32, _TOKEN),
+    ArrayField("positions", _I32, _TOKEN),
+    ArrayField("page_table_lens", _I32, _SEQ),
+    ArrayField("page_table_base", _I32, _SEQ),
+    # sum(page_table_lens - page_table_base) entries: the validator's own rule.
+    ArrayField("page_table", _I32, _LIST),
+    ArrayField("sample", _U8, _SEQ, 1),
+    ArrayField("temperature", _F32, _SEQ, 0.0),
+    ArrayField("top_p", _F32, _SEQ, 1.0),
+    ArrayField("top_k", _I32, _SEQ, 0),
+    ArrayField("seeds", _I64, _SEQ, -1),
+    ArrayField("cleared_pages", _I32, _LIST),
+    ArrayField("restore_pages", _I32, _LIST),
+    ArrayField("restore_slots", _I32, _LIST, counts="restore_pages"),
+    ArrayField("offload_pages", _I32, _LIST),
+    ArrayField("offload_slots", _I32, _LIST, counts="offload_pages"),
+    ArrayField("poison_pages", _I32, _LIST),
+    ArrayField("feedback", _U8, _SEQ, 0),
+    ArrayField("num_logprobs", _U8, _SEQ, 0),
+    ArrayField("presence_penalty", _F32, _SEQ, 0.0),
+    ArrayField("frequency_penalty", _F32, _SEQ, 0.0),
+    ArrayField("repetition_penalty", _F32, _SEQ, 1.0),
+    ArrayField("sampling_state", _U8, _SEQ, 0),
+    ArrayField("history_lens", _I32, _SEQ, 0),
+    ArrayField("history_prompt_lens", _I32, _SEQ, 0),
+    ArrayField("history", _I32, _COUNTED, counts="history_lens"),
+    ArrayField("logit_bias_lens", _I32, _SEQ, 0),
+    ArrayField("logit_bias_ids", _I32, _COUNTED, counts="logit_bias_lens"),
+    ArrayField("logit_bias", _F32, _COUNTED, counts="logit_bias_lens"),
+    ArrayField("banned_lens", _I32, _SEQ, 0),
+    ArrayField("banned_ids", _I32, _COUNTED, counts="banned_lens"),
+)
+PREPARE_FIELD = {f.name: f for f in PREPARE_FIELDS}
+# The logits-processing fields: what a sequence that uses none of it sends (plain_sampling).
+PROCESSING_FIELDS = tuple(PREPARE_FIELDS[[f.name for f in PREPARE_FIELDS].index("num_logprobs") :])
+
+
+def unused_fields(n: int, fields: tuple[ArrayField, ...] = PREPARE_FIELDS) -> dict[str, np.ndarray]:
+    """`fields` as n sequences that use none of them: each per-sequence field at its default,
+    every other array empty."""
+    return {f.name: np.full(n if f.extent is Extent.SEQUENCE else 0, f.default, dtype=f.dtype) for f in fields}
+
+
+def plain_sampling(n: int) -> dict[str, np.ndarray]:
+    """PREPARE's logits-processing fields for n sequences that use none of it: no alternatives, no
+    penalties, no sampling state, nothing banned. For PREPAREs built by hand."""
+    return unused_fields(n, PROCESSING_FIELDS)
+
+
 # The dtype of every array field, by frame class and field name. Anything else is a scalar.
 ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
-    Prepare: {
-        "seq_ids": np.dtype("<i8"),
-        "query_lens": np.dtype("<i4"),
-        "context_lens": np.dtype("<i4"),
-        "token_ids": np.dtype("<i4"),
-        "positions": np.dtype("<i4"),
-        "page_table_lens": np.dtype("<i4"),
-        "page_table_base": np.dtype("<i4"),
-        "page_table": np.dtype("<i4"),
-        "sample": np.dtype("u1"),
-        "temperature": np.dtype("<f4"),
-        "top_p": np.dtype("<f4"),
-        "top_k": np.dtype("<i4"),
-        "seeds": np.dtype("<i8"),
-        "cleared_pages": np.dtype("<i4"),
-        "restore_pages": np.dtype("<i4"),
-        "restore_slots": np.dtype("<i4"),
-        "offload_pages": np.dtype("<i4"),
-        "offload_slots": np.dtype("<i4"),
-        "poison_pages": np.dtype("<i4"),
-        "feedback": np.dtype("u1"),
-        "num_logprobs": np.dtype("u1"),
-        "presence_penalty": np.dtype("<f4"),
-        "frequency_penalty": np.dtype("<f4"),
-        "repetition_penalty": np.dtype("<f4"),
-        "sampling_state": np.dtype("u1"),
-        "history_lens": np.dtype("<i4"),
-        "history_prompt_lens": np.dtype("<i4"),
-        "history": np.dtype("<i4"),
-        "logit_bias_lens": np.dtype("<i4"),
-        "logit_bias_ids": np.dtype("<i4"),
-        "logit_bias": np.dtype("<f4"),
-        "banned_lens": np.dtype("<i4"),
-        "banned_ids": np.dtype("<i4"),
-    },
+    Prepare: {f.name: f.dtype for f in PREPARE_FIELDS},
     Reject: {"seq_ids": np.dtype("<i8")},
     Result: {
         "seq_ids": np.dtype("<i8"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.frames import Prepare
+from protocol.frames import PREPARE_FIELD, Extent, Prepare
 from protocol.page_tables import delta_index
 from scheduler.batch import Batch, frozen
 from scheduler.request import HostCopy
@@ -20,6 +20,21 @@ from scheduler.request import HostCopy
 _I32 = np.int32
 EMPTY_I32 = frozen(np.empty(0, dtype=_I32))
 EMPTY_F32 = frozen(np.empty(0, dtype=np.float32))
+# The logits-processing fields _processed fills for rows that need them; rows that do not take
+# their declared defaults (0: no state, nothing sent, nothing banned).
+PROCESSED = tuple(PREPARE_FIELD[name] for name in (
+    "sampling_state", "history_lens", "history_prompt_lens", "history", "logit_bias_lens", "logit_bias_ids",
+    "logit_bias", "banned_lens", "banned_ids",
+))
+
+
+def _unprocessed(zeros_i32: np.ndarray, zeros_u8: np.ndarray) -> dict:
+    """PROCESSED for rows that need none of it, from arrays of zeros the caller may share between
+    steps (a decode step's come from the batch's snapshot)."""
+    zeros = {np.dtype(np.uint8): zeros_u8, np.dtype(_I32): zeros_i32}
+    return {
+        f.name: zeros[f.dtype] if f.extent is Extent.SEQUENCE else np.empty(0, dtype=f.dtype) for f in PROCESSED
+    }
 
 
 @dataclass(frozen=True)
@@ -74,13 +89,20 @@ def _new_pages(batch: Batch, rows: np.ndarray, base: np.ndarray, lens: np.ndarra
     return batch.pages[rows[at], cols]
 
 
-def _unprocessed(zeros_i32: np.ndarray, zeros_u8: np.ndarray) -> dict:
-    """The processing fields of rows that need none: no sampling state, nothing sent, nothing banned."""
-    return dict(
-        sampling_state=zeros_u8, history_lens=zeros_i32, history_prompt_lens=zeros_i32, history=EMPTY_I32,
-        logit_bias_lens=zeros_i32, logit_bias_ids=EMPTY_I32, logit_bias=EMPTY_F32, banned_lens=zeros_i32,
-        banned_ids=EMPTY_I32,
-    )
+# PREPARE's per-sequence fields that are a batch column of the row as it is (field -> column). The
+# others are computed by _arrays; protocol.frames.PREPARE_FIELDS declares them all, and a test holds
+# this map and _arrays to covering every one.
+ROW_COLUMNS = {
+    "seq_ids": "req_id",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seeds": "seed",
+    "num_logprobs": "nlogprobs",
+    "presence_penalty": "presence",
+    "frequency_penalty": "frequency",
+    "repetition_penalty": "repetition",
+}
 
 
 def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndarray) -> dict:
@@ -125,78 +147,64 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
     )
 
 
-def _decode_all(batch: Batch, fed: bool) -> dict:
-    """The arrays of a step in which every row of the batch decodes one token (fed: some may
-    feed back a sample of a step in flight)."""
+def _arrays(batch: Batch, dec_rows: np.ndarray | None, b: StepBuilder, fed: bool) -> dict:
+    """The PREPARE arrays of a step: every row of the batch decoding (dec_rows None), or the decodes
+    dec_rows then the chunks b.rows; fed: rows may feed back a sample of a step in flight. One path
+    for both: a step where every row decodes takes the batch's snapshot of its constant columns and
+    its ready-made ones and zeros (shared by every such PREPARE until rows change) instead of
+    indexing them again."""
     n = batch.n
-    snap = batch.snapshot()
-    start = batch.ncomp[:n].copy()
-    lens = batch.npages[:n].copy()
-    base = batch.sent[:n].copy()
-    batch.sent[:n] = lens
-    pending = batch.pending[:n]
-    if fed and pending.all():
+    everyone = dec_rows is None
+    if everyone:
+        snap = batch.snapshot()
+        rows, n_dec, qlens, columns = snap.rows, n, snap.ones, snap.columns
+        start = batch.ncomp[:n].copy()
+        positions = start
+        chunk_tokens = []
+    else:
+        n_dec = dec_rows.shape[0]
+        rows = np.concatenate((dec_rows.astype(_I32), np.array(b.rows, dtype=_I32)))
+        qlens = np.concatenate((np.ones(n_dec, dtype=_I32), np.array(b.chunks, dtype=_I32)))
+        columns = {column: getattr(batch, column)[rows] for column in ROW_COLUMNS.values()}
+        start = batch.ncomp[rows]
+        # Each row's positions run from its start: one arange for the step, shifted per row.
+        ends = np.cumsum(qlens)
+        positions = (np.arange(int(ends[-1]), dtype=_I32) + np.repeat(start - (ends - qlens), qlens)).astype(_I32, copy=False)
+        reqs = batch.reqs
+        chunk_tokens = [reqs[r].tokens[s0 : s0 + c] for s0, r, c in zip(start[n_dec:].tolist(), b.rows, b.chunks)]
+    decoding = rows[:n_dec]
+    pending = batch.pending[decoding] if fed else None
+    if pending is None or not pending.any():
+        tokens, feedback = batch.last[decoding], np.zeros(rows.shape[0], dtype=np.uint8)
+    elif everyone and pending.all():
         tokens, feedback = snap.zeros, snap.ones_u8
-    elif not fed or not pending.any():
-        tokens, feedback = batch.last[:n].copy(), np.zeros(n, dtype=np.uint8)
     else:
-        feedback = (pending > 0).astype(np.uint8)
-        tokens = np.where(feedback, 0, batch.last[:n]).astype(_I32)
-    cols = snap.columns
-    return dict(
-        rows=snap.rows, seq_ids=cols["req_id"], query_lens=snap.ones, context_lens=start + 1, token_ids=tokens,
-        positions=start, page_table_lens=lens, page_table_base=base,
-        page_table=_new_pages(batch, snap.rows, base, lens), sample=snap.ones_u8,
-        temperature=cols["temperature"], top_p=cols["top_p"], top_k=cols["top_k"], seeds=cols["seed"],
-        feedback=feedback, num_logprobs=cols["nlogprobs"], presence_penalty=cols["presence"],
-        frequency_penalty=cols["frequency"], repetition_penalty=cols["repetition"],
-        **(
-            _processed(batch, snap.rows, base, snap.ones_u8)
-            if batch.num_processed
-            else _unprocessed(snap.zeros, snap.zeros_u8)
-        ),
-    )
-
-
-def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder, fed: bool) -> dict:
-    """The arrays of a step with decodes (dec_rows, first) and chunks (b.rows); fed as in assemble."""
-    n_dec = dec_rows.shape[0]
-    rows = np.concatenate((dec_rows.astype(_I32), np.array(b.rows, dtype=_I32)))
-    start = batch.ncomp[rows]
-    qlens = np.concatenate((np.ones(n_dec, dtype=_I32), np.array(b.chunks, dtype=_I32)))
-    fed_rows = batch.pending[dec_rows] > 0 if fed else None
-    if fed_rows is not None and fed_rows.any():
+        fed_rows = pending > 0
+        tokens = np.where(fed_rows, 0, batch.last[decoding])
         feedback = np.concatenate((fed_rows, np.zeros(len(b.rows), dtype=bool))).astype(np.uint8)
-        token_parts = [np.where(fed_rows, 0, batch.last[dec_rows])]
-    else:
-        feedback = np.zeros(rows.shape[0], dtype=np.uint8)
-        token_parts = [batch.last[dec_rows]]
-    reqs = batch.reqs
-    for s0, r, chunk in zip(start[n_dec:].tolist(), b.rows, b.chunks):
-        token_parts.append(reqs[r].tokens[s0 : s0 + chunk])
-    token_ids = np.concatenate(token_parts).astype(_I32, copy=False)
-    # Each row's positions run from its start: one arange for the step, shifted per row.
-    ends = np.cumsum(qlens)
-    positions = (np.arange(int(ends[-1]), dtype=_I32) + np.repeat(start - (ends - qlens), qlens)).astype(_I32, copy=False)
+    token_ids = np.concatenate([tokens, *chunk_tokens]).astype(_I32, copy=False) if chunk_tokens else tokens.astype(_I32)
     context_lens = start + qlens
-    known = batch.ntok[rows] + batch.pending[rows] if fed else batch.ntok[rows]
-    sample = (context_lens == known).astype(np.uint8)
+    if everyone:
+        sample = snap.ones_u8
+    else:
+        known = batch.ntok[rows] + batch.pending[rows] if fed else batch.ntok[rows]
+        sample = (context_lens == known).astype(np.uint8)
     lens = batch.npages[rows]
     base = batch.sent[rows]
     # Executors forget a sequence absent from a step.
-    batch.sent[: batch.n] = 0
+    if not everyone:
+        batch.sent[:n] = 0
     batch.sent[rows] = lens
     if batch.num_processed:
         processing = _processed(batch, rows, base, sample)
+    elif everyone:
+        processing = _unprocessed(snap.zeros, snap.zeros_u8)
     else:
         processing = _unprocessed(np.zeros(rows.shape[0], dtype=_I32), np.zeros(rows.shape[0], dtype=np.uint8))
     return dict(
-        rows=rows, seq_ids=batch.req_id[rows], query_lens=qlens, context_lens=context_lens, token_ids=token_ids,
-        positions=positions, page_table_lens=lens, page_table_base=base,
-        page_table=_new_pages(batch, rows, base, lens), sample=sample, temperature=batch.temperature[rows],
-        top_p=batch.top_p[rows], top_k=batch.top_k[rows], seeds=batch.seed[rows], feedback=feedback,
-        num_logprobs=batch.nlogprobs[rows], presence_penalty=batch.presence[rows],
-        frequency_penalty=batch.frequency[rows], repetition_penalty=batch.repetition[rows], **processing,
+        rows=rows, query_lens=qlens, context_lens=context_lens, token_ids=token_ids, positions=positions,
+        page_table_lens=lens, page_table_base=base, page_table=_new_pages(batch, rows, base, lens), sample=sample,
+        feedback=feedback, **{field: columns[column] for field, column in ROW_COLUMNS.items()}, **processing,
     )
 
 
@@ -206,16 +214,10 @@ def assemble(
     """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
     fed: a step is in flight, so rows may feed back its samples. The rows advance by what they
     compute, and count the samples the step will produce."""
-    if dec_rows is None:
-        a = _decode_all(batch, fed)
-        rows = a.pop("rows")
-        batch.ncomp[: batch.n] += 1
-        batch.pending[: batch.n] += 1
-    else:
-        a = _mixed(batch, dec_rows, b, fed)
-        rows = a.pop("rows")
-        batch.ncomp[rows] = a["context_lens"]
-        batch.pending[rows] += a["sample"]
+    a = _arrays(batch, dec_rows, b, fed)
+    rows = a.pop("rows")
+    batch.ncomp[rows] = a["context_lens"]
+    batch.pending[rows] += a["sample"]
     cleared = cat(b.cleared)
     if cleared.shape[0] > 1:
         cleared.sort()

@@ -45,13 +45,20 @@ from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.model import TORCH_DTYPES, LlamaModel, default_model_path, load_model  # noqa: E402
-from executor.model.layers import INT4_MAX_ROWS  # noqa: E402
+try:
+    from executor.kernels import INT4_MAX_ROWS  # noqa: E402
+except ImportError:  # a baseline checkout, from before executor/kernels.py
+    from executor.model.layers import INT4_MAX_ROWS  # noqa: E402
 from protocol.frames import Prepare  # noqa: E402
 
 try:
     from executor.probe import probe_cpu  # noqa: E402
 except ImportError:  # a baseline checkout
     probe_cpu = None
+try:
+    from executor.model.runner import ModelRunner  # noqa: E402
+except ImportError:  # a checkout whose model picks its own runner
+    ModelRunner = None
 
 # name -> (activation dtype, weight format); auto: the probe's dtype with --weight-format auto
 FORMATS = {
@@ -176,9 +183,11 @@ def load(path: str, name: str, compile_mode: str) -> LlamaModel:
             raise SystemExit("format auto needs executor.probe, which this checkout has not")
         dtype = TORCH_DTYPES[probe_cpu().dtype]
     options = {"compile_mode": compile_mode} if "compile_mode" in inspect.signature(load_model).parameters else {}
-    return load_model(
+    model = load_model(
         path, rank=0, world_size=1, dtype=dtype, device=torch.device("cpu"), weight_format=weight_format, **options
     )
+    # Steps run as the executor runs them: the runner picks eager or compiled layers per step.
+    return model if ModelRunner is None else ModelRunner(model)
 
 
 def resolved_format(model: LlamaModel) -> str:
@@ -186,6 +195,15 @@ def resolved_format(model: LlamaModel) -> str:
     kind = "mixed" if layer.int4 is not None and layer.weight is not None else "int4" if layer.int4 is not None else "dense"
     rows = f" (int4 up to {getattr(layer, 'int4_max_rows', INT4_MAX_ROWS)} rows)" if kind == "mixed" else ""
     return f"{str(model.dtype).removeprefix('torch.')} {kind}{rows}"
+
+
+def compiled_decode(model: LlamaModel, cache: KVCache, vocab: int) -> bool:
+    """Whether a batch-1 decode step runs compiled layers (in this tree, or in a baseline's)."""
+    if hasattr(model, "compiled_decode"):  # a baseline checkout
+        compiled = model.compiled_decode(cache)
+        return compiled is not None and compiled.covers(1)
+    run_step(model, cache, make_prepare([[7]], [2], [], vocab))
+    return model.last_runner == "compiled"
 
 
 @dataclass
@@ -231,11 +249,10 @@ def bench_format(
     on = statistics.median(clear_on) if clear_on else float("nan")
     off = statistics.median(clear_off) if clear_off else float("nan")
     step_ms = {d.batch: d.step_ms for d in decode}
-    compiled = model.compiled_decode(cache) if hasattr(model, "compiled_decode") else None
     return FormatResult(
         weight_format=name,
         resolved=resolved_format(model),
-        compiled_decode=compiled is not None and compiled.covers(1),
+        compiled_decode=compiled_decode(model, cache, bench.vocab),
         weight_bytes=weight_bytes(model, 1, 1),
         decode=decode,
         prefill_tokens=PREFILL_TOKENS,
@@ -365,7 +382,9 @@ def compare(args: argparse.Namespace) -> dict:
         common += ["--threads", str(args.threads)]
     # With --compile wait a missing library is built in the first batch's untimed warm-up steps.
     ours_args = [*common, "--formats", args.formats.split(",")[0], "--compile", args.compile]
-    base_args = [*common, "--formats", args.baseline_format, "--compile", "off"]
+    # Both trees as they ship: each compiles what it compiles (a baseline that compiles nothing
+    # ignores the flag's effect).
+    base_args = [*common, "--formats", args.baseline_format, "--compile", args.compile]
     rounds = []
     for index in range(args.rounds):
         pair = {"baseline": run_tree(Path(args.baseline), base_args), "ours": run_tree(here, ours_args)}

@@ -22,7 +22,7 @@ def read_model_config(config: RuntimeConfig) -> ModelConfig:
     import torch
 
     from executor.model import TORCH_DTYPES, resolve_weight_format
-    from executor.model.loader import open_source
+    from executor.model.load import open_source
 
     source = open_source(config.model)
     device = torch.device("cuda" if uses_cuda(config) else "cpu")

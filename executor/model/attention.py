@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from executor.cache import from_storage
 from executor.inputs import StepInputs
 
 
@@ -48,7 +49,7 @@ class AttentionMasks:
 
     batched_rows: torch.Tensor | None  # rows of the one-token sequences; None: every row
     batched_table: torch.Tensor  # [d, W] their page tables
-    batched_bias: torch.Tensor | None  # [d, 1, Hq, W * page_size * Hkv]; None: no such sequence
+    batched_bias: torch.Tensor | None  # float32 [d, Hq, W * page_size * Hkv]; None: no such sequence
     prefill: list[Prefill]
 
     @classmethod
@@ -82,18 +83,7 @@ class AttentionMasks:
             context = inputs.context_lens[index]
         bias = None
         if table.shape[0]:
-            # Column c of a batched row is slot c // Hkv of KV head c % Hkv; query head h reads KV
-            # head h // group. Masking the other heads' columns leaves each head's softmax as if
-            # over its own slots.
-            column = torch.arange(table.shape[1] * page_size * kv_heads, device=device)
-            slot, head = column // kv_heads, column % kv_heads
-            q_head = torch.arange(q_heads, device=device) // group
-            masked = (slot[None, None, :] >= context[:, None, None]) | (
-                head[None, None, :] != q_head[None, :, None]
-            )
-            if window is not None:
-                masked |= slot[None, None, :] < (context - window)[:, None, None]
-            bias = _bias(masked, dtype)[:, None]
+            bias = decode_bias(context, table.shape[1] * page_size, q_heads, kv_heads, window)
         prefill = []
         if not inputs.is_decode:
             start = 0
@@ -104,38 +94,25 @@ class AttentionMasks:
                     bias_rows = None
                     # The CPU's causal fast path has no window: a windowed chunk takes the mask.
                     if device.type != "cpu" or window is not None:
-                        slot = torch.arange(width * page_size, device=device)
-                        position = inputs.positions[start : start + length, None]
-                        masked = slot[None, :] > position
-                        if window is not None:
-                            masked |= slot[None, :] <= position - window
-                        bias_rows = _bias(masked, dtype).repeat(group, 1)
+                        positions = inputs.positions[start : start + length]
+                        bias_rows = chunk_bias(positions, width * page_size, window, dtype, group)
                     prefill.append(Prefill(start, start + length, past, own_table, bias_rows))
                 start += length
         return cls(rows, table, bias, prefill)
 
 
-def _bias(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(
-        masked, float("-inf")
-    )
-
-
-def _gather_pages(
-    cache: torch.Tensor, page_table: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float
+def chunk_bias(
+    positions: torch.Tensor, slots: int, window: int | None, dtype: torch.dtype, group: int
 ) -> torch.Tensor:
-    """[B, W] page ids -> [B, W * page_size * H, D]: token-major, heads fastest, as stored.
-
-    A layer's K (or V) is a strided view of the cache (its pages lie num_layers * 2 apart);
-    index_select on it as [pages, page_bytes] rows copies each page whole, where the 4-d view
-    took a per-element path 5-20x slower here (two threads, docs/model.md). Advanced indexing,
-    cache[page_table], is slower still.
-    """
-    pages = cache.flatten(1).index_select(0, page_table.reshape(-1))
-    pages = pages.view(page_table.shape[0], -1, cache.shape[-1])
-    if cache.dtype == torch.float8_e4m3fn:
-        return pages.to(dtype).mul_(scale)
-    return pages.to(dtype)
+    """[G * L, slots] additive mask of a prefill chunk whose rows sit at `positions` [L]: a row
+    reads the slots up to its own position (and, with a window, the last `window` of them); the
+    rows repeat for each of a KV head's G query heads, as masked_chunk_attention folds them."""
+    slot = torch.arange(slots, device=positions.device)
+    masked = slot[None, :] > positions[:, None]
+    if window is not None:
+        masked = masked | (slot[None, :] <= positions[:, None] - window)
+    bias = torch.zeros(masked.shape, dtype=dtype, device=positions.device).masked_fill(masked, float("-inf"))
+    return bias.repeat(group, 1)
 
 
 def _head_major(tokens: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -146,57 +123,34 @@ def _head_major(tokens: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    inputs: StepInputs,
-    masks: AttentionMasks,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
+    q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, scales: torch.Tensor, masks: AttentionMasks
 ) -> torch.Tensor:
-    """q: [T, Hq, D] (already rotated; this step's K/V already written) -> [T, Hq * D].
-    k_scale, v_scale: what an fp8 cache's K and V are multiplied by as they are read.
+    """q: [T, Hq, D] (already rotated; this step's K/V already written) -> [T, Hq * D], over the
+    whole cache `kv` (layer: long[1]; scales: the cache's [layers, 2], which an fp8 cache's K and V
+    are multiplied by as they are read).
 
-    Decoding rows call torch's fused attention with an explicit additive mask, never is_causal or
-    a kernel that skips masked blocks: every gathered slot is multiplied in, so a NaN left in a
-    masked slot still reaches the output (tests/model/test_attention.py holds torch to that).
-    """
+    Decoding rows go through `decode_attention` (an explicit additive mask, every gathered slot
+    multiplied in, so a NaN left in a masked slot still reaches the output); a prefill chunk through
+    the causal kernel and the rest of its last page (tests/model/test_attention.py holds both)."""
     num_tokens, q_heads, head_dim = q.shape
     dtype = q.dtype
     if masks.batched_rows is None:
-        return _one_token_each(q, k_cache, v_cache, masks, k_scale, v_scale).view(num_tokens, -1)
+        return decode_attention(q, kv, layer, masks.batched_table, masks.batched_bias, scales)
 
     out = torch.empty(num_tokens, q_heads * head_dim, dtype=dtype, device=q.device)
     if masks.batched_bias is not None:
         rows = masks.batched_rows
-        out[rows] = _one_token_each(q[rows], k_cache, v_cache, masks, k_scale, v_scale).view(rows.shape[0], -1)
+        out[rows] = decode_attention(q[rows], kv, layer, masks.batched_table, masks.batched_bias, scales)
+    k_scale, v_scale = scales[layer][0]
     for p in masks.prefill:
-        k = _gather_pages(k_cache, p.table, dtype, k_scale)
-        v = _gather_pages(v_cache, p.table, dtype, v_scale)
-        chunk = _chunk_attention if p.bias is None else _masked_chunk_attention
-        out[p.start : p.stop] = chunk(q[p.start : p.stop], k, v, p, k_cache.shape[-2])
+        k, v = gather_kv(kv, layer, p.table)
+        k, v = from_storage(k, k_scale, dtype), from_storage(v, v_scale, dtype)
+        rows = q[p.start : p.stop]
+        if p.bias is None:
+            out[p.start : p.stop] = _chunk_attention(rows, k, v, p, kv.shape[-2])
+        else:
+            out[p.start : p.stop] = masked_chunk_attention(rows, k, v, p.bias, kv.shape[-2])
     return out
-
-
-def _one_token_each(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    masks: AttentionMasks,
-    k_scale: torch.Tensor | float,
-    v_scale: torch.Tensor | float,
-) -> torch.Tensor:
-    """q [d, Hq, D], one row per sequence -> [d, 1, Hq, D].
-
-    Every query head is scored against every KV head's slots as gathered ([d, S * Hkv, D]) and
-    the mask removes the other heads' columns. That is Hkv times the score arithmetic but no copy
-    of K and V into head-major order, which is what a decode step's attention pays for: it halved
-    a batch-32 SmolLM2 step's attention.
-    """
-    k = _gather_pages(k_cache, masks.batched_table, q.dtype, k_scale)[:, None]
-    v = _gather_pages(v_cache, masks.batched_table, q.dtype, v_scale)[:, None]
-    return _sdpa(q[:, None], k, v, masks.batched_bias)
 
 
 def _chunk_attention(
@@ -240,10 +194,16 @@ def _chunk_attention(
     return out.to(q.dtype).permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
 
 
-def _masked_chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Prefill, kv_heads: int
+def masked_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, kv_heads: int
 ) -> torch.Tensor:
-    """One prefill chunk with an explicit mask over all of its pages' slots (CUDA)."""
+    """One prefill chunk with an explicit mask (chunk_bias) over all of its pages' slots: q [L, Hq,
+    D], K and V [1, S * Hkv, D] -> [L, Hq * D]. Where the causal kernel does not run: on CUDA, with
+    a window, and inside the compiled mixed-step layers.
+
+    On the CPU the scores are two matmuls around a softmax in float32, every column computed: a
+    fused kernel may skip blocks its mask covers, and Inductor's lowering of the fused call inside
+    the compiled layers let a NaN past the chunk's end vanish (tests/model/test_runners.py)."""
     length, q_heads, head_dim = q.shape
     group = q_heads // kv_heads
     k, v = _head_major(k, kv_heads), _head_major(v, kv_heads)
@@ -251,8 +211,67 @@ def _masked_chunk_attention(
     # copy it G times.
     rows = q.view(length, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     rows = rows.reshape(1, kv_heads, group * length, head_dim)
-    attended = _sdpa(rows, k, v, p.bias)
+    if q.device.type == "cuda":
+        attended = _sdpa(rows, k, v, bias)
+    else:
+        scores = torch.matmul(rows.float(), k.float().transpose(-1, -2)) * head_dim**-0.5 + bias.float()
+        attended = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
     return attended.view(kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, q_heads * head_dim)
+
+
+def decode_bias(
+    context: torch.Tensor, slots: int, q_heads: int, kv_heads: int, window: int | None
+) -> torch.Tensor:
+    """float32 [n, Hq, slots * Hkv]: 0 where query head h of sequence i may read column c, -inf
+    elsewhere. Column c is slot c // Hkv of KV head c % Hkv, as pages are stored; query head h
+    reads KV head h // G, so masking the other heads' columns leaves each head's softmax as if over
+    its own slots. Slots at or past the context are masked, and with a window those before
+    context - window (Mistral: a query sees the last `window` positions, itself included)."""
+    column = torch.arange(slots * kv_heads, device=context.device)
+    slot, head = column // kv_heads, column % kv_heads
+    q_head = torch.arange(q_heads, device=context.device) // (q_heads // kv_heads)
+    masked = (slot[None, None, :] >= context[:, None, None]) | (head[None, None, :] != q_head[None, :, None])
+    if window is not None:
+        masked = masked | (slot[None, None, :] < (context - window)[:, None, None])
+    return torch.zeros(masked.shape, dtype=torch.float32, device=context.device).masked_fill(masked, float("-inf"))
+
+
+def gather_kv(kv: torch.Tensor, layer: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer (long[1]) over page tables [n, W]: each [n, W * page_size * Hkv, D] in
+    the storage dtype, token-major and heads fastest, as stored; every slot of every page read.
+
+    The cache viewed as rows of one (page, layer, K or V) plane each: one index_select per plane
+    copies whole pages (the 4-d view's per-element path was 5-20x slower on two threads, and
+    advanced indexing slower still), and it is what the compiled layers gather with too."""
+    pages, layers = kv.shape[0], kv.shape[1]
+    rows = kv.view(pages * layers * 2, -1)
+    first = (table * layers + layer) * 2
+    n, head_dim = table.shape[0], kv.shape[-1]
+    k = rows.index_select(0, first.reshape(-1)).view(n, -1, head_dim)
+    v = rows.index_select(0, (first + 1).reshape(-1)).view(n, -1, head_dim)
+    return k, v
+
+
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, table: torch.Tensor, bias: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """One new token per sequence: q [n, Hq, D] over its pages (table [n, W], bias from
+    decode_bias) -> [n, Hq * D]. The decode attention of every runner: eager decode rows and the
+    compiled layers run this code.
+
+    Every query head is scored against every KV head's slots as gathered ([n, S * Hkv, D]) and the
+    bias removes the other heads' columns: Hkv times the score arithmetic but no copy of K and V
+    into head-major order, two batched matmuls over what was read. In float32: a NaN in K gives a
+    NaN score (NaN + -inf), and weight 0 times a NaN in V is NaN, so a slot the clears missed
+    reaches the output; nothing here skips a masked column."""
+    n, q_heads, head_dim = q.shape
+    k_raw, v_raw = gather_kv(kv, layer, table)
+    k_scale, v_scale = scales[layer][0]
+    k = from_storage(k_raw, k_scale, torch.float32)
+    v = from_storage(v_raw, v_scale, torch.float32)
+    scores = torch.baddbmm(bias, q.float(), k.transpose(1, 2), alpha=head_dim**-0.5)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v)
+    return out.to(q.dtype).view(n, q_heads * head_dim)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

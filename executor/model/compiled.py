@@ -1,19 +1,21 @@
-"""Decode steps as AOTInductor-compiled layers: one C++ call per decoder layer, no Python per op.
+"""Steps as AOTInductor-compiled layers: one C++ call per decoder layer, no Python per op.
 
-An eager decode step of SmolLM2 runs ~40 small ops per layer, and on a 2-core CPU their fixed
-costs (Python, dispatch, OpenMP fork/join) cost more than its weights take to read at batch 1
-(docs/model.md). Here a layer (RMSNorm, QKV, rotary, the KV-cache write, paged attention over whole
-pages, o_proj, RMSNorm, gate/up, SiLU, down, both residual adds) is exported with torch.export and
+An eager step of SmolLM2 runs ~40 small ops per layer, and on a 2-core CPU their fixed costs
+(Python, dispatch, OpenMP fork/join, and a descheduled thread at every barrier when the machine is
+shared) cost more than its weights take to read at batch 1 (docs/model.md). Here the decoder layer
+(executor/model/decoder.py, the code the eager forward runs) is exported with torch.export and
 compiled by AOTInductor with its C++ wrapper into a shared library (executor/model/aot_layer.py),
-once per machine and shape (`LayerSpec`), and cached on disk (executor/model/kernel_cache.py).
+once per machine, shape and kind of step (`LayerSpec`: decode steps, and mixed steps of decodes
+beside one prefill chunk, or that chunk alone), and cached on disk (executor/model/kernel_cache.py).
 This module is the runtime side: which libraries a model needs (`_plan`), loading them, and
-`CompiledDecode.run`, which calls them in place of the eager layer loop.
+`CompiledLayers.run`, which calls them in place of the eager layer loop. Which runner serves a step
+is executor/model/runner.py's choice.
 
 Building, by `TP_RUNTIME_COMPILE`: `auto` (the default) loads what is built and never builds at
 start-up: a model whose libraries are missing decodes eager, and once this machine has spent
 BUILD_AFTER_EAGER_S decoding models of that shape eagerly (over any number of runs), one detached,
 lowest-priority process builds them for the next start. `wait` builds what is missing before the
-first decode step (benchmarks, tests); `off` runs eager. Prefill and mixed steps always run eager.
+first step they serve (benchmarks, tests); `off` runs eager.
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+import executor.model.kernel_cache as kernel_cache
+from executor.cache import KVCache
 from executor.disk_cache import digest, file_lock, write_atomically
 from executor.inputs import StepInputs
-from executor.model import kernel_cache
-from executor.model.aot_layer import LayerSpec
-from executor.model.layers import Linear
+from executor.model.aot_layer import ChunkRows, DecodeRows, LayerSpec, flat_inputs
+from executor.model.decoder import LayerShape, StepTensors
 
 if TYPE_CHECKING:
-    from executor.cache import KVCache
-    from executor.model.llama import LlamaModel
+    from executor.model.llama import LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -97,81 +99,111 @@ def _buildable(missing: list[LayerSpec]) -> bool:
     return True
 
 
-class CompiledDecode:
+class CompiledLayers:
     """The compiled layers of one model over one KV cache: `run` replaces the eager layer loop of a
-    decode step whose row count a loaded library covers (`covers`).
+    step that a loaded library covers (`covers`): a decode step, or a mixed step (decodes, then one
+    prefill chunk last, as the scheduler orders them; a chunk alone too).
 
     A mixed-format model has two row ranges, as its matrices do: int4 up to the probe's crossover,
-    dense above it. Every layer of a file usually has the same kinds of matrices and so shares one
-    library per range; a layer that differs (a GGUF mixing quantization types) gets its own.
+    dense above it. Every layer of a file usually has the same kinds of matrices and window and so
+    shares one library per range and kind of step; a layer that differs (a GGUF mixing quantization
+    types, Qwen2's windowed layers) gets its own.
 
-    Without its libraries (mode `auto`, not built yet) the model decodes eager and reports the time
-    it spent (`eager_decoded`): once this machine has spent BUILD_AFTER_EAGER_S decoding a model of
-    this shape eagerly, over any number of runs, a background build starts."""
+    Without its libraries (mode `auto`, not built yet) the model runs eager and reports the time it
+    spent on steps these layers would serve (`eager_ran`): once this machine has spent
+    BUILD_AFTER_EAGER_S so on a model of this shape, over any number of runs, a background build
+    starts."""
 
-    def __init__(self, model: LlamaModel, plan: list[tuple[int, int, list[list[LayerSpec]]]], mode: str) -> None:
-        self.world_size = model.shard.world_size
-        self.layer_ids = [torch.tensor([index]) for index in range(model.config.num_layers)]
+    def __init__(self, layers: list[LayerWeights], world_size: int, plan: list[_Range], mode: str) -> None:
+        self.world_size = world_size
         self.plan = plan
-        self.specs = list(dict.fromkeys(spec for _, _, layers in plan for specs in layers for spec in specs))
+        self.specs = list(dict.fromkeys(spec for r in plan for specs in r.layers for spec in specs))
         self.mode = mode
-        self.ranges: list[tuple[int, int, list[list[_LayerCall]]]] = []
-        self._model = model
+        self.ranges: list[tuple[_Range, list[list[_LayerCall]]]] = []
+        self._layers = layers
         self._usage = kernel_cache.kernel_dir() / "usage" / f"{digest({'specs': [spec.key() for spec in self.specs]})}.json"
         self._unreported = 0.0
         self._may_build = False
 
     @classmethod
-    def attach(cls, model: LlamaModel, cache: KVCache, mode: str) -> CompiledDecode | None:
-        """The compiled decode of this model over this cache's geometry, its libraries loaded
+    def attach(
+        cls, layers: list[LayerWeights], shapes: list[LayerShape], world_size: int, cache: KVCache, mode: str
+    ) -> CompiledLayers | None:
+        """The compiled layers of this model over this cache's geometry, their libraries loaded
         where they are built (in `wait` mode built first); None where none can run (off, CUDA)."""
-        if mode == "off" or model.device.type != "cpu":
+        if mode == "off" or cache.device.type != "cpu":
             return None
-        decode = cls(model, _plan(model, cache), mode)
-        missing = [spec for spec in decode.specs if not kernel_cache.package_path(spec).is_file()]
+        compiled = cls(layers, world_size, _plan(layers, shapes, world_size, cache), mode)
+        missing = [spec for spec in compiled.specs if not kernel_cache.package_path(spec).is_file()]
         if missing and not _buildable(missing):
-            return decode
+            return compiled
         if missing and mode == "wait":
             begin = time.monotonic()
-            log.warning(f"building compiled decode kernels for this CPU and model shape (log {kernel_cache.build_log()})")
+            log.warning(f"building compiled layers for this CPU and model shape (log {kernel_cache.build_log()})")
             kernel_cache.start_build(missing, background=False).wait()
             missing = [spec for spec in missing if not kernel_cache.package_path(spec).is_file()]
             if missing:
-                log.warning(f"building compiled decode kernels failed (see {kernel_cache.build_log()}); decode runs eager")
-                return decode
-            log.warning(f"compiled decode kernels built in {time.monotonic() - begin:.0f} s")
+                log.warning(f"building compiled layers failed (see {kernel_cache.build_log()}); steps run eager")
+                return compiled
+            log.warning(f"compiled layers built in {time.monotonic() - begin:.0f} s")
         if missing:
-            decode._may_build = True
+            compiled._may_build = True
             log.info(
-                f"decode runs eager: no compiled kernels for this CPU and model shape in {kernel_cache.kernel_dir()} yet; they "
-                f"build in the background after {BUILD_AFTER_EAGER_S:.0f} s of eager decoding on this machine, "
+                f"steps run eager: no compiled layers for this CPU and model shape in {kernel_cache.kernel_dir()} yet; they "
+                f"build in the background after {BUILD_AFTER_EAGER_S:.0f} s of eager steps on this machine, "
                 "or before the first step with TP_RUNTIME_COMPILE=wait"
             )
-            return decode
-        libraries = _load(decode.specs)
+            return compiled
+        libraries = _load(compiled.specs)
         if libraries is not None:
-            decode._bind(libraries)
-            log.info(f"decode runs compiled kernels from {kernel_cache.kernel_dir()} ({len(decode.specs)} libraries)")
-        return decode
+            compiled._bind(libraries)
+            log.info(f"steps run compiled layers from {kernel_cache.kernel_dir()} ({len(compiled.specs)} libraries)")
+        return compiled
 
     def _bind(self, libraries: dict[LayerSpec, CompiledLayer]) -> None:
-        for low, high, layers in self.plan:
+        for r in self.plan:
             calls = []
-            for layer, specs in zip(self._model.layers, layers):
-                kinds = specs[0].matmuls
-                attention_w = [layer.attn_norm, *_inputs_of(layer.qkv, kinds[0]), *_inputs_of(layer.o, kinds[1])]
-                mlp_w = [layer.ffn_norm, *_inputs_of(layer.gate_up, kinds[2]), *_inputs_of(layer.down, kinds[3])]
+            for layer, specs in zip(self._layers, r.layers):
+                attention_w, mlp_w = layer.blocks(r.low)
                 if len(specs) == 1:
-                    calls.append([_LayerCall(libraries[specs[0]], attention_w + mlp_w)])
+                    calls.append([_LayerCall(libraries[specs[0]], flat_inputs(attention_w, mlp_w))])
                 else:
-                    calls.append([_LayerCall(libraries[specs[0]], attention_w), _LayerCall(libraries[specs[1]], mlp_w)])
-            self.ranges.append((low, high, calls))
+                    calls.append([
+                        _LayerCall(libraries[specs[0]], flat_inputs(attention_w)),
+                        _LayerCall(libraries[specs[1]], flat_inputs(mlp_w)),
+                    ])
+            self.ranges.append((r, calls))
 
-    def covers(self, rows: int) -> bool:
-        return any(low <= rows <= high for low, high, _ in self.ranges)
+    @staticmethod
+    def step_kind(inputs: StepInputs) -> str | None:
+        """`decode`, `mixed` (decodes, then one sequence of several new tokens last), or None.
 
-    def eager_decoded(self, seconds: float) -> None:
-        """Account eager decode time on disk (every few seconds); start the build when it is due."""
+        A prefill chunk with no decode beside it runs eager: the library computes every column of
+        its chunk's scores, where the eager CPU path skips the causal upper triangle with the
+        flash kernel; a 1024-token prefill took 2.4x as long compiled (docs/model.md). Several
+        chunks in one step run eager too."""
+        if inputs.is_decode:
+            return "decode"
+        chunks = inputs.query_lens_host > 1
+        if inputs.num_seqs > 1 and chunks[-1] and not chunks[:-1].any():
+            return "mixed"
+        return None
+
+    def _calls(self, inputs: StepInputs) -> list[list[_LayerCall]] | None:
+        kind, rows = self.step_kind(inputs), inputs.num_tokens
+        return next((calls for r, calls in self.ranges if r.kind == kind and r.low <= rows <= r.high), None)
+
+    def covers(self, inputs: StepInputs) -> bool:
+        return self._calls(inputs) is not None
+
+    def would_cover(self, inputs: StepInputs) -> bool:
+        """A step of a kind these layers serve once built."""
+        kind, rows = self.step_kind(inputs), inputs.num_tokens
+        return any(r.kind == kind and r.low <= rows <= r.high for r in self.plan)
+
+    def eager_ran(self, seconds: float) -> None:
+        """Account eager time on steps these layers would serve, on disk (every few seconds);
+        start the build when it is due."""
         if not self._may_build:
             return
         self._unreported += seconds
@@ -192,65 +224,94 @@ class CompiledDecode:
         started = kernel_cache.start_build(missing, background=True) if missing else None
         if started is not None:
             log.warning(
-                f"this machine has decoded {total:.0f} s eagerly with a model of this shape: building compiled "
-                f"decode kernels in the background (pid {started.pid}, log {kernel_cache.build_log()}); later starts use them"
+                f"this machine has run {total:.0f} s of eager steps with a model of this shape: building compiled "
+                f"layers in the background (pid {started.pid}, log {kernel_cache.build_log()}); later starts use them"
             )
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
-        """The residual stream after every layer of a decode step of x.shape[0] rows."""
-        rows = x.shape[0]
-        calls = next(layers for low, high, layers in self.ranges if low <= rows <= high)
-        step = [
-            cos, sin, cache.data, None, inputs.write_pages, inputs.write_offsets, inputs.page_table, inputs.context_lens,
-            cache.scales,
-        ]
+    def run(self, x: torch.Tensor, step: StepTensors, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
+        """The residual stream after every layer of a step that `covers` holds for."""
+        calls = self._calls(inputs)
+        tail = [*flat_inputs(step), None, *flat_inputs(*_attention_rows(inputs, cache.page_size))]
         # The libraries assume the layouts they were compiled for: all of these are contiguous.
-        if not all(t.is_contiguous() for t in (x, *step[:3], *step[4:])):
-            raise RuntimeError("compiled decode layers need contiguous inputs")
+        if not all(t.is_contiguous() for t in (x, *tail) if t is not None):
+            raise RuntimeError("compiled layers need contiguous inputs")
+        at = tail.index(None)
         if self.world_size == 1:
-            for layer_id, (call,) in zip(self.layer_ids, calls):
-                step[3] = layer_id
-                x = call.library.run([x, *call.weights, *step])[0]
+            for layer_id, (call,) in zip(cache.layer_ids, calls):
+                tail[at] = layer_id
+                x = call.library.run([x, *call.weights, *tail])[0]
             return x
         delta = torch.zeros_like(x)
-        for layer_id, (attention, mlp) in zip(self.layer_ids, calls):
-            step[3] = layer_id
-            x, partial = attention.library.run([x, delta, *attention.weights, *step])
+        for layer_id, (attention, mlp) in zip(cache.layer_ids, calls):
+            tail[at] = layer_id
+            x, partial = attention.library.run([x, delta, *attention.weights, *tail])
             dist.all_reduce(partial)
             x, delta = mlp.library.run([x, partial, *mlp.weights])
             dist.all_reduce(delta)
         return x + delta
 
 
-def _plan(model: LlamaModel, cache: KVCache) -> list[tuple[int, int, list[list[LayerSpec]]]]:
-    """Row ranges and, for each, every layer's library specs (one, or two halves at TP > 1)."""
-    config, shard = model.config, model.shard
-    linears = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in model.layers]
+def _attention_rows(inputs: StepInputs, page_size: int) -> tuple[DecodeRows, ...] | tuple[DecodeRows, ChunkRows]:
+    """The attention inputs of a decode or mixed step, each table as wide as its rows need."""
+    if inputs.is_decode:
+        return (DecodeRows(inputs.page_table, inputs.context_lens),)
+    decodes = inputs.num_seqs - 1
+    pages = -(-inputs.context_lens_host // page_size)
+    width = int(pages[:decodes].max()) if decodes else 1
+    return (
+        DecodeRows(inputs.page_table[:decodes, :width].contiguous(), inputs.context_lens[:decodes].contiguous()),
+        ChunkRows(inputs.page_table[decodes:, : int(pages[-1])].contiguous(), inputs.positions),
+    )
+
+
+@dataclass(frozen=True)
+class _Range:
+    """One kind of step over a range of row counts, and each layer's library specs (one, or two
+    halves at TP > 1)."""
+
+    kind: str
+    low: int
+    high: int
+    layers: list[list[LayerSpec]]
+
+
+def _plan(layers: list[LayerWeights], shapes: list[LayerShape], world_size: int, cache: KVCache) -> list[_Range]:
+    linears = [layer.matrices for layer in layers]
     threshold = linears[0][0].int4_max_rows
     mixed = any(m.int4 is not None and m.weight is not None for layer in linears for m in layer)
     bounds = [(1, threshold), (threshold + 1, MAX_ROWS)] if mixed else [(1, MAX_ROWS)]
-    parts = ("layer",) if shard.world_size == 1 else ("attention", "mlp")
+    parts = ("layer",) if world_size == 1 else ("attention", "mlp")
     plan = []
-    for low, high in bounds:
-        base = LayerSpec(
-            part=parts[0],
-            hidden=config.hidden_size,
-            q_heads=shard.local_q_heads,
-            kv_heads=shard.local_kv_heads,
-            head_dim=config.head_dim,
-            ffn=model.ffn_width,
-            rms_eps=config.rms_eps,
-            num_layers=config.num_layers,
-            page_size=cache.page_size,
-            dtype=str(model.dtype).removeprefix("torch."),
-            kv_dtype=str(cache.storage_dtype).removeprefix("torch."),
-            matmuls=("dense",) * 4,
-            min_rows=low,
-            max_rows=high,
-            threads=torch.get_num_threads(),
-        )
-        kinds = [tuple("int4" if m.uses_int4(low) else "dense" for m in layer) for layer in linears]
-        plan.append((low, high, [[replace(base, part=part, matmuls=k) for part in parts] for k in kinds]))
+    for kind in ("decode", "mixed"):
+        for low, high in bounds:
+            # A mixed step has a chunk of at least two rows.
+            low = max(low, 2) if kind == "mixed" else low
+            if low > high:
+                continue
+            layer_specs = []
+            for layer, shape in zip(linears, shapes):
+                spec = LayerSpec(
+                    part=parts[0],
+                    step=kind,
+                    hidden=shape.hidden,
+                    q_heads=shape.q_heads,
+                    kv_heads=shape.kv_heads,
+                    head_dim=shape.head_dim,
+                    ffn=shape.ffn,
+                    rms_eps=shape.rms_eps,
+                    num_layers=cache.num_layers,
+                    page_size=cache.page_size,
+                    dtype=str(shape.dtype).removeprefix("torch."),
+                    kv_dtype=str(cache.storage_dtype).removeprefix("torch."),
+                    matmuls=tuple("int4" if m.uses_int4(low) else "dense" for m in layer),
+                    qkv_bias=layer[0].bias is not None,
+                    window=shape.window,
+                    min_rows=low,
+                    max_rows=high,
+                    threads=torch.get_num_threads(),
+                )
+                layer_specs.append([replace(spec, part=part) for part in parts])
+            plan.append(_Range(kind, low, high, layer_specs))
     return plan
 
 
@@ -258,7 +319,3 @@ def _plan(model: LlamaModel, cache: KVCache) -> list[tuple[int, int, list[list[L
 class _LayerCall:
     library: CompiledLayer
     weights: list[torch.Tensor]
-
-
-def _inputs_of(linear: Linear, kind: str) -> list[torch.Tensor]:
-    return [linear.int4, linear.int4_scales] if kind == "int4" else [linear.weight]

@@ -1,43 +1,53 @@
-"""The tensor-parallel Llama forward over the paged KV cache."""
+"""The tensor-parallel Llama model over the paged KV cache: its weights, and the eager step.
+
+The decoder layer itself is executor/model/decoder.py's; how a step runs (eagerly, compiled layers,
+a CUDA graph) is chosen in one place, executor/model/runner.py. This module knows nothing of the
+compiled runners: they take the model's weights as `decoder` dataclasses, as the eager loop does.
+"""
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from executor.cache import KVCache
 from executor.inputs import StepInputs
 from executor.model.attention import AttentionMasks, paged_attention
-from executor.model.compiled import CompiledDecode
 from executor.model.config import ModelConfig
-from executor.model.layers import (
-    Rotary,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    all_reduce,
-    Linear,
-    rms_norm,
-)
+from executor.model.decoder import AttentionWeights, LayerShape, MlpWeights, StepTensors, attention_block, mlp_block
+from executor.model.layers import Linear, Rotary, VocabParallelEmbedding, VocabParallelLMHead, rms_norm
 from executor.model.sharding import ShardPlan
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's local slices. QKV and gate/up are fused: one matmul each."""
+    """One decoder layer's local slices, by tensor-parallel role (executor/model/layers.py): QKV
+    and gate/up column-parallel and fused (one matmul each; Qwen2's biases are QKV's), o_proj and
+    down row-parallel (each all-reduces its partial sum)."""
 
     attn_norm: torch.Tensor  # float32 [hidden]
-    qkv: Linear  # [(local_q + 2 * local_kv) * head_dim, hidden]
-    o: Linear  # [hidden, local_q * head_dim]
+    qkv: Linear  # QKVParallelLinear [(local_q + 2 * local_kv) * head_dim, hidden]
+    o: Linear  # RowParallelLinear [hidden, local_q * head_dim]
     ffn_norm: torch.Tensor  # float32 [hidden]
-    gate_up: Linear  # [2 * local_ffn, hidden]
-    down: Linear  # [hidden, local_ffn]
-    qkv_bias: torch.Tensor | None = None  # [(local_q + 2 * local_kv) * head_dim]: Qwen2's q/k/v biases
+    gate_up: Linear  # MergedColumnParallelLinear [2 * local_ffn, hidden]
+    down: Linear  # RowParallelLinear [hidden, local_ffn]
+    _blocks: dict[tuple[bool, ...], tuple[AttentionWeights, MlpWeights]] = field(default_factory=dict, repr=False)
+
+    @property
+    def matrices(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def blocks(self, rows: int) -> tuple[AttentionWeights, MlpWeights]:
+        """The named tensors the decoder blocks read for a call of `rows` rows: each matrix's copy
+        for that many rows (int4 or dense, executor.kernels.Matrix)."""
+        kinds = tuple(m.uses_int4(rows) for m in self.matrices)
+        if kinds not in self._blocks:
+            self._blocks[kinds] = (
+                AttentionWeights(self.attn_norm, self.qkv.weights_for(rows), self.o.weights_for(rows), self.qkv.bias),
+                MlpWeights(self.ffn_norm, self.gate_up.weights_for(rows), self.down.weights_for(rows)),
+            )
+        return self._blocks[kinds]
 
 
 class LlamaModel:
@@ -63,87 +73,65 @@ class LlamaModel:
         self.embed = VocabParallelEmbedding(embed, shard)
         self.lm_head = VocabParallelLMHead(lm_head, shard, config.vocab_size)
         self.rotary = Rotary(config, device)
-        head_dim = config.head_dim
-        self.q_width = shard.local_q_heads * head_dim
-        self.kv_width = shard.local_kv_heads * head_dim
         self.ffn_width = shard.ffn[1] - shard.ffn[0]
-        # executor.model.compiled: `auto`, `wait` or `off`; the libraries depend on the cache's
-        # geometry, so they are attached at the first decode step over a cache of a new geometry.
-        if compile_mode != "off" and (config.qkv_bias or config.sliding_window is not None):
-            log.info(
-                "%s decodes eager: the compiled decode layers have no q/k/v biases and no attention window",
-                config.architecture,
-            )
-            compile_mode = "off"
+        # executor.model.compiled: `auto`, `wait` or `off`, read by the runner (runner.py).
         self.compile_mode = compile_mode
-        self._compiled: dict[tuple, CompiledDecode | None] = {}
+        self.shapes = [
+            LayerShape(
+                hidden=config.hidden_size,
+                q_heads=shard.local_q_heads,
+                kv_heads=shard.local_kv_heads,
+                head_dim=config.head_dim,
+                ffn=self.ffn_width,
+                rms_eps=config.rms_eps,
+                dtype=layers[0].qkv.dtype,
+                window=config.layer_window(index),
+            )
+            for index in range(config.num_layers)
+        ]
 
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].qkv.dtype
 
-    def compiled_decode(self, cache: KVCache) -> CompiledDecode | None:
-        """The compiled decode layers for this cache's geometry, attached on first use."""
-        geometry = (cache.page_size, cache.storage_dtype, cache.num_layers)
-        if geometry not in self._compiled:
-            self._compiled[geometry] = CompiledDecode.attach(self, cache, self.compile_mode)
-        return self._compiled[geometry]
+    def step_tensors(self, inputs: StepInputs, cache: KVCache) -> StepTensors:
+        cos, sin = self.rotary.cos_sin(inputs.positions)
+        return StepTensors(cos, sin, inputs.write_pages, inputs.write_offsets, cache.data, cache.scales)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
-        """Float32 logits [m, vocab] of the sampled rows on rank 0; None on the other ranks."""
-        config = self.config
+        """The eager step: float32 logits [m, vocab] of the sampled rows on rank 0; None elsewhere."""
         x = self.embed(inputs.token_ids)
-        cos, sin = self.rotary.cos_sin(inputs.positions)
-        # A calibrating step writes K and V through the cache, which sets the scales as it goes.
-        compiled = self.compiled_decode(cache) if inputs.is_decode and not cache.calibrating else None
-        if compiled is not None and compiled.covers(inputs.num_tokens):
-            x = compiled.run(x, cos, sin, inputs, cache)
-        elif compiled is not None:
-            begin = time.perf_counter()
-            x = self._layers(x, cos, sin, inputs, cache)
-            compiled.eager_decoded(time.perf_counter() - begin)
-        else:
-            x = self._layers(x, cos, sin, inputs, cache)
+        return self.logits(self.eager_layers(x, self.step_tensors(inputs, cache), inputs, cache), inputs)
+
+    def logits(self, x: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The LM head over the sampled rows of the residual stream after the last layer."""
         if inputs.sample_rows.shape[0] == 0:
             if self.shard.rank != 0:
                 return None
-            return torch.empty(0, config.vocab_size, dtype=torch.float32, device=self.device)
-        hidden = rms_norm(x[inputs.sample_rows], self.final_norm, config.rms_eps)
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        hidden = rms_norm(x[inputs.sample_rows], self.final_norm, self.config.rms_eps)
         return self.lm_head(hidden)
 
-    def _layers(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inputs: StepInputs, cache: KVCache
-    ) -> torch.Tensor:
-        """Every decoder layer, eager: prefill and mixed steps, and decode without compiled layers."""
-        config, world = self.config, self.shard.world_size
-        head_dim, tokens = config.head_dim, inputs.num_tokens
-        q_heads, kv_heads = self.shard.local_q_heads, self.shard.local_kv_heads
-        qk_width = self.q_width + self.kv_width
+    def eager_layers(self, x: torch.Tensor, step: StepTensors, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
+        """Every decoder layer of the step, eagerly: the decoder blocks with paged attention."""
+        rows = inputs.num_tokens
         # One set of masks per distinct window (Qwen2 may mix windowed and full layers).
-        windows = [config.layer_window(index) for index in range(config.num_layers)]
         masks_of = {
-            window: AttentionMasks.build(
-                inputs, q_heads, kv_heads, cache.page_size, self.dtype, self.device, window=window
+            shape.window: AttentionMasks.build(
+                inputs, shape.q_heads, shape.kv_heads, cache.page_size, self.dtype, self.device, window=shape.window
             )
-            for window in dict.fromkeys(windows)
+            for shape in self.shapes
         }
-        for index, layer in enumerate(self.layers):
-            masks = masks_of[windows[index]]
-            h = rms_norm(x, layer.attn_norm, config.rms_eps)
-            qkv = layer.qkv(h)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            qk = qkv[:, :qk_width].view(tokens, q_heads + kv_heads, head_dim)
-            qk = Rotary.apply(qk, cos, sin)
-            q, k = qk.split([q_heads, kv_heads], dim=1)
-            v = qkv[:, qk_width:].view(tokens, kv_heads, head_dim)
-            cache.write(index, inputs.write_pages, inputs.write_offsets, k, v)
-            k_cache, v_cache = cache.key_value(index)
-            k_scale, v_scale = cache.layer_scales(index)
-            attended = paged_attention(q, k_cache, v_cache, inputs, masks, k_scale=k_scale, v_scale=v_scale)
-            x = x + all_reduce(layer.o(attended).float(), world)
-            h = rms_norm(x, layer.ffn_norm, config.rms_eps)
-            gate, up = layer.gate_up(h).split(self.ffn_width, dim=-1)
-            x = x + all_reduce(layer.down(F.silu(gate) * up).float(), world)
+        for index, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
+            layer_id, masks = cache.layer_ids[index], masks_of[shape.window]
+            attention_w, mlp_w = layer.blocks(rows)
+
+            def attend(q: torch.Tensor, layer_id: torch.Tensor = layer_id, masks: AttentionMasks = masks) -> torch.Tensor:
+                return paged_attention(q, cache.data, layer_id, cache.scales, masks)
+
+            # A calibrating step sets an fp8 cache's scales from the K and V about to be written.
+            observe = (lambda k, v, index=index: cache.observe(index, k, v)) if cache.calibrating else None
+            x = x + layer.o.reduce(attention_block(shape, x, attention_w, step, layer_id, attend, observe))
+            x = x + layer.down.reduce(mlp_block(shape, x, mlp_w))
         return x

@@ -8,38 +8,24 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
-from protocol.frames import CacheGeometry, Prepare
+from protocol.frames import PREPARE_FIELDS, CacheGeometry, Extent, Prepare
 from protocol.sampling_limits import LOGIT_BIAS_MAX_ENTRIES
 from protocol.validate.array_checks import check_length, check_range, first_bad
 from protocol.validate.own_fields import check_own_fields
 
-_PER_SEQUENCE = (
-    "query_lens",
-    "context_lens",
-    "page_table_lens",
-    "page_table_base",
-    "sample",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seeds",
-    "feedback",
-    "num_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "sampling_state",
-    "history_lens",
-    "history_prompt_lens",
-    "logit_bias_lens",
-    "banned_lens",
-)
-# Per-sequence counts of PREPARE's flat logits-processing arrays: (counts, flat arrays, the most
-# one sequence may have, or None for max_model_len / vocab_size).
-_FLAT = (
-    ("history_lens", ("history",), None),
-    ("logit_bias_lens", ("logit_bias_ids", "logit_bias"), LOGIT_BIAS_MAX_ENTRIES),
-    ("banned_lens", ("banned_ids",), None),
+# Derived from PREPARE's declarations (protocol.frames.PREPARE_FIELDS): a field added there is
+# length-checked here without a line of its own.
+_PER_SEQUENCE = tuple(f.name for f in PREPARE_FIELDS if f.extent is Extent.SEQUENCE and f.name != "seq_ids")
+_PER_TOKEN = tuple(f.name for f in PREPARE_FIELDS if f.extent is Extent.TOKEN)
+_PAIRED = tuple((f.name, f.counts) for f in PREPARE_FIELDS if f.extent is Extent.LIST and f.counts)
+# The most entries one sequence may have in a flat array, by its count field: a number, or the
+# geometry's max_model_len / vocab_size (a history holds at most the context, a banned list at most
+# every token).
+_MOST = {"history_lens": "max_model_len", "logit_bias_lens": LOGIT_BIAS_MAX_ENTRIES, "banned_lens": "vocab_size"}
+# Per-sequence counts of PREPARE's flat arrays: (counts, the flat arrays it counts, the most).
+_FLAT = tuple(
+    (counts, tuple(f.name for f in PREPARE_FIELDS if f.counts == counts and f.extent is Extent.COUNTED), _MOST[counts])
+    for counts in dict.fromkeys(f.counts for f in PREPARE_FIELDS if f.extent is Extent.COUNTED)
 )
 
 
@@ -60,14 +46,14 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
     n = len(p.seq_ids)
     for name in _PER_SEQUENCE:
         check_length(name, getattr(p, name), n, "the number of sequences (len(seq_ids))")
-    check_length("restore_slots", p.restore_slots, len(p.restore_pages), "len(restore_pages)")
-    check_length("offload_slots", p.offload_slots, len(p.offload_pages), "len(offload_pages)")
+    for name, paired in _PAIRED:
+        check_length(name, getattr(p, name), len(getattr(p, paired)), f"len({paired})")
     _check_flat_lengths(p, g)
     if n > g.max_num_seqs:
         raise ProtocolError(RejectCode.LIMIT_EXCEEDED, f"{n} sequences exceed max_num_seqs {g.max_num_seqs}")
     if n == 0:
-        check_length("token_ids", p.token_ids, 0, "sum(query_lens)")
-        check_length("positions", p.positions, 0, "sum(query_lens)")
+        for name in _PER_TOKEN:
+            check_length(name, getattr(p, name), 0, "sum(query_lens)")
         check_length("page_table", p.page_table, 0, "sum(page_table_lens)")
         return 0
     query_lens = p.query_lens
@@ -78,8 +64,8 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
             f"query_lens[{i}] = {query_lens[i]}; every sequence needs >= 1 new token",
         )
     total_tokens = int(query_lens.sum(dtype=np.int64))
-    check_length("token_ids", p.token_ids, total_tokens, "sum(query_lens)")
-    check_length("positions", p.positions, total_tokens, "sum(query_lens)")
+    for name in _PER_TOKEN:
+        check_length(name, getattr(p, name), total_tokens, "sum(query_lens)")
     if total_tokens > g.max_num_batched_tokens:
         raise ProtocolError(
             RejectCode.LIMIT_EXCEEDED,
@@ -117,7 +103,7 @@ def _check_flat_lengths(p: Prepare, g: CacheGeometry) -> None:
             if counts.min() < 0:
                 i = first_bad(counts < 0)
                 raise ProtocolError(RejectCode.LENGTH_MISMATCH, f"{counts_name}[{i}] = {counts[i]} is negative")
-            limit = most if most is not None else (g.max_model_len if counts_name == "history_lens" else g.vocab_size)
+            limit = getattr(g, most) if isinstance(most, str) else most
             if counts.max() > limit:
                 i = first_bad(counts > limit)
                 raise ProtocolError(

@@ -174,11 +174,13 @@ def test_decode_on_the_cpu_runs_the_same_code_and_its_failures_are_real(
     assert all(r["bytes_per_step"] > 0 and r["eager_tok_s"] > 0 and r["argmax_agreement"] == 1.0 for r in decode)
     cost = next(r for r in rows if r["section"] == "clears_cost")
     assert cost["clear_4_pages_us"] > 0 and "4_pages_batch_3" in cost["fraction_of_step"]
-    # Negative control: a graph that replays with the previous step's token ids (a field whose rule
-    # says the graph never reads it) must break the agreement.
-    from executor import cuda_graphs
+    # Negative control: a graph that replays with the previous step's token ids (their rule's fill
+    # gone, so the load leaves the static buffer as the last step wrote it) must break the agreement.
+    from executor.cuda_graphs import StaticDecodeBatch
+    from executor.inputs import Pad
 
-    monkeypatch.setitem(cuda_graphs.FIELD_PADDING, "token_ids", cuda_graphs.FieldPadding(cuda_graphs.Pad.SAMPLER))
+    real_fills = StaticDecodeBatch.fills
+    monkeypatch.setattr(StaticDecodeBatch, "fills", lambda b: {r: v for r, v in real_fills(b).items() if r is not Pad.ZERO})
     assert device_decode.main(argv) == 1
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "agrees" in " ".join(next(r for r in rows if r["section"] == "decode_summary")["failures"])

@@ -16,6 +16,7 @@ from executor.cache import KVCache
 from executor.inputs import StepInputs
 from executor.kv_scales import KVScales, ScaleCalibration
 from executor.model import LlamaModel
+from executor.model.runner import ModelRunner
 from protocol.frames import Prepare
 
 
@@ -39,6 +40,8 @@ class Driver:
         kv_scales: KVScales | ScaleCalibration | None = None,
     ) -> None:
         self.model = model
+        # Steps run as the executor runs them: the runner picks eager, compiled or a graph.
+        self.runner = ModelRunner(model)
         self.page_size = page_size
         self.clear = clear
         self.cache = KVCache(
@@ -89,7 +92,7 @@ class Driver:
         inputs = StepInputs.from_prepare(
             prepare, pad_page=self.cache.pad_page, page_size=self.page_size, device=self.model.device
         )
-        return self.model.forward(inputs, self.cache)
+        return self.runner.forward(inputs, self.cache)
 
     def greedy(self, prompts: dict[int, list[int]], steps: int) -> tuple[list[torch.Tensor], dict[int, list[int]]]:
         """Prefill every prompt in one step, then `steps` batched greedy decode steps.

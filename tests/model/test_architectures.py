@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from executor.model import ModelLoadError, load_model
 from executor.model.config import UnsupportedModelError
-from executor.model.loader import open_source
+from executor.model.load import open_source
 from protocol.errors import TPRuntimeError
 from tests.model.checkpoints import LLAMA3_SCALING, reference_logits, reference_model, run_ranks, write_gguf, write_hf
 from tests.model.driver import Driver
@@ -167,10 +167,29 @@ def test_window_keeps_the_poison_proof(checkpoints):
     assert not torch.isfinite(unclear[:2]).any(dim=-1).any(), "every row reads a stale slot"
 
 
-def test_biased_and_windowed_models_decode_eager(checkpoints):
-    _, path = checkpoints["qwen2"]
+@pytest.mark.timeout(1800)  # builds four libraries: two windows (layer 0 has none) x decode and mixed
+def test_biased_and_windowed_models_run_compiled(checkpoints):
+    """Changed meaning on purpose: with one decoder layer, Qwen2's biases and its windowed layers
+    run on the compiled layers like any other model (they used to decode eager). Every step's
+    runner is asserted, and its logits held to transformers' as the eager tests hold them."""
+    reference, path = checkpoints["qwen2-window"]
     model = load_model(str(path), rank=0, world_size=1, dtype=torch.float32, device=CPU, compile_mode="wait")
-    assert model.compile_mode == "off"
+    driver = Driver(model, page_size=4)
+    prompt = PROMPT[:9]
+    rows = [driver.step([(0, prompt, True)])]
+    assert driver.runner.last_runner == "eager", "a prefill chunk alone: the causal kernel"
+    tokens = prompt + [int(rows[-1].argmax())]
+    for _ in range(3):
+        rows.append(driver.step([(0, tokens[-1:], True)]))
+        assert driver.runner.last_runner == "compiled", "a decode step"
+        tokens.append(int(rows[-1].argmax()))
+    expected = reference_logits(reference, tokens[:-1])
+    torch.testing.assert_close(torch.cat(rows), expected[len(prompt) - 1 :], atol=ATOL, rtol=RTOL)
+    # A decode beside another prompt's chunk: the mixed library, held to the reference too.
+    mixed = driver.step([(0, tokens[-1:], True), (1, PROMPT[2:9], True)])
+    assert driver.runner.last_runner == "compiled", "a mixed step"
+    torch.testing.assert_close(mixed[0], reference_logits(reference, tokens)[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(mixed[1], reference_logits(reference, PROMPT[2:9])[-1], atol=ATOL, rtol=RTOL)
 
 
 # -- refusals ----------------------------------------------------------------------------------------

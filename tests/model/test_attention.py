@@ -49,8 +49,10 @@ class Case:
         self.q_heads, self.kv_heads = heads
         self.device, self.dtype = torch.device(device), dtype
         g = torch.Generator().manual_seed(1)
-        shape = (NUM_PAGES + 1, PAGE, self.kv_heads, HEAD_DIM)
-        self.k, self.v = (torch.randn(shape, generator=g).to(device, storage or dtype) for _ in range(2))
+        # A one-layer cache as KVCache lays it out; k and v are views of its two planes.
+        shape = (NUM_PAGES + 1, 1, 2, PAGE, self.kv_heads, HEAD_DIM)
+        self.kv = torch.randn(shape, generator=g).to(device, storage or dtype)
+        self.k, self.v = self.kv[:, 0, 0], self.kv[:, 0, 1]
         self.k[PAD], self.v[PAD] = 0, 0
         rows = int(self.prepare.query_lens.sum())
         self.q = torch.randn(rows, self.q_heads, HEAD_DIM, generator=g).to(device, dtype)
@@ -58,7 +60,8 @@ class Case:
     def run(self) -> torch.Tensor:
         inputs = StepInputs.from_prepare(self.prepare, pad_page=PAD, page_size=PAGE, device=self.device)
         masks = AttentionMasks.build(inputs, self.q_heads, self.kv_heads, PAGE, self.dtype, self.device)
-        return paged_attention(self.q, self.k, self.v, inputs, masks).float().cpu()
+        layer, scales = torch.zeros(1, dtype=torch.long, device=self.device), torch.ones(1, 2, device=self.device)
+        return paged_attention(self.q, self.kv, layer, scales, masks).float().cpu()
 
     def reference(self) -> torch.Tensor:
         """Each sequence, each query head, over exactly the slots at or before its token's position."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor.model import ModelLoadError, load_model
-from executor.model.loader import open_source
+from executor.model.load import open_source
 from tests.tiny_models import write_tiny_llama
 
 CPU = torch.device("cpu")

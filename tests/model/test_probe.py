@@ -12,7 +12,7 @@ import torch
 
 from executor import probe
 from executor.model import resolve_weight_format
-from executor.model.loader import open_source
+from executor.model.load import open_source
 from tests.model.hermetic_cache import FIXED_PROBE
 from tests.tiny_models import write_tiny_gguf
 from tp_runtime.config import RuntimeConfig

@@ -1,4 +1,4 @@
-"""CPU dense matmuls run at a bounded set of row counts (executor/model/layers.py padded_rows):
+"""CPU dense matmuls run at a bounded set of row counts (executor/kernels.py padded_rows):
 oneDNN keeps state for every shape it has run, so a server whose steps take every length would
 grow without end. The rounding changes no result and bounds the shapes."""
 
@@ -10,7 +10,8 @@ import platform
 import pytest
 import torch
 
-from executor.model.layers import Linear, padded_rows
+from executor.kernels import padded_rows
+from executor.model.layers import Linear
 
 
 def test_rows_round_up_by_at_most_an_eighth_to_8_sizes_per_doubling():

@@ -148,3 +148,17 @@ def test_alternatives_are_asked_for_and_handed_back_with_each_token():
 def test_out_of_range_parameters_are_refused(kwargs):
     with pytest.raises(InvalidSamplingParams):
         SamplingParams(max_tokens=4, **kwargs)
+
+
+def test_the_one_assembly_path_fills_every_declared_prepare_field():
+    """scheduler.plan's row columns and computed arrays cover PREPARE's declarations between them
+    (a field declared in protocol.frames and filled by neither would fail Prepare's constructor;
+    one in both would be filled twice)."""
+    from protocol.frames import PREPARE_FIELDS, Extent
+    from scheduler.plan import PROCESSED, ROW_COLUMNS
+
+    per_sequence = {f.name for f in PREPARE_FIELDS if f.extent is Extent.SEQUENCE}
+    computed = {"query_lens", "context_lens", "page_table_lens", "page_table_base", "sample", "feedback"}
+    processed = {f.name for f in PROCESSED if f.extent is Extent.SEQUENCE}
+    assert set(ROW_COLUMNS) | computed | processed == per_sequence
+    assert not (set(ROW_COLUMNS) & computed) and not (set(ROW_COLUMNS) & processed) and not (computed & processed)

@@ -1,11 +1,15 @@
-"""Compiled decode layers (executor/model/compiled.py) against the eager forward, their promise to the
-clearing rule, and their disk cache: keyed by what the code depends on, loaded on a second start
-without building, built by `auto` only after enough eager decoding, never retried after a failure.
+"""Every runner (executor/model/runner.py) against the eager one: the compiled layers
+(executor/model/compiled.py) give eager's logits on decode, mixed and prefill steps, and each step
+says which runner served it; their promise to the clearing rule on every kind of step; and their
+disk cache: keyed by what the code depends on, loaded on a second start without building, built by
+`auto` only after enough eager steps, never retried after a failure. (CUDA graphs are the third
+runner: scripts/device_check.sh runs them against eager on a GPU; tests/executor/test_graph_padding.py
+checks their padding on the CPU.)
 
-One library is built for the whole module (tens of seconds on 2 cores): a tiny GGUF whose QKV rows
-(16 query heads and 2 KV heads of 6) do not fit the int4 kernel, so that at `int4` its layers run
-the dense custom op and the int4 kernel in one library. The SmolLM2 and TP=2 cases build more and
-are marked slow."""
+Two libraries are built for the whole module (a minute or two on 2 cores), a decode one and a mixed
+one: a tiny GGUF whose QKV rows (16 query heads and 2 KV heads of 6) do not fit the int4 kernel, so
+that at `int4` its layers run the dense custom op and the int4 kernel in one library. The SmolLM2
+and TP=2 cases build more and are marked slow."""
 
 from __future__ import annotations
 
@@ -17,14 +21,15 @@ import torch
 
 from executor import disk_cache
 from executor.model import aot_layer, compiled, default_model_path, kernel_cache, load_model
-from executor.model.compiled import LayerSpec
+from executor.model.aot_layer import LayerSpec
 from tests.model.driver import Driver
 from tests.model.tp_worker import PROMPTS, run_tp, scenario
 from tests.tiny_models import write_tiny_gguf
 
 CPU = torch.device("cpu")
-# bf16 logits of the tiny model are O(1); the compiled layers sum in other orders (fused RMSNorm,
-# attention by multiply-and-sum in fp32 rather than torch's flash kernel): bf16 rounding apart.
+# The stated tolerance between runners: bf16 logits of the tiny model are O(1), and the compiled
+# layers sum in other orders (Inductor's fused RMSNorm and elementwise code; a prefill chunk through
+# the masked kernel rather than the causal one): bf16 rounding apart.
 LOGIT_ATOL = 0.05
 DECODE_STEPS = 6
 # The module fixture compiles a library: ~30-70 s on 2 cores, past 600 s on a machine at load 15.
@@ -48,16 +53,42 @@ def greedy(model, **driver):
 
 @pytest.fixture(scope="module")
 def built(tiny_path):
-    """The tiny model with its library built (`wait`), and the eager model beside it."""
+    """The tiny model with its libraries built (`wait`), and the eager model beside it."""
     model = load(tiny_path, "wait")
     driver, logits, tokens = greedy(model)
-    decode = model.compiled_decode(driver.cache)
-    assert decode is not None and decode.covers(1) and decode.covers(len(PROMPTS))
-    assert [spec.matmuls for spec in decode.specs] == [("dense", "int4", "int4", "int4")]
+    assert driver.runner.last_runner == "compiled"
+    layers = driver.runner.compiled(driver.cache)
+    assert [(spec.step, spec.matmuls) for spec in layers.specs] == [
+        ("decode", ("dense", "int4", "int4", "int4")), ("mixed", ("dense", "int4", "int4", "int4")),
+    ]
     return model, logits, tokens
 
 
-def test_compiled_decode_gives_the_eager_logits_and_tokens(tiny_path, built):
+# (steps, the runner that serves each): a prefill chunk alone (eager: the causal kernel skips half
+# its scores), decodes beside a chunk, a decode step, and two chunks in one step, which no library
+# covers.
+SCRIPT = [
+    ([(0, [5, 6, 7, 8, 9], True)], "eager"),
+    ([(0, [11], True), (1, [3, 4, 5], True)], "compiled"),
+    ([(0, [12], True), (1, [13], True)], "compiled"),
+    ([(0, [14, 15], True), (1, [16, 17, 18], True)], "eager"),
+    ([(0, [19], True), (1, [20], True), (2, [1, 2, 3, 4, 5, 6, 7], False)], "compiled"),
+]
+
+
+def test_every_runner_gives_the_eager_logits_and_says_which_served_each_step(tiny_path, built):
+    """Decode, mixed and prefill steps through the compiled layers against the same steps eagerly,
+    within LOGIT_ATOL; each step's runner is asserted, so a silent fall-back to eager fails."""
+    fast = Driver(built[0], num_kv_pages=32, page_size=4, kv_dtype="bf16")
+    eager = Driver(load(tiny_path, "off"), num_kv_pages=32, page_size=4, kv_dtype="bf16")
+    for chunks, runner in SCRIPT:
+        logits, expected = fast.step(chunks), eager.step(chunks)
+        assert (fast.runner.last_runner, eager.runner.last_runner) == (runner, "eager"), chunks
+        torch.testing.assert_close(logits, expected, atol=LOGIT_ATOL, rtol=0)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_compiled_greedy_generation_gives_the_eager_tokens(tiny_path, built):
     _, logits, tokens = built
     _, eager_logits, eager_tokens = greedy(load(tiny_path, "off"))
     torch.testing.assert_close(torch.cat(logits), torch.cat(eager_logits), atol=LOGIT_ATOL, rtol=0)
@@ -73,19 +104,41 @@ def _poison_past_the_end(driver: Driver, seq_id: int, part: int) -> None:
     driver.cache.data[seq.pages[slot // driver.page_size], :, part, slot % driver.page_size] = float("nan")
 
 
+@pytest.mark.parametrize("mode", ["off", "wait"], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
 @pytest.mark.parametrize("part", [0, 1], ids=["k", "v"])
-def test_compiled_decode_reads_the_last_page_whole(built, part):
-    model, _, _ = built
+def test_every_runner_reads_the_last_page_whole(tiny_path, built, mode, kind, part):
+    """A decode row (in a decode step, or beside a prefill chunk) reads its last, partly filled
+    page whole: a NaN past its end reaches its logits, on the eager and the compiled runner."""
+    model = built[0] if mode == "wait" else load(tiny_path, "off")
     for poisoned in (False, True):
         driver = Driver(model, num_kv_pages=32, page_size=4, kv_dtype="bf16")
         driver.step([(0, [5, 6, 7, 8, 9], True), (1, [3, 4], True)])
         if poisoned:
             _poison_past_the_end(driver, 0, part)
-        logits = driver.step([(0, [11], True), (1, [12], True)])
-        assert model.compiled_decode(driver.cache).covers(2)
+        second = [(1, [12], True)] if kind == "decode" else [(1, [12, 13, 14], True)]
+        logits = driver.step([(0, [11], True), *second])
+        assert driver.runner.last_runner == ("compiled" if mode == "wait" else "eager")
         # Only the poisoned sequence is hit; without the poison (the negative control) neither is.
         assert torch.isnan(logits[0]).all().item() is poisoned
         assert torch.isfinite(logits[1]).all()
+
+
+@pytest.mark.parametrize("part", [0, 1], ids=["k", "v"])
+def test_a_compiled_prefill_chunk_reads_the_rest_of_its_last_page(built, part):
+    """A chunk's rows read its last page whole too: a NaN past the chunk's end reaches them, and
+    not the decode beside it."""
+    for poisoned in (False, True):
+        driver = Driver(built[0], num_kv_pages=32, page_size=4, kv_dtype="bf16")
+        driver.step([(0, [5, 6, 7, 8, 9], True), (1, [3, 4], True)])
+        if poisoned:
+            # The chunk below writes slots 5 and 6; slot 7 ends its last page, past its end.
+            page = driver.seqs[0].pages[1]
+            driver.cache.data[page, :, part, 3] = float("nan")
+        logits = driver.step([(1, [12], True), (0, [10, 11], True)])
+        assert driver.runner.last_runner == "compiled"
+        assert torch.isnan(logits[1]).all().item() is poisoned
+        assert torch.isfinite(logits[0]).all()
 
 
 def test_poisoned_cache_with_clears_decodes_as_a_clean_one(built):
@@ -105,15 +158,15 @@ def test_a_second_start_loads_the_library_without_building(tiny_path, built, mon
     monkeypatch.setattr(kernel_cache, "start_build", no_build)
     model = load(tiny_path, "auto")
     driver, logits, _ = greedy(model)
-    assert model.compiled_decode(driver.cache).covers(1)
+    assert driver.runner.last_runner == "compiled"
     torch.testing.assert_close(torch.cat(logits), torch.cat(built[1]), atol=0, rtol=0)
 
 
 def _spec(**changes) -> LayerSpec:
     fields = dict(
-        part="layer", hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, rms_eps=1e-5, num_layers=30,
-        page_size=16, dtype="bfloat16", kv_dtype="bfloat16", matmuls=("int4",) * 4,
-        min_rows=1, max_rows=8, threads=2,
+        part="layer", step="decode", hidden=576, q_heads=9, kv_heads=3, head_dim=64, ffn=1536, rms_eps=1e-5,
+        num_layers=30, page_size=16, dtype="bfloat16", kv_dtype="bfloat16", matmuls=("int4",) * 4,
+        qkv_bias=False, window=None, min_rows=1, max_rows=8, threads=2,
     )
     return LayerSpec(**{**fields, **changes})
 
@@ -125,7 +178,8 @@ def test_the_cache_key_changes_with_the_model_the_shapes_the_formats_torch_and_t
         _spec(hidden=960), _spec(q_heads=8), _spec(kv_heads=1), _spec(head_dim=96), _spec(ffn=2560),
         _spec(rms_eps=1e-6), _spec(num_layers=24), _spec(page_size=32), _spec(dtype="float32"),
         _spec(kv_dtype="float8_e4m3fn"), _spec(matmuls=("dense",) * 4),
-        _spec(min_rows=9, max_rows=1 << 14), _spec(threads=1), _spec(part="attention"),
+        _spec(min_rows=9, max_rows=1 << 14), _spec(threads=1), _spec(part="attention"), _spec(step="mixed"),
+        _spec(qkv_bias=True), _spec(window=4096),
     ]
     assert len({spec.key() for spec in changed} | {key}) == len(changed) + 1
     identity = dict(disk_cache.cpu_identity())
@@ -133,23 +187,24 @@ def test_the_cache_key_changes_with_the_model_the_shapes_the_formats_torch_and_t
         monkeypatch.setattr(aot_layer, "cpu_identity", lambda f=field, v=value: {**identity, f: v})
         assert _spec().key() != key, field
     monkeypatch.setattr(aot_layer, "cpu_identity", lambda: identity)
-    monkeypatch.setattr(aot_layer, "_SOURCE_DIGEST", "another version of aot_layer.py")
+    monkeypatch.setattr(aot_layer, "_SOURCE_DIGEST", "another version of the decoder layer")
     assert _spec().key() != key
 
 
 def test_a_built_cache_serves_no_other_model_shape_nor_another_torch(tiny_path, tmp_path_factory, built, monkeypatch):
     """End to end through the loader: with the module's library on disk, a model of another shape
-    (a wider FFN) and the same model under another torch version find nothing to load, and decode
+    (a wider FFN) and the same model under another torch version find nothing to load, and run
     eager."""
     monkeypatch.setattr(kernel_cache, "start_build", lambda *a, **k: pytest.fail("auto built at start-up"))
-    assert load(tiny_path, "auto").compiled_decode(Driver(built[0], page_size=4, kv_dtype="bf16").cache).covers(1)
+    driver, _, _ = greedy(load(tiny_path, "auto"))
+    assert driver.runner.last_runner == "compiled"
     wider = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "wider.gguf", num_heads=16, num_kv_heads=2, intermediate_size=256)
     driver, _, _ = greedy(load(wider, "auto"))
-    assert not driver.model.compiled_decode(driver.cache).covers(1)
+    assert driver.runner.last_runner == "eager"
     identity = dict(disk_cache.cpu_identity())
     monkeypatch.setattr(aot_layer, "cpu_identity", lambda: {**identity, "torch": "2.99.0"})
     driver, _, tokens = greedy(load(tiny_path, "auto"))
-    assert not driver.model.compiled_decode(driver.cache).covers(1)
+    assert driver.runner.last_runner == "eager"
     assert tokens == built[2]
 
 
@@ -161,19 +216,19 @@ def test_auto_builds_in_the_background_once_enough_eager_decoding_is_spent(tiny_
     monkeypatch.setattr(kernel_cache, "start_build", lambda specs, *, background: builds.append((specs, background)))
     model = load(tiny_path, "auto")
     driver = Driver(model, num_kv_pages=32, page_size=4, kv_dtype="bf16")
-    driver.step([(0, [5, 6, 7], True)])  # a prefill: no decode time to count
-    decode = model.compiled_decode(driver.cache)
-    assert not decode.covers(1) and not builds
-    decode.eager_decoded(0.3)
-    assert json.loads(decode._usage.read_text())["eager_decode_s"] == pytest.approx(0.3)
+    driver.step([(0, [5, 6, 7], True), (1, [8, 9], True)])  # two chunks: no library would serve it
+    layers = driver.runner.compiled(driver.cache)
+    assert driver.runner.last_runner == "eager" and not builds
+    layers.eager_ran(0.3)
+    assert json.loads(layers._usage.read_text())["eager_decode_s"] == pytest.approx(0.3)
     # Another process of the same shapes adds to the same count.
-    compiled.CompiledDecode.attach(model, driver.cache, "auto").eager_decoded(0.5)
+    compiled.CompiledLayers.attach(model.layers, model.shapes, 1, driver.cache, "auto").eager_ran(0.5)
     assert not builds
-    decode.eager_decoded(0.1)
+    layers.eager_ran(0.1)
     assert not builds, "time not reported yet counts once reported"
-    decode.eager_decoded(0.3)
-    assert builds == [(decode.specs, True)]
-    decode.eager_decoded(10.0)
+    layers.eager_ran(0.3)
+    assert builds == [(layers.specs, True)]
+    layers.eager_ran(10.0)
     assert len(builds) == 1, "one build per process"
 
 
@@ -182,11 +237,11 @@ def test_a_build_that_failed_is_not_retried(tiny_path, tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_cache, "start_build", lambda *a, **k: pytest.fail("a failed build was retried"))
     model = load(tiny_path, "wait")
     driver = Driver(model, num_kv_pages=32, page_size=4, kv_dtype="bf16")
-    specs = compiled.CompiledDecode(model, compiled._plan(model, driver.cache), "wait").specs
+    specs = compiled.CompiledLayers(model.layers, 1, compiled._plan(model.layers, model.shapes, 1, driver.cache), "wait").specs
     for spec in specs:
         disk_cache.write_atomically(kernel_cache.failure_log(spec), b"compiler error\n")
     driver.greedy({0: [5, 6, 7]}, 2)
-    assert not model.compiled_decode(driver.cache).covers(1)
+    assert driver.runner.last_runner == "eager"
 
 
 QUESTIONS = [
@@ -215,7 +270,9 @@ def test_smollm2_compiled_is_as_close_to_fp32_as_eager_and_answers_alike():
         batch = {seq: prompts[seq] for seq in range(rows)}
         eager_logits, tokens = Driver(eager, num_kv_pages=200, page_size=16, kv_dtype="bf16").greedy(batch, 16)
         _, compiled_tokens = Driver(built, num_kv_pages=200, page_size=16, kv_dtype="bf16").greedy(batch, 16)
-        assert built.compiled_decode(Driver(built, num_kv_pages=8, page_size=16, kv_dtype="bf16").cache).covers(rows)
+        probe = Driver(built, num_kv_pages=8, page_size=16, kv_dtype="bf16")
+        probe.step([(seq, [1], True) for seq in range(rows)])
+        assert probe.runner.last_runner == "compiled"
         # The canonical answers (FACTS.md) come out the same; a prompt whose eager choice is a near
         # tie may go either way, as it does between batch sizes in eager alone.
         for seq in (0, 1):

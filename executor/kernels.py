@@ -1,0 +1,191 @@
+"""How a matmul runs on this machine: which copy of a matrix a step reads, and through which kernel.
+
+A matrix may be held as a dense copy in the compute dtype (oneDNN-packed on the CPU where oneDNN
+can pack it), as torch's CPU int4 layout of GGUF 4-bit blocks, or both; `Matrix` holds them and
+picks per call by the step's row count (the int4 copy up to the crossover the start-up probe
+measured, executor/probe.py). `MatmulWeights` is the one copy a call reads, as named tensors:
+the decoder layer (executor/model/decoder.py) calls `matmul` on it, eagerly and inside the
+AOTInductor export alike.
+
+This module sits below the model package and the probe (both import it; it imports neither).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import register_dataclass
+
+from executor.gguf_file import Q4_BLOCK, Q4Blocks
+
+# The row count oneDNN lays packed weights out for. Measured on SmolLM2 (scripts/bench_model.py):
+# a layout for 32 rows is within noise of the best one at 1, 8, 32 and 512 rows.
+PACK_ROWS = 32
+
+# Steps of at most this many rows use a matrix's int4 copy where it has one, unless the loader sets
+# the crossover the start-up probe measured on this CPU (executor/probe.py). Measured on SmolLM2's
+# layer matrices (30 layers, bf16 activations, 2 threads of an AVX-512 EPYC, docs/model.md): int4
+# against oneDNN bf16 is 2.4x faster at 1-2 rows, 1.8x at 4, 1.16x at 6-8 and 0.9x from 10 rows on.
+INT4_MAX_ROWS = 8
+
+
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """Every CPU weight oneDNN can pack is packed: a rule measured on one machine, not per weight.
+
+    On CPUs torch's F.linear calls MKL, whose single-precision GEMM takes a generic path on
+    non-Intel CPUs: on an AMD EPYC, packing took the matmuls of a SmolLM2 decode step from 68 to
+    44 ms at batch 1 and from 242 to 124 ms at batch 32 (docs/model.md). oneDNN refuses bf16 without
+    AVX-512 or AVX-NE-CONVERT; on CUDA F.linear calls cuBLAS, which needs no packing.
+    """
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def int4_packable(blocks: Q4Blocks) -> bool:
+    """torch's CPU int4 kernel wants output rows in multiples of 16 and whole groups of 32."""
+    rows, cols = blocks.q.shape
+    return rows % 16 == 0 and cols % Q4_BLOCK == 0
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a CPU dense matmul of `rows` rows runs at: exact up to 16, then rounded up to
+    one of 8 sizes per doubling (at most 12.5% more rows; 56 sizes up to 512).
+
+    oneDNN keeps state for every (rows, matrix) shape it has run, about 0.6 MB each, even with its
+    primitive cache off: a server whose prefill chunks take every length up to 512 grew by 1.2-3
+    MB per new length for SmolLM2, without end (docs/model.md). Rounding bounds the shapes it sees."""
+    if rows <= 16:
+        return rows
+    shift = rows.bit_length() - 4
+    return -(-rows >> shift) << shift
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T for W as Matrix holds it: oneDNN-packed or plain; on the CPU at a rounded row count."""
+    if weight.device.type != "cpu":
+        return F.linear(x, weight)
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    if weight.is_mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    else:
+        y = F.linear(x, weight)
+    return y[:rows]
+
+
+# A packed oneDNN weight is opaque to the compiler: inside an export the dense matmul is this
+# custom op, which the compiled library calls back into.
+@torch.library.custom_op("tp_runtime::dense_linear", mutates_args=())
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return dense_matmul(x, weight)
+
+
+@dense_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def int4_pack(blocks: Q4Blocks, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU int4 layout of GGUF blocks and its per-group (scale, zero) in `dtype`."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(blocks.q.astype(np.int32)), 1)
+    # The kernel computes (q - 8) * scale + zero per group: zero = low + 8 * scale.
+    groups = np.stack((blocks.scale, blocks.low + 8.0 * blocks.scale), axis=-1).transpose(1, 0, 2)
+    return packed, torch.from_numpy(np.ascontiguousarray(groups)).to(dtype)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_BLOCK, scales)
+
+
+@dataclass
+class MatmulWeights:
+    """The one copy of a matrix a call reads: dense (`weight`) or int4 (`int4` and its scales)."""
+
+    weight: torch.Tensor | None = None
+    int4: torch.Tensor | None = None
+    int4_scales: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        return "int4" if self.int4 is not None else "dense"
+
+
+register_dataclass(MatmulWeights, serialized_type_name="executor.kernels.MatmulWeights")
+
+
+def matmul(x: torch.Tensor, w: MatmulWeights) -> torch.Tensor:
+    """x W^T through the kernel of the copy w holds. Inside an export (torch.compiler) the dense
+    kernel is the custom op; eagerly it is called directly (a custom op costs ~20 us of Python)."""
+    if w.int4 is not None:
+        return int4_matmul(x, w.int4, w.int4_scales)
+    if torch.compiler.is_compiling():
+        return torch.ops.tp_runtime.dense_linear(x, w.weight)
+    return dense_matmul(x, w.weight)
+
+
+class Matrix:
+    """y = x W^T, with W [out, in] packed once at load for the kernels that run fastest here.
+
+    A matrix may hold a dense copy (`weight`, in the compute dtype), an int4 copy of GGUF 4-bit
+    blocks (torch's CPU int4 kernel, groups of 32 = GGUF's blocks, so the file's values are kept up
+    to the scales' rounding to the compute dtype), or both: then a step of at most `int4_max_rows`
+    rows takes the int4 copy and a larger one the dense copy.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None,
+        q4: Q4Blocks | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        int4_max_rows: int = INT4_MAX_ROWS,
+    ) -> None:
+        if weight is None and q4 is None:
+            raise ValueError("a matrix needs a dense weight, 4-bit blocks, or both")
+        self.int4_max_rows = int4_max_rows
+        self.dtype = weight.dtype if weight is not None else dtype
+        self.shape = tuple(weight.shape) if weight is not None else tuple(q4.q.shape)
+        self.nbytes = weight.numel() * weight.element_size() if weight is not None else 0
+        self.packed = weight is not None and onednn_packs(weight)
+        if self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_ROWS)
+        else:
+            self.weight = weight
+        self.int4: torch.Tensor | None = None
+        self.int4_scales: torch.Tensor | None = None
+        self.int4_nbytes = 0
+        if q4 is not None:
+            self.int4, self.int4_scales = int4_pack(q4, self.dtype)
+            self.int4_nbytes = self.int4.numel() + self.int4_scales.numel() * self.int4_scales.element_size()
+        self._dense_copy = MatmulWeights(weight=self.weight)
+        self._int4_copy = MatmulWeights(int4=self.int4, int4_scales=self.int4_scales)
+
+    def uses_int4(self, rows: int) -> bool:
+        return self.int4 is not None and (self.weight is None or rows <= self.int4_max_rows)
+
+    def weights_for(self, rows: int) -> MatmulWeights:
+        """The copy a call of `rows` rows reads."""
+        return self._int4_copy if self.uses_int4(rows) else self._dense_copy
+
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes one call with `rows` rows reads."""
+        return self.int4_nbytes if self.uses_int4(rows) else self.nbytes
+
+    def dense(self) -> torch.Tensor:
+        """The [out, in] matrix in a plain layout (from the int4 copy where that is all there is)."""
+        if self.weight is None:
+            identity = torch.eye(self.shape[1], dtype=self.dtype)
+            return int4_matmul(identity, self.int4, self.int4_scales).t().contiguous()
+        return self.weight.to_dense() if self.packed else self.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        return matmul(x, self.weights_for(x.shape[0]))
