@@ -184,6 +184,8 @@ def run_executor(
     geometry = build_geometry(options, model.config)
     cache = _allocate_cache(options, model, world_size=world_size, device=device)
     step_model = _step_model(options, model, cache, geometry)
+    if options.seed is not None:
+        torch.manual_seed(options.seed)
     endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(

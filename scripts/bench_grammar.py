@@ -1,0 +1,194 @@
+"""Grammar engines on this CPU: llguidance (what the runtime uses) against xgrammar, on the default
+model's vocabulary (SmolLM2, 49,152 tokens).
+
+For each grammar (a JSON schema with a nested object and an array, any JSON object, a regex, a
+choice) it measures the compile time and, along one valid output tokenized as the model would write
+it, the time to fill one row's token mask and to advance the matcher by one token: the work the
+sampler adds per token of a constrained request. Each side runs in a subprocess of its own, in turn,
+`--rounds` times, and the report gives medians.
+
+    python scripts/bench_grammar.py [--rounds 3] [--xgrammar-path /tmp/xgr]
+
+xgrammar is optional: where it cannot be imported (it is not a dependency; `pip install --target
+/tmp/xgr --no-deps xgrammar apache-tvm-ffi` makes it importable from --xgrammar-path), only
+llguidance is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "address", "tags"],
+    "additionalProperties": False,
+}
+CASES = {
+    "json_schema": (
+        "json_schema",
+        json.dumps(SCHEMA),
+        '{"name": "Ada Lovelace", "age": 36, "address": {"city": "London", "zip": "12345"}, '
+        '"tags": ["mathematician", "writer", "analyst"]}',
+    ),
+    "json_object": ("json_object", "", '{"answer": 4, "reason": "two plus two is four", "sure": true}'),
+    "regex": ("regex", r"\d{3}-\d{3}-\d{4}", "555-123-4567"),
+    "choice": ("choice", json.dumps(["positive", "negative", "neutral"]), "neutral"),
+}
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 4)
+
+
+def run_llguidance(tokenizer) -> dict:
+    import llguidance
+    import llguidance.numpy as lln
+
+    started = time.perf_counter()
+    lltok = llguidance.LLTokenizer(
+        tokenizer.backend_json(), n_vocab=tokenizer.vocab_size, eos_token=list(tokenizer.eos_token_ids)
+    )
+    setup = time.perf_counter() - started
+    grammars = {
+        "json_schema": lambda text: llguidance.LLMatcher.grammar_from_json_schema(text),
+        "json_object": lambda _text: llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}'),
+        "regex": lambda text: llguidance.LLMatcher.grammar_from_regex(text),
+        "choice": lambda text: llguidance.grammar_from("choice", text),
+    }
+    out = {"setup_ms": round(setup * 1e3, 1), "cases": {}}
+    bitmask = lln.allocate_token_bitmask(1, tokenizer.vocab_size)
+    for name, (kind, text, answer) in CASES.items():
+        started = time.perf_counter()
+        matcher = llguidance.LLMatcher(lltok, grammars[kind](text))
+        compile_s = time.perf_counter() - started
+        assert not matcher.is_error(), matcher.get_error()
+        masks, accepts = [], []
+        for token in tokenizer.encode(answer, add_special_tokens=False):
+            t0 = time.perf_counter()
+            lln.fill_next_token_bitmask(matcher, bitmask, 0)
+            t1 = time.perf_counter()
+            assert matcher.consume_token(token), (name, token)
+            accepts.append(time.perf_counter() - t1)
+            masks.append(t1 - t0)
+        out["cases"][name] = _case(compile_s, masks, accepts)
+    return out
+
+
+def run_xgrammar(tokenizer) -> dict:
+    import xgrammar as xgr
+
+    started = time.perf_counter()
+    info = xgr.TokenizerInfo(
+        [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)],
+        vocab_type=xgr.VocabType.RAW,
+        vocab_size=tokenizer.vocab_size,
+        stop_token_ids=list(tokenizer.eos_token_ids),
+    )
+    compiler = xgr.GrammarCompiler(info)
+    setup = time.perf_counter() - started
+    compile_of = {
+        "json_schema": compiler.compile_json_schema,
+        "json_object": lambda _text: compiler.compile_builtin_json_grammar(),
+        "regex": compiler.compile_regex,
+        "choice": lambda text: compiler.compile_regex("|".join(json.loads(text))),
+    }
+    out = {"setup_ms": round(setup * 1e3, 1), "cases": {}}
+    bitmask = xgr.allocate_token_bitmask(1, tokenizer.vocab_size)
+    for name, (kind, text, answer) in CASES.items():
+        started = time.perf_counter()
+        matcher = xgr.GrammarMatcher(compile_of[kind](text))
+        compile_s = time.perf_counter() - started
+        masks, accepts = [], []
+        for token in tokenizer.encode(answer, add_special_tokens=False):
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            t1 = time.perf_counter()
+            assert matcher.accept_token(token), (name, token)
+            accepts.append(time.perf_counter() - t1)
+            masks.append(t1 - t0)
+        out["cases"][name] = _case(compile_s, masks, accepts)
+    return out
+
+
+def _case(compile_s: float, masks: list[float], accepts: list[float]) -> dict:
+    return {
+        "compile_ms": round(compile_s * 1e3, 2),
+        "tokens": len(masks),
+        "mask_ms_median": _median_ms(masks),
+        "mask_ms_max": round(max(masks) * 1e3, 3),
+        "accept_ms_median": _median_ms(accepts),
+    }
+
+
+def _one_side(engine: str, model: str) -> dict:
+    from tp_runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(model)
+    return run_llguidance(tokenizer) if engine == "llguidance" else run_xgrammar(tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--xgrammar-path", default="", help="a directory to add to sys.path for xgrammar")
+    parser.add_argument("--side", choices=("llguidance", "xgrammar"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not args.model:
+        from executor.model import default_model_path
+
+        args.model = default_model_path()
+    if args.side:
+        if args.xgrammar_path:
+            sys.path.append(args.xgrammar_path)
+        print(json.dumps(_one_side(args.side, args.model)))
+        return 0
+    runs: dict[str, list[dict]] = {"llguidance": [], "xgrammar": []}
+    for _ in range(args.rounds):
+        for side in runs:
+            command = [sys.executable, __file__, "--side", side, "--model", args.model]
+            if args.xgrammar_path:
+                command += ["--xgrammar-path", args.xgrammar_path]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+            if done.returncode != 0:
+                runs[side].append({"error": done.stderr.strip().splitlines()[-1:]})
+                continue
+            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    report = {side: _medians(results) for side, results in runs.items()}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _medians(results: list[dict]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return {"error": results[0]["error"] if results else "not run"}
+    out = {"rounds": len(ok), "setup_ms": statistics.median(r["setup_ms"] for r in ok), "cases": {}}
+    for name in CASES:
+        out["cases"][name] = {
+            key: statistics.median(r["cases"][name][key] for r in ok) for key in ok[0]["cases"][name]
+        }
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
