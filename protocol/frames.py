@@ -19,7 +19,8 @@ import numpy as np
 #    REJECT's `seq_ids` (the sequences a rank refuses, so that only their requests fail); PREPARE's
 #    logits processing (alternatives wanted, penalties, logit bias, banned tokens and the sampling
 #    state rank 0 holds between steps) and RESULT's top alternatives, added before anything outside
-#    this repository spoke version 3.
+#    this repository spoke version 3; then min_p and each sequence's output grammar (protocol/grammar.py),
+#    sent with its sampling state, before anything outside this repository spoke it either.
 PROTOCOL_VERSION = 3
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
@@ -123,6 +124,11 @@ class Prepare:
     or 2 (held from the previous step, which rank 0 extended with the tokens it sampled). A
     sequence absent from a step is forgotten; an ABORT forgets every state. banned_ids are the
     tokens this step's sample may not be (a request's stop tokens before its min_tokens).
+
+    min_p[i] drops, after temperature, every token less likely than min_p times the row's most likely
+    one (0: off). A sequence whose output follows a grammar has a sampling state: its grammar
+    (grammar_lens[i] bytes of `grammar`, protocol/grammar.py's encoding) travels with it, whole, and
+    rank 0 masks the sampled row with the tokens the grammar allows after the output so far.
     """
 
     seq_ids: np.ndarray  # int64[n]
@@ -158,6 +164,9 @@ class Prepare:
     logit_bias: np.ndarray  # float32[sum(logit_bias_lens)]: added to those tokens' logits
     banned_lens: np.ndarray  # int32[n]: tokens this step's sample may not be
     banned_ids: np.ndarray  # int32[sum(banned_lens)]
+    min_p: np.ndarray  # float32[n]; 0 means off
+    grammar_lens: np.ndarray  # int32[n]: bytes of the grammar sent here (state 1 only)
+    grammar: np.ndarray  # uint8[sum(grammar_lens)]
 
     @classmethod
     def greedy(
@@ -235,6 +244,9 @@ def plain_sampling(n: int) -> dict[str, np.ndarray]:
         logit_bias=np.zeros(0, dtype=np.float32),
         banned_lens=zeros,
         banned_ids=empty,
+        min_p=np.zeros(n, dtype=np.float32),
+        grammar_lens=zeros,
+        grammar=np.zeros(0, dtype=np.uint8),
     )
 
 
@@ -367,6 +379,9 @@ ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
         "logit_bias": np.dtype("<f4"),
         "banned_lens": np.dtype("<i4"),
         "banned_ids": np.dtype("<i4"),
+        "min_p": np.dtype("<f4"),
+        "grammar_lens": np.dtype("<i4"),
+        "grammar": np.dtype("u1"),
     },
     Reject: {"seq_ids": np.dtype("<i8")},
     Result: {

@@ -20,6 +20,7 @@ from scheduler.request import HostCopy
 _I32 = np.int32
 EMPTY_I32 = frozen(np.empty(0, dtype=_I32))
 EMPTY_F32 = frozen(np.empty(0, dtype=np.float32))
+EMPTY_U8 = frozen(np.empty(0, dtype=np.uint8))
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _unprocessed(zeros_i32: np.ndarray, zeros_u8: np.ndarray) -> dict:
     return dict(
         sampling_state=zeros_u8, history_lens=zeros_i32, history_prompt_lens=zeros_i32, history=EMPTY_I32,
         logit_bias_lens=zeros_i32, logit_bias_ids=EMPTY_I32, logit_bias=EMPTY_F32, banned_lens=zeros_i32,
-        banned_ids=EMPTY_I32,
+        banned_ids=EMPTY_I32, grammar_lens=zeros_i32, grammar=EMPTY_U8,
     )
 
 
@@ -93,19 +94,24 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
     state = np.where(batch.stateful[rows], np.where(base == 0, 1, 2), 0).astype(np.uint8)
     history_lens, prompt_lens = np.zeros(n, dtype=_I32), np.zeros(n, dtype=_I32)
     bias_lens, banned_lens = np.zeros(n, dtype=_I32), np.zeros(n, dtype=_I32)
-    history, bias_ids, bias, banned = [], [], [], []
+    grammar_lens = np.zeros(n, dtype=_I32)
+    history, bias_ids, bias, banned, grammars = [], [], [], [], []
     reqs = batch.reqs
     for i in np.flatnonzero(state == 1).tolist():
         r = int(rows[i])
         req = reqs[r]
         params = req.params
-        if params.penalized:
-            # The prompt travels only for the repetition penalty; presence and frequency count the output.
+        if params.penalized or params.grammar is not None:
+            # The prompt travels only for the repetition penalty; presence and frequency count the
+            # output, and a grammar's state is rebuilt from it.
             start = 0 if params.repetition_penalty != 1 else req.prompt_len
             known = int(batch.ntok[r])
             history.append(req.tokens[start:known])
             history_lens[i] = known - start
             prompt_lens[i] = req.prompt_len - start
+        if params.grammar is not None:
+            grammars.append(params.grammar_bytes)
+            grammar_lens[i] = len(params.grammar_bytes)
         if params.logit_bias:
             ids, values = req.bias_arrays
             bias_ids.append(ids)
@@ -121,7 +127,8 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
         sampling_state=state, history_lens=history_lens, history_prompt_lens=prompt_lens, history=cat(history),
         logit_bias_lens=bias_lens, logit_bias_ids=cat(bias_ids),
         logit_bias=np.concatenate(bias).astype(np.float32, copy=False) if bias else EMPTY_F32,
-        banned_lens=banned_lens, banned_ids=cat(banned),
+        banned_lens=banned_lens, banned_ids=cat(banned), grammar_lens=grammar_lens,
+        grammar=np.frombuffer(b"".join(grammars), dtype=np.uint8) if grammars else EMPTY_U8,
     )
 
 
@@ -149,7 +156,7 @@ def _decode_all(batch: Batch, fed: bool) -> dict:
         page_table=_new_pages(batch, snap.rows, base, lens), sample=snap.ones_u8,
         temperature=cols["temperature"], top_p=cols["top_p"], top_k=cols["top_k"], seeds=cols["seed"],
         feedback=feedback, num_logprobs=cols["nlogprobs"], presence_penalty=cols["presence"],
-        frequency_penalty=cols["frequency"], repetition_penalty=cols["repetition"],
+        frequency_penalty=cols["frequency"], repetition_penalty=cols["repetition"], min_p=cols["min_p"],
         **(
             _processed(batch, snap.rows, base, snap.ones_u8)
             if batch.num_processed
@@ -196,7 +203,8 @@ def _mixed(batch: Batch, dec_rows: np.ndarray, b: StepBuilder, fed: bool) -> dic
         page_table=_new_pages(batch, rows, base, lens), sample=sample, temperature=batch.temperature[rows],
         top_p=batch.top_p[rows], top_k=batch.top_k[rows], seeds=batch.seed[rows], feedback=feedback,
         num_logprobs=batch.nlogprobs[rows], presence_penalty=batch.presence[rows],
-        frequency_penalty=batch.frequency[rows], repetition_penalty=batch.repetition[rows], **processing,
+        frequency_penalty=batch.frequency[rows], repetition_penalty=batch.repetition[rows], min_p=batch.min_p[rows],
+        **processing,
     )
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import CacheGeometry, Prepare
+from protocol.grammar import GRAMMAR_MAX_BYTES
 from protocol.sampling_limits import LOGIT_BIAS_MAX_ENTRIES
 from protocol.validate.array_checks import check_length, check_range, first_bad
 from protocol.validate.own_fields import check_own_fields
@@ -33,6 +34,8 @@ _PER_SEQUENCE = (
     "history_prompt_lens",
     "logit_bias_lens",
     "banned_lens",
+    "min_p",
+    "grammar_lens",
 )
 # Per-sequence counts of PREPARE's flat logits-processing arrays: (counts, flat arrays, the most
 # one sequence may have, or None for max_model_len / vocab_size).
@@ -40,6 +43,7 @@ _FLAT = (
     ("history_lens", ("history",), None),
     ("logit_bias_lens", ("logit_bias_ids", "logit_bias"), LOGIT_BIAS_MAX_ENTRIES),
     ("banned_lens", ("banned_ids",), None),
+    ("grammar_lens", ("grammar",), GRAMMAR_MAX_BYTES),
 )
 
 
