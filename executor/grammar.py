@@ -23,14 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.errors import TPRuntimeError
-from protocol.grammar import GrammarKind, GrammarSpec
+from executor.grammar_syntax import llguidance_grammar
+from protocol.grammar import GrammarSpec
 
 _BITS = torch.arange(32, dtype=torch.int32)
-
-
-class GrammarError(TPRuntimeError, ValueError):
-    """A grammar the engine cannot compile, or output it cannot follow."""
 
 
 @dataclass(frozen=True)
@@ -40,34 +36,6 @@ class GrammarVocabulary:
 
     tokenizer_json: str
     eos_token_ids: tuple[int, ...]
-
-
-def llguidance_grammar(spec: GrammarSpec) -> str:
-    """The llguidance grammar of a spec (what LLMatcher takes)."""
-    import llguidance
-
-    matcher = llguidance.LLMatcher
-    if spec.kind == GrammarKind.JSON_SCHEMA:
-        return matcher.grammar_from_json_schema(spec.text)
-    if spec.kind == GrammarKind.JSON_OBJECT:
-        return matcher.grammar_from_json_schema('{"type": "object"}')
-    if spec.kind == GrammarKind.REGEX:
-        return matcher.grammar_from_regex(spec.text)
-    if spec.kind == GrammarKind.CHOICE:
-        return llguidance.grammar_from("choice", spec.text)
-    return matcher.grammar_from_lark(spec.text)
-
-
-def check_grammar(spec: GrammarSpec) -> str | None:
-    """Why the engine would refuse `spec`, or None: what the HTTP edge asks before it admits a
-    request (no tokenizer is needed for that)."""
-    import llguidance
-
-    try:
-        grammar = llguidance_grammar(spec)
-    except ValueError as exc:
-        return str(exc)
-    return llguidance.LLMatcher.validate_grammar(grammar) or None
 
 
 class GrammarMatcher:

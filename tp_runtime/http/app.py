@@ -29,7 +29,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     app = FastAPI(title="tp-runtime", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, settings.model_name)
     prompt_chars = settings.prompt_chars_limit(engine.max_model_len, tokenizer)
-    limits = Limits(tokenizer.vocab_size, engine.max_model_len, prompt_chars, tuple(tokenizer.eos_token_ids))
+    limits = Limits(
+        tokenizer.vocab_size, engine.max_model_len, prompt_chars, tuple(tokenizer.eos_token_ids), settings.max_logprobs
+    )
     text = TextWorker(tokenizer, settings.tokenizer_threads)
     app.router.on_shutdown.append(text.close)
     service = GenerationService(engine, tokenizer, metrics, limits, text)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ from fastapi.responses import StreamingResponse
 
 from scheduler.request import SamplingParams
 from scheduler.scheduler import AdmissionError
-from tp_runtime.chat import ChatMessage, ChatTemplateError, parse_messages
+from tp_runtime.chat import ChatTemplateError, parse_messages
 from tp_runtime.engine import EngineOverloaded, EngineUnavailable
 from tp_runtime.http import validation
 from tp_runtime.http.api_models import SamplingRequest
@@ -67,21 +67,26 @@ class GenerationService:
         validation.check_prompt_chars(len(text), self.limits, param)
         return await self._text.encode(text)
 
-    async def encode_chat(self, messages: Sequence[object]) -> list[int]:
+    async def encode_chat(self, messages: Sequence[object], tools: Sequence[Mapping[str, object]] = ()) -> list[int]:
+        """Messages (tool-call histories included) and tool definitions through the chat template."""
         try:
             parsed = parse_messages(messages)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from exc
         for index, message in enumerate(parsed):
             validation.check_text(message.content, f"messages.{index}.content")
-        validation.check_prompt_chars(sum(len(m.content) for m in parsed), self.limits, "messages")
+            for call in message.tool_calls:
+                validation.check_text(call.arguments, f"messages.{index}.tool_calls")
+        chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in parsed)
+        validation.check_prompt_chars(chars, self.limits, "messages")
         try:
-            return await self._text.encode_chat([ChatMessage(m.role, m.content) for m in parsed])
+            return await self._text.encode_chat(parsed, tools)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from exc
 
     def check_sampling(self, sampling: SamplingRequest) -> None:
         validation.check_sampling(sampling, self.limits.vocab_size)
+        validation.check_max_logprobs(sampling, self.limits.max_logprobs)
 
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingRequest, prompt_param: str) -> Prepared:
         return validation.prepare(prompt_token_ids, sampling, self.limits, prompt_param)

@@ -10,7 +10,7 @@ switch interval. The prompt-length cap (validation.check_prompt_chars) bounds th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -29,13 +29,15 @@ class TextWorker:
         """A plain prompt, with what the model's files add to one (a BOS, if any)."""
         return await self._run(self._tokenizer.encode, text)
 
-    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Messages through the model's chat template; raises ChatTemplateError."""
-        return await self._run(self._encode_chat, messages)
+    async def encode_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, object]] = ()
+    ) -> list[int]:
+        """Messages (and tool definitions) through the model's chat template; raises ChatTemplateError."""
+        return await self._run(self._encode_chat, messages, tools)
 
-    def _encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def _encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, object]]) -> list[int]:
         # The template writes the special tokens (BOS, turn markers) itself.
-        return self._tokenizer.encode(render_chat(self._tokenizer, messages), add_special_tokens=False)
+        return self._tokenizer.encode(render_chat(self._tokenizer, messages, tools=tools), add_special_tokens=False)
 
     async def _run(self, function: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
