@@ -355,6 +355,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def spellings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it ("Ġhello"): vLLM's token_strs."""
+        return [self._backend.id_to_token(t) or "" for t in token_ids]
+
     def backend_json(self) -> str:
         """The tokenizer as Hugging Face's tokenizer.json text (what a GGUF's metadata was built into):
         the grammar engine builds its own view of the vocabulary from it (executor/grammar.py)."""

@@ -288,6 +288,31 @@ class ChatCompletionRequest(OpenAISampling):
         return self.max_tokens, "max_tokens"
 
 
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize with messages, through the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessageIn]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- response bodies -------------------------------------------------------------------------------
 
 
@@ -404,6 +429,17 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

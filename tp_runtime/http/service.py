@@ -62,12 +62,18 @@ class GenerationService:
 
     # ---- prompt -> token ids ----------------------------------------------------------------------
 
-    async def encode_prompt(self, text: str, param: str) -> list[int]:
+    async def encode_prompt(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         validation.check_text(text, param)
         validation.check_prompt_chars(len(text), self.limits, param)
-        return await self._text.encode(text)
+        return await self._text.encode(text, add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[object], tools: Sequence[Mapping[str, object]] = ()) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[object],
+        tools: Sequence[Mapping[str, object]] = (),
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         """Messages (tool-call histories included) and tool definitions through the chat template."""
         try:
             parsed = parse_messages(messages)
@@ -80,7 +86,7 @@ class GenerationService:
         chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in parsed)
         validation.check_prompt_chars(chars, self.limits, "messages")
         try:
-            return await self._text.encode_chat(parsed, tools)
+            return await self._text.encode_chat(parsed, tools, add_generation_prompt, add_special_tokens)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from exc
 
