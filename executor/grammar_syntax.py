@@ -7,6 +7,12 @@ from __future__ import annotations
 from protocol.grammar import GrammarKind, GrammarSpec
 
 
+# JSON is written with fixed separators (", " and ": ") and no other whitespace, as vLLM's
+# --structured-outputs-config.disable_any_whitespace writes it: with whitespace free, a small model
+# can spend its whole budget on newlines inside an object that never closes.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
 def llguidance_grammar(spec: GrammarSpec) -> str:
     """The llguidance grammar of a spec (what LLMatcher takes); ValueError if it is not JSON where
     JSON is due."""
@@ -14,9 +20,9 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
 
     matcher = llguidance.LLMatcher
     if spec.kind == GrammarKind.JSON_SCHEMA:
-        return matcher.grammar_from_json_schema(spec.text)
+        return matcher.grammar_from_json_schema(spec.text, overrides=JSON_OPTIONS)
     if spec.kind == GrammarKind.JSON_OBJECT:
-        return matcher.grammar_from_json_schema('{"type": "object"}')
+        return matcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
     if spec.kind == GrammarKind.REGEX:
         return matcher.grammar_from_regex(spec.text)
     if spec.kind == GrammarKind.CHOICE:
