@@ -26,9 +26,6 @@ import torch
 from executor.grammar_syntax import llguidance_grammar
 from protocol.grammar import GrammarSpec
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 @dataclass(frozen=True)
 class GrammarVocabulary:
     """What the engine needs of the tokenizer: its tokenizer.json text and the end-of-sequence
@@ -112,11 +109,11 @@ class GrammarEngine:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def allowed_tokens(bitmask: np.ndarray, vocab: int, device: torch.device | str) -> torch.Tensor:
-    """bool[rows, vocab] from an int32 bitmask [rows, ceil(vocab / 32)]."""
-    words = torch.from_numpy(bitmask).to(device)
-    bits = (words.unsqueeze(-1) >> _BITS.to(device)) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+def forbidden_tokens(bitmask: np.ndarray, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """bool[rows, vocab], True where an int32 bitmask [rows, ceil(vocab / 32)] forbids the token
+    (its bit is clear): one C pass on the host, then one copy to the device."""
+    bits = np.unpackbits(np.invert(bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.bool_)).to(device)
 
 
 def new_bitmask(rows: int, vocab: int) -> np.ndarray:

@@ -60,9 +60,9 @@ class LogitsProcessing:
     prompt_ids: torch.Tensor  # long[P]
     output_rows: torch.Tensor  # long[O]: each output token so far, likewise
     output_ids: torch.Tensor  # long[O]
-    # Rows whose output follows a grammar, and the tokens it allows next (the others get -inf).
-    allowed_rows: torch.Tensor | None = None  # long[g]
-    allowed: torch.Tensor | None = None  # bool[g, vocab]
+    # Rows whose output follows a grammar (ascending), and the tokens it forbids next (set to -inf).
+    grammar_rows: torch.Tensor | None = None  # long[g]
+    forbidden: torch.Tensor | None = None  # bool[g, vocab]
     # min_p: after temperature, a random row draws only among tokens at least min_p times as likely
     # as its most likely one (vLLM's; greedy rows keep their argmax).
     min_p_rows: torch.Tensor | None = None  # long[q]
@@ -157,9 +157,12 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
         out.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
     if p.banned_rows.numel():
         out.index_put_((p.banned_rows, p.banned_ids), torch.tensor(float("-inf"), device=out.device))
-    if p.allowed_rows is not None:
-        masked = out.index_select(0, p.allowed_rows).masked_fill(~p.allowed, float("-inf"))
-        out.index_copy_(0, p.allowed_rows, masked)
+    if p.grammar_rows is not None:
+        if p.grammar_rows.shape[0] == out.shape[0]:  # every row (ascending, unique): in place
+            out.masked_fill_(p.forbidden, float("-inf"))
+        else:
+            masked = out.index_select(0, p.grammar_rows).masked_fill_(p.forbidden, float("-inf"))
+            out.index_copy_(0, p.grammar_rows, masked)
     if p.penalty_rows.numel():
         rows = out.index_select(0, p.penalty_rows)
         counts = torch.zeros_like(rows)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.grammar import GrammarEngine, GrammarMatcher, allowed_tokens, new_bitmask
+from executor.grammar import GrammarEngine, GrammarMatcher, forbidden_tokens, new_bitmask
 from executor.sampler import LogitsProcessing
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import Prepare
@@ -224,12 +224,13 @@ class SamplingStates:
         if not (banned_rows.shape[0] or bias_rows or penalty_seqs or matchers or min_p_rows.shape[0]):
             return None
         seqs = np.asarray(penalty_seqs, dtype=np.int64)
-        allowed = None
+        forbidden = None
         if matchers:
-            bitmask = new_bitmask(len(matchers), self._grammar_engine().vocab_size)
+            vocab = self._grammar_engine().vocab_size
+            bitmask = new_bitmask(len(matchers), vocab)
             for k, matcher in enumerate(matchers):
                 matcher.fill(bitmask, k)
-            allowed = allowed_tokens(bitmask, self._grammar_engine().vocab_size, device)
+            forbidden = forbidden_tokens(bitmask, vocab, device)
 
         def longs(values: np.ndarray | list[np.ndarray]) -> torch.Tensor:
             return torch.from_numpy(_cat(values, _NO_IDS).astype(np.int64, copy=False)).to(device)
@@ -251,8 +252,8 @@ class SamplingStates:
             prompt_ids=longs(prompt_ids),
             output_rows=longs(output_rows),
             output_ids=longs(output_ids),
-            allowed_rows=longs(np.asarray(grammar_rows, dtype=np.int64)) if matchers else None,
-            allowed=allowed,
+            grammar_rows=longs(np.asarray(grammar_rows, dtype=np.int64)) if matchers else None,
+            forbidden=forbidden,
             min_p_rows=longs(min_p_rows) if min_p_rows.shape[0] else None,
             min_p=floats(min_p[min_p_rows]) if min_p_rows.shape[0] else None,
         )

@@ -4,7 +4,10 @@ model's vocabulary (SmolLM2, 49,152 tokens).
 For each grammar (a JSON schema with a nested object and an array, any JSON object, a regex, a
 choice) it measures the compile time and, along one valid output tokenized as the model would write
 it, the time to fill one row's token mask and to advance the matcher by one token: the work the
-sampler adds per token of a constrained request. Each side runs in a subprocess of its own, in turn,
+sampler adds per token of a constrained request. `sampler_overhead` times rank 0's sampling of a
+step of 1, 8 and 32 rows with and without a JSON-schema grammar on every row (masks filled, unpacked
+and applied, tokens consumed): the cost per token of structured output on the model's thread, as the
+CPU time of that thread (one intra-op thread), so that a busy machine's waits are not counted. Each side runs in a subprocess of its own, in turn,
 `--rounds` times, and the report gives medians.
 
     python scripts/bench_grammar.py [--rounds 3] [--xgrammar-path /tmp/xgr]
@@ -17,6 +20,7 @@ llguidance is measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -129,6 +133,65 @@ def run_xgrammar(tokenizer) -> dict:
     return out
 
 
+def run_sampler_overhead(tokenizer, rows: int, steps: int = 40) -> dict:
+    """What a constrained row adds where rank 0 samples (executor/sampling_state.py and sampler.py):
+    the masks filled, unpacked and applied, and the tokens consumed, against the same rows
+    unconstrained; per step of `rows` rows, greedy, on SmolLM2-sized logits."""
+    import numpy as np
+    import torch
+
+    from executor.grammar import GrammarEngine, GrammarVocabulary
+    from executor.sampler import SamplingBatch, sample
+    from executor.sampling_state import SamplingStates
+    from protocol.frames import Prepare, plain_sampling
+    from protocol.grammar import GrammarKind, GrammarSpec
+
+    # One intra-op thread: on a shared 2-core machine two threads wait for each other at every
+    # op (50 ms per op measured under a load of 8), which would time the neighbours, not the work.
+    torch.set_num_threads(1)
+    vocab = tokenizer.vocab_size
+    engine = GrammarEngine(lambda: GrammarVocabulary(tokenizer.backend_json(), tuple(tokenizer.eos_token_ids)), vocab)
+    spec = np.frombuffer(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)).encode(), dtype=np.uint8)
+    answer = tokenizer.encode(CASES["json_schema"][2], add_special_tokens=False)
+
+    def prepare(state: int, constrained: bool) -> Prepare:
+        fields = plain_sampling(rows)
+        if constrained:
+            fields.update(
+                sampling_state=np.full(rows, state, dtype=np.uint8),
+                grammar_lens=np.full(rows, spec.shape[0] if state == 1 else 0, dtype=np.int32),
+                grammar=np.tile(spec, rows) if state == 1 else np.zeros(0, dtype=np.uint8),
+            )
+        base = Prepare.greedy(np.ones(rows), np.ones(rows), np.zeros(rows), np.ones(rows), np.zeros(rows))
+        return dataclasses.replace(base, **fields)
+
+    out = {}
+    for constrained in (False, True):
+        states = SamplingStates(engine)
+        first = prepare(1, constrained)
+        states.prefetch(first)
+        states.begin(first, {})
+        held = prepare(2, constrained)
+        times = []
+        for step in range(min(steps, len(answer))):
+            logits = torch.randn(rows, vocab)
+            logits[:, answer[step]] += 50.0  # the valid answer, so the grammar never ends early
+            started = time.thread_time()  # CPU time of this thread: the neighbours' load is not counted
+            if step:
+                states.begin(held, {})
+            result = sample(logits, SamplingBatch(
+                temperature=torch.zeros(rows), top_p=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int32),
+                seeds=torch.full((rows,), -1), positions=torch.zeros(rows, dtype=torch.long),
+                processing=states.processing(held if step else first, "cpu"),
+            ))
+            states.append(np.arange(rows, dtype=np.int64), result.token_ids.numpy(), result.finite.numpy())
+            times.append(time.thread_time() - started)
+        out["constrained" if constrained else "plain"] = _median_ms(times)
+    out["added_ms_per_step"] = round(out["constrained"] - out["plain"], 4)
+    out["added_us_per_token"] = round(out["added_ms_per_step"] * 1e3 / rows, 1)
+    return out
+
+
 def _case(compile_s: float, masks: list[float], accepts: list[float]) -> dict:
     return {
         "compile_ms": round(compile_s * 1e3, 2),
@@ -143,6 +206,8 @@ def _one_side(engine: str, model: str) -> dict:
     from tp_runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(model)
+    if engine == "sampler":
+        return {f"rows_{rows}": run_sampler_overhead(tokenizer, rows) for rows in (1, 8, 32)}
     return run_llguidance(tokenizer) if engine == "llguidance" else run_xgrammar(tokenizer)
 
 
@@ -151,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="")
     parser.add_argument("--xgrammar-path", default="", help="a directory to add to sys.path for xgrammar")
-    parser.add_argument("--side", choices=("llguidance", "xgrammar"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("llguidance", "xgrammar", "sampler"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.model:
         from executor.model import default_model_path
@@ -174,6 +239,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
     report = {side: _medians(results) for side, results in runs.items()}
+    overhead = []
+    for _ in range(args.rounds):
+        done = subprocess.run([sys.executable, __file__, "--side", "sampler", "--model", args.model],
+                              capture_output=True, text=True, cwd=ROOT)
+        if done.returncode == 0:
+            overhead.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    report["sampler_overhead"] = {
+        rows: {key: statistics.median(r[rows][key] for r in overhead) for key in overhead[0][rows]}
+        for rows in overhead[0]
+    } if overhead else {"error": "not measured"}
     print(json.dumps(report, indent=2))
     return 0
 

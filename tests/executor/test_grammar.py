@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.grammar import GrammarEngine, GrammarVocabulary, allowed_tokens, new_bitmask
+from executor.grammar import GrammarEngine, GrammarVocabulary, forbidden_tokens, new_bitmask
 from executor.sampler import LogitsProcessing, SamplingBatch, sample
 from executor.sampling_state import SamplingStates
 from protocol.grammar import GrammarKind, GrammarSpec
@@ -37,7 +37,7 @@ def engine(tiny_tokenizer) -> GrammarEngine:
 def allowed(engine: GrammarEngine, matcher) -> set[int]:
     bitmask = new_bitmask(1, VOCAB)
     matcher.fill(bitmask, 0)
-    return set(torch.nonzero(allowed_tokens(bitmask, VOCAB, "cpu")[0]).squeeze(1).tolist())
+    return set(torch.nonzero(~forbidden_tokens(bitmask, VOCAB, "cpu")[0]).squeeze(1).tolist())
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -115,8 +115,7 @@ def test_json_schema_output_stays_valid_under_random_sampling(engine, tiny_token
         for _ in range(80):
             bitmask = new_bitmask(1, VOCAB)
             matcher.fill(bitmask, 0)
-            mask = allowed_tokens(bitmask, VOCAB, "cpu")[0]
-            logits = torch.randn(VOCAB, generator=generator).masked_fill(~mask, float("-inf"))
+            logits = torch.randn(VOCAB, generator=generator).masked_fill(forbidden_tokens(bitmask, VOCAB, "cpu")[0], float("-inf"))
             token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
             if token in tiny_tokenizer.eos_token_ids:
                 break
