@@ -85,15 +85,10 @@ def run_llguidance(tokenizer) -> dict:
         matcher = llguidance.LLMatcher(lltok, grammars[kind](text))
         compile_s = time.perf_counter() - started
         assert not matcher.is_error(), matcher.get_error()
-        masks, accepts = [], []
-        for token in tokenizer.encode(answer, add_special_tokens=False):
-            t0 = time.perf_counter()
-            lln.fill_next_token_bitmask(matcher, bitmask, 0)
-            t1 = time.perf_counter()
-            assert matcher.consume_token(token), (name, token)
-            accepts.append(time.perf_counter() - t1)
-            masks.append(t1 - t0)
-        out["cases"][name] = _case(compile_s, masks, accepts)
+        out["cases"][name] = _walk(
+            compile_s, tokenizer.encode(answer, add_special_tokens=False),
+            lambda: lln.fill_next_token_bitmask(matcher, bitmask, 0), matcher.consume_token,
+        )
     return out
 
 
@@ -121,15 +116,10 @@ def run_xgrammar(tokenizer) -> dict:
         started = time.perf_counter()
         matcher = xgr.GrammarMatcher(compile_of[kind](text))
         compile_s = time.perf_counter() - started
-        masks, accepts = [], []
-        for token in tokenizer.encode(answer, add_special_tokens=False):
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask, 0)
-            t1 = time.perf_counter()
-            assert matcher.accept_token(token), (name, token)
-            accepts.append(time.perf_counter() - t1)
-            masks.append(t1 - t0)
-        out["cases"][name] = _case(compile_s, masks, accepts)
+        out["cases"][name] = _walk(
+            compile_s, tokenizer.encode(answer, add_special_tokens=False),
+            lambda: matcher.fill_next_token_bitmask(bitmask, 0), matcher.accept_token,
+        )
     return out
 
 
@@ -190,6 +180,19 @@ def run_sampler_overhead(tokenizer, rows: int, steps: int = 40) -> dict:
     out["added_ms_per_step"] = round(out["constrained"] - out["plain"], 4)
     out["added_us_per_token"] = round(out["added_ms_per_step"] * 1e3 / rows, 1)
     return out
+
+
+def _walk(compile_s: float, tokens: list[int], fill, consume) -> dict:
+    """Along a valid output: each token's mask filled, then the token consumed, both timed."""
+    masks, accepts = [], []
+    for token in tokens:
+        t0 = time.perf_counter()
+        fill()
+        t1 = time.perf_counter()
+        assert consume(token), token
+        accepts.append(time.perf_counter() - t1)
+        masks.append(t1 - t0)
+    return _case(compile_s, masks, accepts)
 
 
 def _case(compile_s: float, masks: list[float], accepts: list[float]) -> dict:

@@ -155,15 +155,6 @@ GRAMMARS = (
 PROMPTS = ("The quick brown fox", "Hello", "1, 2, 3,")
 
 
-@pytest.fixture(scope="module")
-def serial_tp1(tiny_model: Path) -> Iterator[Server]:
-    server = Server(tiny_model, tp=1, extra=(*SERVER_OPTIONS, "--no-async-scheduling"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def constrained_tokens(server: Server) -> list[tuple[list[int], str, str]]:
     """Every (prompt, grammar) at once, so that they share steps; (token ids, text, finish reason)."""
 
