@@ -23,11 +23,10 @@ from tests.e2e.serving import SERVER_OPTIONS, Server
 CITY = {
     "type": "object",
     "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "country": {"type": "string", "maxLength": 40},
-        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
     },
-    "required": ["city", "country", "population_millions"],
+    "required": ["city", "country"],
     "additionalProperties": False,
 }
 WEATHER = {
@@ -37,7 +36,7 @@ WEATHER = {
         "description": "Get the current weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
             "required": ["city", "unit"],
             "additionalProperties": False,
         },
@@ -92,7 +91,7 @@ def test_json_schema_outputs_validate(client, stream):
     kwargs = dict(
         messages=[{"role": "user", "content": "Describe the capital of France as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}},
-        temperature=0, max_tokens=120,
+        temperature=0, max_tokens=60,
     )
     content = stream_of(client, **kwargs)[0] if stream else whole(client, **kwargs).message.content
     jsonschema.validate(json.loads(content), CITY)
@@ -100,7 +99,9 @@ def test_json_schema_outputs_validate(client, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_tool_call_parses(client, stream):
-    kwargs = dict(messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120)
+    kwargs = dict(
+        messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60
+    )
     if stream:
         _, calls, reason = stream_of(client, **kwargs)
     else:
@@ -125,7 +126,7 @@ def test_an_agent_history_with_tool_messages_replays(client, stream):
         },
         {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "clear"}'},
     ]
-    kwargs = dict(messages=history, tools=[WEATHER], temperature=0, max_tokens=40)
+    kwargs = dict(messages=history, tools=[WEATHER], temperature=0, max_tokens=12)
     if stream:
         content, _, reason = stream_of(client, **kwargs)
     else:
@@ -136,7 +137,7 @@ def test_an_agent_history_with_tool_messages_replays(client, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_store_and_metadata_are_accepted(client, stream):
-    kwargs = dict(messages=[{"role": "user", "content": "Say hi."}], store=True, metadata={"trace": "t-1"}, max_tokens=8)
+    kwargs = dict(messages=[{"role": "user", "content": "Say hi."}], store=True, metadata={"trace": "t-1"}, max_tokens=4)
     content = stream_of(client, **kwargs)[0] if stream else whole(client, **kwargs).message.content
     assert content
 
