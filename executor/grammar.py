@@ -26,6 +26,7 @@ import torch
 from executor.grammar_syntax import llguidance_grammar
 from protocol.grammar import GrammarSpec
 
+
 @dataclass(frozen=True)
 class GrammarVocabulary:
     """What the engine needs of the tokenizer: its tokenizer.json text and the end-of-sequence
@@ -103,10 +104,6 @@ class GrammarEngine:
         """The matcher `prefetch` started for the sequence, or one built now if none was."""
         future = self._pending.pop(seq_id, None)
         return future.result() if future is not None else self.build(bytes(grammar), output.tolist())
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def forbidden_tokens(bitmask: np.ndarray, vocab: int, device: torch.device | str) -> torch.Tensor:
