@@ -224,3 +224,15 @@ def test_version_and_ping(served):
     _, http, _ = served
     assert http.get("/version").json()["version"]
     assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+def test_max_logprobs_caps_the_alternatives(tokenizer):
+    from fastapi.testclient import TestClient
+
+    app = create_app(FakeEngine(), tokenizer, ServerSettings((MODEL_NAME,), max_logprobs=2))
+    with TestClient(app) as http:
+        body = {"messages": ASK, "max_tokens": 2, "logprobs": True}
+        assert http.post("/v1/chat/completions", json={**body, "top_logprobs": 2}).status_code == 200
+        refused = http.post("/v1/chat/completions", json={**body, "top_logprobs": 3})
+        assert refused.status_code == 400 and "--max-logprobs" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "top_logprobs"
