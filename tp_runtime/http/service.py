@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from protocol.grammar import GrammarSpec
 from scheduler.request import SamplingParams
 from scheduler.scheduler import AdmissionError
 from tp_runtime.chat import ChatTemplateError, parse_messages
 from tp_runtime.engine import EngineOverloaded, EngineUnavailable
-from tp_runtime.http import validation
+from tp_runtime.http import structured_output, validation
 from tp_runtime.http.api_models import SamplingRequest
 from tp_runtime.http.errors import ADMISSION_CODE, ApiError, invalid_request, overloaded, unavailable
 from tp_runtime.http.generation import Generation, GenerationFailed, Piece
@@ -89,6 +90,10 @@ class GenerationService:
             return await self._text.encode_chat(parsed, tools, add_generation_prompt, add_special_tokens)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from exc
+
+    async def check_grammar(self, asked: structured_output.Asked | None) -> GrammarSpec | None:
+        """The grammar checked with the engine, off the event loop (a large schema takes a while)."""
+        return None if asked is None else await self._text.run(structured_output.checked, asked)
 
     def check_sampling(self, sampling: SamplingRequest) -> None:
         validation.check_sampling(sampling, self.limits.vocab_size)

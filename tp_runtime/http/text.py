@@ -27,7 +27,7 @@ class TextWorker:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A plain prompt, with what the model's files add to one (a BOS, if any)."""
-        return await self._run(self._tokenizer.encode, text, add_special_tokens)
+        return await self.run(self._tokenizer.encode, text, add_special_tokens)
 
     async def encode_chat(
         self,
@@ -44,9 +44,11 @@ class TextWorker:
             text = render_chat(self._tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-        return await self._run(encode)
+        return await self.run(encode)
 
-    async def _run(self, function: Callable[..., T], *args: object) -> T:
+    async def run(self, function: Callable[..., T], *args: object) -> T:
+        """`function(*args)` on the pool: work on text that must not hold the event loop (tokenizing,
+        templating, checking a grammar)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
     def close(self) -> None:

@@ -85,7 +85,7 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         self.check_choices(body)
         want_logprobs, alternatives = self.wants_logprobs(body)
         tools = self.tool_plan(body)
-        grammar = _grammar(body, tools)
+        grammar = await service.check_grammar(_grammar(body, tools))
         sampling = body.sampling(*self.max_tokens(body), alternatives, self.alternatives_field)
         sampling = dataclasses.replace(sampling, grammar=grammar)
         service.check_sampling(sampling)
@@ -161,18 +161,17 @@ class OpenAIEndpoint(ABC, Generic[Body]):
     def usage_chunk(self, reply: Reply, usage: Usage) -> str: ...
 
 
-def _grammar(body: OpenAISampling, tools: ToolPlan | None):
+def _grammar(body: OpenAISampling, tools: ToolPlan | None) -> structured_output.Asked | None:
     """The output's grammar: the body's format, or what a required or named tool choice needs."""
     asked = structured_output.requested_grammar(body)
     forced = tools.grammar() if tools is not None else None
-    if forced is not None:
-        if asked is not None:
-            raise invalid_request(
-                f"'{asked.param}' and a tool_choice of {tools.mode} both constrain the output: send one",
-                param=asked.param,
-            )
-        return structured_output.checked(structured_output.Asked(forced, "tools"))
-    return structured_output.checked(asked) if asked is not None else None
+    if forced is None:
+        return asked
+    if asked is not None:
+        raise invalid_request(
+            f"'{asked.param}' and a tool_choice of {tools.mode} both constrain the output: send one", param=asked.param
+        )
+    return structured_output.Asked(forced, "tools")
 
 
 def _tokens(collected: Collected) -> list[SampledToken]:
