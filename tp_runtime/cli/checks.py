@@ -45,7 +45,7 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     for note in check_vllm_flags(config, args):
-        log.warning("%s", note)
+        log.warning("tp-runtime: note: %s", note)
     if args.command == "serve":
         if not 0 <= config.shutdown_timeout < 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {config.shutdown_timeout}")
