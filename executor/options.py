@@ -43,6 +43,9 @@ class ExecutorOptions:
     debug_poison_cache: bool = False  # fill the whole cache with 0xFF at allocation
     debug_poison_freed: bool = False  # honour Prepare.poison_pages (pages back in the free pool)
     debug_skip_clears: bool = False  # ignore Prepare.cleared_pages
+    # Seeds rank 0's default generator, which samples the rows of requests that bring no seed of
+    # their own (vLLM's --seed); None: seeded by torch from the OS.
+    seed: int | None = None
     heartbeat_interval_s: float = 0.5
     # Silence from the scheduler for this long, while idle, ends the executor.
     peer_timeout_s: float = 5.0

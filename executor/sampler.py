@@ -2,7 +2,8 @@
 and the most likely alternatives of each sampled token.
 
 Logits processing comes first, on the rows that ask for it, in vLLM's order: logit bias, banned
-tokens (-inf: a request's stop tokens before its min_tokens), then the repetition penalty (a token
+tokens (-inf: a request's stop tokens before its min_tokens), the grammar's mask (-inf on every token
+a row's output grammar does not allow next), then the repetition penalty (a token
 seen in the prompt or the output has its positive logit divided by it, its negative one multiplied),
 the frequency penalty (minus penalty x its count in the output) and the presence penalty (minus
 penalty once it appears in the output). Rank 0 sees whole rows at any tensor-parallel size, so the
@@ -59,6 +60,13 @@ class LogitsProcessing:
     prompt_ids: torch.Tensor  # long[P]
     output_rows: torch.Tensor  # long[O]: each output token so far, likewise
     output_ids: torch.Tensor  # long[O]
+    # Rows whose output follows a grammar (ascending), and the tokens it forbids next (set to -inf).
+    grammar_rows: torch.Tensor | None = None  # long[g]
+    forbidden: torch.Tensor | None = None  # bool[g, vocab]
+    # min_p: after temperature, a random row draws only among tokens at least min_p times as likely
+    # as its most likely one (vLLM's; greedy rows keep their argmax).
+    min_p_rows: torch.Tensor | None = None  # long[q]
+    min_p: torch.Tensor | None = None  # float32[q], in (0, 1]
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     if random_rows.numel():
         uniforms = _uniforms(params.seeds, params.positions).to(logits.device)
         drawn = _draw(
-            _rows(log_probs, random_rows).exp(),
+            _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
             params.top_k[random_rows],
             params.top_p[random_rows],
             uniforms[random_rows],
@@ -149,6 +157,12 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
         out.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
     if p.banned_rows.numel():
         out.index_put_((p.banned_rows, p.banned_ids), torch.tensor(float("-inf"), device=out.device))
+    if p.grammar_rows is not None:
+        if p.grammar_rows.shape[0] == out.shape[0]:  # every row (ascending, unique): in place
+            out.masked_fill_(p.forbidden, float("-inf"))
+        else:
+            masked = out.index_select(0, p.grammar_rows).masked_fill_(p.forbidden, float("-inf"))
+            out.index_copy_(0, p.grammar_rows, masked)
     if p.penalty_rows.numel():
         rows = out.index_select(0, p.penalty_rows)
         counts = torch.zeros_like(rows)
@@ -165,6 +179,16 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
         rows -= p.presence.unsqueeze(1) * in_output
         out[p.penalty_rows] = rows
     return out
+
+
+def _min_p_filtered(log_probs: torch.Tensor, p: LogitsProcessing | None) -> torch.Tensor:
+    """log_probs with each min_p row's tokens under min_p x its most likely one's probability set
+    to -inf (a new tensor when any row has min_p; the reported logprobs keep the whole row)."""
+    if p is None or p.min_p_rows is None:
+        return log_probs
+    rows = log_probs.index_select(0, p.min_p_rows)
+    floor = rows.amax(dim=-1, keepdim=True) + torch.log(p.min_p).unsqueeze(1)
+    return log_probs.index_copy(0, p.min_p_rows, rows.masked_fill(rows < floor, float("-inf")))
 
 
 def _alternatives(

@@ -14,6 +14,12 @@ It lives on the model's thread and changes only as steps run, in step order: wit
 planning ahead, step N+1 is staged while step N runs, and N+1 must see N's samples. The history
 sent whole with a feedback row was planned before that row's fed-back token was known, so the fed
 token is appended when the step runs.
+
+A sequence with an output grammar holds a matcher (executor/grammar.py) in its state, built from the
+grammar and the output sent whole with it, off this thread (`prefetch` as the step starts, taken in
+`begin`), then advanced by every token appended, the fed one included. Its row's mask is filled
+when the row is sampled, after the token of the step before was appended: a step planned ahead
+never samples with a mask one token stale.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor.grammar import GrammarEngine, GrammarMatcher, forbidden_tokens, new_bitmask
 from executor.sampler import LogitsProcessing
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import Prepare
@@ -70,12 +77,16 @@ class _State:
     length: int
     bias_ids: np.ndarray  # int64, ascending
     bias_values: np.ndarray  # float32
+    matcher: GrammarMatcher | None = None  # its output grammar's state, past the output so far
 
     @classmethod
-    def create(cls, prompt: np.ndarray, output: np.ndarray, bias_ids: np.ndarray, bias_values: np.ndarray) -> _State:
+    def create(
+        cls, prompt: np.ndarray, output: np.ndarray, bias_ids: np.ndarray, bias_values: np.ndarray,
+        matcher: GrammarMatcher | None = None,
+    ) -> _State:
         buffer = np.empty(max(16, 2 * output.shape[0]), dtype=np.int64)
         buffer[: output.shape[0]] = output
-        return cls(prompt, buffer, output.shape[0], bias_ids, bias_values)
+        return cls(prompt, buffer, output.shape[0], bias_ids, bias_values, matcher)
 
     @property
     def output(self) -> np.ndarray:
@@ -86,11 +97,17 @@ class _State:
             self.buffer = np.concatenate((self.buffer, np.empty_like(self.buffer)))  # doubled: amortized O(1)
         self.buffer[self.length] = token
         self.length += 1
+        if self.matcher is not None:
+            self.matcher.consume(token)
 
 
 class SamplingStates:
-    def __init__(self) -> None:
+    """grammars: rank 0's grammar engine; None where no grammar can come (the executors of tests
+    that build steps by hand), and a grammar that comes anyway is a wiring error."""
+
+    def __init__(self, grammars: GrammarEngine | None = None) -> None:
         self._held: dict[int, _State] = {}
+        self._grammars = grammars
 
     def __len__(self) -> int:
         return len(self._held)
@@ -98,6 +115,24 @@ class SamplingStates:
     def output_of(self, seq_id: int) -> list[int]:
         """The output tokens held for a sequence (tests and debugging)."""
         return self._held[seq_id].output.tolist()
+
+    def _grammar_engine(self) -> GrammarEngine:
+        if self._grammars is None:
+            raise RuntimeError("a PREPARE carries a grammar, and this executor was started without a grammar engine")
+        return self._grammars
+
+    def prefetch(self, p: Prepare) -> None:
+        """As step p starts: build the matchers of the grammars it sends, off this thread, while
+        its forward runs."""
+        lens = p.grammar_lens
+        if not p.grammar.shape[0]:
+            return
+        engine = self._grammar_engine()
+        grammar_ends = np.cumsum(lens, dtype=np.int64)
+        history_ends = np.cumsum(p.history_lens, dtype=np.int64)
+        for i in np.flatnonzero(lens).tolist():
+            output = p.history[history_ends[i] - p.history_lens[i] + p.history_prompt_lens[i] : history_ends[i]]
+            engine.prefetch(int(p.seq_ids[i]), p.grammar[grammar_ends[i] - lens[i] : grammar_ends[i]], output)
 
     def begin(self, p: Prepare, fed: dict[int, int]) -> None:
         """Step p starts: keep the states of its sequences (the others are forgotten) and take the
@@ -109,6 +144,7 @@ class SamplingStates:
         held, new = self._held, {}
         history_ends = np.cumsum(p.history_lens, dtype=np.int64)
         bias_ends = np.cumsum(p.logit_bias_lens, dtype=np.int64)
+        grammar_ends = np.cumsum(p.grammar_lens, dtype=np.int64)
         for i in np.flatnonzero(states).tolist():
             seq_id = int(p.seq_ids[i])
             if states[i] == 2:
@@ -119,11 +155,16 @@ class SamplingStates:
             split = h0 + int(p.history_prompt_lens[i])
             b1 = int(bias_ends[i])
             b0 = b1 - int(p.logit_bias_lens[i])
+            matcher = None
+            if p.grammar_lens[i]:
+                g1 = int(grammar_ends[i])
+                matcher = self._grammar_engine().take(seq_id, p.grammar[g1 - int(p.grammar_lens[i]) : g1], p.history[split:h1])
             state = _State.create(
                 prompt=p.history[h0:split].astype(np.int64),
                 output=p.history[split:h1],
                 bias_ids=p.logit_bias_ids[b0:b1].astype(np.int64),
                 bias_values=p.logit_bias[b0:b1].astype(np.float32),
+                matcher=matcher,
             )
             if p.feedback[i]:
                 state.append(fed[i])
@@ -144,7 +185,7 @@ class SamplingStates:
         """The logits processing of p's sampled rows (row j: the j-th sequence with sample set), or
         None when none of them asks for any."""
         banned_lens = p.banned_lens
-        if not self._held and not banned_lens.any():
+        if not self._held and not banned_lens.any() and not p.min_p.any():
             return None
         sampled = np.flatnonzero(p.sample)
         row_of = np.full(p.seq_ids.shape[0], -1, dtype=np.int64)
@@ -157,10 +198,14 @@ class SamplingStates:
 
         bias_rows, bias_ids, bias_values = [], [], []
         penalty_seqs, prompt_rows, prompt_ids, output_rows, output_ids = [], [], [], [], []
+        grammar_rows, matchers = [], []
         penalized = (p.presence_penalty != 0) | (p.frequency_penalty != 0) | (p.repetition_penalty != 1)
         for i in sampled[p.sampling_state[sampled] != 0].tolist():
             state = self._held[int(p.seq_ids[i])]
             row = int(row_of[i])
+            if state.matcher is not None:
+                grammar_rows.append(row)
+                matchers.append(state.matcher)
             if state.bias_ids.shape[0]:
                 bias_rows.append(np.full(state.bias_ids.shape[0], row, dtype=np.int64))
                 bias_ids.append(state.bias_ids)
@@ -174,9 +219,18 @@ class SamplingStates:
                 if state.length:
                     output_rows.append(np.full(state.length, k, dtype=np.int64))
                     output_ids.append(state.output)
-        if not (banned_rows.shape[0] or bias_rows or penalty_seqs):
+        min_p = p.min_p[sampled]
+        min_p_rows = np.flatnonzero(min_p)
+        if not (banned_rows.shape[0] or bias_rows or penalty_seqs or matchers or min_p_rows.shape[0]):
             return None
         seqs = np.asarray(penalty_seqs, dtype=np.int64)
+        forbidden = None
+        if matchers:
+            vocab = self._grammar_engine().vocab_size
+            bitmask = new_bitmask(len(matchers), vocab)
+            for k, matcher in enumerate(matchers):
+                matcher.fill(bitmask, k)
+            forbidden = forbidden_tokens(bitmask, vocab, device)
 
         def longs(values: np.ndarray | list[np.ndarray]) -> torch.Tensor:
             return torch.from_numpy(_cat(values, _NO_IDS).astype(np.int64, copy=False)).to(device)
@@ -198,6 +252,10 @@ class SamplingStates:
             prompt_ids=longs(prompt_ids),
             output_rows=longs(output_rows),
             output_ids=longs(output_ids),
+            grammar_rows=longs(np.asarray(grammar_rows, dtype=np.int64)) if matchers else None,
+            forbidden=forbidden,
+            min_p_rows=longs(min_p_rows) if min_p_rows.shape[0] else None,
+            min_p=floats(min_p[min_p_rows]) if min_p_rows.shape[0] else None,
         )
 
 

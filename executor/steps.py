@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from executor.cache import KVCache
+from executor.grammar import GrammarEngine
 from executor.inputs import StepInputs
 from executor.link import StagedStep
 from executor.options import ExecutorOptions
@@ -52,14 +53,17 @@ class _Samples:
 
 
 class StepRunner:
-    def __init__(self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions):
+    def __init__(
+        self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions,
+        grammars: GrammarEngine | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.model = model
         self.cache = cache
         self.options = options
         self._samples = _Samples(torch.zeros(0, dtype=torch.long, device=cache.device), np.zeros(0, dtype=np.int32))
-        self.sampling_states = SamplingStates()  # rank 0's
+        self.sampling_states = SamplingStates(grammars)  # rank 0's
         self._last_end: float | None = None
 
     def run(self, staged: StagedStep) -> Result | None:
@@ -67,6 +71,8 @@ class StepRunner:
         started = time.perf_counter()
         gap_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
         inputs = staged.inputs
+        if self.rank == 0:  # output grammars' matchers build on their own thread while the forward runs
+            self.sampling_states.prefetch(staged.prepare)
         self._feed(staged)
         self._cache_operations(staged)
         logits = self.model.forward(inputs, self.cache)

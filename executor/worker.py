@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from executor.cache import KVCache
+from executor.grammar import GrammarEngine, GrammarVocabulary
 from executor.link import Endpoint, LinkTimings, Run, SchedulerLink, Started, Stop
 from executor.options import ExecutorOptions
 from executor.steps import StepModel, StepRunner
@@ -58,6 +59,7 @@ class Worker:
         options: ExecutorOptions,
         run_id: str,
         force_exit: Callable[[int], None] = os._exit,
+        grammars: GrammarEngine | None = None,
     ) -> None:
         self.rank = rank
         conversation = ExecutorConversation(
@@ -84,7 +86,9 @@ class Worker:
             exit_codes=ExitCode,
             force_exit=force_exit,
         )
-        self.runner = StepRunner(rank=rank, world_size=world_size, model=model, cache=cache, options=options)
+        self.runner = StepRunner(
+            rank=rank, world_size=world_size, model=model, cache=cache, options=options, grammars=grammars
+        )
 
     def run(self) -> int:
         link = self.link
@@ -160,12 +164,14 @@ def run_executor(
     run_id: str,
     load: Callable[..., Any] | None = None,
     curve: ClientCurve | None = None,
+    grammar_vocabulary: Callable[[], GrammarVocabulary] | None = None,
 ) -> int:
     """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps.
 
     torch.distributed must already be initialized when world_size > 1 (the launcher does it).
     `load` replaces executor.model.load_model (same signature); the loop tests pass a stand-in.
     `curve` (protocol.curve.ClientCurve) makes the connection a CurveZMQ client, across hosts.
+    `grammar_vocabulary` loads the tokenizer's view for rank 0's grammar engine (structured output).
     """
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ExecutorStartError(
@@ -184,6 +190,8 @@ def run_executor(
     geometry = build_geometry(options, model.config)
     cache = _allocate_cache(options, model, world_size=world_size, device=device)
     step_model = _step_model(options, model, cache, geometry)
+    if options.seed is not None:
+        torch.manual_seed(options.seed)
     endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(
@@ -195,6 +203,7 @@ def run_executor(
             geometry=geometry,
             options=options,
             run_id=run_id,
+            grammars=GrammarEngine(grammar_vocabulary, geometry.vocab_size) if rank == 0 and grammar_vocabulary else None,
         )
         return worker.run()
     finally:

@@ -19,7 +19,8 @@ import numpy as np
 #    REJECT's `seq_ids` (the sequences a rank refuses, so that only their requests fail); PREPARE's
 #    logits processing (alternatives wanted, penalties, logit bias, banned tokens and the sampling
 #    state rank 0 holds between steps) and RESULT's top alternatives, added before anything outside
-#    this repository spoke version 3.
+#    this repository spoke version 3; then min_p and each sequence's output grammar (protocol/grammar.py),
+#    sent with its sampling state, before anything outside this repository spoke it either.
 # 4: every array of a frame in one payload part (offsets from the lengths the envelope lists, in
 #    ARRAY_DTYPES' order, 8-byte aligned) instead of one ZeroMQ part per array.
 PROTOCOL_VERSION = 4
@@ -125,6 +126,11 @@ class Prepare:
     or 2 (held from the previous step, which rank 0 extended with the tokens it sampled). A
     sequence absent from a step is forgotten; an ABORT forgets every state. banned_ids are the
     tokens this step's sample may not be (a request's stop tokens before its min_tokens).
+
+    min_p[i] drops, after temperature, every token less likely than min_p times the row's most likely
+    one (0: off). A sequence whose output follows a grammar has a sampling state: its grammar
+    (grammar_lens[i] bytes of `grammar`, protocol/grammar.py's encoding) travels with it, whole, and
+    rank 0 masks the sampled row with the tokens the grammar allows after the output so far.
     """
 
     seq_ids: np.ndarray  # int64[n]
@@ -160,6 +166,9 @@ class Prepare:
     logit_bias: np.ndarray  # float32[sum(logit_bias_lens)]: added to those tokens' logits
     banned_lens: np.ndarray  # int32[n]: tokens this step's sample may not be
     banned_ids: np.ndarray  # int32[sum(banned_lens)]
+    min_p: np.ndarray  # float32[n]; 0 means off
+    grammar_lens: np.ndarray  # int32[n]: bytes of the grammar sent here (state 1 only)
+    grammar: np.ndarray  # uint8[sum(grammar_lens)]
 
     @classmethod
     def greedy(
@@ -365,6 +374,9 @@ PREPARE_FIELDS: tuple[ArrayField, ...] = (
     ArrayField("logit_bias", _F32, _COUNTED, counts="logit_bias_lens"),
     ArrayField("banned_lens", _I32, _SEQ, 0),
     ArrayField("banned_ids", _I32, _COUNTED, counts="banned_lens"),
+    ArrayField("min_p", _F32, _SEQ, 0.0),
+    ArrayField("grammar_lens", _I32, _SEQ, 0),
+    ArrayField("grammar", _U8, _COUNTED, counts="grammar_lens"),
 )
 PREPARE_FIELD = {f.name: f for f in PREPARE_FIELDS}
 # The logits-processing fields: what a sequence that uses none of it sends (plain_sampling).

@@ -62,6 +62,7 @@ COLUMNS = (
     Column("presence", np.float32, attrgetter("params.presence_penalty"), constant=True),
     Column("frequency", np.float32, attrgetter("params.frequency_penalty"), constant=True),
     Column("repetition", np.float32, attrgetter("params.repetition_penalty"), constant=True),
+    Column("min_p", np.float32, attrgetter("params.min_p"), constant=True),
     Column("stateful", np.bool_, attrgetter("params.stateful")),  # the executors hold a sampling state
     Column("min_len", np.int32, _min_len),  # ntok before which its stop tokens are banned (0: never)
 )

@@ -20,11 +20,12 @@ from scheduler.request import HostCopy
 _I32 = np.int32
 EMPTY_I32 = frozen(np.empty(0, dtype=_I32))
 EMPTY_F32 = frozen(np.empty(0, dtype=np.float32))
+EMPTY_U8 = frozen(np.empty(0, dtype=np.uint8))
 # The logits-processing fields _processed fills for rows that need them; rows that do not take
 # their declared defaults (0: no state, nothing sent, nothing banned).
 PROCESSED = tuple(PREPARE_FIELD[name] for name in (
     "sampling_state", "history_lens", "history_prompt_lens", "history", "logit_bias_lens", "logit_bias_ids",
-    "logit_bias", "banned_lens", "banned_ids",
+    "logit_bias", "banned_lens", "banned_ids", "grammar_lens", "grammar",
 ))
 
 
@@ -102,6 +103,7 @@ ROW_COLUMNS = {
     "presence_penalty": "presence",
     "frequency_penalty": "frequency",
     "repetition_penalty": "repetition",
+    "min_p": "min_p",
 }
 
 
@@ -115,19 +117,24 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
     state = np.where(batch.stateful[rows], np.where(base == 0, 1, 2), 0).astype(np.uint8)
     history_lens, prompt_lens = np.zeros(n, dtype=_I32), np.zeros(n, dtype=_I32)
     bias_lens, banned_lens = np.zeros(n, dtype=_I32), np.zeros(n, dtype=_I32)
-    history, bias_ids, bias, banned = [], [], [], []
+    grammar_lens = np.zeros(n, dtype=_I32)
+    history, bias_ids, bias, banned, grammars = [], [], [], [], []
     reqs = batch.reqs
     for i in np.flatnonzero(state == 1).tolist():
         r = int(rows[i])
         req = reqs[r]
         params = req.params
-        if params.penalized:
-            # The prompt travels only for the repetition penalty; presence and frequency count the output.
+        if params.penalized or params.grammar is not None:
+            # The prompt travels only for the repetition penalty; presence and frequency count the
+            # output, and a grammar's state is rebuilt from it.
             start = 0 if params.repetition_penalty != 1 else req.prompt_len
             known = int(batch.ntok[r])
             history.append(req.tokens[start:known])
             history_lens[i] = known - start
             prompt_lens[i] = req.prompt_len - start
+        if params.grammar is not None:
+            grammars.append(params.grammar_bytes)
+            grammar_lens[i] = len(params.grammar_bytes)
         if params.logit_bias:
             ids, values = req.bias_arrays
             bias_ids.append(ids)
@@ -143,7 +150,8 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
         sampling_state=state, history_lens=history_lens, history_prompt_lens=prompt_lens, history=cat(history),
         logit_bias_lens=bias_lens, logit_bias_ids=cat(bias_ids),
         logit_bias=np.concatenate(bias).astype(np.float32, copy=False) if bias else EMPTY_F32,
-        banned_lens=banned_lens, banned_ids=cat(banned),
+        banned_lens=banned_lens, banned_ids=cat(banned), grammar_lens=grammar_lens,
+        grammar=np.frombuffer(b"".join(grammars), dtype=np.uint8) if grammars else EMPTY_U8,
     )
 
 

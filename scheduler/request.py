@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.errors import TPRuntimeError
+from protocol.grammar import GRAMMAR_MAX_BYTES, GrammarSpec
 from protocol.sampling_limits import (
     LOGIT_BIAS_MAX,
     LOGIT_BIAS_MAX_ENTRIES,
@@ -32,7 +33,8 @@ class SamplingParams:
     output tokens, repetition the prompt's and the output's; min_tokens holds the stop tokens (eos
     unless ignored, and stop_token_ids) back until that many tokens were generated; logit_bias is
     (token id, bias) pairs, ids ascending; top_logprobs is how many alternatives come back with
-    each sampled token."""
+    each sampled token. min_p drops the tokens less likely than min_p times the most likely one;
+    grammar constrains the output to it (rank 0's executor masks every sampled row)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -47,6 +49,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0
+    min_p: float = 0.0
+    grammar: GrammarSpec | None = None
 
     @property
     def penalized(self) -> bool:
@@ -55,7 +59,11 @@ class SamplingParams:
     @property
     def stateful(self) -> bool:
         """Whether the executors must hold a sampling state for it (a penalty or a logit bias)."""
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or self.grammar is not None
+
+    @functools.cached_property
+    def grammar_bytes(self) -> bytes:
+        return b"" if self.grammar is None else self.grammar.encode()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -94,6 +102,12 @@ class SamplingParams:
                     f"logit_bias of token {token} must be in [{LOGIT_BIAS_MIN:g}, {LOGIT_BIAS_MAX:g}], got {bias}"
                 )
             previous = token
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.grammar_bytes) > GRAMMAR_MAX_BYTES:
+            raise InvalidSamplingParams(
+                f"the grammar takes {len(self.grammar_bytes)} bytes; at most {GRAMMAR_MAX_BYTES} travel with a request"
+            )
         if not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
             raise InvalidSamplingParams(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}")
 

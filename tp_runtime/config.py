@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from protocol.errors import TPRuntimeError
 
 DTYPES = ("auto", "bf16", "fp32", "fp16")
+# vLLM's --dtype names for the same types.
+DTYPE_ALIASES = {"bfloat16": "bf16", "float32": "fp32", "float": "fp32", "half": "fp16", "float16": "fp16"}
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8-e4m3")
 KV_DTYPE_ALIASES = {"fp8": "fp8-e4m3", "fp8_e4m3": "fp8-e4m3", "bfloat16": "bf16"}  # vLLM's --kv-cache-dtype names
 
@@ -32,6 +34,10 @@ class RuntimeConfig:
     page_size: int = 16
     num_kv_pages: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes per rank for the KV pool, when num_kv_pages is 0
+    # vLLM's: the share of the device's memory (on the CPU: of the host's, split among its ranks)
+    # that one rank may use for weights, activations and KV together; the KV pool gets what is left.
+    # 0: unset (kv_cache_memory sizes the pool).
+    gpu_memory_utilization: float = 0.0
     max_num_seqs: int = 64
     max_model_len: int = 0  # 0: the model's context length
     max_num_batched_tokens: int = 512
@@ -62,6 +68,11 @@ class RuntimeConfig:
     debug_poison_freed_pages: bool = False
     debug_skip_clears: bool = False
     log_level: str = "info"
+    seed: int | None = None  # vLLM's --seed: seeds rank 0's generator for requests that bring none
+    tokenizer: str = ""  # "": the model's own
+    chat_template: str = ""  # a file or the template itself; "": the tokenizer's
+    uvicorn_log_level: str = ""  # "": log_level
+    max_logprobs: int = 20  # alternatives per token a request may ask for
     # The HTTP server's (docs/http_api.md). The API key is not here: this config travels on a
     # command line, the key in VLLM_API_KEY.
     served_model_name: tuple[str, ...] = ()  # () : the --model path, as vLLM reports it

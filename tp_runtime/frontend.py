@@ -29,7 +29,7 @@ from tp_runtime import frame_keys, hosts
 from tp_runtime.bootstrap import Bootstrap, KeyMode
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
-from tp_runtime.tokenizer import Tokenizer
+from tp_runtime.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 pipe.write(Bootstrap(error=str(exc)).pack())
                 return 2
             pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
-        tokenizer = Tokenizer.from_model_path(config.model)
+        tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
         engine = build_engine(config, endpoint, tokenizer)
         if parent_gone.is_set():  # the signal came before `engine` was bound
             engine.fail(RANK_0_GONE)
@@ -191,11 +191,12 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
         max_request_body_size=config.max_request_body_size,
         max_prompt_chars=config.max_prompt_chars,
         request_body_timeout_s=config.request_body_timeout,
+        max_logprobs=config.max_logprobs,
     )
     app = create_app(engine, tokenizer, settings)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=config.log_level, lifespan="off",
+            app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level, lifespan="off",
             timeout_keep_alive=config.timeout_keep_alive,
             http=protocol_with_header_timeout(config.request_header_timeout),
         )

@@ -64,7 +64,7 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     kv_bytes = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8-e4m3": 1}[config.resolved_kv_dtype]
     local_heads = max(p.local_kv_heads for p in plans)
     page_bytes = model.num_layers * 2 * config.page_size * local_heads * model.head_dim * kv_bytes
-    pages = config.num_kv_pages or config.kv_cache_memory // page_bytes
+    pages = config.num_kv_pages or _kv_pool_bytes(config, model) // page_bytes
     if pages * config.page_size < max_len:
         raise ConfigError(
             f"the KV cache holds {pages} pages of {config.page_size} tokens, fewer than one sequence of "
@@ -75,6 +75,13 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     return replace(
         config, max_model_len=max_len, num_kv_pages=int(pages), num_host_pages=int(config.swap_space // page_bytes)
     )
+
+def _kv_pool_bytes(config: RuntimeConfig, model: ModelConfig) -> int:
+    if not config.gpu_memory_utilization:
+        return config.kv_cache_memory
+    from tp_runtime.memory_budget import kv_cache_bytes
+
+    return kv_cache_bytes(config, model, uses_cuda(config))
 
 def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptions, imported late
     from executor.options import ExecutorOptions
@@ -96,4 +103,5 @@ def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptio
         debug_poison_cache=config.debug_poison_kv_cache,
         debug_poison_freed=config.debug_poison_freed_pages,
         debug_skip_clears=config.debug_skip_clears,
+        seed=config.seed,
     )

@@ -359,6 +359,26 @@ class Tokenizer:
     def decode(self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def spellings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it ("Ġhello"): vLLM's token_strs."""
+        return [self._backend.id_to_token(t) or "" for t in token_ids]
+
+    def backend_json(self) -> str:
+        """The tokenizer as Hugging Face's tokenizer.json text (what a GGUF's metadata was built into):
+        the grammar engine builds its own view of the vocabulary from it (executor/grammar.py)."""
+        return self._backend.to_str()
+
+
+def load_tokenizer(model: str, tokenizer: str = "", chat_template: str = "") -> Tokenizer:
+    """The frontend's tokenizer: --tokenizer's files (default: the model's), with --chat-template's
+    template (a file or the text; default: the tokenizer's own)."""
+    loaded = Tokenizer.from_model_path(tokenizer or model)
+    if chat_template:
+        from tp_runtime.chat import load_chat_template
+
+        loaded.chat_template = load_chat_template(chat_template)
+    return loaded
+
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():

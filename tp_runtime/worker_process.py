@@ -4,6 +4,7 @@ the frontend child and its watch."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from tp_runtime.bootstrap import (
     start_frontend,
 )
 from tp_runtime.config import ConfigError, RuntimeConfig
+from tp_runtime.grammar_vocabulary import grammar_vocabulary
 from tp_runtime.launcher import LAUNCHER_PID_ENV, STORE_TIMEOUT_S, check_drain_fits
 from tp_runtime.resolve import executor_options, resolve, uses_cuda
 
@@ -107,7 +109,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     try:
         code = run_executor(
             executor_options(config, use_cuda), rank=rank, world_size=world, address=info.address, key=key,
-            run_id=info.run_id, curve=curve,
+            run_id=info.run_id, curve=curve, grammar_vocabulary=functools.partial(grammar_vocabulary, config),
         )
     finally:
         if frontend is not None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import CacheGeometry, Prepare
+from protocol.grammar import GrammarKind
 from protocol.sampling_limits import (
     FLOAT32_MAX,
     LOGIT_BIAS_MAX,
@@ -85,7 +86,8 @@ def _processing_rules(p: Prepare, g: CacheGeometry) -> list[Rule]:
     presence, frequency, repetition = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
     state = p.sampling_state
     penalized = (presence != 0) | (frequency != 0) | (repetition != 1)
-    sent_here = (p.history_lens != 0) | (p.logit_bias_lens != 0)
+    sent_here = (p.history_lens != 0) | (p.logit_bias_lens != 0) | (p.grammar_lens != 0)
+    min_p = p.min_p
     rules = [
         (
             RejectCode.BAD_SAMPLING,
@@ -114,11 +116,13 @@ def _processing_rules(p: Prepare, g: CacheGeometry) -> list[Rule]:
         (
             RejectCode.BAD_SAMPLING,
             "sampling_state",
-            "0 (none), 1 (sent here) or 2 (held); 1 or 2 with a penalty; 1 to carry a history or a logit bias",
+            "0 (none), 1 (sent here) or 2 (held); 1 or 2 with a penalty; 1 to carry a history, a logit bias or a "
+            "grammar",
             (state > 2) | (penalized & (state == 0)) | (sent_here & (state != 1)),
         ),
+        (RejectCode.BAD_SAMPLING, "min_p", "in [0, 1] (0: off)", ~((min_p >= 0) & (min_p <= 1))),
     ]
-    return rules + _logit_bias_rules(p)
+    return rules + _logit_bias_rules(p) + _grammar_rules(p)
 
 
 def _logit_bias_rules(p: Prepare) -> list[Rule]:
@@ -149,17 +153,32 @@ def _logit_bias_rules(p: Prepare) -> list[Rule]:
     ]
 
 
+def _grammar_rules(p: Prepare) -> list[Rule]:
+    """Each grammar starts with a kind byte that protocol.grammar knows."""
+    counts = p.grammar_lens
+    if not p.grammar.shape[0]:
+        return []
+    starts = (np.cumsum(counts, dtype=np.int64) - counts)[counts > 0]
+    kinds = p.grammar[starts]
+    known = np.isin(kinds, [int(k) for k in GrammarKind])
+    bad = np.zeros(counts.shape[0], dtype=bool)
+    bad[np.flatnonzero(counts > 0)[~known]] = True
+    return [(RejectCode.BAD_SAMPLING, "grammar", f"one of the kinds {[int(k) for k in GrammarKind]}", bad)]
+
+
 def _describe(p: Prepare, g: CacheGeometry, name: str, i: int) -> str:
     who = f"sequence {int(p.seq_ids[i])} (index {i})"
     counts_of = {
         "token_ids": p.query_lens, "history": p.history_lens, "logit_bias_ids": p.logit_bias_lens,
-        "logit_bias": p.logit_bias_lens, "banned_ids": p.banned_lens,
+        "logit_bias": p.logit_bias_lens, "banned_ids": p.banned_lens, "grammar": p.grammar_lens,
     }
     counts = counts_of.get(name)
     if counts is None:
         return f"{who} has {getattr(p, name)[i]!r}"
     start = int(counts[:i].sum(dtype=np.int64))
     own = getattr(p, name)[start : start + int(counts[i])]
+    if name == "grammar":
+        return f"{who} has kind {own[0].item()!r}"
     if name == "logit_bias":
         bad = own[~((own >= LOGIT_BIAS_MIN) & (own <= LOGIT_BIAS_MAX))]
     elif name == "logit_bias_ids" and not ((own < 0) | (own >= g.vocab_size)).any():

@@ -9,6 +9,7 @@ import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import PREPARE_FIELDS, CacheGeometry, Extent, Prepare
+from protocol.grammar import GRAMMAR_MAX_BYTES
 from protocol.sampling_limits import LOGIT_BIAS_MAX_ENTRIES
 from protocol.validate.array_checks import check_length, check_range, first_bad
 from protocol.validate.own_fields import check_own_fields
@@ -21,7 +22,12 @@ _PAIRED = tuple((f.name, f.counts) for f in PREPARE_FIELDS if f.extent is Extent
 # The most entries one sequence may have in a flat array, by its count field: a number, or the
 # geometry's max_model_len / vocab_size (a history holds at most the context, a banned list at most
 # every token).
-_MOST = {"history_lens": "max_model_len", "logit_bias_lens": LOGIT_BIAS_MAX_ENTRIES, "banned_lens": "vocab_size"}
+_MOST = {
+    "history_lens": "max_model_len",
+    "logit_bias_lens": LOGIT_BIAS_MAX_ENTRIES,
+    "banned_lens": "vocab_size",
+    "grammar_lens": GRAMMAR_MAX_BYTES,
+}
 # Per-sequence counts of PREPARE's flat arrays: (counts, the flat arrays it counts, the most).
 _FLAT = tuple(
     (counts, tuple(f.name for f in PREPARE_FIELDS if f.counts == counts and f.extent is Extent.COUNTED), _MOST[counts])

@@ -49,15 +49,6 @@ def serial_tp2(tiny_model: Path) -> Iterator[Server]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def serial_tp1(tiny_model: Path) -> Iterator[Server]:
-    server = Server(tiny_model, tp=1, extra=(*SERVER_OPTIONS, "--no-async-scheduling"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_tokens_are_identical_with_and_without_planning_ahead(tp, request) -> None:
     overlapped = request.getfixturevalue(f"server_tp{tp}")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import ARRAY_DTYPES, Frame, Prepare
+from protocol.grammar import GRAMMAR_MAX_BYTES, GrammarKind
 from protocol.page_tables import HeldPageTables
 from protocol.sampling_limits import (
     FLOAT32_MAX,
@@ -89,7 +90,7 @@ def assert_safe(p: Prepare) -> None:
     for name in ("query_lens", "context_lens", "page_table_lens", "page_table_base", "sample", "temperature", "top_p",
                  "top_k", "seeds", "feedback", "num_logprobs", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "sampling_state", "history_lens", "history_prompt_lens", "logit_bias_lens",
-                 "banned_lens"):
+                 "banned_lens", "min_p", "grammar_lens"):
         assert len(getattr(p, name)) == n
     q, c = p.query_lens.astype(np.int64), p.context_lens.astype(np.int64)
     assert (q >= 1).all() and (c >= q).all() and (c <= G.max_model_len).all()
@@ -115,10 +116,13 @@ def assert_safe(p: Prepare) -> None:
     assert (p.feedback <= 1).all() and ((p.feedback == 0) | (p.query_lens == 1)).all()
     # Logits processing: counts that match the flat arrays, ids in the vocabulary, values in range.
     for counts, flats in (("history_lens", ("history",)), ("logit_bias_lens", ("logit_bias_ids", "logit_bias")),
-                          ("banned_lens", ("banned_ids",))):
+                          ("banned_lens", ("banned_ids",)), ("grammar_lens", ("grammar",))):
         c = getattr(p, counts).astype(np.int64)
         assert (c >= 0).all() and all(len(getattr(p, f)) == c.sum() for f in flats)
     assert (p.history_lens <= G.max_model_len).all() and (p.logit_bias_lens <= LOGIT_BIAS_MAX_ENTRIES).all()
+    assert (p.grammar_lens <= GRAMMAR_MAX_BYTES).all() and ((p.min_p >= 0) & (p.min_p <= 1)).all()
+    grammar_starts = (np.cumsum(p.grammar_lens, dtype=np.int64) - p.grammar_lens)[p.grammar_lens > 0]
+    assert np.isin(p.grammar[grammar_starts], [int(k) for k in GrammarKind]).all()
     assert ((p.history_prompt_lens >= 0) & (p.history_prompt_lens <= p.history_lens)).all()
     for name in ("history", "logit_bias_ids", "banned_ids"):
         v = getattr(p, name)
@@ -127,7 +131,7 @@ def assert_safe(p: Prepare) -> None:
     assert (np.abs(p.presence_penalty) <= PENALTY_MAX).all() and (np.abs(p.frequency_penalty) <= PENALTY_MAX).all()
     assert ((p.repetition_penalty >= REPETITION_PENALTY_MIN) & (p.repetition_penalty <= FLOAT32_MAX)).all()
     penalized = (p.presence_penalty != 0) | (p.frequency_penalty != 0) | (p.repetition_penalty != 1)
-    carries = (p.history_lens != 0) | (p.logit_bias_lens != 0)
+    carries = (p.history_lens != 0) | (p.logit_bias_lens != 0) | (p.grammar_lens != 0)
     assert (p.sampling_state <= 2).all() and not (penalized & (p.sampling_state == 0)).any()
     assert not (carries & (p.sampling_state != 1)).any()
     starts = np.cumsum(p.logit_bias_lens, dtype=np.int64) - p.logit_bias_lens
@@ -147,7 +151,10 @@ def reset_own_fields(p: Prepare, seq_ids: tuple[int, ...]) -> Prepare:
     starts = np.cumsum(p.logit_bias_lens, dtype=np.int64) - p.logit_bias_lens
     for start, count in zip(starts[rows].tolist(), p.logit_bias_lens[rows].tolist()):
         bias_ids[start : start + count] = np.arange(count)  # ascending, in the vocabulary
-    carries = (p.history_lens != 0) | (p.logit_bias_lens != 0)
+    grammar = p.grammar.copy()
+    starts = np.cumsum(p.grammar_lens, dtype=np.int64) - p.grammar_lens
+    grammar[starts[rows & (p.grammar_lens > 0)]] = int(GrammarKind.JSON_OBJECT)
+    carries = (p.history_lens != 0) | (p.logit_bias_lens != 0) | (p.grammar_lens != 0)
     return dataclasses.replace(
         p,
         temperature=np.where(rows, 0, p.temperature).astype(np.float32),
@@ -165,6 +172,8 @@ def reset_own_fields(p: Prepare, seq_ids: tuple[int, ...]) -> Prepare:
         logit_bias_ids=bias_ids,
         logit_bias=flat("logit_bias", p.logit_bias_lens, 0.0),
         banned_ids=flat("banned_ids", p.banned_lens, 0),
+        min_p=np.where(rows, 0, p.min_p).astype(np.float32),
+        grammar=grammar,
     )
 
 

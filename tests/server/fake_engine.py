@@ -113,6 +113,9 @@ class FakeStream:
 
     def planned_events(self) -> Iterator[TokenEvent]:
         engine = self._engine
+        if engine.reply is not None:
+            yield from self._reply_events(engine.reply)
+            return
         for i in range(self._params.max_tokens):
             if engine.fail_after is not None and i == engine.fail_after:
                 yield TokenEvent((), (), True, engine.failure_reason, engine.failure_message)
@@ -128,6 +131,14 @@ class FakeStream:
             yield TokenEvent((token,), (logprob_of(i),), reason is not None, reason, None, top)
             if reason is not None:
                 return
+
+    def _reply_events(self, reply: list[int]) -> Iterator[TokenEvent]:
+        """The engine's scripted reply, then "stop" (or "length" where max_tokens cuts it)."""
+        tokens = reply[: self._params.max_tokens]
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            reason = ("stop" if len(tokens) == len(reply) else "length") if last else None
+            yield TokenEvent((token,), (logprob_of(i),), last, reason, None)
 
     def _ended_by_client(self) -> bool:
         return self.request_id in self._engine.cancelled or self.request_id in self._engine.finished
@@ -164,6 +175,7 @@ class FakeEngine:
     admission_limit: int | None = None  # prompts longer than this raise AdmissionError
     max_in_flight: int | None = None  # submit raises EngineOverloaded with this many streams active
     health_state: Health = Health(True, "ok")
+    reply: list[int] | None = None  # every request answers these tokens instead of echoing its prompt
     submitted: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     leaders: list[int | None] = field(default_factory=list)  # each submit's prompt_leader
     cancelled: list[int] = field(default_factory=list)

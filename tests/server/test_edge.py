@@ -259,8 +259,8 @@ def test_openai_routes_want_json(client, engine):
     [
         ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, "temprature"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages.0.audio"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text"]}, "modalities"),
         ("/generate", {"text": "hi", "rid": "abc"}, "rid"),
         ("/v1/completions", {"prompt": "hi", "str": 1}, "str"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "list[int]": 0}]}, "messages.0.list[int]"),
@@ -277,10 +277,12 @@ def test_unknown_fields_are_refused_naming_them(client, engine, path, body, para
 @pytest.mark.parametrize(
     "path, body, param",
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),  # without tools
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
+        ("/v1/chat/completions", {"guided_regex": "[a-"}, "guided_regex"),
+        ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ("/v1/completions", {"suffix": "!"}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),

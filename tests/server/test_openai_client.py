@@ -97,11 +97,17 @@ def test_chat_logprobs_stream(api):
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"extra_body": {"min_p": 0.2}}, "min_p"),
-        ({"extra_body": {"guided_json": {}}}, "guided_json"),
+        ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
+        ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"guided_json": {}}}, "guided_json"),
     ],
 )
 def test_chat_refuses_what_it_cannot_honour(api, engine, kwargs, param, stream):
@@ -129,6 +135,15 @@ def test_neutral_values_pass(api):
         frequency_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u-1", seed=3,
     )
     assert result.usage.completion_tokens == 2
+
+
+def test_fields_that_change_nothing_are_accepted(api, engine):
+    # What the official client and agent frameworks send: vLLM logs such fields and goes on.
+    result = api.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2, store=True,
+        metadata={"run": "7"}, service_tier="auto", reasoning_effort="low", parallel_tool_calls=False,
+    )
+    assert result.usage.completion_tokens == 2 and len(engine.submitted) == 1
 
 
 # ---- names, roles, keys, overload ------------------------------------------------------------------

@@ -114,13 +114,14 @@ def test_text_that_is_not_unicode_and_prompts_past_the_cap():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("min_p", 0.1), ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("echo", True),
-        ("suffix", "tail"),
+        ("echo", True), ("suffix", "tail"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(field, value):
-    body = CompletionRequest.model_validate({"prompt": "x", field: value})
+    chat = field.startswith("function")
+    request = ChatCompletionRequest if chat else CompletionRequest
+    base = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    body = request.model_validate({**base, field: value})
     error = refusal(validation.refuse_unsupported, body)
     assert (error.param, error.code) == (field, "unsupported_parameter")
 
@@ -128,8 +129,7 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("min_p", 0), ("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"), ("echo", False),
-        ("suffix", ""),
+        ("min_p", 0), ("response_format", {"type": "text"}), ("echo", False), ("suffix", ""),
     ],
 )
 def test_neutral_values_of_unsupported_fields_pass(field, value):

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import logging
 import os
 import socket
 
+from protocol.sampling_limits import TOP_LOGPROBS_MAX
 from tp_runtime.config import ConfigError, RuntimeConfig
+
+log = logging.getLogger("tp_runtime.cli")
+
+# --quantization values this runtime runs: a GGUF file's own block quantization (--weight-format
+# says how it is kept), or none.
+QUANTIZATIONS = ("gguf", "none")
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
@@ -35,6 +44,8 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
             raise ConfigError("--max-tokens must be at least 1")
         if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
             raise ConfigError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
+    for note in check_vllm_flags(config, args):
+        log.warning("tp-runtime: note: %s", note)
     if args.command == "serve":
         if not 0 <= config.shutdown_timeout < 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {config.shutdown_timeout}")
@@ -47,6 +58,74 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
     return resolved
+
+
+def check_vllm_flags(config: RuntimeConfig, args: argparse.Namespace) -> list[str]:
+    """vLLM's flags: refuses those that cannot apply here (a sentence that says why and what to use),
+    and returns one note for each accepted flag that changes nothing here, for the launcher to log."""
+    if args.pipeline_parallel_size != 1:
+        raise ConfigError(
+            f"--pipeline-parallel-size {args.pipeline_parallel_size}: this runtime splits a model across devices "
+            "by tensor parallelism only; use --tensor-parallel-size N (across hosts with --nnodes)"
+        )
+    quantization = (args.quantization or "none").lower()
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(
+            f"--quantization {args.quantization}: this runtime does not load {args.quantization} checkpoints; it runs "
+            "GGUF files (their 4-bit matrices kept as they are with --weight-format int4 or mixed) and dense "
+            "safetensors in --dtype: convert the model to GGUF, or leave --quantization out"
+        )
+    if quantization == "gguf" and not config.model.endswith(".gguf"):
+        raise ConfigError(f"--quantization gguf needs a .gguf model file, and {config.model} is not one")
+    if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
+        raise ConfigError("pass --kv-cache-memory or --gpu-memory-utilization, not both: each sizes the KV pool")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if not 0 <= config.max_logprobs <= TOP_LOGPROBS_MAX:
+        raise ConfigError(
+            f"--max-logprobs must be in 0..{TOP_LOGPROBS_MAX} (the most alternatives the wire carries), got "
+            f"{config.max_logprobs}"
+        )
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(
+            f"--tool-call-parser {args.tool_call_parser}: tool calls are parsed in the Hermes format "
+            "(<tool_call>{...}</tool_call>) only; pass --tool-call-parser hermes, or leave it out"
+        )
+    if config.tokenizer and not os.path.exists(config.tokenizer):
+        raise ConfigError(f"the tokenizer path {config.tokenizer} does not exist (a .gguf file or a directory with tokenizer.json)")
+    if config.chat_template:
+        _check_chat_template(config.chat_template)
+    notes = []
+    for flag, given, why in (
+        ("--trust-remote-code", args.trust_remote_code, "no code from model files runs here"),
+        ("--disable-log-requests", args.disable_log_requests, "requests are not logged here"),
+        ("--enable-auto-tool-choice", args.enable_auto_tool_choice, "tool_choice auto is always on here"),
+        ("--tool-call-parser", args.tool_call_parser is not None, "the Hermes format is the one parsed"),
+        ("--quantization", quantization == "gguf", "a GGUF file's quantization is read from the file"),
+    ):
+        if given:
+            notes.append(f"{flag} is accepted and changes nothing: {why}")
+    if config.gpu_memory_utilization and config.device != "cuda" and not _cuda_available(config):
+        notes.append(
+            f"--gpu-memory-utilization {config.gpu_memory_utilization} on the CPU: the KV pool gets that share of "
+            f"this host's memory, split among its {config.ranks_per_node} ranks, less each rank's weights and activations"
+        )
+    return notes
+
+
+def _cuda_available(config: RuntimeConfig) -> bool:
+    from tp_runtime.resolve import uses_cuda
+
+    return uses_cuda(config)
+
+
+def _check_chat_template(template: str) -> None:
+    from tp_runtime.chat import ChatTemplateError, load_chat_template
+
+    try:
+        load_chat_template(template)
+    except ChatTemplateError as exc:
+        raise ConfigError(f"--chat-template: {exc}") from None
 
 
 def _check_kv_scales(config: RuntimeConfig) -> None:

@@ -9,7 +9,15 @@ import argparse
 import sys
 
 from executor.options import WEIGHT_FORMATS
-from tp_runtime.config import DTYPES, KV_DTYPE_ALIASES, KV_DTYPES, ConfigError, RuntimeConfig, parse_size
+from tp_runtime.config import (
+    DTYPE_ALIASES,
+    DTYPES,
+    KV_DTYPE_ALIASES,
+    KV_DTYPES,
+    ConfigError,
+    RuntimeConfig,
+    parse_size,
+)
 
 EXIT_USAGE = 2
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: the server's API key when --api-key is not given
@@ -25,7 +33,10 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and parallelism")
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="number of ranks (default 1)")
-    g.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and activations (auto: bf16 where the hardware computes in it, else fp32)")
+    g.add_argument(
+        "--dtype", type=_dtype, default="auto", metavar="{" + ",".join((*DTYPES, *DTYPE_ALIASES)) + "}",
+        help="weights and activations (auto: bf16 where the hardware computes in it, else fp32; vLLM's names too)",
+    )
     g.add_argument(
         "--weight-format", choices=WEIGHT_FORMATS, default="auto",
         help="dense: all weights in --dtype; int4: a GGUF's 4-bit matrices stay 4-bit (least memory); mixed: both, "
@@ -49,12 +60,24 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16)
     g.add_argument("--num-kv-pages", type=int, default=0, help="pages in the KV pool (default: from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("1GiB"), help="KV pool size per rank (default 1GiB)")
+    g.add_argument(
+        "--kv-cache-memory", type=parse_size, default=None,
+        help="KV pool size per rank (default 1GiB, unless --gpu-memory-utilization)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+        help="vLLM's: the share of the GPU's total memory one rank may use for weights, activations and the KV "
+        "pool together, the pool getting what is left; on the CPU, the share of the host's memory, split among "
+        "the ranks on the host (default: --kv-cache-memory sizes the pool)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=0, help="default: the model's context length")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     g.add_argument("--swap-space", type=parse_size, default=0, help="host buffer for preempted pages (0: recompute)")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="share the KV pages of common prompt prefixes (default on)",
+    )
     g.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="plan and stage step N+1 while step N runs (default on; --no-async-scheduling runs steps in series)",
@@ -82,6 +105,29 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
         help="make keys per launch and pass their public halves through torchrun's rendezvous store, trusting it",
     )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    _add_vllm_options(p)
+
+
+# vLLM's --uvicorn-log-level choices; "trace" is uvicorn's own, below debug.
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _add_vllm_options(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that have a meaning of their own here, or none: tp_runtime/cli/checks.py logs the
+    ones that change nothing and refuses the ones that cannot apply, saying what to use instead."""
+    g = p.add_argument_group("vLLM's other flags (docs/http_api.md: which change what here)")
+    g.add_argument("--tokenizer", default="", help="a GGUF file or a directory with tokenizer.json (default: the model's)")
+    g.add_argument(
+        "--chat-template", default="",
+        help="a Jinja chat template, or a file holding one, in place of the tokenizer's",
+    )
+    g.add_argument("--max-logprobs", type=int, default=20, help="most alternatives per token a request may ask for (default 20)")
+    g.add_argument("--quantization", "-q", default=None, help="gguf (a GGUF file's own quantization) or none")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1: only tensor parallelism is run")
+    g.add_argument("--trust-remote-code", action="store_true", help="accepted; no code from model files runs here")
+    g.add_argument("--disable-log-requests", action="store_true", help="accepted; requests are not logged here")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted; tool_choice auto is always on")
+    g.add_argument("--tool-call-parser", default=None, help="hermes (the only format parsed; docs/http_api.md)")
 
 
 def _add_http_options(p: argparse.ArgumentParser) -> None:
@@ -111,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     serve = sub.add_parser("serve", help="run the HTTP server")
     _add_runtime_options(serve)
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (the same as --model)",
+    )
+    serve.add_argument("--seed", type=int, default=None, help="seeds the sampling of requests that bring no seed")
+    serve.add_argument(
+        "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None, help="the HTTP server's log level (default: --log-level)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -140,7 +194,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     from executor.model import default_model_path
 
     return RuntimeConfig(
-        model=args.model or default_model_path(),
+        model=_model(args) or default_model_path(),
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         weight_format=args.weight_format,
@@ -148,7 +202,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         kv_cache_scales=_kv_cache_scales(args),
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=parse_size("1GiB") if args.kv_cache_memory is None else args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization or 0.0,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -164,6 +219,11 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         debug_poison_freed_pages=args.debug_poison_freed_pages,
         debug_skip_clears=args.debug_skip_clears,
         log_level=args.log_level,
+        seed=args.seed if args.command == "serve" else None,  # generate's --seed is its request's
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        uvicorn_log_level=getattr(args, "uvicorn_log_level", None) or "",
+        max_logprobs=args.max_logprobs,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         nproc_per_node=args.nproc_per_node,
@@ -183,6 +243,22 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         timeout_keep_alive=getattr(args, "timeout_keep_alive", 5),
         require_api_key_for_metrics=getattr(args, "require_api_key_for_metrics", False),
     )
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    """--model, or the positional MODEL of `serve` (vLLM's `vllm serve MODEL`); both must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise ConfigError(f"the model is given twice, as {tag} and as --model {args.model}: give it once")
+    return tag or args.model
+
+
+def _dtype(text: str) -> str:
+    """--dtype: ours, or vLLM's names (float32, bfloat16, half, float16, float)."""
+    name = DTYPE_ALIASES.get(text, text)
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r}; choose from {', '.join((*DTYPES, *DTYPE_ALIASES))}")
+    return name
 
 
 def _kv_cache_dtype(text: str) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
+from protocol.grammar import GrammarSpec
 from protocol.sampling_limits import FLOAT32_MAX
 
 # shortfin's default for max_completion_tokens.
@@ -48,6 +49,8 @@ class SamplingRequest:
     top_logprobs: int = 0  # alternatives per sampled token
     top_logprobs_field: str = "top_logprobs"
     n: int = 1
+    min_p: float = 0.0
+    grammar: GrammarSpec | None = None  # checked by tp_runtime.http.structured_output
 
     def param(self, name: str) -> str:
         """The body's name for a field: param("max_tokens") is "sampling_params.max_completion_tokens"
@@ -93,6 +96,61 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output follows the schema either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: one of these constrains the output."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+# OpenAI fields that do not change the output of this server: accepted, and logged once per field
+# (as vLLM logs the fields it ignores), rather than refused. reasoning_effort: no model served here
+# reasons. Every other field a body does not declare is refused by name.
+IGNORED_FIELDS = (
+    "store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier", "user",
+)
+
+
 class OpenAISampling(_Body):
     """Fields shared by both OpenAI endpoints."""
 
@@ -100,30 +158,39 @@ class OpenAISampling(_Body):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # vLLM's extension: 0 or -1 is off
+    min_p: float = 0.0  # vLLM's extension: 0 is off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, changes nothing
     n: int = 1  # choices, sharing the prompt's KV pages
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
     min_tokens: int = 0  # vLLM's
     repetition_penalty: float = 1.0  # vLLM's
-    # Refused unless neutral (validation.refuse_unsupported says why); typed loosely on purpose, so
-    # that the refusal names what is missing rather than a type.
-    min_p: Any = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    # The output's format (tp_runtime/http/structured_output.py): OpenAI's and vLLM's spellings.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # IGNORED_FIELDS: accepted, change nothing.
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    user: Any = None  # OpenAI's end-user id for abuse monitoring
 
     @field_validator(
         *(
             "temperature", "top_p", "top_k", "ignore_eos", "stream", "max_tokens", "logprobs", "n", "presence_penalty",
-            "frequency_penalty", "min_tokens", "repetition_penalty",
+            "frequency_penalty", "min_tokens", "repetition_penalty", "min_p",
         ),
         mode="before",
         check_fields=False,
@@ -159,6 +226,7 @@ class OpenAISampling(_Body):
             top_logprobs=top_logprobs,
             top_logprobs_field=top_logprobs_field,
             n=self.n,
+            min_p=self.min_p,
         )
 
     @property
@@ -182,10 +250,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageIn(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls, replayed
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -194,7 +275,9 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    parallel_tool_calls: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # without tools: accepted, changes nothing
     functions: Any = None
     function_call: Any = None
 
@@ -203,6 +286,31 @@ class ChatCompletionRequest(OpenAISampling):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize with messages, through the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessageIn]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- response bodies -------------------------------------------------------------------------------
@@ -254,9 +362,30 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = []
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler: Any) -> dict[str, Any]:
+        # As OpenAI: a message without calls has no tool_calls field.
+        return {key: value for key, value in handler(self).items() if key != "tool_calls" or value}
+
+
+class ToolCallDelta(BaseModel):
+    """A call in a stream's delta, whole: OpenAI's shape with its index among the choice's calls."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -278,6 +407,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler: Any) -> dict[str, Any]:
@@ -299,6 +429,17 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

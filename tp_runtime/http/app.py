@@ -13,8 +13,8 @@ from fastapi import FastAPI
 
 from tp_runtime.http import errors
 from tp_runtime.http.metrics import Metrics
-from tp_runtime.http.middleware import ApiKeyAuth, BodyLimits, HostCheck, RequestCounter, is_loopback
-from tp_runtime.http.routes import generate, openai, status
+from tp_runtime.http.middleware import ApiKeyAuth, BodyLimits, HostCheck, OriginCheck, RequestCounter, is_loopback
+from tp_runtime.http.routes import generate, openai, status, tokenize
 from tp_runtime.http.service import GenerationService
 from tp_runtime.http.settings import ServerSettings
 from tp_runtime.http.text import TextWorker
@@ -25,11 +25,17 @@ if TYPE_CHECKING:
     from tp_runtime.engine import Engine
 
 
+# The routes that make the model generate: a foreign web page may not reach them (OriginCheck).
+GENERATING_PATHS = frozenset((generate.PATH, openai.Completions.path, openai.ChatCompletions.path))
+
+
 def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tp-runtime", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, settings.model_name)
     prompt_chars = settings.prompt_chars_limit(engine.max_model_len, tokenizer)
-    limits = Limits(tokenizer.vocab_size, engine.max_model_len, prompt_chars, tuple(tokenizer.eos_token_ids))
+    limits = Limits(
+        tokenizer.vocab_size, engine.max_model_len, prompt_chars, tuple(tokenizer.eos_token_ids), settings.max_logprobs
+    )
     text = TextWorker(tokenizer, settings.tokenizer_threads)
     app.router.on_shutdown.append(text.close)
     service = GenerationService(engine, tokenizer, metrics, limits, text)
@@ -38,11 +44,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     status.register(app, engine, metrics, settings.served_model_names, settings.model_path or settings.model_name)
     generate.register(app, service)
     openai.register(app, service, settings.served_model_names)
+    tokenize.register(app, service, settings.served_model_names)
 
     # add_middleware wraps what is there already: the last added runs first.
     app.add_middleware(
         BodyLimits, max_bytes=settings.body_size_limit(prompt_chars), timeout_s=settings.request_body_timeout_s
     )
+    app.add_middleware(OriginCheck, paths=GENERATING_PATHS)
     if settings.api_key:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key, protect_metrics=settings.require_api_key_for_metrics)
     if settings.bind_host is not None and is_loopback(settings.bind_host):

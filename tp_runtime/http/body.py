@@ -3,6 +3,7 @@ into their pydantic model, every failure a JSON 4xx."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from email.message import Message
 from typing import TypeVar
 
@@ -23,8 +24,11 @@ def _is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-async def read_json(request: Request, model: type[Body], *, any_content_type: bool = False) -> Body:
-    """The body as `model`. The OpenAI routes want a JSON content type (or none): a browser can
+async def read_json(
+    request: Request, model: type[Body] | Callable[[bytes], type[Body]], *, any_content_type: bool = False
+) -> Body:
+    """The body as `model` (or as the model that `model(raw bytes)` picks, for a route that takes two
+    shapes). The OpenAI routes want a JSON content type (or none): a browser can
     post text/plain or a form across origins without asking first, but not JSON. /generate takes
     any, as shortfin does (`curl -d` sends a form type)."""
     content_type = request.headers.get("content-type")
@@ -38,6 +42,8 @@ async def read_json(request: Request, model: type[Body], *, any_content_type: bo
     raw = await request.body()
     if not raw.strip():
         raise invalid_request("the request body is empty: send a JSON object")
+    if not isinstance(model, type):
+        model = model(raw)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

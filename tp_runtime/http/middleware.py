@@ -90,9 +90,47 @@ class HostCheck:
         await self._app(scope, receive, send)
 
 
+class OriginCheck:
+    """A web page must not be able to make the server generate. A browser sends some cross-site
+    POSTs without asking first (a "simple request": no Content-Type, text/plain, a form), and
+    /generate takes any content type on purpose; every such request carries the page's Origin. A
+    route that generates therefore refuses (403) a request whose Origin is not this server's own
+    (the scheme-less host:port of its Host header); curl and the OpenAI clients send no Origin and
+    pass."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str]):
+        self._app = app
+        self._paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "") in self._paths:
+            origin = _header(scope, b"origin")
+            if origin is not None and not _same_origin(origin, _header(scope, b"host")):
+                error = ApiError(
+                    403,
+                    f"requests from the web page at {origin.decode('latin-1')!r} may not generate here: this server "
+                    "answers such requests only without an Origin header (as curl and API clients send them)",
+                    type="invalid_request_error",
+                    code="foreign_origin",
+                )
+                await error.send(send, close=True)
+                return
+        await self._app(scope, receive, send)
+
+
+def _same_origin(origin: bytes, host: bytes | None) -> bool:
+    """Whether an Origin ("http://host:port", or "null") names the server the request was sent to."""
+    text = origin.decode("latin-1").strip().lower()
+    scheme, sep, authority = text.partition("://")
+    if not sep or scheme not in ("http", "https") or host is None:
+        return False
+    return authority.rstrip("/") == host.decode("latin-1").strip().lower()
+
+
 class ApiKeyAuth:
-    """Bearer-token auth (`Authorization: Bearer <key>`) on the API routes: every /v1 path and
-    /generate, and /metrics when `protect_metrics`; /health stays open for probes."""
+    """Bearer-token auth (`Authorization: Bearer <key>`) on the API routes: every /v1 path, /generate,
+    /tokenize and /detokenize, and /metrics when `protect_metrics`; /health, /ping and /version stay
+    open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool):
         self._app = app
@@ -100,7 +138,11 @@ class ApiKeyAuth:
         self._protect_metrics = protect_metrics
 
     def protects(self, path: str) -> bool:
-        return path.startswith("/v1") or path == "/generate" or (self._protect_metrics and path == "/metrics")
+        return (
+            path.startswith("/v1")
+            or path in ("/generate", "/tokenize", "/detokenize")
+            or (self._protect_metrics and path == "/metrics")
+        )
 
     def _authorized(self, scope: Scope) -> bool:
         header = _header(scope, b"authorization") or b""

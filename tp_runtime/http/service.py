@@ -18,18 +18,19 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from protocol.grammar import GrammarSpec
 from scheduler.request import SamplingParams
 from scheduler.scheduler import AdmissionError
-from tp_runtime.chat import ChatMessage, ChatTemplateError, parse_messages
+from tp_runtime.chat import ChatTemplateError, parse_messages
 from tp_runtime.engine import EngineOverloaded, EngineUnavailable
-from tp_runtime.http import validation
+from tp_runtime.http import structured_output, validation
 from tp_runtime.http.api_models import SamplingRequest
 from tp_runtime.http.errors import ADMISSION_CODE, ApiError, invalid_request, overloaded, unavailable
 from tp_runtime.http.generation import Generation, GenerationFailed, Piece
@@ -62,26 +63,41 @@ class GenerationService:
 
     # ---- prompt -> token ids ----------------------------------------------------------------------
 
-    async def encode_prompt(self, text: str, param: str) -> list[int]:
+    async def encode_prompt(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         validation.check_text(text, param)
         validation.check_prompt_chars(len(text), self.limits, param)
-        return await self._text.encode(text)
+        return await self._text.encode(text, add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[object]) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[object],
+        tools: Sequence[Mapping[str, object]] = (),
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Messages (tool-call histories included) and tool definitions through the chat template."""
         try:
             parsed = parse_messages(messages)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from exc
         for index, message in enumerate(parsed):
             validation.check_text(message.content, f"messages.{index}.content")
-        validation.check_prompt_chars(sum(len(m.content) for m in parsed), self.limits, "messages")
+            for call in message.tool_calls:
+                validation.check_text(call.arguments, f"messages.{index}.tool_calls")
+        chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in parsed)
+        validation.check_prompt_chars(chars, self.limits, "messages")
         try:
-            return await self._text.encode_chat([ChatMessage(m.role, m.content) for m in parsed])
+            return await self._text.encode_chat(parsed, tools, add_generation_prompt, add_special_tokens)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), param="messages") from exc
 
+    async def check_grammar(self, asked: structured_output.Asked | None) -> GrammarSpec | None:
+        """The grammar checked with the engine, off the event loop (a large schema takes a while)."""
+        return None if asked is None else await self._text.run(structured_output.checked, asked)
+
     def check_sampling(self, sampling: SamplingRequest) -> None:
         validation.check_sampling(sampling, self.limits.vocab_size)
+        validation.check_max_logprobs(sampling, self.limits.max_logprobs)
 
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingRequest, prompt_param: str) -> Prepared:
         return validation.prepare(prompt_token_ids, sampling, self.limits, prompt_param)

@@ -24,6 +24,7 @@ class ServerSettings:
     max_prompt_chars: int = 0  # 0: the context length times the longest token's characters
     request_body_timeout_s: float = 30.0  # the whole body must arrive within this
     tokenizer_threads: int = 2
+    max_logprobs: int = 20  # --max-logprobs: alternatives per token a request may ask for
 
     def __post_init__(self) -> None:
         names = self.served_model_names

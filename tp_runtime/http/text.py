@@ -10,7 +10,7 @@ switch interval. The prompt-length cap (validation.check_prompt_chars) bounds th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -25,19 +25,30 @@ class TextWorker:
         self._tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A plain prompt, with what the model's files add to one (a BOS, if any)."""
-        return await self._run(self._tokenizer.encode, text)
+        return await self.run(self._tokenizer.encode, text, add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Messages through the model's chat template; raises ChatTemplateError."""
-        return await self._run(self._encode_chat, messages)
+    async def encode_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, object]] = (),
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Messages (and tool definitions) through the model's chat template; raises ChatTemplateError.
+        The template writes the special tokens (BOS, turn markers) itself: add_special_tokens only for
+        a caller that asks (vLLM's /tokenize)."""
 
-    def _encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        # The template writes the special tokens (BOS, turn markers) itself.
-        return self._tokenizer.encode(render_chat(self._tokenizer, messages), add_special_tokens=False)
+        def encode() -> list[int]:
+            text = render_chat(self._tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _run(self, function: Callable[..., T], *args: object) -> T:
+        return await self.run(encode)
+
+    async def run(self, function: Callable[..., T], *args: object) -> T:
+        """`function(*args)` on the pool: work on text that must not hold the event loop (tokenizing,
+        templating, checking a grammar)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ check_text, check_prompt_chars) before any tokenizing, then `prepare` on the tok
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +28,16 @@ from protocol.sampling_limits import (
     TOP_P_MIN,
 )
 from scheduler.request import InvalidSamplingParams, SamplingParams
-from tp_runtime.http.api_models import ChatCompletionRequest, CompletionRequest, OpenAISampling, SamplingRequest
+from tp_runtime.http.api_models import (
+    IGNORED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAISampling,
+    SamplingRequest,
+)
 from tp_runtime.http.errors import context_too_long, invalid_request, model_not_found, unsupported
+
+log = logging.getLogger("tp_runtime.http")
 
 MAX_STOP_STRINGS = 16
 # The stop matcher compares a held-back tail against each stop string's prefixes on every token:
@@ -46,6 +55,7 @@ class Limits:
     max_model_len: int
     max_prompt_chars: int
     eos_token_ids: tuple[int, ...]
+    max_logprobs: int = TOP_LOGPROBS_MAX
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ def check_sampling(sampling: SamplingRequest, vocab_size: int) -> None:
     check_stops(sampling.stop, p("stop"))
     check_token_ids(sampling.stop_token_ids, vocab_size, p("stop_token_ids"))
     check_processing(sampling)
+    check_min_p(sampling)
     logit_bias(sampling, vocab_size)
     if not 1 <= sampling.n <= MAX_N:
         raise invalid_request(f"'{p('n')}' must be in [1, {MAX_N}], got {sampling.n}", param=p("n"))
@@ -210,25 +221,49 @@ def _neutral(value: object, *accepted: object) -> bool:
     return False
 
 
-_TOOLS = "is not supported: this server does not call tools"
 # field -> (neutral values, why any other is refused)
 _UNSUPPORTED: dict[str, tuple[tuple[object, ...], str]] = {
-    "min_p": ((0,), "must be 0: min-p sampling is not supported"),
-    "response_format": (({"type": "text"},), "is not supported: output is not constrained to a format"),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
-    "functions": (([],), _TOOLS),
-    "function_call": (("none",), _TOOLS),
-    "parallel_tool_calls": ((True, False), "must be a boolean"),
+    "functions": (([],), "is OpenAI's deprecated form of tools: send 'tools' instead"),
+    "function_call": (("none",), "is OpenAI's deprecated form of tool_choice: send 'tool_choice' instead"),
     "echo": ((False,), "is not supported: the prompt is not returned"),
     "suffix": (("",), "is not supported: no text is inserted after the completion"),
 }
+_logged_ignored: set[str] = set()
 
 
 def refuse_unsupported(body: OpenAISampling) -> None:
     for name, (accepted, reason) in _UNSUPPORTED.items():
         if name in type(body).model_fields and not _neutral(getattr(body, name), *accepted):
             raise unsupported(name, reason)
+
+
+def ignored_fields(body: OpenAISampling) -> list[str]:
+    """The IGNORED_FIELDS the body set (parallel_tool_calls among them when it sends no tools); each
+    is logged the first time a body sets it, as vLLM logs the fields it ignores."""
+    names = [name for name in IGNORED_FIELDS if getattr(body, name) is not None]
+    if getattr(body, "parallel_tool_calls", None) is not None and not getattr(body, "tools", None):
+        names.append("parallel_tool_calls")
+    for name in names:
+        if name not in _logged_ignored:
+            _logged_ignored.add(name)
+            log.warning("the request field %r is accepted and changes nothing here (logged once)", name)
+    return names
+
+
+def check_min_p(sampling: SamplingRequest) -> None:
+    if not 0.0 <= sampling.min_p <= 1.0:
+        param = sampling.param("min_p")
+        raise invalid_request(f"'{param}' must be in [0, 1] (0: off), got {sampling.min_p!r}", param=param)
+
+
+def check_max_logprobs(sampling: SamplingRequest, max_logprobs: int) -> None:
+    if sampling.top_logprobs > max_logprobs:
+        param = sampling.param(sampling.top_logprobs_field)
+        raise invalid_request(
+            f"'{param}' asks for {sampling.top_logprobs} alternatives; this server returns up to {max_logprobs} "
+            "(--max-logprobs)",
+            param=param,
+        )
 
 
 def check_best_of(body: CompletionRequest) -> None:
@@ -303,6 +338,8 @@ def prepare(prompt_token_ids: list[int], sampling: SamplingRequest, limits: Limi
             min_tokens=sampling.min_tokens,
             logit_bias=logit_bias(sampling, limits.vocab_size),
             top_logprobs=sampling.top_logprobs,
+            min_p=sampling.min_p,
+            grammar=sampling.grammar,
         )
     except InvalidSamplingParams as exc:  # check_sampling covers these ranges; this is its backstop
         raise invalid_request(str(exc)) from exc

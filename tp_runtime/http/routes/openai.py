@@ -8,6 +8,7 @@ with its index, and the usage counts the prompt once and every choice's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import ClassVar, Generic, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tp_runtime.http import logprobs, validation
+from tp_runtime.http import logprobs, structured_output, tool_calls, validation
 from tp_runtime.http.api_models import (
     AssistantMessage,
     ChatChoice,
@@ -42,6 +43,7 @@ from tp_runtime.http.generation import Generation, Piece, SampledToken
 from tp_runtime.http.routes.generate import CLIENT_CLOSED
 from tp_runtime.http.service import Collected, GenerationService, arrival_time, pieces_of
 from tp_runtime.http.sse import DONE, sse
+from tp_runtime.http.tool_calls import FINISH_TOOL_CALLS, ToolCallStream, ToolPlan
 
 Body = TypeVar("Body", bound=OpenAISampling)
 
@@ -55,6 +57,8 @@ class Reply:
     model: str
     logprobs: bool
     generations: tuple[Generation, ...]  # one per choice, in index order
+    tools: ToolPlan | None = None  # chat: what the request's tools ask of its output
+    tool_streams: tuple[ToolCallStream, ...] = ()  # a stream's, one per choice
 
     @property
     def usage(self) -> Usage:
@@ -77,15 +81,22 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         body = await read_json(request, self.body_type)
         validation.check_model(body.model, self.served)
         validation.refuse_unsupported(body)
+        validation.ignored_fields(body)
         self.check_choices(body)
         want_logprobs, alternatives = self.wants_logprobs(body)
+        tools = self.tool_plan(body)
+        grammar = await service.check_grammar(_grammar(body, tools))
         sampling = body.sampling(*self.max_tokens(body), alternatives, self.alternatives_field)
+        sampling = dataclasses.replace(sampling, grammar=grammar)
         service.check_sampling(sampling)
         prompt, prompt_param = await self.prompt_ids(body)
         generations = service.start(service.prepare(prompt, sampling, prompt_param), arrival)
         # vLLM's semantics: a request may name any served name; answers carry the first.
         request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        reply = Reply(request_id, int(time.time()), self.served[0], want_logprobs, tuple(generations))
+        streams = tuple(ToolCallStream(tools) for _ in generations) if tools and tools.parses and body.stream else ()
+        reply = Reply(
+            request_id, int(time.time()), self.served[0], want_logprobs, tuple(generations), tools, streams
+        )
         if not body.stream:
             collected = await service.collect(request, generations)
             if collected is None:
@@ -121,6 +132,10 @@ class OpenAIEndpoint(ABC, Generic[Body]):
     def check_choices(self, body: Body) -> None:
         """Fields about the choices beyond n (completions' best_of)."""
 
+    def tool_plan(self, body: Body) -> ToolPlan | None:
+        """What the body's tools ask of the output (chat only)."""
+        return None
+
     @abstractmethod
     def max_tokens(self, body: Body) -> tuple[int | None, str]:
         """The limit on generated tokens and the field that set it."""
@@ -144,6 +159,19 @@ class OpenAIEndpoint(ABC, Generic[Body]):
 
     @abstractmethod
     def usage_chunk(self, reply: Reply, usage: Usage) -> str: ...
+
+
+def _grammar(body: OpenAISampling, tools: ToolPlan | None) -> structured_output.Asked | None:
+    """The output's grammar: the body's format, or what a required or named tool choice needs."""
+    asked = structured_output.requested_grammar(body)
+    forced = tools.grammar() if tools is not None else None
+    if forced is None:
+        return asked
+    if asked is not None:
+        raise invalid_request(
+            f"'{asked.param}' and a tool_choice of {tools.mode} both constrain the output: send one", param=asked.param
+        )
+    return structured_output.Asked(forced, "tools")
 
 
 def _tokens(collected: Collected) -> list[SampledToken]:
@@ -226,6 +254,9 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
     def max_tokens(self, body: ChatCompletionRequest) -> tuple[int | None, str]:
         return body.max_tokens_given()
 
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
+        return tool_calls.plan(body)
+
     async def prompt_ids(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
         for index, message in enumerate(body.messages):
             if message.name is not None:
@@ -234,18 +265,20 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                     code="unsupported_parameter",
                     param=f"messages.{index}.name",
                 )
-        return await self.service.encode_chat([m.model_dump() for m in body.messages]), "messages"
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        return await self.service.encode_chat([m.model_dump() for m in body.messages], tools), "messages"
 
     def response(self, body: ChatCompletionRequest, reply: Reply, collected: Sequence[Collected]) -> dict:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=whole.text),
-                finish_reason=whole.finish_reason,
-                logprobs=self._logprobs(reply, _tokens(whole)),
-            )
-            for index, whole in enumerate(collected)
-        ]
+        choices = []
+        for index, whole in enumerate(collected):
+            message, reason = AssistantMessage(content=whole.text), whole.finish_reason
+            if reply.tools is not None and reply.tools.parses:
+                content, calls = reply.tools.calls(whole.text)
+                message = AssistantMessage(content=content, tool_calls=tool_calls.tool_calls_out(calls))
+                reason = FINISH_TOOL_CALLS if calls and reason == "stop" else reason
+            choices.append(ChatChoice(
+                index=index, message=message, finish_reason=reason, logprobs=self._logprobs(reply, _tokens(whole))
+            ))
         answer = ChatCompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=reply.usage
         )
@@ -266,17 +299,24 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
     def chunks(self, body: ChatCompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         # The piece's logprobs go with its text, or with the closing chunk when it has none.
         logprobs_ = self._logprobs(reply, piece.tokens) if piece.tokens else None
+        text, calls, reason = piece.text, [], piece.finish_reason
+        if reply.tool_streams:  # tool calls: text that may start one is held until the end
+            stream = reply.tool_streams[index]
+            text = stream.feed(text)
+            if reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                reason = FINISH_TOOL_CALLS if calls and reason == "stop" else reason
         out = []
-        if piece.text:
-            choice = ChatChunkChoice(
-                index=index, delta=ChatDelta(content=piece.text), logprobs=logprobs_, finish_reason=None
-            )
+        if text:
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs_, finish_reason=None)
             out.append(self._chunk(reply, choice))
             logprobs_ = None
-        if piece.finish_reason is not None:
-            choice = ChatChunkChoice(
-                index=index, delta=ChatDelta(), logprobs=logprobs_, finish_reason=piece.finish_reason
-            )
+        if calls:
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=calls), finish_reason=None)
+            out.append(self._chunk(reply, choice))
+        if reason is not None:
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=logprobs_, finish_reason=reason)
             out.append(self._chunk(reply, choice))
         return out
 
