@@ -43,7 +43,7 @@ class ExecutorOptions:
     debug_poison_cache: bool = False  # fill the whole cache with 0xFF at allocation
     debug_poison_freed: bool = False  # honour Prepare.poison_pages (pages back in the free pool)
     debug_skip_clears: bool = False  # ignore Prepare.cleared_pages
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = 0.25  # the frontend calls a rank stopped after 2 s without a frame
     # Silence from the scheduler for this long, while idle, ends the executor.
     peer_timeout_s: float = 5.0
     # How long to wait for WELCOME after HELLO: other ranks may still be loading weights.

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 from tp_runtime import hosts
@@ -106,7 +106,11 @@ def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
     finally:
         del store
 
-def torchrun_argv(config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str]) -> list[str]:
+def torchrun_argv(
+    config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str], max_restarts: int = 0
+) -> list[str]:
+    """max_restarts: 0 where a failed rank ends the launch; under supervise() the agent restarts
+    the group and the frontend's window decides when to stop (tp_runtime/recovery.py)."""
     return [
         f"--nnodes={config.nnodes}",
         f"--nproc-per-node={config.ranks_per_node}",
@@ -115,7 +119,7 @@ def torchrun_argv(config: RuntimeConfig, endpoint: str, local_addr: str, argv: l
         f"--rdzv-id={RDZV_ID}",
         "--rdzv-conf=is_host=false",  # the launcher hosts the store (above), the agent joins it
         f"--local-addr={local_addr}",  # the address rank 0's agent publishes as MASTER_ADDR
-        "--max-restarts=0",
+        f"--max-restarts={max_restarts}",
         "--monitor-interval=0.2",
         f"--shutdown-timeout={torchrun_grace_s(config)}",
         "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT",  # not SIGTERM: the launcher's (_Stop)
@@ -134,12 +138,24 @@ def quiet_torchrun(log_level: str) -> None:
         os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+def supervise(config: RuntimeConfig, argv: list[str]) -> bool:
+    """`serve` on one host runs its frontend beside the agent and restarts a failed executor group
+    (tp_runtime/supervisor.py). Across hosts, and for `generate`, the frontend is rank 0's child and
+    a failed rank ends the launch."""
+    return argv[:1] == ["serve"] and not config.multi_node
+
+
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
     """Starts `python -m tp_runtime <argv>` on this host's ranks through torchrun's launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
+
+    from tp_runtime.bootstrap import frontend_nice
+    from tp_runtime.recovery import AGENT_MAX_RESTARTS
+    from tp_runtime.resolve import uses_cuda
+    from tp_runtime.supervisor import Supervisor, agent_observed_by
 
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
@@ -149,9 +165,17 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
-    _end_stragglers(STOP_MARGIN_S)
-    with _rendezvous(config) as (endpoint, local_addr):
-        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv))
+    supervisor: Supervisor | None = None
+    if supervise(config, argv):
+        supervisor = Supervisor(config, frontend_nice(config, uses_cuda(config)))
+        stop.targets = lambda: [supervisor.frontend.pid]
+    else:
+        _end_stragglers(STOP_MARGIN_S)
+    observed = agent_observed_by(supervisor) if supervisor is not None else contextlib.nullcontext()
+    max_restarts = AGENT_MAX_RESTARTS if supervisor is not None else 0
+    code = 0
+    with _rendezvous(config) as (endpoint, local_addr), observed:
+        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv, max_restarts))
         try:
             run(torchrun_args)
         except SignalException as exc:
@@ -159,15 +183,20 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
                 sys.stderr.write(
                     f"tp-runtime: error: the ranks did not stop within {stop.after_s:g} s of SIGTERM: stopped by force\n"
                 )
-                return 1
-            log.info("stopped by %s", exc.sigval.name)
-            return 0
+                code = 1
+            elif supervisor is None or not supervisor.ended:
+                log.info("stopped by %s", exc.sigval.name)
         except ChildFailedError:  # the ranks or the frontend have said why
-            return 1
+            code = 1
         except RendezvousError as exc:
             sys.stderr.write(f"tp-runtime: error: the rendezvous at {endpoint} failed: {exc}\n")
-            return 1
-    return 0
+            code = 1
+        finally:
+            if supervisor is not None:
+                supervisor.close()
+    if supervisor is not None and code == 0:
+        return 0 if supervisor.frontend_code == 0 else 1  # the frontend has said why
+    return code
 
 class _Stop:
     """SIGTERM to the launcher: the launcher, not torchrun's agent, passes it on to this host's ranks.
@@ -182,6 +211,9 @@ class _Stop:
         self.after_s = after_s
         self.forced = False
         self._signalled = False
+        # Who drains: the ranks (rank 0 passes it to its frontend child), or under supervise() the
+        # frontend beside them, which tells the ranks to stop once it has drained.
+        self.targets: Callable[[], Iterable[int]] = lambda: _children()
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, _signum: int, _frame: object) -> None:
@@ -189,7 +221,7 @@ class _Stop:
             self._force()
             return
         self._signalled = True
-        for pid in _children():
+        for pid in self.targets():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         timer = threading.Timer(self.after_s, self._force)

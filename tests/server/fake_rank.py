@@ -46,12 +46,15 @@ class FakeRank(threading.Thread):
         self._delay = step_delay_s
         self._prepared: Prepare | None = None
         self.steps = 0
+        self.vanish = threading.Event()  # set: the rank closes its socket at its next frame, as a killed process would
 
     def run(self) -> None:
         peer = self._peer
         try:
             peer.send(Hello(0, 1, SUPPORTED_VERSIONS, LAYOUT_VERSION, "fake", GEOMETRY), 0)
             while (frame := peer.recv(20_000)) is not None:
+                if self.vanish.is_set():
+                    return
                 body = frame.body
                 if isinstance(body, Shutdown):
                     return
