@@ -435,19 +435,10 @@ class Engine:
             f"({recovery.reason}): retry later"
         )
         log.error("%s", reason)
-        for request_id, stream in list(self._streams.items()):
-            stream.push(TokenEvent((), (), True, "error", reason, fault=Fault.RECOVERY_TIMEOUT))
+        for request_id in self._streams:
             self._scheduler.cancel(request_id)
-            self._forget(request_id)
-        self._scheduler.drain_outputs()  # the cancellations: their streams have ended already
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Submit):
-                command.stream.push(TokenEvent((), (), True, "error", reason, fault=Fault.RECOVERY_TIMEOUT))
-                self._applied += 1
+        self._scheduler.drain_outputs()  # the cancellations' outputs: their streams end with the reason
+        self._fail_all(reason, Fault.RECOVERY_TIMEOUT)
 
     def _forget(self, request_id: int) -> None:
         del self._streams[request_id]
@@ -555,3 +546,4 @@ class Engine:
                 break
             if isinstance(command, _Submit):
                 command.stream.push(TokenEvent((), (), True, "error", reason, fault=fault))
+                self._applied += 1

@@ -213,7 +213,7 @@ class _Stop:
         self._signalled = False
         # Who drains: the ranks (rank 0 passes it to its frontend child), or under supervise() the
         # frontend beside them, which tells the ranks to stop once it has drained.
-        self.targets: Callable[[], Iterable[int]] = lambda: _children()
+        self.targets: Callable[[], Iterable[int]] = live_children
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, _signum: int, _frame: object) -> None:
@@ -244,11 +244,11 @@ def _end_stragglers(after_s: float) -> None:
 
     def watch() -> None:
         seen: set[int] = set()
-        while not seen - set(live := _children()):
+        while not seen - set(live := live_children()):
             seen.update(live)
             time.sleep(0.2)
         deadline = time.monotonic() + after_s
-        while children := _children():
+        while children := live_children():
             for pid, state in children.items():
                 if state == "T" or time.monotonic() > deadline:
                     with contextlib.suppress(ProcessLookupError):
@@ -258,7 +258,7 @@ def _end_stragglers(after_s: float) -> None:
     threading.Thread(target=watch, name="stragglers", daemon=True).start()
 
 
-def _children() -> dict[int, str]:
+def live_children() -> dict[int, str]:
     """This process's live children and their states: the ranks torchrun's agent started (it runs in
     this process); an exited one that the agent has not reaped yet is left out."""
     me, children = os.getpid(), {}

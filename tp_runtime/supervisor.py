@@ -35,6 +35,7 @@ from collections.abc import Callable
 from tp_runtime.bootstrap import BOOTSTRAP_ENV
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.group_broker import LineReader, send_line
+from tp_runtime.launcher import live_children
 from tp_runtime.worker_process import remove_ipc_dir
 
 log = logging.getLogger("tp_runtime.launch")
@@ -161,22 +162,18 @@ def agent_observed_by(supervisor: Supervisor):
 
 def rank_pids(frontend_pid: int, restart: int | None = None) -> list[int]:
     """This process's children that torchrun's agent started (of group `restart` when given)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == frontend_pid:
+    found = []
+    for pid in live_children():
+        if pid == frontend_pid:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != me or fields[0] == "Z":
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.partition(b"=")[::2] for item in f.read().split(b"\0") if item)
         except OSError:
             continue
         count = env.get(RESTART_COUNT_ENV.encode())
         if count is not None and (restart is None or int(count) == restart):
-            found.append(int(entry))
+            found.append(pid)
     return found
 
 
