@@ -12,14 +12,18 @@ with left padding, as a user would write it, from the same weights in the same d
 
 The two loops (`--async-scheduling` on and off) run as two servers started together and measured
 one after the other at each level, in alternating order, so that a drift of the machine's load
-falls on both alike; the reference runs after them, never at the same time. Before the servers
+falls on both alike; so do the servers of `--variant NAME=FLAGS` (the first loop's flags and
+FLAGS) and `--baseline DIR` (another checkout's runtime, for before/after in one run). The
+reference runs after them, never at the same time. Before the servers
 start, scripts/bench_model.py times the model's batch-1 decode step in this same run.
 
-Reported per loop and level: output tokens/s, time to first token and time per output token
-(median and p99), and from the runtime's /metrics the share of step time that rank 0's model sat
-idle on the control plane, and its mean step. Targets (serving_report.py): >= 3x the reference's
-throughput at concurrency 32 and >= 1.5x at 1; the overlapped TPOT at concurrency 1 within 10% of
-the model's batch-1 step; the control plane's share under 2% at 32.
+Reported per server and level: output tokens/s, time to first token and time per output token
+(median and p99), from the runtime's /metrics the share of step time that rank 0's model sat idle
+on the control plane and its mean step, and from /proc the CPU time of each of its processes per
+output token. Targets (serving_report.py): >= 3x the reference's throughput at concurrency 32 and
+>= 1.5x at 1; the overlapped TPOT at concurrency 1 within 5% of the model's batch-1 step; the CPU
+of the processes that do not run the model at most 0.3 ms per output token at 1 and 0.05 at 32;
+the control plane's share under 2% at 32.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+import shlex
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -46,9 +51,11 @@ import httpx  # noqa: E402
 from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
 from scripts.harness.metrics import scrape_metrics  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
+from scripts.harness.processes import cpu_seconds  # noqa: E402
 from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigterm  # noqa: E402
 from scripts.prompts import PromptBuilder  # noqa: E402
 from scripts.serving_report import (  # noqa: E402
+    BASELINE,
     OVERHEAD_METRICS,
     OVERLAP,
     SERIAL,
@@ -145,9 +152,28 @@ def warm_up(url: str, model: str, prompt: tuple[int, ...], timeout_s: float) -> 
     asyncio.run(go())
 
 
-def bench_servers(urls: dict[str, str], levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace) -> tuple[dict[int, list[LoopRun]], dict[int, list[list[int]]]]:
-    """Every level on every server (loop name -> url), the loops' order alternating from level to
-    level; the outputs are the first loop's."""
+def _process_cpu(server: RuntimeServer | None) -> dict[str, float]:
+    """label -> CPU seconds so far of each of a server's processes still alive; none for a --url."""
+    if server is None:
+        return {}
+    seconds = {label: cpu_seconds(ref.pid) for label, ref in server.processes().items()}
+    return {label: value for label, value in seconds.items() if value is not None}
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float] | None:
+    if not before or not tokens:
+        return None
+    return {label: round((after[label] - before[label]) / tokens * 1e3, 4) for label in before if label in after}
+
+
+def bench_servers(
+    urls: dict[str, str], levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace,
+    servers: dict[str, RuntimeServer] | None = None,
+) -> tuple[dict[int, list[LoopRun]], dict[int, list[list[int]]]]:
+    """Every level on every server (name -> url), their order alternating from level to level; the
+    outputs are the first server's. With `servers` (the RuntimeServers behind the urls), the CPU
+    time of each of their processes per output token, over each level."""
+    servers = servers or {}
     models = {loop: served_model(url) for loop, url in urls.items()}
     for loop, url in urls.items():
         warm_up(url, models[loop], levels[min(levels)][0], args.request_timeout)
@@ -160,9 +186,11 @@ def bench_servers(urls: dict[str, str], levels: dict[int, list[tuple[int, ...]]]
         for loop in order:
             url = urls[loop]
             before = asyncio.run(_metrics(url))
+            cpu_before = _process_cpu(servers.get(loop))
             results, wall = asyncio.run(run_server_level(url, models[loop], prompts, concurrency, args.output_len, args.request_timeout))
+            cpu = cpu_per_token(cpu_before, _process_cpu(servers.get(loop)), sum(r.output_tokens for r in results))
             after = asyncio.run(_metrics(url))
-            by_loop[loop] = loop_run(loop, server_side(results, wall, args.output_len), overhead_between(before, after))
+            by_loop[loop] = loop_run(loop, server_side(results, wall, args.output_len), overhead_between(before, after), cpu)
             if loop == first:
                 outputs[concurrency] = [list(r.token_ids) for r in results]
             _progress(f"tp-runtime  {loop:8} c={concurrency:<3} {by_loop[loop].side.tokens_per_s:8.1f} tok/s")
@@ -260,6 +288,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--loops", default=f"{OVERLAP},{SERIAL}",
         help=f"step loops to run side by side: {OVERLAP} (--async-scheduling) and/or {SERIAL}; the first meets the reference",
     )
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="one more server, the first loop's with these serve flags added (e.g. 'eager=--enforce-eager'); repeatable",
+    )
+    p.add_argument(
+        "--baseline", type=Path, default=None, metavar="DIR",
+        help=f"one more server, named {BASELINE}, running another checkout's runtime with the first loop's flags",
+    )
     p.add_argument("--no-model-step", action="store_true", help="skip bench_model's batch-1 step")
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     p.add_argument("--check-targets", action="store_true", help="exit 1 when a target is missed")
@@ -275,7 +311,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--loops takes {OVERLAP} and/or {SERIAL}, comma-separated")
     if args.url:
         args.loops = args.loops[:1]  # one server, whatever loop it runs
+        if args.variant or args.baseline:
+            p.error("--variant and --baseline start servers: not with --url")
+    args.variants = {}
+    for item in args.variant:
+        name, sep, flags = item.partition("=")
+        if not sep or not name or name in (*LOOP_FLAGS, BASELINE, *args.variants):
+            p.error(f"--variant {item!r}: expected NAME=FLAGS with a new name")
+        args.variants[name] = tuple(shlex.split(flags))
+    if args.baseline is not None and not (args.baseline / "tp_runtime" / "__main__.py").is_file():
+        p.error(f"--baseline {args.baseline}: not a tp-runtime checkout (no tp_runtime/__main__.py)")
     return args
+
+
+def server_specs(args: argparse.Namespace) -> dict[str, tuple[ServerOptions, Path | None]]:
+    """name -> (serve flags, checkout) of every server this run starts: the loops, the variants
+    (the first loop's flags and theirs) and the baseline (the first loop's flags, another tree)."""
+    specs: dict[str, tuple[ServerOptions, Path | None]] = {loop: (server_options(args, loop), None) for loop in args.loops}
+    first = server_options(args, args.loops[0])
+    for name, flags in args.variants.items():
+        specs[name] = (replace(first, extra_args=(*first.extra_args, *flags)), None)
+    if args.baseline is not None:
+        specs[BASELINE] = (first, args.baseline.resolve())
+    return specs
 
 
 def server_options(args: argparse.Namespace, loop: str) -> ServerOptions:
@@ -323,10 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
         with contextlib.ExitStack() as stack:
             servers = {
-                loop: stack.enter_context(RuntimeServer(server_options(args, loop), out / f"server-{loop}.log"))
-                for loop in args.loops
+                name: stack.enter_context(RuntimeServer(options, out / f"server-{name}.log", checkout=checkout))
+                for name, (options, checkout) in server_specs(args).items()
             }
-            runs, runtime_outputs = bench_servers({loop: s.url for loop, s in servers.items()}, levels, args)
+            runs, runtime_outputs = bench_servers({name: s.url for name, s in servers.items()}, levels, args, servers)
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}
     if not args.no_reference:

@@ -10,8 +10,8 @@
 3. The step loop itself at 1, 2 and 3 ranks: PREPARE -> validate + stage -> READY -> GO -> forward
    -> RESULT/DONE, with a forward that is one all_reduce and --forward-ms of sleep (a GPU model's
    thread, waiting with the GIL released) or of tiny torch ops (`--forward gil`: a CPU model's many
-   small ops, which hold the GIL between kernels), and zero logits on rank 0, so what is measured
-   is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
+   small ops, which hold the GIL between kernels), and fixed peaked logits on rank 0, so what is
+   measured is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
    steady decode steps of --rows rows (feedback tokens, page tables held). Per run: the step
    (median, p90), and the gap between two forwards (median, p90): from the end of forward N on the
    last rank to finish it to the start of forward N+1 on the last rank to start it, which each
@@ -249,6 +249,9 @@ class CollectiveOnlyModel:
         self.shard = CollectiveShard(local_kv_heads=len(range(rank, KV_HEADS, world_size)))
         self.token = torch.zeros(1)
         self._scratch = torch.zeros(64)
+        # A model's rows are peaked (a few likely tokens), which the sampler's top-p takes by its fast
+        # path; zeros would be its flat worst case, a cost of the sampler, not of the control plane.
+        self._logits = torch.randn(DECODE_SEQS, BENCH_VOCAB, generator=torch.Generator().manual_seed(0)) * 4
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         started = time.perf_counter()
@@ -260,7 +263,10 @@ class CollectiveOnlyModel:
             end = started + self.forward_s
             while time.perf_counter() < end:
                 self._scratch.add_(1.0)
-        return torch.zeros(inputs.sample_rows.shape[0], BENCH_VOCAB) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        rows = inputs.sample_rows.shape[0]
+        return self._logits.repeat(-(-rows // DECODE_SEQS), 1)[:rows]
 
 
 class StampedModel:

@@ -15,6 +15,7 @@ SHUTDOWN or breaks the protocol after GO.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter
 log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DUTY_INTERVAL_S = 0.05  # how often liveness (closed connections, silence, deadlines) is looked at
 # A rank whose collective failed reports it at once, while the peer that died under the collective
 # may have its connection's close still unread: this long for it, so that the error names the rank
 # that died (a killed rank 1 reached the client as "rank 0 ... gloo Read error").
@@ -145,10 +147,12 @@ class StepLoop:
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
         self._last_heartbeat = 0.0
+        self._duties_at = 0.0
         # Silence counts from the WELCOME at the earliest: a rank that said HELLO first waits for the
         # others (still loading their weights) without a word, for as long as they take.
         self._welcomed_at = 0.0
         self._model_had_work = False  # the last RESULT left work behind: the next step follows at once
+        self._undelivered: list[RequestOutput] = []  # a RESULT's outputs, held until the next PREPARE is out
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -205,12 +209,14 @@ class StepLoop:
         """Plan what can be planned, then handle frames for up to wait_s (less if woken)."""
         self._plan()
         now = time.monotonic()
-        got = self.endpoint.recv(max(0, int(min(wait_s, self._next_duty(now) - now) * 1000)))
+        got = self.endpoint.recv(max(0, math.ceil(min(wait_s, self._next_duty(now) - now) * 1000)))
         while got is not None:
             for event in self.conversation.receive(got.rank, got.frame or got.error, time.monotonic()):
                 self._on_event(event)
             got = self.endpoint.recv(0)
-        self._duties(time.monotonic())
+        now = time.monotonic()
+        if now >= self._next_duty(now):
+            self._duties(now)
 
     def _plan(self) -> None:
         conv = self.conversation
@@ -222,15 +228,23 @@ class StepLoop:
             t0 = time.perf_counter()
             plan = self.scheduler.plan_step()
             self.counters.plan_s += time.perf_counter() - t0
-            self._deliver(self.scheduler.drain_outputs())
             if plan is None:
-                return
+                break
             back_to_back = bool(self._inflight) or self._model_had_work
             self.counters.planned_ahead += bool(self._inflight)
             self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
+            self._flush_outputs()
             self._inflight[plan.step] = _InFlight(plan, time.monotonic(), back_to_back=back_to_back)
             self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))
             self._on_scheduled(plan)
+        self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        """Outputs go to the streams after the PREPARE they came before: handing them over wakes
+        the HTTP thread, whose Python work would otherwise hold the GIL in front of the frame the
+        ranks wait for. In the order they were made: a step's tokens, then what planning ended."""
+        outputs, self._undelivered = self._undelivered + self.scheduler.drain_outputs(), []
+        self._deliver(outputs)
 
     def _on_event(self, event: object) -> None:
         conv = self.conversation
@@ -288,7 +302,8 @@ class StepLoop:
         outputs = self.scheduler.on_result(entry.plan, result)
         self.counters.plan_s += time.perf_counter() - t0
         self._model_had_work = self.scheduler.has_work()
-        self._deliver(outputs)
+        self._undelivered.extend(outputs)
+        self._plan()  # the next PREPARE first: it is on the model's path, the tokens on the client's
 
     def _root_cause(self, reporter: int, said: str) -> str:
         deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
@@ -304,9 +319,13 @@ class StepLoop:
     # ---- liveness --------------------------------------------------------------------------------
 
     def _next_duty(self, now: float) -> float:
-        return min(self._last_heartbeat + self.timeouts.heartbeat_s, now + self.timeouts.heartbeat_s)
+        """When liveness is looked at next: every DUTY_INTERVAL_S, and when a heartbeat is due. Not
+        after every frame: with steps back to back that was several times per step, for detections
+        whose thresholds are seconds."""
+        return min(self._duties_at + DUTY_INTERVAL_S, self._last_heartbeat + self.timeouts.heartbeat_s)
 
     def _duties(self, now: float) -> None:
+        self._duties_at = now
         if closed := self.endpoint.disconnected_ranks():
             names = ", ".join(self.conversation.who(r) for r in sorted(closed))
             raise RankFailure(f"the connection of {names} closed: its process ended")

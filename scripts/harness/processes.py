@@ -218,15 +218,23 @@ def run_tag() -> str:
     return os.environ[RUN_ENV]
 
 
-def child_env(cluster_tag: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a started process: ours, this checkout first on PYTHONPATH, the tags."""
-    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+def child_env(cluster_tag: str, extra: Mapping[str, str] | None = None, checkout: Path = REPO_ROOT) -> dict[str, str]:
+    """The environment of a started process: ours, the checkout first on PYTHONPATH, the tags."""
+    path = os.pathsep.join(filter(None, (str(checkout), os.environ.get("PYTHONPATH"))))
     return {**os.environ, "PYTHONPATH": path, RUN_ENV: run_tag(), CLUSTER_ENV: cluster_tag, **(extra or {})}
 
 
-def spawn(argv: list[str], *, cluster_tag: str, log_path: Path | None, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Starts `python <argv>` from the checkout in a session of its own (a Ctrl-C meant for the
-    caller does not reach it; the caller stops it by pid). Output goes to log_path, or to ours."""
+def spawn(
+    argv: list[str],
+    *,
+    cluster_tag: str,
+    log_path: Path | None,
+    env: Mapping[str, str] | None = None,
+    checkout: Path = REPO_ROOT,
+) -> subprocess.Popen[bytes]:
+    """Starts `python <argv>` from a checkout (this one, or another tree to compare with) in a
+    session of its own (a Ctrl-C meant for the caller does not reach it; the caller stops it by
+    pid). Output goes to log_path, or to ours."""
     log = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,8 +245,8 @@ def spawn(argv: list[str], *, cluster_tag: str, log_path: Path | None, env: Mapp
             stdout=log,
             stderr=subprocess.STDOUT if log is not None else None,
             stdin=subprocess.DEVNULL,
-            cwd=REPO_ROOT,
-            env=child_env(cluster_tag, env),
+            cwd=checkout,
+            env=child_env(cluster_tag, env, checkout),
             start_new_session=True,
         )
     finally:

@@ -97,14 +97,20 @@ class RuntimeServer:
 
     Output goes to log_path, or to this process's stdout and stderr when there is none. `env` is
     added to the environment the server starts with (TMPDIR: where the frontend makes its ipc
-    directory).
+    directory). `checkout` runs another tree's runtime, for a benchmark's side-by-side baseline.
     """
 
     def __init__(
-        self, options: ServerOptions, log_path: Path | None = None, port: int | None = None, env: Mapping[str, str] | None = None
+        self,
+        options: ServerOptions,
+        log_path: Path | None = None,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        checkout: Path | None = None,
     ) -> None:
         self.options = options
         self.env = dict(env or {})
+        self.checkout = checkout  # another tree's runtime (a benchmark's baseline); None: this one
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -127,7 +133,8 @@ class RuntimeServer:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         argv = ["-m", "tp_runtime", *self.options.argv(self.port)]
-        self.process = spawn(argv, cluster_tag=self._tracker.tag, log_path=self.log_path, env=self.env)
+        where = {} if self.checkout is None else {"checkout": self.checkout}
+        self.process = spawn(argv, cluster_tag=self._tracker.tag, log_path=self.log_path, env=self.env, **where)
         try:
             launcher = ProcessRef.of(self.process.pid, LAUNCHER)
             if launcher is not None:

@@ -2,8 +2,9 @@
 
 import pytest
 
-from scripts.bench_serving import PromptTag, bench_prompts, parse_args, requests_per_level
+from scripts.bench_serving import PromptTag, bench_prompts, cpu_per_token, parse_args, requests_per_level, server_specs
 from scripts.serving_report import (
+    BASELINE,
     OVERHEAD_METRICS,
     OVERLAP,
     SERIAL,
@@ -73,8 +74,42 @@ def test_targets_each_with_its_verdict():
     ]
     verdicts = {(t["target"].split(" ")[0], t["met"]) for t in check_targets(levels, model_step_s=0.01)}
     assert verdicts == {("tokens/s", True), ("model", True), ("tokens/s", False), ("overlapped", False)}
-    assert check_targets(levels[1:], model_step_s=0.0105)[-1]["met"] is True
+    assert check_targets(levels[1:], model_step_s=0.0105)[-1]["met"] is False  # 1.095x: over 5%
+    assert check_targets(levels[1:], model_step_s=0.011)[-1]["met"] is True
     assert len(check_targets(levels, model_step_s=None)) == 3  # no model step measured: no TPOT target
+
+
+def test_the_control_cpu_target_sums_every_process_but_the_ranks():
+    cpu = {"launcher": 0.05, "frontend": 0.2, "rank0": 9.0, "rank1": 4.0}
+    run = loop_run(OVERLAP, _side(1.0, 0.1, 0.01), None, cpu)
+    assert run.control_cpu_ms_per_token == 0.25
+    verdicts = check_targets([level_report(1, [run], None, None)])
+    assert verdicts == [{"target": verdicts[0]["target"], "value": 0.25, "met": True}] and "0.3 ms" in verdicts[0]["target"]
+    busy = loop_run(OVERLAP, _side(1.0, 0.1, 0.01), None, cpu)
+    assert check_targets([level_report(32, [busy], None, None)])[0]["met"] is False  # 0.25 > 0.05
+    assert check_targets([level_report(8, [busy], None, None)]) == []  # no CPU target at 8
+    assert loop_run(OVERLAP, _side(1.0, 0.1, 0.01), None).control_cpu_ms_per_token is None
+
+
+def test_cpu_per_token_from_two_readings():
+    assert cpu_per_token({"frontend": 1.0, "rank0": 2.0}, {"frontend": 1.5, "rank0": 4.0, "new": 1.0}, 1000) == {
+        "frontend": 0.5, "rank0": 2.0,
+    }
+    assert cpu_per_token({}, {}, 10) is None and cpu_per_token({"frontend": 1.0}, {"frontend": 2.0}, 0) is None
+
+
+def test_variants_and_a_baseline_become_servers(tmp_path):
+    (tmp_path / "tp_runtime").mkdir()
+    (tmp_path / "tp_runtime" / "__main__.py").write_text("")
+    args = parse_args(["--loops", "overlap", "--variant", "eager=--enforce-eager --max-num-seqs 4", "--baseline", str(tmp_path)])
+    specs = server_specs(args)
+    assert list(specs) == [OVERLAP, "eager", BASELINE]
+    assert specs["eager"][0].extra_args == ("--async-scheduling", "--enforce-eager", "--max-num-seqs", "4")
+    assert specs[BASELINE] == (specs[OVERLAP][0], tmp_path.resolve()) and specs[OVERLAP][1] is None
+    for bad in (["--variant", "noflags"], ["--variant", "overlap=--x"], ["--baseline", str(tmp_path / "nope")],
+                ["--url", "http://h:1", "--variant", "a=--b"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_overhead_from_counter_growth_or_unavailable():
