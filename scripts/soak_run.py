@@ -72,8 +72,6 @@ def run_under_test(
     with RuntimeServer(options, out / "server.log") as server:
         killer = RankKiller(server, record, args.kill_every, args.tp) if args.kill_every else None
         asyncio.run(drive(server, requests, make_request, args, record, Monitor(server, record, args.poll_interval), killer))
-        if killer is not None:
-            killer.wait_idle()
         return server.stop()
 
 
@@ -201,6 +199,8 @@ async def drive(
 
         try:
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            if killer is not None:  # the last kill's new group serves before the final look
+                await asyncio.to_thread(killer.wait_idle)
             if monitor is not None:
                 await wait_drained(client, server.url, timeout_s=30.0)
                 await monitor.poll(client)
