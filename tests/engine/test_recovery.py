@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,11 +18,10 @@ import pytest
 from protocol.auth import new_key
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.request import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.server.fake_rank import GEOMETRY, MAX_MODEL_LEN, FakeRank
+from tests.server.fake_rank import GEOMETRY, MAX_MODEL_LEN, FakeRank, fake_scheduler
+from tp_runtime.bootstrap import Bootstrap, request_bootstrap
 from tp_runtime.engine import Engine, EngineTimeouts, EngineUnavailable, TokenEvent
 from tp_runtime.group_broker import BootstrapServer, DeathReport, GroupBroker
-from tp_runtime.bootstrap import Bootstrap, request_bootstrap
 from tp_runtime.recovery import CrashLoop, Fault, GroupDeath, Recovery, RecoveryPolicy, RestartWindow, carry_totals
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,14 +74,8 @@ class FakeGroups:
 
 @contextmanager
 def recovering_engine(policy: RecoveryPolicy, groups: FakeGroups) -> Iterator[Engine]:
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=GEOMETRY.max_num_seqs,
-            max_num_batched_tokens=GEOMETRY.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-        )
-    )  # fmt: skip
     engine = Engine(
-        scheduler=scheduler, endpoint=groups.open_group(), world_size=1, model_name="fake", max_model_len=MAX_MODEL_LEN,
+        scheduler=fake_scheduler(), endpoint=groups.open_group(), world_size=1, model_name="fake", max_model_len=MAX_MODEL_LEN,
         timeouts=EngineTimeouts(handshake_s=60), recovery=Recovery(groups, policy),
     )  # fmt: skip
     groups.start_rank(0)
@@ -206,9 +200,7 @@ def test_the_broker_gives_each_group_its_own_keys_and_a_new_group_replaces_an_ol
         woken = []
         broker.wake = lambda: woken.append(1)
         # Restart 1 asks while restart 0 holds the group: 0 is dead, and 1 waits for the next group.
-        second: list[SchedulerEndpoint] = []
-        import threading
-
+        second: list[Bootstrap] = []
         asked = threading.Thread(target=lambda: second.append(Bootstrap.unpack(request_bootstrap(server.path, 1, 10))))
         asked.start()
         wait_until(lambda: bool(woken))
