@@ -46,7 +46,7 @@ class ExecutorOptions:
     # Seeds rank 0's default generator, which samples the rows of requests that bring no seed of
     # their own (vLLM's --seed); None: seeded by torch from the OS.
     seed: int | None = None
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = 0.25  # the frontend calls a rank stopped after 2 s without a frame
     # Silence from the scheduler for this long, while idle, ends the executor.
     peer_timeout_s: float = 5.0
     # How long to wait for WELCOME after HELLO: other ranks may still be loading weights.

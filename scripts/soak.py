@@ -3,6 +3,7 @@
     python scripts/soak.py                      # the short form: TP=2, ~2-3 minutes on a 2-core CPU
     python scripts/soak.py --requests 2000      # the long form a release is judged by
     python scripts/soak.py --skip-clears        # negative control: the checks must catch the damage
+    python scripts/soak.py --kill-every 10      # fault mode: kill -9 of a rank every 10 requests
 
 It starts `tp-runtime serve` at --tp ranks with a KV pool small enough that prefix snapshots are
 evicted, requests are preempted (recomputed, and offloaded to host slots when --swap-space allows)
@@ -54,6 +55,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--swap-space", default="6MiB", help="host offload buffer; 0 preempts by recompute only")
     p.add_argument("--skip-clears", action="store_true", help="negative control: the checks must detect the damage")
+    p.add_argument(
+        "--kill-every", type=int, default=0, metavar="K",
+        help="fault mode: kill -9 of a rank (the last, then rank 0, in turn) after every K finished requests",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-fraction", type=float, default=0.25, help="share of requests before RSS must stay flat")
     p.add_argument("--rss-tolerance-mib", type=float, default=48.0)
@@ -112,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rss = [rss_verdict(label, samples, record.warmup_end, args.rss_tolerance_mib) for label, samples in sorted(record.rss.items())]
     greedy_done = [r for r in record.requests if r.greedy and outcome_of(record.results[r.index]) == "completed" and record.results[r.index].token_ids]
     damage_seen = not check_passed(check_run(record, [], rss, swap_space=swap_space), "logits_finite")
+    faults = len(record.faults) if args.kill_every else None
     comparisons: list[Comparison] = []
     reference_error: str | None = None
     if greedy_done and not (args.skip_clears and damage_seen):
@@ -128,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except (SoakError, ServerStartError) as exc:
             reference_error = str(exc)
-    checks = check_run(record, comparisons, rss, swap_space=swap_space)
+    checks = check_run(record, comparisons, rss, swap_space=swap_space, faults=faults)
     if reference_error is not None:
         checks.append(Check("reference_run", False, f"the TP=1 reference run failed: {reference_error}"))
 

@@ -19,6 +19,7 @@ from scripts.harness.metrics import (
     M_CACHED,
     M_CLEARED,
     M_EVICTIONS,
+    M_EXECUTOR_RESTARTS,
     M_OFFLOADS,
     M_PREEMPTED,
     M_PREEMPTIONS,
@@ -34,7 +35,8 @@ from scripts.soak_workload import RunRecord, SoakRequest, outcome_of
 CHECKS = (
     "accounted",  # every request completed, was cancelled by us, or failed with a stated reason
     "answered_once",  # one stream per request: one id, one end, nothing after the finish
-    "no_failures",  # no request failed (this run injects no failures)
+    "no_failures",  # no request failed; in fault mode, none but with an error that names a rank
+    "recovered",  # one executor group restart per rank killed in fault mode, none without
     "logits_finite",  # no request failed for non-finite logits
     "token_ids",  # the server returned the token ids the comparison needs
     "greedy_reference",  # greedy outputs equal the TP=1 reference, or differ at a near-tie
@@ -44,6 +46,7 @@ CHECKS = (
     "pressure",  # the run did what it claims: preemption, eviction, offload/restore, clears
 )
 NON_FINITE = re.compile(r"finite|nan", re.IGNORECASE)
+NAMES_A_RANK = re.compile(r"\brank \d+")
 MIB = 1 << 20
 
 
@@ -164,19 +167,35 @@ def check_run(
     *,
     swap_space: bool,
     prefix_caching: bool = True,
+    faults: int | None = None,
 ) -> list[Check]:
-    """The checks of CHECKS, in that order."""
+    """The checks of CHECKS, in that order. faults: the ranks killed in fault mode (None: no fault
+    mode); then a failure with an error naming a rank is an outcome, not a miss."""
     results = [(r, record.results[r.index]) for r in record.requests]
+    stream_checks = _stream_checks(results, faults is not None)
     return [
-        *_stream_checks(results),
+        *stream_checks[:3],
+        _recovered_check(record.final_metrics, faults or 0),
+        *stream_checks[3:],
         _reference_check(comparisons),
         _rss_check(rss),
         *_metrics_checks(record.final_metrics, swap_space=swap_space, prefix_caching=prefix_caching),
     ]
 
 
-def _stream_checks(results: Sequence[tuple[SoakRequest, StreamResult]]) -> list[Check]:
-    """What the client saw: every request accounted for, answered once, none failed."""
+def _recovered_check(final: dict[str, float] | None, faults: int) -> Check:
+    restarts = None if final is None else final.get(M_EXECUTOR_RESTARTS, 0.0)
+    return Check(
+        "recovered",
+        restarts == faults,
+        f"{faults} ranks killed, {restarts} executor groups restarted",
+        () if restarts == faults else (f"{M_EXECUTOR_RESTARTS} = {restarts}, kills = {faults}",),
+    )
+
+
+def _stream_checks(results: Sequence[tuple[SoakRequest, StreamResult]], fault_mode: bool = False) -> list[Check]:
+    """What the client saw: every request accounted for, answered once, none failed (in fault
+    mode: none but with an error naming the rank that failed)."""
     checks: list[Check] = []
     lost = [f"#{r.index}: {res.error or 'the stream ended without a finish reason'}" for r, res in results if outcome_of(res) == "lost"]
     checks.append(Check("accounted", not lost, f"{len(results) - len(lost)}/{len(results)} requests accounted for", tuple(lost)))
@@ -197,8 +216,13 @@ def _stream_checks(results: Sequence[tuple[SoakRequest, StreamResult]]) -> list[
     checks.append(Check("answered_once", not twice, "every request answered by exactly one stream", tuple(twice)))
 
     failed = [(r, res) for r, res in results if outcome_of(res) == "failed"]
+    unexplained = [(r, res) for r, res in failed if not (fault_mode and NAMES_A_RANK.search(res.error or ""))]
+    explained = f", {len(failed) - len(unexplained)} with an error naming the rank that failed" if fault_mode else ""
     checks.append(
-        Check("no_failures", not failed, f"{len(failed)} failed", tuple(f"#{r.index}: {res.error}" for r, res in failed))
+        Check(
+            "no_failures", not unexplained, f"{len(failed)} failed{explained}",
+            tuple(f"#{r.index}: {res.error}" for r, res in unexplained),
+        )
     )
     non_finite = [f"#{r.index}: {res.error}" for r, res in failed if NON_FINITE.search(res.error or "")]
     checks.append(Check("logits_finite", not non_finite, f"{len(non_finite)} failed for non-finite logits", tuple(non_finite)))

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -21,6 +23,10 @@ from scripts.harness.client import StreamResult, served_model, stream_completion
 from scripts.harness.metrics import M_RUNNING, M_USED, M_WAITING, MetricsSample, scrape_metrics
 from scripts.harness.runtime import RuntimeServer, ServerOptions
 from scripts.soak_workload import RunRecord, SoakRequest, outcome_of
+
+
+# In fault mode the restarts must never run out: every kill is one.
+FAULT_MODE_RESTARTS = ("--max-restarts", "100000")
 
 
 def soak_server_options(args: argparse.Namespace) -> ServerOptions:
@@ -37,6 +43,7 @@ def soak_server_options(args: argparse.Namespace) -> ServerOptions:
         poison_kv_cache=True,
         poison_freed_pages=True,
         skip_clears=args.skip_clears,
+        extra_args=FAULT_MODE_RESTARTS if args.kill_every else (),
     )
 
 
@@ -63,8 +70,43 @@ def run_under_test(
 ) -> int | None:
     """The run under test, monitored, into record; returns the server's exit code after its drain."""
     with RuntimeServer(options, out / "server.log") as server:
-        asyncio.run(drive(server, requests, make_request, args, record, Monitor(server, record, args.poll_interval)))
+        killer = RankKiller(server, record, args.kill_every, args.tp) if args.kill_every else None
+        asyncio.run(drive(server, requests, make_request, args, record, Monitor(server, record, args.poll_interval), killer))
         return server.stop()
+
+
+class RankKiller:
+    """Fault mode (--kill-every K): kill -9 of a rank after every K finished requests, the last rank
+    and rank 0 in turn. A kill waits for the group that replaced the last one to serve, and labels
+    its ranks (their RSS is followed from then on)."""
+
+    def __init__(self, server: RuntimeServer, record: RunRecord, every: int, tp: int) -> None:
+        self.server = server
+        self.record = record
+        self.every = every
+        self.targets = (tp - 1, 0)
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def after_request(self, finished: int) -> None:
+        if finished % self.every or not self._idle.is_set():
+            return
+        self._idle.clear()
+        rank = self.targets[len(self.record.faults) % len(self.targets)]
+        threading.Thread(target=self._kill, args=(rank,), name="rank-killer", daemon=True).start()
+
+    def _kill(self, rank: int) -> None:
+        try:
+            self.record.faults.append((round(time.perf_counter() - self.record.t0, 3), f"rank{rank}"))
+            self.server.signal(rank, signal.SIGKILL)
+            self.server.wait_health(lambda status: status != 200, timeout_s=15)
+            self.server.wait_health(lambda status: status == 200, timeout_s=300)
+            self.server.wait_new_ranks(timeout_s=60)
+        finally:
+            self._idle.set()
+
+    def wait_idle(self) -> None:
+        self._idle.wait(400)
 
 
 class Monitor:
@@ -101,6 +143,7 @@ async def drive(
     args: argparse.Namespace,
     record: RunRecord,
     monitor: Monitor | None,
+    killer: RankKiller | None = None,
 ) -> None:
     """Sends the stream at the chosen concurrency, with a live progress bar."""
     from tqdm import tqdm
@@ -145,6 +188,8 @@ async def drive(
                 record.results[item.index] = result
                 counts[outcome_of(result)] += 1
                 finished += 1
+                if killer is not None:
+                    killer.after_request(finished)
                 if finished == warmup_count:
                     record.warmup_end = time.perf_counter() - record.t0
                 bar.update(1)
@@ -154,6 +199,8 @@ async def drive(
 
         try:
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            if killer is not None:  # the last kill's new group serves before the final look
+                await asyncio.to_thread(killer.wait_idle)
             if monitor is not None:
                 await wait_drained(client, server.url, timeout_s=30.0)
                 await monitor.poll(client)

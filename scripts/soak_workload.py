@@ -89,3 +89,4 @@ class RunRecord:
     t0: float = 0.0  # perf_counter at the start of the stream of requests
     warmup_end: float = 0.0  # seconds after t0
     final_metrics: dict[str, float] | None = None
+    faults: list[tuple[float, str]] = field(default_factory=list)  # --kill-every: (seconds after t0, rank killed)

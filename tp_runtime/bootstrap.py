@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -22,6 +23,11 @@ from tp_runtime.config import ConfigError, RuntimeConfig
 
 if TYPE_CHECKING:
     from protocol.curve import LaunchKeys
+
+# Under `tp-runtime serve` the launcher starts the frontend beside the ranks and names its bootstrap
+# socket here (tp_runtime/group_broker.py); under plain torchrun it is unset and rank 0 starts the
+# frontend as its child.
+BOOTSTRAP_ENV = "TP_RUNTIME_BOOTSTRAP"
 
 
 class KeyMode(str, enum.Enum):
@@ -104,6 +110,20 @@ def start_frontend(
         code = child.wait()
         return child, Bootstrap(error=f"the frontend process exited with code {code} before it was ready").pack()
     return child, payload
+
+def request_bootstrap(path: str, restart: int, timeout_s: float) -> bytes:
+    """Rank 0 of a supervised group: its packed Bootstrap from the frontend's bootstrap socket (one
+    with `error` set if the frontend cannot be reached or opens no group in time)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            sock.sendall(json.dumps({"restart": restart}).encode() + b"\n")
+            reply = sock.makefile("rb").readline()
+    except OSError as exc:
+        return Bootstrap(error=f"cannot reach the frontend's bootstrap socket {path}: {exc}").pack()
+    return reply.strip() or Bootstrap(error="the frontend closed the bootstrap socket without an answer").pack()
+
 
 def broadcast_bytes(payload: bytes, group: object) -> bytes:
     import torch

@@ -62,6 +62,11 @@ class RuntimeConfig:
     frame_key_dir: str = ""  # operator-provisioned keys (`tp-runtime keys DIR`), 0700/0600
     trust_rendezvous_store: bool = False  # keys made per launch, public halves through the store
     shutdown_timeout: float = 20.0  # SIGTERM drain bound; torchrun's grace period must exceed it
+    # Recovery under `tp-runtime serve` (tp_runtime/recovery.py): executor group restarts allowed
+    # within restart_window seconds (one more ends the service), and how long requests wait for one.
+    max_restarts: int = 3
+    restart_window: float = 600.0
+    recovery_timeout: float = 60.0
     host: str = "127.0.0.1"
     port: int = 8000
     debug_poison_kv_cache: bool = False

@@ -26,6 +26,7 @@ from protocol.errors import TPRuntimeError
 from protocol.transport import SchedulerEndpoint
 from scheduler.request import SamplingParams, token_array
 from scheduler.scheduler import AdmissionError, RequestOutput, Scheduler, StepPlan
+from tp_runtime.recovery import CrashLoop, Fault, Recovery, carry_totals
 from tp_runtime.stats import QUEUE_TIME_BUCKETS, BucketCounter, EngineStats  # EngineStats: stats()'s type
 from tp_runtime.step_loop import EngineTimeouts, HandshakeError, RankFailure, StepLoop
 
@@ -40,7 +41,12 @@ __all__ = [
 
 
 class EngineUnavailable(TPRuntimeError):
-    """The runtime cannot take requests: a rank failed, it is draining, or it has stopped."""
+    """The runtime cannot take requests: a rank failed, it is draining, or it has stopped.
+    retry_after_s is set while the executor group restarts: the service will be back."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineOverloaded(TPRuntimeError):
@@ -61,6 +67,7 @@ class TokenEvent:
     # Per token, the alternatives the request asked for: ((token id, logprob), ...), most likely
     # first; empty when it asked for none (SamplingParams.top_logprobs).
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    fault: str | None = None  # with an error: why (tp_runtime.recovery.Fault), the label it is counted under
 
 
 @dataclass(frozen=True)
@@ -158,21 +165,25 @@ class Engine:
         max_model_len: int,
         timeouts: EngineTimeouts = EngineTimeouts(),
         max_num_queued_reqs: int = 0,
+        recovery: Recovery | None = None,
     ):
         """max_num_queued_reqs bounds the requests in flight (waiting + running, as vLLM's flag of
-        that name): submit raises EngineOverloaded past it. 0 leaves it unbounded."""
+        that name): submit raises EngineOverloaded past it. 0 leaves it unbounded.
+        recovery: under a supervised launch, a failed executor group is replaced by a new one from
+        recovery.groups (tp_runtime/recovery.py); without it a failed rank ends the engine."""
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self._world_size = world_size
+        self._timeouts = timeouts
         self._scheduler = scheduler
         self._endpoint = endpoint
-        self._loop = StepLoop(
-            scheduler=scheduler,
-            endpoint=endpoint,
-            world_size=world_size,
-            timeouts=timeouts,
-            deliver=self._deliver,
-            on_scheduled=self._scheduled,
-        )
+        self._endpoint_lock = threading.Lock()  # the HTTP thread wakes the endpoint the engine may swap
+        self._loop = self._new_loop(scheduler, endpoint, None)
+        self._recovery = recovery
+        self._submits: dict[int, _Submit] = {}  # under recovery: how to submit a request again
+        self._carried: tuple[object, object] | None = None  # dead groups' SchedulerStats and PeerStats totals
+        if recovery is not None:
+            recovery.groups.wake = self._wake
         self._inbox: queue.SimpleQueue[_Submit | _Cancel | _Finish] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}
         self._waiting_since: dict[int, float] = {}  # submitted, not yet in a PREPARE
@@ -215,6 +226,12 @@ class Engine:
             raise EngineUnavailable(self._failure)
         if self._draining or self._stopping.is_set():
             raise EngineUnavailable("the runtime is shutting down and takes no new requests")
+        recovery = self._recovery
+        if recovery is not None and recovery.expired:
+            raise EngineUnavailable(
+                f"the executor group is restarting ({recovery.reason}) and took longer than --recovery-timeout "
+                f"{recovery.policy.recovery_timeout_s:g} s: retry later", retry_after_s=recovery.retry_after_s(),
+            )
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -229,6 +246,11 @@ class Engine:
         with self._submit_lock:
             in_flight = self._submitted - self._applied + len(self._streams)
             if self._max_in_flight and in_flight >= self._max_in_flight:
+                if recovery is not None and recovery.recovering_since is not None:
+                    raise EngineUnavailable(
+                        f"{in_flight} requests wait for the executor group to restart, the most this server holds "
+                        "(--max-num-queued-reqs): retry later", retry_after_s=recovery.retry_after_s(),
+                    )
                 raise EngineOverloaded(
                     f"{in_flight} requests are in flight, the most this server takes (--max-num-queued-reqs): retry later",
                     retry_after_s=1.0,
@@ -246,7 +268,11 @@ class Engine:
 
     def _post(self, command: _Submit | _Cancel | _Finish) -> None:
         self._inbox.put(command)
-        self._endpoint.wake()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._endpoint_lock:
+            self._endpoint.wake()
 
     @property
     def failed(self) -> bool:
@@ -255,6 +281,8 @@ class Engine:
     def health(self) -> Health:
         if self._failure is not None:
             return Health(False, self._failure)
+        if self._recovery is not None and self._recovery.recovering_since is not None:
+            return Health(False, f"restarting the executor group: {self._recovery.reason}")
         if not self._ready.is_set():
             return Health(False, "the ranks are still starting")
         if self._draining:
@@ -262,6 +290,11 @@ class Engine:
         if self._stopping.is_set():
             return Health(False, "shutting down")
         return Health(True, "ok")
+
+    def retry_after_s(self) -> float | None:
+        """While the executor group restarts, when a refused request may try again; else None."""
+        recovery = self._recovery
+        return recovery.retry_after_s() if recovery is not None and recovery.recovering_since is not None else None
 
     def stats(self) -> EngineStats:
         """The snapshot the engine thread published last (after its latest step or idle tick)."""
@@ -280,36 +313,50 @@ class Engine:
         if not self._stopping.is_set():
             self._shutdown_reason = reason
             self._stopping.set()
-            self._endpoint.wake()
+            self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """After shutdown: closes the endpoint of the last executor group."""
+        with self._endpoint_lock:
+            self._endpoint.close()
 
     def fail(self, reason: str) -> None:
         """Marks the runtime failed from outside the loop (e.g. the launcher saw a rank die)."""
         self._failure = self._failure or reason
         self._stopping.set()
-        self._endpoint.wake()
+        self._wake()
 
     # ---- the engine thread ---------------------------------------------------------------------
 
+    def _new_loop(self, scheduler: Scheduler, endpoint: SchedulerEndpoint, previous: StepLoop | None) -> StepLoop:
+        loop = StepLoop(
+            scheduler=scheduler,
+            endpoint=endpoint,
+            world_size=self._world_size,
+            timeouts=self._timeouts,
+            deliver=self._deliver,
+            on_scheduled=self._scheduled,
+        )
+        if previous is not None:  # the totals /metrics shows go on across groups
+            loop.counters, loop.step_latency, loop.pages_cleared = previous.counters, previous.step_latency, previous.pages_cleared
+        return loop
+
     def _run(self) -> None:
-        loop = self._loop
         try:
-            loop.handshake(self._stopping.is_set)
-            self._ready.set()
-            published = 0.0
-            while not self._stopping.is_set():
-                self._take_commands()
-                self._deliver(self._scheduler.drain_outputs())
-                if self._stopping.is_set():
+            while True:
+                try:
+                    self._serve_group()
                     break
-                loop.iterate(wait_s=0.5)
-                # A snapshot walks the scheduler's state: at every idle moment, but while steps run
-                # back to back at most every STATS_INTERVAL_S, not once per frame.
-                now = time.monotonic()
-                if not loop.busy or now - published >= STATS_INTERVAL_S:
-                    self._snapshot = self._make_stats()
-                    published = now
+                except RankFailure as exc:
+                    if self._recovery is None or self._stopping.is_set():
+                        raise
+                    log.error("%s: restarting the executor group", exc)
+                    self._replace_group(str(exc))
+        except CrashLoop as exc:
+            self._failure = self._failure or str(exc)
+            log.error("%s", exc)
         except RankFailure as exc:
             self._failure = self._failure or str(exc)
             log.error("%s", exc)
@@ -322,13 +369,113 @@ class Engine:
         finally:
             self._ready.set()
             reason = self._failure or self._shutdown_reason
-            self._fail_all(reason)
+            self._fail_all(reason, Fault.RUNTIME_DOWN if self._failure is not None else Fault.SHUTDOWN)
             self._snapshot = self._make_stats()
-            loop.shutdown_ranks(reason)
+            self._loop.shutdown_ranks(reason)
+
+    def _serve_group(self) -> None:
+        """The handshake of the executor group, then its steps until the engine stops (RankFailure
+        when the group dies or hangs)."""
+        loop = self._loop
+        loop.handshake(self._while_starting)
+        if self._recovery is not None:
+            self._recovery.group_ready()
+        self._ready.set()
+        published = 0.0
+        while not self._stopping.is_set():
+            self._take_commands()
+            self._deliver(self._scheduler.drain_outputs())
+            if self._stopping.is_set():
+                break
+            if self._recovery is not None:
+                self._recovery.check_deaths()
+            loop.iterate(wait_s=0.5)
+            # A snapshot walks the scheduler's state: at every idle moment, but while steps run
+            # back to back at most every STATS_INTERVAL_S, not once per frame.
+            now = time.monotonic()
+            if not loop.busy or now - published >= STATS_INTERVAL_S:
+                self._snapshot = self._make_stats()
+                published = now
+
+    def _while_starting(self) -> bool:
+        """Every 200 ms of a handshake: the launcher's reports of dead groups, the recovery deadline
+        of the requests that wait; True to stop."""
+        recovery = self._recovery
+        if recovery is not None:
+            recovery.check_deaths()
+            if recovery.timed_out() and not recovery.expired:
+                self._expire_waiting(recovery)
+            self._snapshot = self._make_stats()
+        return self._stopping.is_set()
+
+    # ---- recovery (tp_runtime/recovery.py) ---------------------------------------------------------
+
+    def _replace_group(self, cause: str) -> None:
+        """The serving group died or hung: nothing it wrote is trusted. Its requests fail now, the
+        group is killed and counted (CrashLoop past the window), and a new one is opened under a new
+        run id and key, with a new scheduler (every page marked, no prefix snapshot, no host copy).
+        Requests that no step had taken wait for it and start again from their prompts."""
+        recovery = self._recovery
+        assert recovery is not None
+        recovery.begin(cause)  # /health: 503 from here
+        kept = self._fail_started_requests(cause)
+        self._snapshot = self._make_stats()
+        recovery.end_group(cause)
+        old_scheduler, old_endpoint = self._scheduler, self._endpoint
+        scheduler_totals, peer_totals = old_scheduler.stats(), old_endpoint.peer_stats()
+        if self._carried is not None:
+            scheduler_totals = carry_totals(self._carried[0], scheduler_totals)
+            peer_totals = carry_totals(self._carried[1], peer_totals)
+        self._carried = (scheduler_totals, peer_totals)
+        endpoint = recovery.groups.open_group()
+        with self._endpoint_lock:
+            self._endpoint = endpoint
+        old_endpoint.close()
+        self._scheduler = Scheduler(old_scheduler.config)
+        self._loop = self._new_loop(self._scheduler, endpoint, self._loop)
+        for command in kept:
+            self._scheduler.add_request(
+                command.stream.request_id, command.prompt_token_ids, command.params, prompt_leader=command.prompt_leader
+            )
+        log.warning("executor group replaced: %d waiting requests start again from their prompts", len(kept))
+
+    def _fail_started_requests(self, cause: str) -> list[_Submit]:
+        """Fails every request a step of the dead group had taken; returns, in their order, the
+        waiting ones that none had."""
+        untouched = [rid for rid in self._scheduler.waiting_requests() if rid in self._waiting_since]
+        keep = set(untouched)
+        for request_id, stream in list(self._streams.items()):
+            if request_id not in keep:
+                stream.push(TokenEvent((), (), True, "error", cause, fault=Fault.RANK_FAILURE))
+                self._forget(request_id)
+        return [self._submits[rid] for rid in untouched]
+
+    def _expire_waiting(self, recovery: Recovery) -> None:
+        """Recovery has taken longer than --recovery-timeout: the waiting requests fail (503 with
+        Retry-After where no answer had started), and new ones are refused until a group is back."""
+        recovery.expired = True
+        reason = (
+            f"no executor group came back within --recovery-timeout {recovery.policy.recovery_timeout_s:g} s "
+            f"({recovery.reason}): retry later"
+        )
+        log.error("%s", reason)
+        for request_id in self._streams:
+            self._scheduler.cancel(request_id)
+        self._scheduler.drain_outputs()  # the cancellations' outputs: their streams end with the reason
+        self._fail_all(reason, Fault.RECOVERY_TIMEOUT)
+
+    def _forget(self, request_id: int) -> None:
+        del self._streams[request_id]
+        self._waiting_since.pop(request_id, None)
+        self._submits.pop(request_id, None)
 
     def _make_stats(self) -> EngineStats:
         """Called on the engine thread only (and in __init__, before it starts)."""
         c, lc, scheduler = self._counters, self._loop.counters, self._scheduler.stats()
+        peers = self._endpoint.peer_stats()
+        if self._carried is not None:
+            scheduler, peers = carry_totals(self._carried[0], scheduler), carry_totals(self._carried[1], peers)
+        recovery = self._recovery
         return EngineStats(
             scheduler=scheduler,
             rejects_total=lc.rejects,
@@ -347,7 +494,9 @@ class Engine:
             prefix_cache_hits_total=scheduler.prefix_hits_total,
             queue_time=self._queue_time.snapshot(),
             pages_cleared_per_step=self._loop.pages_cleared.snapshot(),
-            peer_stats=self._endpoint.peer_stats(),
+            peer_stats=peers,
+            executor_restarts_total=recovery.restarts_total if recovery is not None else 0,
+            recovery_time=recovery.times.snapshot() if recovery is not None else None,
         )
 
     def _take_commands(self) -> None:
@@ -371,6 +520,8 @@ class Engine:
                 self._streams[stream.request_id] = stream
                 self._waiting_since[stream.request_id] = command.submitted_at
                 self._counters.prompt_tokens += stream.prompt_len
+                if self._recovery is not None:
+                    self._submits[stream.request_id] = command
             self._applied += 1
         elif isinstance(command, _Cancel):
             if command.request_id in self._streams:
@@ -400,24 +551,30 @@ class Engine:
                 continue
             tokens += len(out.token_ids)
             events.append(
-                (stream, TokenEvent(out.token_ids, out.logprobs, out.finished, out.finish_reason, out.error, out.top_logprobs))
+                (
+                    stream,
+                    TokenEvent(
+                        out.token_ids, out.logprobs, out.finished, out.finish_reason, out.error, out.top_logprobs,
+                        Fault.STEP if out.error else None,
+                    ),
+                )
             )
             if out.finished:
                 finished += 1
-                del self._streams[out.request_id]
-                self._waiting_since.pop(out.request_id, None)
+                self._forget(out.request_id)
         hand_off(events)
         self._counters.tokens += tokens
         self._counters.finished += finished
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, fault: str) -> None:
         for request_id, stream in list(self._streams.items()):
-            stream.push(TokenEvent((), (), True, "error", reason))
-            del self._streams[request_id]
+            stream.push(TokenEvent((), (), True, "error", reason, fault=fault))
+            self._forget(request_id)
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
-                command.stream.push(TokenEvent((), (), True, "error", reason))
+                command.stream.push(TokenEvent((), (), True, "error", reason, fault=fault))
+                self._applied += 1

@@ -1,8 +1,11 @@
-"""The frontend process: rank 0's child that runs the scheduler and the HTTP server or the CLI job.
+"""The frontend process: the scheduler and the HTTP server or the CLI job.
 
-It imports no torch, so its Python work never competes with rank 0's model step for a GIL. It dies
-with rank 0 (PR_SET_PDEATHSIG), failing every request in flight with a clear error and removing its
-ipc directory first.
+Under `tp-runtime serve` it is the launcher's child, beside the ranks, and outlives every executor
+group (--launcher-fd: tp_runtime/supervisor.py, tp_runtime/group_broker.py); under plain torchrun,
+and for `generate`, it is rank 0's child (--bootstrap-fd) and ends with the group. It imports no
+torch, so its Python work never competes with rank 0's model step for a GIL. It dies with its parent
+(PR_SET_PDEATHSIG), failing every request in flight with a clear error and removing its ipc
+directory first.
 
 Its endpoint: on one host an ipc:// socket in a 0700 directory; across hosts tcp on the address the
 other hosts reach this one by (tp_runtime.hosts.scheduler_address), never a loopback address when a
@@ -16,6 +19,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -29,6 +33,8 @@ from tp_runtime import frame_keys, hosts
 from tp_runtime.bootstrap import Bootstrap, KeyMode
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
+from tp_runtime.group_broker import BootstrapServer, GroupBroker, read_launcher, send_line
+from tp_runtime.recovery import Recovery, RecoveryPolicy
 from tp_runtime.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")
@@ -36,6 +42,7 @@ log = logging.getLogger("tp_runtime.frontend")
 PARENT_DIED = signal.SIGHUP
 EXIT_DEADLINE_S = 8.0  # the longest the frontend's clean-up may take once it is exiting (engine join: up to 10 s is a hang)
 RANK_0_GONE = "rank 0 exited: the runtime is down"
+LAUNCHER_GONE = "the launcher exited: the runtime is down"
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
 QUEUED_REQS_PER_SEQ = 8  # the default bound on requests in flight, per running slot
 
@@ -75,7 +82,9 @@ def _frame_keys(config: RuntimeConfig, run_id: str, clients: list[bytes]) -> tup
     return key, curve, Bootstrap(key_mode=KeyMode.STORE, server_key=pair.public.decode(), sealed_keys=sealed)
 
 
-def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer) -> Engine:
+def build_engine(
+    config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: Tokenizer, recovery: Recovery | None = None
+) -> Engine:
     scheduler = Scheduler(
         SchedulerConfig(
             num_kv_pages=config.num_kv_pages,
@@ -97,6 +106,7 @@ def build_engine(config: RuntimeConfig, endpoint: SchedulerEndpoint, tokenizer: 
         model_name=served_model_names(config)[0],
         max_model_len=config.max_model_len,
         max_num_queued_reqs=config.max_num_queued_reqs or QUEUED_REQS_PER_SEQ * config.max_num_seqs,
+        recovery=recovery,
     )
 
 
@@ -107,7 +117,9 @@ def served_model_names(config: RuntimeConfig) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tp_runtime.frontend")
-    parser.add_argument("--bootstrap-fd", type=int, required=True)
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--bootstrap-fd", type=int, help="rank 0's child: the pipe its Bootstrap goes back on")
+    way.add_argument("--launcher-fd", type=int, help="the launcher's child: its socket pair (tp_runtime/supervisor.py)")
     parser.add_argument("--config", required=True)
     parser.add_argument("--mode", choices=("serve", "generate"), required=True)
     parser.add_argument("--client-keys", default="", help="the ranks' CURVE public keys (Z85), comma-separated, in rank order")
@@ -115,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
+    if args.launcher_fd is not None:
+        return _main_supervised(config, socket.socket(fileno=args.launcher_fd))
     engine: Engine | None = None
     parent_gone = threading.Event()
 
@@ -160,6 +174,46 @@ def main(argv: list[str] | None = None) -> int:
             endpoint.close()
 
 
+def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
+    """Under `tp-runtime serve`: every executor group gets its own endpoint, run id and key from the
+    broker, the engine replaces a group that fails, and the service lasts until a drain, a crash
+    loop or the launcher's end."""
+    engine: Engine | None = None
+    parent_gone = threading.Event()
+
+    def parent_died(_signum: int, _frame: object) -> None:  # only a mark: see main()
+        parent_gone.set()
+        if engine is not None:
+            engine.fail(LAUNCHER_GONE)
+
+    signal.signal(PARENT_DIED, parent_died)
+    _die_with_parent()
+    broker: GroupBroker | None = None
+    server: BootstrapServer | None = None
+    try:
+        broker = GroupBroker(launcher)
+        server = BootstrapServer(broker)
+        tokenizer = Tokenizer.from_model_path(config.model)
+        policy = RecoveryPolicy(config.max_restarts, config.restart_window, config.recovery_timeout)
+        engine = build_engine(config, broker.open_group(), tokenizer, Recovery(broker, policy))
+        if parent_gone.is_set():
+            engine.fail(LAUNCHER_GONE)
+        read_launcher(broker, launcher, on_gone=lambda: engine.fail(LAUNCHER_GONE))
+        engine.start()
+        server.start()
+        send_line(launcher, {"ready": server.path})
+        return _serve(engine, tokenizer, config, LAUNCHER_GONE)
+    finally:
+        _exit_within(EXIT_DEADLINE_S)
+        if server is not None:
+            server.close()
+        if engine is not None:
+            engine.shutdown("the frontend exited")
+            engine.close()
+        if broker is not None:
+            broker.close()
+
+
 def _exit_within(seconds: float) -> None:
     """Once the frontend is on its way out nothing may keep it alive: the engine thread stuck in a
     call, or a zmq context whose term() waits on a socket another thread still holds, would leave a
@@ -175,7 +229,7 @@ def _exit_within(seconds: float) -> None:
     timer.start()
 
 
-def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
+def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, parent_gone: str = RANK_0_GONE) -> int:
     import uvicorn
 
     from tp_runtime.cli import API_KEY_ENV
@@ -211,7 +265,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> int:
         threading.Thread(target=lambda: (engine.drain(config.shutdown_timeout), stop.set()), daemon=True).start()
 
     def parent_died(signum: int, _frame: object) -> None:
-        engine.fail(RANK_0_GONE)
+        engine.fail(parent_gone)
         stop.set()
 
     signal.signal(signal.SIGTERM, drain)

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -121,7 +121,9 @@ class TorchrunFlag:
         return f"{self.name}={self.value}"
 
 
-def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str) -> list[TorchrunFlag]:
+def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str, max_restarts: int = 0) -> list[TorchrunFlag]:
+    """max_restarts: 0 where a failed rank ends the launch; under supervise() the agent restarts
+    the group and the frontend's window decides when to stop (tp_runtime/recovery.py)."""
     return [
         TorchrunFlag("--nnodes", str(config.nnodes)),
         TorchrunFlag("--nproc-per-node", str(config.ranks_per_node)),
@@ -130,7 +132,7 @@ def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str) -> lis
         TorchrunFlag("--rdzv-id", RDZV_ID),
         TorchrunFlag("--rdzv-conf", "is_host=false"),  # the launcher hosts the store (above), the agent joins it
         TorchrunFlag("--local-addr", local_addr),  # the address rank 0's agent publishes as MASTER_ADDR
-        TorchrunFlag("--max-restarts", "0"),
+        TorchrunFlag("--max-restarts", str(max_restarts)),
         TorchrunFlag("--monitor-interval", "0.2"),
         # torch 2.12 on: its grace period before SIGKILL. Without it (torch 2.11) the agent waits its
         # fixed TORCHRUN_DEFAULT_GRACE_S; a drain still gets --shutdown-timeout, since the launcher,
@@ -146,7 +148,12 @@ def torchrun_options(parser: argparse.ArgumentParser) -> frozenset[str]:
 
 
 def torchrun_argv(
-    config: RuntimeConfig, endpoint: str, local_addr: str, argv: list[str], supported: Collection[str] | None = None
+    config: RuntimeConfig,
+    endpoint: str,
+    local_addr: str,
+    argv: list[str],
+    supported: Collection[str] | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """torchrun's arguments, with only the options this torch's torchrun has (`supported`; by
     default asked of torch.distributed.run.get_args_parser()). A required one it lacks is refused
@@ -155,7 +162,7 @@ def torchrun_argv(
         from torch.distributed.run import get_args_parser
 
         supported = torchrun_options(get_args_parser())
-    flags = torchrun_flags(config, endpoint, local_addr)
+    flags = torchrun_flags(config, endpoint, local_addr, max_restarts)
     lacking = [flag.name for flag in flags if flag.required and flag.name not in supported]
     if lacking:
         raise ConfigError(
@@ -174,6 +181,13 @@ def quiet_torchrun(log_level: str) -> None:
         os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+def supervise(config: RuntimeConfig, argv: list[str]) -> bool:
+    """`serve` on one host runs its frontend beside the agent and restarts a failed executor group
+    (tp_runtime/supervisor.py). Across hosts, and for `generate`, the frontend is rank 0's child and
+    a failed rank ends the launch."""
+    return argv[:1] == ["serve"] and not config.multi_node
+
+
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
     """Starts `python -m tp_runtime <argv>` on this host's ranks through torchrun's launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -182,6 +196,11 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     torch_floor.require_torch()
+    from tp_runtime.bootstrap import frontend_nice
+    from tp_runtime.recovery import AGENT_MAX_RESTARTS
+    from tp_runtime.resolve import uses_cuda
+    from tp_runtime.supervisor import Supervisor, agent_observed_by
+
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
     supported = torchrun_options(get_args_parser())
@@ -193,9 +212,17 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
-    _end_stragglers(STOP_MARGIN_S)
-    with _rendezvous(config) as (endpoint, local_addr):
-        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv, supported))
+    supervisor: Supervisor | None = None
+    if supervise(config, argv):
+        supervisor = Supervisor(config, frontend_nice(config, uses_cuda(config)))
+        stop.targets = lambda: [supervisor.frontend.pid]
+    else:
+        _end_stragglers(STOP_MARGIN_S)
+    observed = agent_observed_by(supervisor) if supervisor is not None else contextlib.nullcontext()
+    max_restarts = AGENT_MAX_RESTARTS if supervisor is not None else 0
+    code = 0
+    with _rendezvous(config) as (endpoint, local_addr), observed:
+        torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv, supported, max_restarts))
         try:
             run(torchrun_args)
         except SignalException as exc:
@@ -203,15 +230,20 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
                 sys.stderr.write(
                     f"tp-runtime: error: the ranks did not stop within {stop.after_s:g} s of SIGTERM: stopped by force\n"
                 )
-                return 1
-            log.info("stopped by %s", exc.sigval.name)
-            return 0
+                code = 1
+            elif supervisor is None or not supervisor.ended:
+                log.info("stopped by %s", exc.sigval.name)
         except ChildFailedError:  # the ranks or the frontend have said why
-            return 1
+            code = 1
         except RendezvousError as exc:
             sys.stderr.write(f"tp-runtime: error: the rendezvous at {endpoint} failed: {exc}\n")
-            return 1
-    return 0
+            code = 1
+        finally:
+            if supervisor is not None:
+                supervisor.close()
+    if supervisor is not None and code == 0:
+        return 0 if supervisor.frontend_code == 0 else 1  # the frontend has said why
+    return code
 
 class _Stop:
     """SIGTERM to the launcher: the launcher, not torchrun's agent, passes it on to this host's ranks.
@@ -226,6 +258,9 @@ class _Stop:
         self.after_s = after_s
         self.forced = False
         self._signalled = False
+        # Who drains: the ranks (rank 0 passes it to its frontend child), or under supervise() the
+        # frontend beside them, which tells the ranks to stop once it has drained.
+        self.targets: Callable[[], Iterable[int]] = live_children
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, _signum: int, _frame: object) -> None:
@@ -233,7 +268,7 @@ class _Stop:
             self._force()
             return
         self._signalled = True
-        for pid in _children():
+        for pid in self.targets():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         timer = threading.Timer(self.after_s, self._force)
@@ -256,11 +291,11 @@ def _end_stragglers(after_s: float) -> None:
 
     def watch() -> None:
         seen: set[int] = set()
-        while not seen - set(live := _children()):
+        while not seen - set(live := live_children()):
             seen.update(live)
             time.sleep(0.2)
         deadline = time.monotonic() + after_s
-        while children := _children():
+        while children := live_children():
             for pid, state in children.items():
                 if state == "T" or time.monotonic() > deadline:
                     with contextlib.suppress(ProcessLookupError):
@@ -270,7 +305,7 @@ def _end_stragglers(after_s: float) -> None:
     threading.Thread(target=watch, name="stragglers", daemon=True).start()
 
 
-def _children() -> dict[int, str]:
+def live_children() -> dict[int, str]:
     """This process's live children and their states: the ranks torchrun's agent started (it runs in
     this process); an exited one that the agent has not reaped yet is left out."""
     me, children = os.getpid(), {}

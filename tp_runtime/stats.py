@@ -87,3 +87,7 @@ class EngineStats:
     queue_time: HistogramSnapshot | None = None  # seconds from submit to the first scheduled step
     pages_cleared_per_step: HistogramSnapshot | None = None  # len(cleared_pages) of each PREPARE
     peer_stats: PeerStats | None = None  # the scheduler's frame socket: connections, what it ignored
+    # Under a supervised launch (tp_runtime/recovery.py): executor groups started to replace a failed
+    # one, and how long each took, from the fault to the new group's handshake.
+    executor_restarts_total: int = 0
+    recovery_time: HistogramSnapshot | None = None

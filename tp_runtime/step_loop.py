@@ -42,6 +42,10 @@ log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DUTY_INTERVAL_S = 0.05  # how often liveness (closed connections, silence, deadlines) is looked at
+# A rank whose collective failed reports it at once, while the peer that died under the collective
+# may have its connection's close still unread: this long for it, so that the error names the rank
+# that died (a killed rank 1 reached the client as "rank 0 ... gloo Read error").
+ROOT_CAUSE_WAIT_S = 0.3
 
 
 class RankFailure(TPRuntimeError):
@@ -59,7 +63,11 @@ class EngineTimeouts:
     first_step_s: float = 120.0  # a step's deadline before any step was measured (a long CPU prefill)
     step_floor_s: float = 5.0  # no measured deadline is shorter than this
     step_margin: float = 10.0  # a step may take this many times the longest like it measured so far
-    peer_silence_s: float = 4.0  # no frame from a rank for this long: it stopped
+    # No frame from a rank for this long: it stopped. Executors heartbeat every 0.25 s beside their
+    # forward (ExecutorOptions.heartbeat_interval_s), and frames that arrived while this process
+    # did not run count as heard when it reads them: docs/reports.md measures the false positives
+    # under a loaded 2-core machine.
+    peer_silence_s: float = 2.0
     heartbeat_s: float = 0.5
     refusal_grace_s: float = 5.0  # after a refused handshake, how long ranks still starting are told to exit
 
@@ -254,7 +262,8 @@ class StepLoop:
         elif isinstance(event, StepDone):
             self._finish(event)
         elif isinstance(event, (StepFailed, RankShutdown)):
-            raise RankFailure(f"{conv.who(event.rank)}: {getattr(event, 'message', None) or event.reason}")
+            said = f"{conv.who(event.rank)}: {getattr(event, 'message', None) or event.reason}"
+            raise RankFailure(self._root_cause(event.rank, said))
         elif isinstance(event, ProtocolViolation):
             staged = conv.staged
             if staged is not None and event.rank in conv.unanswered(staged):
@@ -295,6 +304,17 @@ class StepLoop:
         self._model_had_work = self.scheduler.has_work()
         self._undelivered.extend(outputs)
         self._plan()  # the next PREPARE first: it is on the model's path, the tokens on the client's
+
+    def _root_cause(self, reporter: int, said: str) -> str:
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+        while True:
+            closed = sorted(self.endpoint.disconnected_ranks() - {reporter})
+            if closed:
+                names = ", ".join(self.conversation.who(r) for r in closed)
+                return f"the connection of {names} closed: its process ended (then {said})"
+            if time.monotonic() >= deadline:
+                return said
+            time.sleep(0.02)
 
     # ---- liveness --------------------------------------------------------------------------------
 

@@ -1,5 +1,10 @@
 """The body of one torchrun worker: the process group, the bootstrap, one executor, and on rank 0
-the frontend child and its watch."""
+the frontend child and its watch.
+
+Under `tp-runtime serve` the frontend is not rank 0's child: it runs beside the ranks
+(tp_runtime/supervisor.py) and names its bootstrap socket in BOOTSTRAP_ENV, where rank 0 asks for
+this group's run id and key. A failed group is then killed and restarted, so a rank keeps no
+drain of its own: SIGTERM ends it at once."""
 
 from __future__ import annotations
 
@@ -18,11 +23,13 @@ from datetime import timedelta
 
 from tp_runtime import frame_keys, hosts, torch_floor
 from tp_runtime.bootstrap import (
+    BOOTSTRAP_ENV,
     Bootstrap,
     KeyMode,
     broadcast_bytes,
     frontend_nice,
     rank_keys,
+    request_bootstrap,
     start_frontend,
 )
 from tp_runtime.config import ConfigError, RuntimeConfig
@@ -32,6 +39,7 @@ from tp_runtime.resolve import executor_options, resolve, uses_cuda
 
 log = logging.getLogger("tp_runtime.launch")
 
+BOOTSTRAP_WAIT_S = 150.0  # a supervised rank 0 waits this long for the frontend to open its group
 FRONTEND_GRACE_S = 5.0  # rank 0 waits this long for its frontend to exit once its executor has
 FRONTEND_GONE_S = 10.0  # longer than an executor's peer timeout: rank 0 then ends on its own
 _PR_SET_PDEATHSIG = 1
@@ -87,7 +95,16 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
 
     frontend: subprocess.Popen[bytes] | None = None
     payload = b""
-    if rank == 0:
+    supervised = os.environ.get(BOOTSTRAP_ENV)
+    if rank == 0 and supervised:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        payload = request_bootstrap(supervised, restart, BOOTSTRAP_WAIT_S)
+    elif rank == 0:
+        if mode == "serve":
+            log.warning(
+                "the frontend runs as rank 0's child: a rank that dies or hangs ends the service, with no restart "
+                "(`tp-runtime serve` restarts the executor group: docs/deployment.md)"
+            )
         frontend, payload = start_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
     if world > 1:
         payload = broadcast_bytes(payload, bootstrap_group)
@@ -102,7 +119,8 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
             "every host must be given the same options"
         )
     key, curve = rank_keys(info, key_mode, keys, own_pair, rank)
-    _drain_on_sigterm(frontend)
+    if not supervised:
+        _drain_on_sigterm(frontend)
     if frontend is not None:
         _watch_frontend(frontend, info.address)
     code = 1

@@ -9,8 +9,9 @@ tests/e2e/test_sigstop.py and test_kill9.py check it one by one:
 - every process of the server exits (checked by pid, orphans included), the ipc directory is
   removed and the port can be bound again at once.
 
-`run_fault` starts the server, runs the fault and returns a `FaultReport`: what was lost, the times
-to notice and to end, RSS per process before the fault.
+`run_fault` starts the server with --max-restarts 0 (a failed rank ends it: scripts/harness/
+recovery.py checks the restarts), runs the fault and returns a `FaultReport`: what was lost, the
+times to notice and to end, RSS per process before the fault.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from scripts.harness.client import BackgroundStreams, CompletionRequest, served_model
@@ -26,6 +27,7 @@ from scripts.harness.processes import bind_error
 from scripts.harness.runtime import FRONTEND, RuntimeServer, ServerOptions
 
 STREAM_TOKENS = 1500  # far more than a stream makes before the fault is noticed
+NO_RESTARTS = ("--max-restarts", "0")
 GONE_S = 20.0  # a rank notices a dead peer within its peer timeout (5 s); a drain takes 2 s
 
 
@@ -71,6 +73,7 @@ def run_fault(
     (SIGSTOP or SIGKILL) once `streams` long streams are under way; notice_s bounds how long a
     SIGSTOP may leave /health at 200."""
     stop = sig == signal.SIGSTOP
+    options = replace(options, extra_args=(*options.extra_args, *NO_RESTARTS))
     report = FaultReport(f"{sig.name} {target}", target, sig.name)
     rank = int(target.removeprefix("rank")) if target.startswith("rank") else None
     started = time.perf_counter()

@@ -35,6 +35,7 @@ M_PLAN_SECONDS = "tp_runtime_plan_seconds_total"
 M_PROTOCOL_SECONDS = "tp_runtime_protocol_seconds_total"
 M_STEP_SECONDS = "tp_runtime_step_seconds_total"
 M_REQUEST_ERRORS = "tp_runtime_request_errors_total"
+M_EXECUTOR_RESTARTS = "tp_runtime_executor_restarts_total"
 # The scheduler's frame socket (protocol.transport.PeerStats): connections, and what it ignored.
 M_FRAME_CONNECTIONS = "tp_runtime_frame_socket_connections_total"
 M_FRAME_UNBOUND_DISCONNECTS = "tp_runtime_frame_socket_unbound_disconnects_total"
@@ -57,6 +58,16 @@ def parse_metrics(text: str) -> dict[str, float]:
                 continue
             values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
     return values
+
+
+def labelled_value(url: str, name: str, **labels: str) -> float:
+    """One sample of /metrics by its labels (0 when absent), e.g. the request errors of one fault."""
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
 
 
 @dataclass(frozen=True)

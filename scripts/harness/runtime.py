@@ -1,10 +1,11 @@
 """A real `tp-runtime serve` under test: started with typed options, known by the pid of each of
 its processes, signalled one by one, and always stopped by pid.
 
-`python -m tp_runtime serve` is torchrun's launcher; it starts one worker per rank, each in a
-session of its own, and rank 0 starts the frontend (HTTP server and scheduler) as its child. Once
-/health answers 200 every one of them runs, and the server labels them: `launcher`, `rank0` ..
-`rank<N-1>`, `frontend`.
+`python -m tp_runtime serve` is torchrun's launcher; it starts the frontend (HTTP server and
+scheduler) and one worker per rank, each in a session of its own, and restarts the workers when one
+fails (--max-restarts 0 makes a failed rank end the server). Once /health answers 200 every one of
+them runs, and the server labels them: `launcher`, `rank0` .. `rank<N-1>`, `frontend`; after a
+restart `wait_new_ranks` labels the new workers.
 """
 
 from __future__ import annotations
@@ -172,6 +173,27 @@ class RuntimeServer:
                 raise ServerStartError(f"healthy, but no process found for {sorted(missing)}:\n{self.log_tail()}")
             time.sleep(0.1)
 
+    def wait_new_ranks(self, timeout_s: float) -> dict[str, ProcessRef]:
+        """After the executor group restarted: waits until every rank runs in a process other than
+        the one labelled before, labels the new ones, and returns them."""
+        ranks = {rank_label(r) for r in range(self.options.tensor_parallel_size)}
+        old = {ref.pid for label, ref in self._tracker.known().items() if label in ranks}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = {}
+            for pid in descendants(self.pid):
+                label = process_label(pid)
+                ref = ProcessRef.of(pid, label) if label in ranks and pid not in old else None
+                if ref is not None:
+                    found[label] = ref
+            if set(found) == ranks:
+                for ref in found.values():
+                    self._tracker.add(ref)
+                return found
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no new process for {sorted(ranks - set(found))} within {timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
     def processes(self, include_launcher: bool = True) -> dict[str, ProcessRef]:
         """label -> process, as labelled at start-up (a process that has since died stays listed)."""
         known = self._tracker.known()
@@ -205,7 +227,10 @@ class RuntimeServer:
         """The scheduler's frame socket (ipc://, on one host): where the ranks connect, and where a
         stranger without the key would knock."""
         frontend = self.process_of(FRONTEND)
-        found = [path for path in listening_unix_sockets(frontend.pid) if "/tp-runtime-" in path]
+        found = [
+            path for path in listening_unix_sockets(frontend.pid)
+            if "/tp-runtime-" in path and not path.endswith("/bootstrap.sock")  # where each group's rank 0 gets its keys
+        ]
         if len(found) != 1:
             raise LookupError(f"the frontend (pid {frontend.pid}) listens on {found}, not on one ipc socket")
         return f"ipc://{found[0]}"

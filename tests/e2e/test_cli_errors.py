@@ -53,6 +53,8 @@ def test_bad_numbers(tiny: str) -> None:
     assert_usage_error(run_cli("generate", "hi", "--model", tiny, "--max-model-len", "100000"), "--max-model-len")
     assert_usage_error(run_cli("serve", "--model", tiny, "--kv-cache-memory", "lots"), "lots")
     assert_usage_error(run_cli("serve", "--model", tiny, "--num-kv-pages", "2", "--max-model-len", "256"), "pages")
+    assert_usage_error(run_cli("serve", "--model", tiny, "--max-restarts", "-1"), "--max-restarts")
+    assert_usage_error(run_cli("serve", "--model", tiny, "--recovery-timeout", "0"), "--recovery-timeout")
 
 
 def test_corrupt_model_file(tmp_path) -> None:

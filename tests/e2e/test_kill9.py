@@ -1,7 +1,8 @@
 """kill -9 of each process of a TP=2 server in turn (torchrun's agent in the launcher, rank 0, rank 1,
 the frontend) while streams run: every process of the group ends (checked by pid), every in-flight
 stream ends with an error (an error event and its [DONE] where the HTTP server survives the kill),
-the ipc directory is removed and the port can be bound again at once."""
+the ipc directory is removed and the port can be bound again at once. With --max-restarts 0: a rank
+killed under the default restarts (tests/e2e/test_recovery.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from scripts.harness.runtime import FRONTEND, LAUNCHER, RuntimeServer, ServerOpt
 # by SIGKILL makes its ranks drain (PR_SET_PDEATHSIG), which must cut the streams within it.
 OPTIONS = (
     "--dtype", "fp32", "--num-kv-pages", "256", "--max-model-len", "2048", "--max-num-seqs", "8",
-    "--shutdown-timeout", "2",
+    "--shutdown-timeout", "2", "--max-restarts", "0",
 )  # fmt: skip
 STREAMS = 3
 GONE_S = 20.0  # a rank notices a dead peer within its peer timeout (5 s); the drain takes 2 s

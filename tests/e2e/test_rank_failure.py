@@ -1,5 +1,5 @@
-"""Kill one rank mid-generation: clients get an error within 5 s, /health turns 503, and no process
-of the group is left behind."""
+"""Kill one rank mid-generation with --max-restarts 0 (a failed rank ends the service): clients get
+an error within 5 s, /health turns 503, and no process of the group is left behind."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server, alive, des
 
 
 def test_killed_rank_fails_requests_fast_and_leaves_nothing_behind(tiny_model: Path) -> None:
-    server = Server(tiny_model, tp=2, extra=SERVER_OPTIONS)
+    server = Server(tiny_model, tp=2, extra=(*SERVER_OPTIONS, "--max-restarts", "0"))
     try:
         group = [server.pid, *descendants(server.pid)]
         stream = RecordedStream(server.url, "keep going", 240)

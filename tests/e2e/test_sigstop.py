@@ -1,7 +1,8 @@
 """SIGSTOP of one rank of a TP=2 server while streams run: the frontend notices its silence (every
 executor heartbeats beside its forward), /health turns 503 within the peer-silence window, every
 stream fails with an error event that names the stopped rank, and no process of the group is left,
-the stopped one included."""
+the stopped one included. With --max-restarts 0: under the default the group restarts
+(tests/e2e/test_recovery.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from scripts.harness.client import BackgroundStreams, CompletionRequest, served_
 from scripts.harness.runtime import RuntimeServer, ServerOptions
 from tp_runtime.step_loop import EngineTimeouts
 
-OPTIONS = ("--dtype", "fp32", "--num-kv-pages", "256", "--max-model-len", "2048", "--max-num-seqs", "8")
+OPTIONS = (
+    "--dtype", "fp32", "--num-kv-pages", "256", "--max-model-len", "2048", "--max-num-seqs", "8", "--max-restarts", "0",
+)  # fmt: skip
 # The frontend's peer-silence window, plus the time /health and a busy 2-core machine take to tell.
 NOTICED_S = EngineTimeouts().peer_silence_s + 1.5
 GONE_S = 15.0  # the launcher SIGKILLs the stopped rank once its peer has exited

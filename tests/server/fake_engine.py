@@ -176,6 +176,7 @@ class FakeEngine:
     max_in_flight: int | None = None  # submit raises EngineOverloaded with this many streams active
     health_state: Health = Health(True, "ok")
     reply: list[int] | None = None  # every request answers these tokens instead of echoing its prompt
+    retry_after: float | None = None  # what retry_after_s() says: set while a group "restarts"
     submitted: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     leaders: list[int | None] = field(default_factory=list)  # each submit's prompt_leader
     cancelled: list[int] = field(default_factory=list)
@@ -218,6 +219,9 @@ class FakeEngine:
 
     def health(self) -> Health:
         return self.health_state
+
+    def retry_after_s(self) -> float | None:
+        return self.retry_after
 
     def record_step(self, tokens: int) -> None:
         with self._lock:

@@ -46,12 +46,15 @@ class FakeRank(threading.Thread):
         self._delay = step_delay_s
         self._prepared: Prepare | None = None
         self.steps = 0
+        self.vanish = threading.Event()  # set: the rank closes its socket at its next frame, as a killed process would
 
     def run(self) -> None:
         peer = self._peer
         try:
             peer.send(Hello(0, 1, SUPPORTED_VERSIONS, LAYOUT_VERSION, "fake", GEOMETRY), 0)
             while (frame := peer.recv(20_000)) is not None:
+                if self.vanish.is_set():
+                    return
                 body = frame.body
                 if isinstance(body, Shutdown):
                     return
@@ -74,17 +77,22 @@ class FakeRank(threading.Thread):
             peer.close()
 
 
-@contextmanager
-def running_engine(*, token: int = 7, step_delay_s: float = 0.0, max_num_queued_reqs: int = 0) -> Iterator[Engine]:
-    """An Engine whose loop runs against a FakeRank; shut down and joined afterwards."""
-    key, run_id = new_key(), "fake-rank-run"
-    endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
-    scheduler = Scheduler(
+def fake_scheduler() -> Scheduler:
+    """A scheduler planning for the fake rank's geometry."""
+    return Scheduler(
         SchedulerConfig(
             num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=GEOMETRY.max_num_seqs,
             max_num_batched_tokens=GEOMETRY.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
         )
     )
+
+
+@contextmanager
+def running_engine(*, token: int = 7, step_delay_s: float = 0.0, max_num_queued_reqs: int = 0) -> Iterator[Engine]:
+    """An Engine whose loop runs against a FakeRank; shut down and joined afterwards."""
+    key, run_id = new_key(), "fake-rank-run"
+    endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
+    scheduler = fake_scheduler()
     engine = Engine(
         scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="fake", max_model_len=MAX_MODEL_LEN,
         timeouts=EngineTimeouts(handshake_s=20), max_num_queued_reqs=max_num_queued_reqs,

@@ -23,6 +23,7 @@ from scripts.harness.metrics import (
     M_WAITING,
     MetricsSample,
 )
+from scripts.harness.metrics import M_EXECUTOR_RESTARTS
 from scripts.soak_checks import CHECKS, Comparison, check_run, first_difference, judge_difference, rss_verdict, token_at
 from scripts.soak_report import request_rows, summarize, write_plots
 from scripts.soak_workload import RunRecord, SoakRequest, outcome_of
@@ -76,8 +77,8 @@ def flat_rss() -> list:
     return [rss_verdict("rank0", [(0.5, 500 * MIB), (2.0, 501 * MIB), (3.0, 500 * MIB)], 1.0, 48.0)]
 
 
-def verdicts(record, comparisons=(), rss=None, swap_space=True):
-    checks = check_run(record, list(comparisons), flat_rss() if rss is None else rss, swap_space=swap_space)
+def verdicts(record, comparisons=(), rss=None, swap_space=True, faults=None):
+    checks = check_run(record, list(comparisons), flat_rss() if rss is None else rss, swap_space=swap_space, faults=faults)
     return {c.name: c for c in checks}
 
 
@@ -223,3 +224,18 @@ def test_summary_rows_and_plots(tmp_path):
     png = tmp_path / "soak.png"
     write_plots(record, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
+
+
+def test_fault_mode_takes_failures_that_name_a_rank_and_counts_the_restarts():
+    record = clean_record()
+    record.results[1].error = "the connection of rank 1 on host vm closed: its process ended"
+    record.results[1].finish_reason = None
+    record.final_metrics = {**CLEAN_METRICS, M_EXECUTOR_RESTARTS: 2.0}
+    checks = verdicts(record, faults=2)
+    assert checks["no_failures"].passed and checks["recovered"].passed, checks
+    assert not verdicts(record, faults=3)["recovered"].passed  # a kill without its restart
+    assert not verdicts(record)["recovered"].passed  # a restart in a run that killed nothing
+    assert not verdicts(record)["no_failures"].passed  # without fault mode a failure is a miss
+    record.results[2].error = "HTTP 503: the runtime is draining"
+    record.results[2].finish_reason = None
+    assert not verdicts(record, faults=2)["no_failures"].passed  # fault mode, but no rank named

@@ -52,6 +52,8 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         # Any host may be the one torchrun gives rank 0, and so the HTTP server.
         check_port_free(config.host, config.port)
         _check_http_options(config)
+        if config.max_restarts < 0 or config.restart_window <= 0 or config.recovery_timeout <= 0:
+            raise ConfigError("--max-restarts must be at least 0, --restart-window and --recovery-timeout above 0")
     try:
         resolved = resolve(config)
         _check_kv_scales(resolved)

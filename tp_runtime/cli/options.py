@@ -152,6 +152,19 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open (default 5)")
 
 
+def _add_recovery_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("recovery of a failed executor group (docs/deployment.md)")
+    g.add_argument(
+        "--max-restarts", type=int, default=3,
+        help="executor group restarts allowed within --restart-window; one more ends the service (default 3; 0: a failed rank ends it)",
+    )
+    g.add_argument("--restart-window", type=float, default=600.0, help="seconds over which restarts are counted (default 600)")
+    g.add_argument(
+        "--recovery-timeout", type=float, default=60.0,
+        help="seconds requests wait for a restarting executor group before 503 with Retry-After (default 60)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tp-runtime", description="Tensor-parallel LLM inference that never reads unwritten KV bytes.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -172,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running requests may take to finish (default 20; torchrun's grace period is 30)",
     )
     _add_http_options(serve)
+    _add_recovery_options(serve)
     gen = sub.add_parser("generate", help="generate a completion of one prompt and exit")
     gen.add_argument("prompt")
     _add_runtime_options(gen)
@@ -234,6 +248,9 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         frame_key_dir=args.frame_key_dir,
         trust_rendezvous_store=args.trust_rendezvous_store,
         shutdown_timeout=getattr(args, "shutdown_timeout", 20.0),
+        max_restarts=getattr(args, "max_restarts", 3),
+        restart_window=getattr(args, "restart_window", 600.0),
+        recovery_timeout=getattr(args, "recovery_timeout", 60.0),
         served_model_name=tuple(getattr(args, "served_model_name", ())),
         max_num_queued_reqs=getattr(args, "max_num_queued_reqs", 0),
         max_request_body_size=getattr(args, "max_request_body_size", 0),

@@ -74,16 +74,21 @@ def unsupported(param: str, reason: str) -> ApiError:
     return invalid_request(f"'{param}' {reason}", code="unsupported_parameter", param=param)
 
 
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, type="server_unavailable", code="engine_unavailable")
+def unavailable(message: str, retry_after_s: float | None = None) -> ApiError:
+    """503; with Retry-After while the executor group restarts (the service will be back)."""
+    headers = {"Retry-After": _retry_after(retry_after_s)} if retry_after_s is not None else None
+    return ApiError(503, message, type="server_unavailable", code="engine_unavailable", headers=headers)
 
 
 def overloaded(message: str, retry_after_s: float) -> ApiError:
-    # Retry-After takes whole seconds; the openai client waits that long before its retry.
-    seconds = max(1, round(retry_after_s))
     return ApiError(
-        429, message, type="rate_limit_error", code="too_many_requests", headers={"Retry-After": str(seconds)}
+        429, message, type="rate_limit_error", code="too_many_requests", headers={"Retry-After": _retry_after(retry_after_s)}
     )
+
+
+def _retry_after(seconds: float) -> str:
+    # Retry-After takes whole seconds; the openai client waits that long before its retry.
+    return str(max(1, round(seconds)))
 
 
 def model_not_found(name: str, served: str) -> ApiError:

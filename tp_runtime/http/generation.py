@@ -17,6 +17,7 @@ from protocol.errors import TPRuntimeError
 from tp_runtime.engine import EngineUnavailable, RequestStream
 from tp_runtime.http.api_models import Usage
 from tp_runtime.http.errors import ApiError, unavailable
+from tp_runtime.recovery import Fault
 from tp_runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -91,9 +92,10 @@ class Piece:
 class GenerationFailed(TPRuntimeError):
     """The runtime failed the request after admission; carries the HTTP-shaped error."""
 
-    def __init__(self, error: ApiError):
+    def __init__(self, error: ApiError, fault: str = Fault.OTHER):
         super().__init__(error.message)
         self.error = error
+        self.fault = fault  # the label of tp_runtime_request_errors_total (tp_runtime.recovery.Fault)
 
 
 class RequestObserver(Protocol):
@@ -151,7 +153,7 @@ class Generation:
                 if event.finish_reason == "error" or event.error is not None:
                     ended = True
                     self._end("error")
-                    raise GenerationFailed(self._failure(event.error))
+                    raise GenerationFailed(self._failure(event.error), event.fault or Fault.OTHER)
                 text = self._add(event.token_ids, event.logprobs, event.top_logprobs)
                 if event.finished:
                     text += self._detokenizer.flush()
@@ -180,7 +182,7 @@ class Generation:
         except EngineUnavailable as exc:
             ended = True
             self._end("error")
-            raise GenerationFailed(unavailable(str(exc))) from exc
+            raise GenerationFailed(unavailable(str(exc), exc.retry_after_s), Fault.RUNTIME_DOWN) from exc
         finally:
             if not ended:
                 # The reader went away (client disconnect, cancelled task): free the slot now.
@@ -217,5 +219,5 @@ class Generation:
     def _failure(self, message: str | None) -> ApiError:
         text = message or "the runtime failed this request"
         if not self._engine.health().ok:
-            return unavailable(text)
+            return unavailable(text, self._engine.retry_after_s())
         return ApiError(500, text, type="server_error", code="generation_failed")

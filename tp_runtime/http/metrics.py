@@ -169,6 +169,17 @@ class EngineCollector(Collector):
                 f"{PREFIX}_kv_pages_cleared_per_step", "KV pages a step's PREPARE listed to be zeroed.",
                 stats.pages_cleared_per_step,
             )
+        yield _counter(
+            f"{PREFIX}_executor_restarts",
+            "Executor groups started to replace one that died or hung (tp-runtime serve restarts them).",
+            stats.executor_restarts_total,
+        )
+        if stats.recovery_time is not None:
+            yield _histogram(
+                f"{PREFIX}_recovery_seconds",
+                "Time from a failed executor group to the handshake of the group that replaced it.",
+                stats.recovery_time,
+            )
         if stats.peer_stats is not None:
             for suffix, field, help_text in _FRAME_SOCKET_COUNTERS:
                 yield _counter(f"{PREFIX}_{suffix}", help_text, getattr(stats.peer_stats, field))
@@ -252,7 +263,9 @@ class Metrics:
         )
         self.request_errors = Counter(
             f"{PREFIX}_request_errors",
-            "Requests that the runtime failed after admission (a rank failure, non-finite logits, a drain).",
+            "Requests that the runtime failed after admission, by fault (rank_failure, recovery_timeout, "
+            "runtime_down, shutdown, step, other).",
+            ("fault",),
             registry=registry,
         )
         self.time_to_first_token = Histogram(

@@ -132,7 +132,7 @@ class GenerationService:
             raise overloaded(str(exc), exc.retry_after_s) from exc
         except EngineUnavailable as exc:
             metrics.request_rejects.labels("unavailable").inc()
-            raise unavailable(str(exc)) from exc
+            raise unavailable(str(exc), exc.retry_after_s) from exc
         return Generation(
             self.engine, self.tokenizer, stream, prepared.prompt_token_ids, prepared.stops, metrics.timer(arrival),
             min_tokens=params.min_tokens,
@@ -152,7 +152,7 @@ class GenerationService:
         try:
             return await _until_done_or_disconnected(request, run(), self.metrics.request_cancels.inc)
         except GenerationFailed as exc:
-            self.metrics.request_errors.inc()
+            self.metrics.request_errors.labels(exc.fault).inc()
             raise exc.error from exc
 
     def stream(
@@ -170,7 +170,7 @@ class GenerationService:
                 completed = True
             except GenerationFailed as exc:
                 completed = True
-                self.metrics.request_errors.inc()
+                self.metrics.request_errors.labels(exc.fault).inc()
                 for chunk in error_events(exc.error):
                     yield chunk
             finally:

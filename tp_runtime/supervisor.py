@@ -1,0 +1,194 @@
+"""The launcher's side of `tp-runtime serve`: the frontend beside torchrun's elastic agent, and the
+agent restarting the executor group under it.
+
+    launcher (torchrun's elastic agent runs in it)
+     |-- frontend: HTTP server, engine, scheduler; lives as long as the service
+     '-- rank 0 .. N-1: torchrun workers, restarted by the agent (--max-restarts) when one fails
+
+The launcher starts the frontend first, with a socket pair (tp_runtime/group_broker.py says what
+travels on it), and names the frontend's bootstrap socket to the ranks in their environment
+(BOOTSTRAP_ENV). Then it runs the agent, which it watches through `ObservedAgent`: every failure the
+agent sees (which ranks ended, with which exit code) goes to the frontend before the agent restarts
+the group. The frontend answers with the groups it found dead or hung, which the launcher SIGKILLs:
+a stopped rank never handles the SIGTERM the agent would send it, and the agent would wait its
+whole grace period (30 s or more) before its SIGKILL.
+
+The frontend decides when restarts must end (tp_runtime/recovery.py's window): it then exits, and
+so does everything else. Whenever the frontend exits the launcher ends the launch: the ranks that
+are left (after a short grace when the frontend exited cleanly, for their own exit after SHUTDOWN),
+then the agent, which a SIGINT to this process stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from tp_runtime.bootstrap import BOOTSTRAP_ENV
+from tp_runtime.config import ConfigError, RuntimeConfig
+from tp_runtime.group_broker import LineReader, send_line
+from tp_runtime.launcher import live_children
+from tp_runtime.worker_process import remove_ipc_dir
+
+log = logging.getLogger("tp_runtime.launch")
+
+RANKS_EXIT_GRACE_S = 10.0  # after a clean frontend exit, the ranks' own exit after SHUTDOWN
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+class Supervisor:
+    """The frontend process and the launcher's end of its socket pair."""
+
+    def __init__(self, config: RuntimeConfig, nice: int) -> None:
+        ours, theirs = socket.socketpair()
+        command = [
+            sys.executable, "-m", "tp_runtime.frontend", "--launcher-fd", str(theirs.fileno()),
+            "--config", config.to_json(), "--mode", "serve",
+        ]  # fmt: skip
+        self.frontend = subprocess.Popen(
+            command, pass_fds=(theirs.fileno(),), preexec_fn=(lambda: os.nice(nice)) if nice else None
+        )
+        theirs.close()
+        self._sock = ours
+        self._send_lock = threading.Lock()
+        self._ending = threading.Event()
+        self.frontend_code: int | None = None
+        first = LineReader(ours).next()
+        if first is None or "ready" not in first:
+            code = self.frontend.wait()
+            reason = (first or {}).get("error") or f"the frontend process exited with code {code} before it was ready"
+            raise ConfigError(reason)
+        os.environ[BOOTSTRAP_ENV] = self.bootstrap_path = first["ready"]
+        threading.Thread(target=self._take_requests, name="frontend-line", daemon=True).start()
+        threading.Thread(target=self._watch_frontend, name="frontend-watch", daemon=True).start()
+
+    # ---- from the agent ---------------------------------------------------------------------------
+
+    def group_failed(self, restart: int, exits: dict[int, int]) -> None:
+        """The agent saw group `restart` fail: tell the frontend before the agent restarts it."""
+        log.warning("executor group %d failed: %s", restart, exits)
+        with self._send_lock, contextlib.suppress(OSError):
+            send_line(self._sock, {"died": restart, "exits": sorted(exits.items())})
+
+    # ---- from the frontend ------------------------------------------------------------------------
+
+    def _take_requests(self) -> None:
+        reader = LineReader(self._sock)
+        while True:
+            try:
+                message = reader.next()
+            except (OSError, ValueError):
+                return
+            if message is None:
+                return
+            if "kill" in message:
+                kill_group(self.frontend.pid, int(message["kill"]))
+
+    def _watch_frontend(self) -> None:
+        code = self.frontend.wait()
+        self.frontend_code = code
+        # The frontend removes its directory as it exits; one that was killed cannot.
+        remove_ipc_dir(f"ipc://{self.bootstrap_path}")
+        if code == 0:  # a drain: the ranks were told to stop and exit by themselves
+            _wait_for(lambda: not rank_pids(self.frontend.pid), RANKS_EXIT_GRACE_S)
+        self.end()
+
+    def end(self) -> None:
+        """Ends the launch: every rank now, then the agent (SIGINT: torchrun's SignalException)."""
+        if self._ending.is_set():
+            return
+        self._ending.set()
+        for pid in rank_pids(self.frontend.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    @property
+    def ended(self) -> bool:
+        return self._ending.is_set()
+
+    def close(self) -> None:
+        """After the agent has returned: the frontend is on its way out (or is told to go)."""
+        try:
+            self.frontend.wait(timeout=RANKS_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.frontend.terminate()
+            try:
+                self.frontend.wait(timeout=RANKS_EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.frontend.kill()
+                self.frontend.wait()
+        self.frontend_code = self.frontend.returncode
+        self._sock.close()
+
+
+def observed_agent(on_failure: Callable[[int, dict[int, int]], None]) -> type:
+    """torchrun's LocalElasticAgent, telling on_failure(restart count, {rank: exit code}) of every
+    failed group before it restarts it (the agent keeps no record a caller could read)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class ObservedAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 (torch's signature)
+            result = super()._monitor_workers(worker_group)
+            if result.state.name in ("FAILED", "UNHEALTHY"):
+                restart = worker_group.spec.max_restarts - self._remaining_restarts
+                on_failure(restart, {rank: failure.exitcode for rank, failure in result.failures.items()})
+            return result
+
+    return ObservedAgent
+
+
+@contextlib.contextmanager
+def agent_observed_by(supervisor: Supervisor):
+    """torchrun's launcher builds its agent by the name LocalElasticAgent in its module: the
+    observed one takes that name while the launch runs."""
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = observed_agent(supervisor.group_failed)
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+def rank_pids(frontend_pid: int, restart: int | None = None) -> list[int]:
+    """This process's children that torchrun's agent started (of group `restart` when given)."""
+    found = []
+    for pid in live_children():
+        if pid == frontend_pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.partition(b"=")[::2] for item in f.read().split(b"\0") if item)
+        except OSError:
+            continue
+        count = env.get(RESTART_COUNT_ENV.encode())
+        if count is not None and (restart is None or int(count) == restart):
+            found.append(pid)
+    return found
+
+
+def kill_group(frontend_pid: int, restart: int) -> None:
+    pids = rank_pids(frontend_pid, restart)
+    log.warning("the frontend found executor group %d dead or hung: SIGKILL to %s", restart, pids)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_for(done: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
