@@ -33,6 +33,7 @@ from tp_runtime.step_loop import EngineTimeouts, HandshakeError, RankFailure, St
 log = logging.getLogger("tp_runtime.engine")
 
 STATS_INTERVAL_S = 0.1  # the most a busy engine's published stats (/metrics) lag behind
+IDLE_STATS_INTERVAL_S = 1.0
 
 __all__ = [
     "Engine", "EngineOverloaded", "EngineStats", "EngineTimeouts", "EngineUnavailable", "HandshakeError", "Health",
@@ -381,7 +382,7 @@ class Engine:
         if self._recovery is not None:
             self._recovery.group_ready()
         self._ready.set()
-        published = 0.0
+        published, was_busy = 0.0, False
         while not self._stopping.is_set():
             self._take_commands()
             self._deliver(self._scheduler.drain_outputs())
@@ -390,12 +391,16 @@ class Engine:
             if self._recovery is not None:
                 self._recovery.check_deaths()
             loop.iterate(wait_s=0.5)
-            # A snapshot walks the scheduler's state: at every idle moment, but while steps run
-            # back to back at most every STATS_INTERVAL_S, not once per frame.
-            now = time.monotonic()
-            if not loop.busy or now - published >= STATS_INTERVAL_S:
+            # A snapshot walks the scheduler's state: not once per frame (several per step), nor on
+            # every heartbeat of an idle loop, but as soon as the last step in flight has ended and
+            # otherwise at most every STATS_INTERVAL_S (IDLE_STATS_INTERVAL_S while idle: then only
+            # the socket's counters of strangers can move).
+            now, busy = time.monotonic(), loop.busy
+            interval = STATS_INTERVAL_S if busy else IDLE_STATS_INTERVAL_S
+            if (was_busy and not busy) or now - published >= interval:
                 self._snapshot = self._make_stats()
                 published = now
+            was_busy = busy
 
     def _while_starting(self) -> bool:
         """Every 200 ms of a handshake: the launcher's reports of dead groups, the recovery deadline

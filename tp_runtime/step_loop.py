@@ -319,10 +319,12 @@ class StepLoop:
     # ---- liveness --------------------------------------------------------------------------------
 
     def _next_duty(self, now: float) -> float:
-        """When liveness is looked at next: every DUTY_INTERVAL_S, and when a heartbeat is due. Not
-        after every frame: with steps back to back that was several times per step, for detections
-        whose thresholds are seconds."""
-        return min(self._duties_at + DUTY_INTERVAL_S, self._last_heartbeat + self.timeouts.heartbeat_s)
+        """When liveness is looked at next: when a heartbeat is due, and every DUTY_INTERVAL_S while
+        steps are in flight (their deadlines). Not after every frame: with steps back to back that
+        was several times per step, for detections whose thresholds are seconds; and an idle loop
+        wakes for the ranks' heartbeats anyway."""
+        beat = self._last_heartbeat + self.timeouts.heartbeat_s
+        return min(self._duties_at + DUTY_INTERVAL_S, beat) if self._inflight else beat
 
     def _duties(self, now: float) -> None:
         self._duties_at = now
