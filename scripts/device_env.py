@@ -21,9 +21,10 @@ HOST_WHEELS = REPO / ".device-host" / "wheels"  # the compiled pins again, for t
 CARRY_LIMIT_BYTES = 16 << 20  # of the device tool's 64 MiB for the whole tree
 # The device's interpreter, as pip's download and resolution options name it.
 DEVICE_PYTHON = ("--python-version", "3.12", "--implementation", "cp")
+# llguidance ships only manylinux_2_31 wheels; the image (CUDA 13, Python 3.12) has a newer glibc.
 DEVICE_PLATFORMS = tuple(
     arg
-    for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+    for tag in ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
     for arg in ("--platform", tag)
 )
 
@@ -120,7 +121,11 @@ def unprovided_dependencies(pyproject: Path = REPO / "pyproject.toml") -> list[s
 
 def main(argv: list[str]) -> int:
     """`prune DIR` removes stray wheels; `compiled DIR` prints the compiled pins; `missing DIR`
-    prints the pins without a wheel (exit 1 if any)."""
+    prints the pins without a wheel (exit 1 if any); `target` prints pip's options naming the
+    device's interpreter and platforms, one a line."""
+    if argv[0] == "target":
+        print("\n".join((*DEVICE_PYTHON, *DEVICE_PLATFORMS)))
+        return 0
     command, directory = argv[0], Path(argv[1])
     wanted = pins()
     if command == "prune":

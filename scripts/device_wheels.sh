@@ -38,9 +38,8 @@ fetch() {
   return 1
 }
 
-fetch .device/wheels -r "$REQUIREMENTS" --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 || exit $?
+mapfile -t target < <(python -m scripts.device_env target)
+fetch .device/wheels -r "$REQUIREMENTS" "${target[@]}" || exit $?
 if [[ ! -s .device/tokenizer/tokenizer.json ]]; then
   python -m scripts.device_tokenizer .device/tokenizer || { echo "device_wheels: the tokenizer could not be exported" >&2; exit 1; }
 fi
