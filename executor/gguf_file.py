@@ -112,6 +112,23 @@ class GGUFFile:
         (length,) = self._unpack("<Q")
         return self._take(length).decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary: 49k for SmolLM2, read by every process that opens
+        the file) in one tight loop: a third of the time of one _string call per item."""
+        data, pos, end, unpack = self._map, self._pos, len(self._map), struct.unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > end:
+                raise GGUFFormatError("the header ends early: the file is truncated")
+            (length,) = unpack("<Q", data, pos)
+            pos += 8
+            if pos + length > end:
+                raise GGUFFormatError("the header ends early: the file is truncated")
+            out.append(data[pos : pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self._pos = pos
+        return out
+
     def _value(self, kind: int) -> object:
         if kind == STRING:
             return self._string()
@@ -121,6 +138,8 @@ class GGUFFile:
             item_kind, length = self._unpack("<IQ")
             if item_kind in SCALARS:
                 return list(self._unpack(f"<{length}{SCALARS[item_kind]}"))
+            if item_kind == STRING:
+                return self._strings(length)
             return [self._value(item_kind) for _ in range(length)]
         raise GGUFFormatError(f"unknown metadata value type {kind}")
 

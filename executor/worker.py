@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -166,21 +167,43 @@ def run_executor(
     curve: ClientCurve | None = None,
     grammar_vocabulary: Callable[[], GrammarVocabulary] | None = None,
 ) -> int:
-    """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps.
+    """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps
+    (load_executor, then serve_executor: a launcher that learns the scheduler's address while the
+    shard loads calls the two itself).
 
     torch.distributed must already be initialized when world_size > 1 (the launcher does it).
     `load` replaces executor.model.load_model (same signature); the loop tests pass a stand-in.
     `curve` (protocol.curve.ClientCurve) makes the connection a CurveZMQ client, across hosts.
     `grammar_vocabulary` loads the tokenizer's view for rank 0's grammar engine (structured output).
     """
+    loaded = load_executor(options, rank=rank, world_size=world_size, load=load)
+    return serve_executor(
+        loaded, address=address, key=key, run_id=run_id, curve=curve, grammar_vocabulary=grammar_vocabulary
+    )
+
+
+@dataclass(frozen=True)
+class LoadedExecutor:
+    """One rank before it connects: its shard, its cache and the geometry it will announce."""
+
+    options: ExecutorOptions
+    rank: int
+    world_size: int
+    cache: KVCache
+    model: StepModel
+    geometry: CacheGeometry
+
+
+def load_executor(
+    options: ExecutorOptions, *, rank: int, world_size: int, load: Callable[..., Any] | None = None
+) -> LoadedExecutor:
+    """This rank's shard on its device and its KV cache: everything before the connection."""
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ExecutorStartError(
             f"world size {world_size} needs torch.distributed initialized before run_executor"
         )
-    # Imported when a rank starts, not with this module: the transport pulls in zmq and the model
-    # package the weight readers.
+    # Imported when a rank starts, not with this module: the model package pulls in the weight readers.
     from executor.allocator import retain_freed_memory
-    from protocol.transport import ExecutorEndpoint
 
     retain_freed_memory()
     device = pick_device(options)
@@ -192,18 +215,36 @@ def run_executor(
     step_model = _step_model(options, model, cache, geometry)
     if options.seed is not None:
         torch.manual_seed(options.seed)
+    return LoadedExecutor(options, rank, world_size, cache, step_model, geometry)
+
+
+def serve_executor(
+    loaded: LoadedExecutor,
+    *,
+    address: str,
+    key: bytes,
+    run_id: str,
+    curve: ClientCurve | None = None,
+    grammar_vocabulary: Callable[[], GrammarVocabulary] | None = None,
+) -> int:
+    """Connects a loaded rank to the scheduler and serves steps until SHUTDOWN or a failure."""
+    from protocol.transport import ExecutorEndpoint  # imported when a rank starts: it pulls in zmq
+
+    rank = loaded.rank
     endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
     try:
         worker = Worker(
             rank=rank,
-            world_size=world_size,
+            world_size=loaded.world_size,
             endpoint=endpoint,
-            cache=cache,
-            model=step_model,
-            geometry=geometry,
-            options=options,
+            cache=loaded.cache,
+            model=loaded.model,
+            geometry=loaded.geometry,
+            options=loaded.options,
             run_id=run_id,
-            grammars=GrammarEngine(grammar_vocabulary, geometry.vocab_size) if rank == 0 and grammar_vocabulary else None,
+            grammars=(
+                GrammarEngine(grammar_vocabulary, loaded.geometry.vocab_size) if rank == 0 and grammar_vocabulary else None
+            ),
         )
         return worker.run()
     finally:

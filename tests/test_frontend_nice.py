@@ -33,10 +33,12 @@ def test_a_value_that_would_raise_the_priority_is_refused():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_frontend_process_runs_at_that_nice_value(tmp_path):
-    from tp_runtime.bootstrap import start_frontend
+    from tp_runtime.bootstrap import read_bootstrap, spawn_frontend
 
     config = RuntimeConfig(model=str(tmp_path / "missing.gguf"))
-    child, _payload = start_frontend(config, "generate", ["hi"], [], nice=7)
+    started = spawn_frontend(config, "generate", ["hi"], [], nice=7)
+    child = started.process
+    read_bootstrap(started.bootstrap_fd)  # the frontend has bound: it is still there, at its nice value
     try:
         with open(f"/proc/{child.pid}/stat") as f:
             nice = int(f.read().rsplit(")", 1)[1].split()[16])

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 # socket here (tp_runtime/group_broker.py); under plain torchrun it is unset and rank 0 starts the
 # frontend as its child.
 BOOTSTRAP_ENV = "TP_RUNTIME_BOOTSTRAP"
+# Under `tp-runtime generate` on one host the launcher starts the frontend beside the ranks it starts
+# itself (tp_runtime/local_launch.py) and hands rank 0 the read end of the frontend's pipe: its number.
+BOOTSTRAP_FD_ENV = "TP_RUNTIME_BOOTSTRAP_FD"
 
 
 class KeyMode(str, enum.Enum):
@@ -82,10 +85,19 @@ def frontend_nice(config: RuntimeConfig, use_cuda: bool) -> int:
     return 0 if use_cuda else CPU_FRONTEND_NICE
 
 
-def start_frontend(
-    config: RuntimeConfig, mode: str, job: list[str], client_keys: list[bytes], nice: int = 0
-) -> tuple[subprocess.Popen[bytes], bytes]:
-    """The frontend process and its packed Bootstrap (one with `error` set if it did not start)."""
+@dataclass(frozen=True)
+class FrontendStart:
+    """A frontend process just started, and the read end of the pipe its Bootstrap comes back on."""
+
+    process: subprocess.Popen[bytes]
+    bootstrap_fd: int
+
+
+def spawn_frontend(
+    config: RuntimeConfig, mode: str, job: list[str], client_keys: list[bytes], nice: int = 0, new_session: bool = False
+) -> FrontendStart:
+    """Starts the frontend process and returns at once: whoever needs the endpoint reads it later
+    (read_bootstrap), so that the frontend's start runs beside the ranks' load rather than before it."""
     read_fd, write_fd = os.pipe()
     command = [
         sys.executable,
@@ -102,14 +114,28 @@ def start_frontend(
         "--",
         *job,
     ]
-    child = subprocess.Popen(command, pass_fds=(write_fd,), preexec_fn=(lambda: os.nice(nice)) if nice else None)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
+    try:
+        child = subprocess.Popen(
+            command, pass_fds=(write_fd,), preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            start_new_session=new_session,
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return FrontendStart(child, read_fd)
+
+
+def read_bootstrap(fd: int, frontend: subprocess.Popen[bytes] | None = None) -> bytes:
+    """The packed Bootstrap a frontend writes on its pipe (one with `error` set if it exited first;
+    with its exit code where `frontend` is this process's child). Closes fd."""
+    with os.fdopen(fd, "rb") as pipe:
         payload = pipe.read()
-    if not payload:
-        code = child.wait()
-        return child, Bootstrap(error=f"the frontend process exited with code {code} before it was ready").pack()
-    return child, payload
+    if payload:
+        return payload
+    code = f" with code {frontend.wait()}" if frontend is not None else ""
+    return Bootstrap(error=f"the frontend process exited{code} before it was ready").pack()
 
 def request_bootstrap(path: str, restart: int, timeout_s: float) -> bytes:
     """Rank 0 of a supervised group: its packed Bootstrap from the frontend's bootstrap socket (one

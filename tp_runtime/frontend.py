@@ -34,6 +34,7 @@ from tp_runtime.bootstrap import Bootstrap, KeyMode
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
 from tp_runtime.group_broker import BootstrapServer, GroupBroker, read_launcher, send_line
+from tp_runtime.launcher import LAUNCHER_PID_ENV
 from tp_runtime.recovery import Recovery, RecoveryPolicy
 from tp_runtime.tokenizer import Tokenizer, load_tokenizer
 
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     engine: Engine | None = None
     parent_gone = threading.Event()
 
+    # Its parent: rank 0 under torchrun, the launcher under `tp-runtime generate` (tp_runtime/local_launch.py).
+    gone = LAUNCHER_GONE if os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid()) else RANK_0_GONE
+
     def parent_died(_signum: int, _frame: object) -> None:
         # Only a mark, never an exception: one raised here lands wherever the main thread happens to
         # be, and a library's `except BaseException` there swallowed it (a frontend left waiting for
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         # finally below, which removes the ipc directory.
         parent_gone.set()
         if engine is not None:
-            engine.fail(RANK_0_GONE)
+            engine.fail(gone)
 
     signal.signal(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
     _die_with_parent()
@@ -158,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
         engine = build_engine(config, endpoint, tokenizer)
         if parent_gone.is_set():  # the signal came before `engine` was bound
-            engine.fail(RANK_0_GONE)
+            engine.fail(gone)
         engine.start()
         if args.mode == "serve":
-            return _serve(engine, tokenizer, config)
+            return _serve(engine, tokenizer, config, gone)
         from tp_runtime.cli import run_generate_job
 
         return run_generate_job(engine, tokenizer, [a for a in args.job if a != "--"])

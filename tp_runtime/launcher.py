@@ -136,9 +136,9 @@ def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str, max_re
         TorchrunFlag("--monitor-interval", "0.2"),
         # torch 2.12 on: its grace period before SIGKILL. Without it (torch 2.11) the agent waits its
         # fixed TORCHRUN_DEFAULT_GRACE_S; a drain still gets --shutdown-timeout, since the launcher,
-        # not the agent, passes SIGTERM on and waits for the ranks (_Stop).
+        # not the agent, passes SIGTERM on and waits for the ranks (Stop).
         TorchrunFlag("--shutdown-timeout", str(torchrun_grace_s(config)), required=False),
-        TorchrunFlag("--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"),  # not SIGTERM: the launcher's (_Stop)
+        TorchrunFlag("--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"),  # not SIGTERM: the launcher's (Stop)
     ]
 
 
@@ -189,7 +189,12 @@ def supervise(config: RuntimeConfig, argv: list[str]) -> bool:
 
 
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
-    """Starts `python -m tp_runtime <argv>` on this host's ranks through torchrun's launcher."""
+    """Starts `python -m tp_runtime <argv>` on this host's ranks through torchrun's launcher, or for
+    a `generate` on one host, without it (tp_runtime/local_launch.py)."""
+    from tp_runtime.local_launch import launch_generate, runs_locally
+
+    if runs_locally(config, argv):
+        return launch_generate(config, argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -211,13 +216,13 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    stop = _Stop(config.shutdown_timeout + STOP_MARGIN_S)
+    stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=_stop_torchrun)
     supervisor: Supervisor | None = None
     if supervise(config, argv):
         supervisor = Supervisor(config, frontend_nice(config, uses_cuda(config)))
         stop.targets = lambda: [supervisor.frontend.pid]
     else:
-        _end_stragglers(STOP_MARGIN_S)
+        end_stragglers(STOP_MARGIN_S)
     observed = agent_observed_by(supervisor) if supervisor is not None else contextlib.nullcontext()
     max_restarts = AGENT_MAX_RESTARTS if supervisor is not None else 0
     code = 0
@@ -245,25 +250,29 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
         return 0 if supervisor.frontend_code == 0 else 1  # the frontend has said why
     return code
 
-class _Stop:
+class Stop:
     """SIGTERM to the launcher: the launcher, not torchrun's agent, passes it on to this host's ranks.
 
     They drain and exit by themselves, so every host's agent sees its ranks succeed and meets the
     others in torchrun's exit barrier; an agent stopped by a signal skips that barrier, and the
     other hosts' agents would wait there for it (torch's exit_barrier_timeout, 300 s). If the ranks
-    are still there `after_s` seconds later, or at a second SIGTERM, the launcher hands the stop to
-    torchrun (SIGINT: it signals the ranks and SIGKILLs them after its grace period)."""
+    are still there `after_s` seconds later, or at a second signal, the launcher calls `force`: it
+    hands the stop to torchrun (_stop_torchrun), or where it started the processes itself kills them."""
 
-    def __init__(self, after_s: float) -> None:
+    def __init__(
+        self, after_s: float, force: Callable[[], None], signals: Iterable[signal.Signals] = (signal.SIGTERM,)
+    ) -> None:
         self.after_s = after_s
         self.forced = False
         self._signalled = False
+        self._force_stop = force
         # Who drains: the ranks (rank 0 passes it to its frontend child), or under supervise() the
         # frontend beside them, which tells the ranks to stop once it has drained.
         self.targets: Callable[[], Iterable[int]] = live_children
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
 
-    def _on_sigterm(self, _signum: int, _frame: object) -> None:
+    def _on_signal(self, _signum: int, _frame: object) -> None:
         if self._signalled:
             self._force()
             return
@@ -277,10 +286,15 @@ class _Stop:
 
     def _force(self) -> None:
         self.forced = True
-        os.kill(os.getpid(), signal.SIGINT)
+        self._force_stop()
 
 
-def _end_stragglers(after_s: float) -> None:
+def _stop_torchrun() -> None:
+    """torchrun's agent stops at a SIGINT: it signals the ranks and SIGKILLs them after its grace period."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def end_stragglers(after_s: float) -> None:
     """Once one of this host's ranks has exited, SIGKILLs those that stay: a stopped one (SIGSTOP,
     state T) at once, any other after_s.
 

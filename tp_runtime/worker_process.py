@@ -24,13 +24,15 @@ from datetime import timedelta
 from tp_runtime import frame_keys, hosts, torch_floor
 from tp_runtime.bootstrap import (
     BOOTSTRAP_ENV,
+    BOOTSTRAP_FD_ENV,
     Bootstrap,
     KeyMode,
     broadcast_bytes,
     frontend_nice,
     rank_keys,
+    read_bootstrap,
     request_bootstrap,
-    start_frontend,
+    spawn_frontend,
 )
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.grammar_vocabulary import grammar_vocabulary
@@ -43,6 +45,8 @@ BOOTSTRAP_WAIT_S = 150.0  # a supervised rank 0 waits this long for the frontend
 FRONTEND_GRACE_S = 5.0  # rank 0 waits this long for its frontend to exit once its executor has
 FRONTEND_GONE_S = 10.0  # longer than an executor's peer timeout: rank 0 then ends on its own
 _PR_SET_PDEATHSIG = 1
+# A listening socket for the process group's store, bound by a launcher that starts the ranks itself.
+STORE_FD_ENV = "TP_RUNTIME_STORE_FD"
 
 
 def drain_when_parent_dies() -> None:
@@ -69,7 +73,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     """Body of one torchrun worker: rank 0 also owns the frontend process."""
     import torch.distributed as dist
 
-    from executor.worker import run_executor
+    from executor.worker import load_executor, serve_executor
 
     torch_floor.require_torch()
     drain_when_parent_dies()
@@ -93,19 +97,33 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     bootstrap_group = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
     own_pair, client_keys = _exchange_store_keys(rank, world) if key_mode == KeyMode.STORE else (None, [])
 
+    # The frontend starts now (under plain torchrun: rank 0's child) or has started beside the ranks
+    # (tp-runtime serve and generate); the shard loads meanwhile, and only then does rank 0 ask for
+    # the frontend's endpoint, so that the frontend's start is not on the way to the first token.
     frontend: subprocess.Popen[bytes] | None = None
-    payload = b""
     supervised = os.environ.get(BOOTSTRAP_ENV)
-    if rank == 0 and supervised:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        payload = request_bootstrap(supervised, restart, BOOTSTRAP_WAIT_S)
-    elif rank == 0:
+    pipe_fd = int(os.environ[BOOTSTRAP_FD_ENV]) if rank == 0 and BOOTSTRAP_FD_ENV in os.environ else None
+    if rank == 0 and not supervised and pipe_fd is None:
         if mode == "serve":
             log.warning(
                 "the frontend runs as rank 0's child: a rank that dies or hangs ends the service, with no restart "
                 "(`tp-runtime serve` restarts the executor group: docs/deployment.md)"
             )
-        frontend, payload = start_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
+        started = spawn_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
+        frontend, pipe_fd = started.process, started.bootstrap_fd
+    try:
+        loaded = load_executor(executor_options(config, use_cuda), rank=rank, world_size=world)
+    except BaseException:
+        if frontend is not None:  # it would wait for a rank that never comes
+            frontend.kill()
+            frontend.wait()
+        raise
+    payload = b""
+    if rank == 0 and supervised:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        payload = request_bootstrap(supervised, restart, BOOTSTRAP_WAIT_S)
+    elif pipe_fd is not None:
+        payload = read_bootstrap(pipe_fd, frontend)
     if world > 1:
         payload = broadcast_bytes(payload, bootstrap_group)
     info = Bootstrap.unpack(payload)
@@ -125,9 +143,9 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         _watch_frontend(frontend, info.address)
     code = 1
     try:
-        code = run_executor(
-            executor_options(config, use_cuda), rank=rank, world_size=world, address=info.address, key=key,
-            run_id=info.run_id, curve=curve, grammar_vocabulary=functools.partial(grammar_vocabulary, config),
+        code = serve_executor(
+            loaded, address=info.address, key=key, run_id=info.run_id, curve=curve,
+            grammar_vocabulary=functools.partial(grammar_vocabulary, config),
         )
     finally:
         if frontend is not None:
@@ -262,7 +280,8 @@ def _process_group_store(rank: int, world: int):  # -> torch.distributed.Store |
     timeout = timedelta(seconds=STORE_TIMEOUT_S)
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
-    listener = hosts.listen_socket(host, port)
+    given = os.environ.get(STORE_FD_ENV)  # the launcher bound it (tp_runtime/local_launch.py): no race for the port
+    listen_fd = int(given) if given else hosts.listen_socket(host, port).detach()
     return dist.TCPStore(
-        host, port, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+        host, port, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd
     )

@@ -3,6 +3,7 @@ matrices of executor/model/layers.py by tensor-parallel role; `load_model` retur
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -26,6 +27,7 @@ from executor.model.sharding import ShardPlan
 from executor.model.source import WeightSource, files_digest
 from executor.options import WEIGHT_FORMATS
 from executor.probe import probe_cpu
+from executor.weight_cache import ShardCache, open_cache, shard_key
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,11 @@ def load_model(
     requested, weight_format = weight_format, resolve_weight_format(weight_format, dtype, device, source)
     # Where a step switches from the int4 copies to the dense ones: measured on this CPU.
     int4_max_rows = probe_cpu().int4_max_rows if weight_format == "mixed" else INT4_MAX_ROWS
-    reader = _ShardReader(source, shard, device, dtype, weight_format, int4_max_rows)
+    cache = open_cache(  # the loaded shard on disk (executor/weight_cache.py): GGUF files on the CPU
+        isinstance(source, GGUFSource) and device.type == "cpu",
+        lambda: shard_key(Path(path), files_digest(source.files), dtype, weight_format, world_size, rank),
+    )
+    reader = _ShardReader(source, shard, device, dtype, weight_format, int4_max_rows, cache)
     show_bar = progress and sys.stderr.isatty()
     layers = [
         reader.layer(index) for index in Phase(f"loading {Path(path).name} (rank {rank})", config.num_layers, show_bar)
@@ -113,12 +119,14 @@ def load_model(
     embed = reader.weight("embed", rows=shard.vocab)
     tied = config.tie_embeddings or not source.has("lm_head")
     lm_head = embed if tied else reader.weight("lm_head", rows=shard.vocab)
+    final_norm = reader.norm("final_norm")
+    cache.commit()
     return LlamaModel(
         config,
         shard,
         embed=embed,
         lm_head=lm_head,
-        final_norm=reader.norm("final_norm"),
+        final_norm=final_norm,
         layers=layers,
         fingerprint=fingerprint(source, config, world_size),
         device=device,
@@ -136,25 +144,35 @@ class _ShardReader:
     dtype: torch.dtype
     weight_format: str
     int4_max_rows: int
+    cache: ShardCache
 
     def weight(self, key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
+        return self.cache.tensor(f"weight/{key}/{layer}/{rows}/{cols}", lambda: self._read(key, layer, rows, cols))
+
+    def _read(self, key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
         return self.source.read(key, layer, rows, cols).to(device=self.device, dtype=self.dtype)
 
     def norm(self, key: str, layer: int | None = None) -> torch.Tensor:
-        return self.source.read(key, layer).to(device=self.device, dtype=torch.float32)
+        read = lambda: self.source.read(key, layer).to(device=self.device, dtype=torch.float32)  # noqa: E731
+        return self.cache.tensor(f"norm/{key}/{layer}", read)
 
     def matrix(self, role: type[Linear], layer: int, *parts: tuple[str, dict[str, tuple[int, int]]], **extra) -> Linear:  # noqa: ANN003
         """One matrix of its tensor-parallel role from row-stacked slices, in the weight format asked for."""
+        name = f"{layer}/{parts}"  # the matrix's name in the weight cache
         q4 = None
         if self.weight_format != "dense":
-            blocks = [self.source.read_q4(key, layer, **span) for key, span in parts]
-            if all(b is not None for b in blocks):
-                q4 = Q4Blocks.cat(blocks)
-                q4 = q4 if int4_packable(q4) else None
+            q4 = self.cache.q4(f"q4/{name}", lambda: self._q4(layer, parts))
         dense = None
         if q4 is None or self.weight_format == "mixed":
-            dense = torch.cat([self.weight(key, layer, **span) for key, span in parts])
+            dense = self.cache.tensor(f"dense/{name}", lambda: torch.cat([self._read(key, layer, **span) for key, span in parts]))
         return role(dense, q4, dtype=self.dtype, int4_max_rows=self.int4_max_rows, **extra)
+
+    def _q4(self, layer: int, parts: tuple[tuple[str, dict[str, tuple[int, int]]], ...]) -> Q4Blocks | None:
+        blocks = [self.source.read_q4(key, layer, **span) for key, span in parts]
+        if any(b is None for b in blocks):
+            return None
+        q4 = Q4Blocks.cat(blocks)
+        return q4 if int4_packable(q4) else None
 
     def layer(self, index: int) -> LayerWeights:
         head_dim, shard = self.source.config.head_dim, self.shard
@@ -227,6 +245,14 @@ def open_source(path: str | os.PathLike[str]) -> WeightSource:
         raise ModelLoadError(f"{location}: no such model file or directory")
     if location.is_dir():
         return HFSource(location)
+    stat = location.stat()
+    return _open_gguf(location, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(location: Path, _size: int, _mtime_ns: int) -> GGUFSource:
+    """A GGUF file's header is parsed once per process while the file is unchanged (the launch
+    checks, the ranks' resolve and their load all open it; a rank forked by the launcher inherits it)."""
     with location.open("rb") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":

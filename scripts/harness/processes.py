@@ -82,6 +82,18 @@ def environ(pid: int) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
+def forked_rank(pid: int) -> str | None:
+    """The rank of a process that `tp-runtime generate`'s launcher forked (tp_runtime/local_launch.py
+    names its main thread RANK_THREAD_PREFIX + rank), else None."""
+    from tp_runtime.local_launch import RANK_THREAD_PREFIX
+
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    return name.removeprefix(RANK_THREAD_PREFIX) if name.startswith(RANK_THREAD_PREFIX) else None
+
+
 def rss_bytes(pid: int) -> int | None:
     """VmRSS of a live process, None once it has gone."""
     try:

@@ -25,6 +25,7 @@ from scripts.harness.processes import (
     cmdline,
     descendants,
     environ,
+    forked_rank,
     free_port,
     listening_unix_sockets,
     rank_label,
@@ -273,10 +274,13 @@ class RuntimeServer:
 
 
 def process_label(pid: int) -> str | None:
-    """`frontend`, `rank<N>` for a torchrun worker (RANK in its environment), else None."""
+    """`frontend`, `rank<N>` for a rank (RANK in its environment, or for a rank that `generate`'s
+    launcher forked, which keeps the launcher's environment, the name it gives its thread), else None."""
     if "tp_runtime.frontend" in cmdline(pid):
         return FRONTEND  # rank 0's child inherits RANK=0: the command line tells it apart
     rank = environ(pid).get("RANK")
+    if rank is None:
+        rank = forked_rank(pid)
     return rank_label(int(rank)) if rank is not None and rank.isdigit() else None
 
 
