@@ -130,7 +130,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     log_probs = torch.log_softmax(scaled, dim=-1)
 
     if bool(greedy.any()):
-        tokens = safe.argmax(dim=-1)
+        tokens = argmax_rows(safe)
     else:
         tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
     random_rows = torch.nonzero(~greedy).squeeze(1)
@@ -215,6 +215,15 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t's rows at `index` (ascending, unique: from nonzero), without a copy when that is all of
     them: a copy of [rows, vocab] costs as much as a pass of arithmetic over it."""
     return t if index.shape[0] == t.shape[0] else t.index_select(0, index)
+
+
+def argmax_rows(t: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest column, as torch.argmax gives it. On the CPU through numpy, whose
+    argmax is vectorized where torch's CPU argmax is a scalar loop: scripts/bench_step.py's pieces
+    measure both (sample_*_greedy_us and argmax_*_us)."""
+    if t.device.type != "cpu":
+        return t.argmax(dim=-1)
+    return torch.from_numpy(t.detach().numpy().argmax(axis=-1))
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:

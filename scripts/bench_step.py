@@ -46,7 +46,7 @@ from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
-from executor.sampler import SamplingBatch, sample  # noqa: E402
+from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
 from protocol.frames import CacheGeometry, Prepare, plain_sampling  # noqa: E402
 from protocol.validate import validate_prepare  # noqa: E402
 
@@ -174,6 +174,7 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     flat = peaked / 4
     params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
     greedy = SamplingBatch(torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
+    lone = SamplingBatch(torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long))
     return {
         "validate_prepare_us": median_us(lambda: validate_prepare(prepare, g), repeats),
         "inputs_from_prepare_us": median_us(
@@ -181,6 +182,10 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
             repeats,
         ),
         "sample_16x49152_greedy_us": median_us(lambda: sample(peaked, greedy), 20),
+        "sample_1x49152_greedy_us": median_us(lambda: sample(peaked[:1], lone), 50),
+        # The greedy token: torch's argmax against the sampler's (numpy's, vectorized, on the CPU).
+        "argmax_16x49152_torch_us": median_us(lambda: peaked.argmax(dim=-1), 20),
+        "argmax_16x49152_sampler_us": median_us(lambda: argmax_rows(peaked), 20),
         "sample_16x49152_top_p_peaked_us": median_us(lambda: sample(peaked, params), 20),
         "sample_16x49152_top_p_flat_us": median_us(lambda: sample(flat, params), 20),
     }

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from executor.sampler import SamplingBatch, SamplingError, row_seed, sample
+from executor.sampler import SamplingBatch, SamplingError, argmax_rows, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
@@ -33,6 +33,16 @@ def test_greedy_is_argmax_with_log_softmax_logprob():
     expected = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs, expected)
     assert bool(out.finite.all())
+
+
+def test_the_cpu_argmax_is_torchs_first_largest_column():
+    logits = random_logits(7, vocab=49152)
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [-1.0, -5.0, -1.0, -1.0]])
+    assert argmax_rows(ties).tolist() == ties.argmax(dim=-1).tolist() == [1, 0, 0]
+    strided = random_logits(6, vocab=64)[::2, 1::3]
+    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+    assert argmax_rows(torch.zeros(0, 64)).dtype == torch.int64 and argmax_rows(torch.zeros(0, 64)).shape == (0,)
 
 
 def test_non_finite_rows_are_flagged_and_do_not_touch_other_rows():
