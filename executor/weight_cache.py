@@ -37,6 +37,7 @@ import torch
 
 from executor.disk_cache import cache_root, digest
 from executor.gguf_file import Q4Blocks
+from protocol.errors import TPRuntimeError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def weights_dir() -> Path:
     return cache_root() / "weights"
 
 
-class CacheRefused(Exception):
+class CacheRefused(TPRuntimeError):
     """An entry that must not be read: the sentence says why."""
 
 
