@@ -52,6 +52,11 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         # Any host may be the one torchrun gives rank 0, and so the HTTP server.
         check_port_free(config.host, config.port)
         _check_http_options(config)
+    if config.deterministic:
+        from tp_runtime.resolve import uses_cuda
+
+        if uses_cuda(config):
+            raise ConfigError("--deterministic runs on the CPU only (its kernels are the CPU's): add --device cpu")
     try:
         resolved = resolve(config)
         _check_kv_scales(resolved)
