@@ -12,6 +12,7 @@ This module sits below the model package and the probe (both import it; it impor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import register_dataclass
 
 from executor.gguf_file import Q4_BLOCK, Q4Blocks
+from protocol.errors import TPRuntimeError
 
 # The row count oneDNN lays packed weights out for. Measured on SmolLM2 (scripts/bench_model.py):
 # a layout for 32 rows is within noise of the best one at 1, 8, 32 and 512 rows.
@@ -30,6 +32,10 @@ PACK_ROWS = 32
 # layer matrices (30 layers, bf16 activations, 2 threads of an AVX-512 EPYC, docs/model.md): int4
 # against oneDNN bf16 is 2.4x faster at 1-2 rows, 1.8x at 4, 1.16x at 6-8 and 0.9x from 10 rows on.
 INT4_MAX_ROWS = 8
+
+
+class DeterminismError(TPRuntimeError, RuntimeError):
+    """This machine's kernels cannot give a row the same bits whatever its batch."""
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
@@ -121,9 +127,34 @@ class MatmulWeights:
 register_dataclass(MatmulWeights, serialized_type_name="executor.kernels.MatmulWeights")
 
 
-def matmul(x: torch.Tensor, w: MatmulWeights) -> torch.Tensor:
+@dataclass(frozen=True)
+class SplitMatmulWeights:
+    """A matrix whose input columns are cut at fixed places: `parts[i]` reads columns
+    [bounds[i], bounds[i + 1]). Its product is the parts' float32 partial sums added left to right.
+
+    This is how a row-parallel matrix computes the same sum at every tensor-parallel size: cut where
+    two ranks would cut it, one rank forms the two partial sums two ranks form, and adds them as
+    the two-rank all-reduce does (a + b, exact either way round). Eager only: the deterministic
+    mode runs no compiled layers."""
+
+    parts: tuple[MatmulWeights, ...]
+    bounds: tuple[int, ...]  # len(parts) + 1 column offsets, from 0 to the matrix's width
+
+    @property
+    def kind(self) -> str:
+        return self.parts[0].kind
+
+
+def matmul(x: torch.Tensor, w: MatmulWeights | SplitMatmulWeights) -> torch.Tensor:
     """x W^T through the kernel of the copy w holds. Inside an export (torch.compiler) the dense
-    kernel is the custom op; eagerly it is called directly (a custom op costs ~20 us of Python)."""
+    kernel is the custom op; eagerly it is called directly (a custom op costs ~20 us of Python).
+    A split matrix (SplitMatmulWeights) returns its float32 sum."""
+    if isinstance(w, SplitMatmulWeights):
+        total = None
+        for part, start, stop in zip(w.parts, w.bounds, w.bounds[1:]):
+            partial = matmul(x[:, start:stop].contiguous(), part).float()
+            total = partial if total is None else total + partial
+        return total
     if w.int4 is not None:
         return int4_matmul(x, w.int4, w.int4_scales)
     if torch.compiler.is_compiling():
@@ -189,3 +220,64 @@ class Matrix:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         return matmul(x, self.weights_for(x.shape[0]))
+
+
+class SplitMatrix:
+    """A matrix held as column slices (`Matrix` each, cut at `bounds`), whose product is their
+    float32 partial sums added left to right (SplitMatmulWeights): one rank computing what two
+    ranks would, in their order. It answers what a Matrix answers for its parts together."""
+
+    def __init__(self, parts: list[Matrix], bounds: tuple[int, ...]) -> None:
+        if len(bounds) != len(parts) + 1 or bounds[0] != 0:
+            raise ValueError(f"{len(parts)} parts need {len(parts) + 1} bounds from 0, got {bounds}")
+        self.parts = parts
+        self.bounds = bounds
+        self.dtype = parts[0].dtype
+        self.shape = (parts[0].shape[0], bounds[-1])
+        self.nbytes = sum(part.nbytes for part in parts)
+        self.int4 = parts[0].int4
+        self.int4_max_rows = parts[0].int4_max_rows
+        self.bias = None
+
+    def uses_int4(self, rows: int) -> bool:
+        return self.parts[0].uses_int4(rows)
+
+    def weights_for(self, rows: int) -> SplitMatmulWeights:
+        return SplitMatmulWeights(tuple(part.weights_for(rows) for part in self.parts), self.bounds)
+
+    def bytes_read(self, rows: int) -> int:
+        return sum(part.bytes_read(rows) for part in self.parts)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([part.dense() for part in self.parts], dim=1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x.to(self.dtype), self.weights_for(x.shape[0]))
+
+
+@functools.cache
+def bmm_row_multiple(depth: int, width: int, dtype: torch.dtype = torch.float32) -> int:
+    """The row multiple at which torch.bmm gives each row of a [rows, depth] x [depth, width]
+    product the same bits whatever the row count and the row's place: the deterministic attention
+    pads its rows to it (executor/model/attention.py).
+
+    BLAS kernels compute rows in panels and a panel's leftover rows by another path: MKL's fp32
+    gemm on an AVX2 EPYC gives rows of 1-3-row products, and the last 1-3 rows of a product of 5-11,
+    other bits than the same rows among 4 or more (4-row panels). Measured here, once per process
+    and shape, rather than assumed: the smallest of 1, 2, 4, 8 and 16 under which rows at every
+    count up to 64 and at every offset agree with the same rows of a 96-row product."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 96, depth, generator=generator).to(dtype)
+    b = torch.randn(1, depth, width, generator=generator).to(dtype)
+    reference = torch.bmm(a, b)
+    for multiple in (1, 2, 4, 8, 16):
+        if all(
+            torch.equal(torch.bmm(a[:, start : start + rows], b), reference[:, start : start + rows])
+            for rows in range(multiple, 65, multiple)
+            for start in (0, 96 - rows)
+        ):
+            return multiple
+    raise DeterminismError(
+        f"torch.bmm gives rows of a [rows, {depth}] x [{depth}, {width}] {dtype} product other bits at every "
+        "row multiple up to 16 on this CPU: the deterministic mode cannot run here"
+    )

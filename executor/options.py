@@ -43,6 +43,9 @@ class ExecutorOptions:
     debug_poison_cache: bool = False  # fill the whole cache with 0xFF at allocation
     debug_poison_freed: bool = False  # honour Prepare.poison_pages (pages back in the free pool)
     debug_skip_clears: bool = False  # ignore Prepare.cleared_pages
+    # Batch- and TP-size-invariant output (docs/invariance.md): one kernel per matrix at every row
+    # count, the eager runner, attention in fixed blocks, TP=1 adding TP=2's partial sums.
+    deterministic: bool = False
     # Seeds rank 0's default generator, which samples the rows of requests that bring no seed of
     # their own (vLLM's --seed); None: seeded by torch from the OS.
     seed: int | None = None
@@ -91,6 +94,8 @@ class ExecutorOptions:
             raise OptionsError(str(exc)) from None
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise OptionsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.deterministic and self.device.startswith("cuda"):
+            raise OptionsError("the deterministic mode runs on the CPU only: its kernels are the CPU's")
         if not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1:
             raise OptionsError(
                 f"cuda_graph_batch_sizes must be positive sizes, got {self.cuda_graph_batch_sizes}"

@@ -69,25 +69,28 @@ class ShardKey:
     weight_format: str  # resolved: dense, int4 or mixed
     world_size: int
     rank: int
+    deterministic: bool  # --deterministic holds other matrices (int4 for mixed, TP=1's split halves)
     code: str
     version: int = FORMAT_VERSION
 
     def slot(self) -> str:
-        """The entry's place: one per model path, dtype, format, TP size and rank."""
+        """The entry's place: one per model path, dtype, format, TP size, rank and mode."""
         return digest({"model": self.model, "dtype": self.dtype, "format": self.weight_format,
-                       "world_size": self.world_size, "rank": self.rank})
+                       "world_size": self.world_size, "rank": self.rank, "deterministic": self.deterministic})
 
     def name(self) -> str:
         return f"{self.slot()}-{digest(asdict(self))}.safetensors"
 
 
-def shard_key(path: Path, files_digest: str, dtype: torch.dtype, weight_format: str, world_size: int, rank: int) -> ShardKey:
+def shard_key(
+    path: Path, files_digest: str, dtype: torch.dtype, weight_format: str, world_size: int, rank: int, deterministic: bool
+) -> ShardKey:
     resolved = path.resolve()
     stat = resolved.stat()
     return ShardKey(
         model=str(resolved), size=stat.st_size, mtime_ns=stat.st_mtime_ns, files_digest=files_digest,
         dtype=str(dtype).removeprefix("torch."), weight_format=weight_format, world_size=world_size, rank=rank,
-        code=_code_digest(),
+        deterministic=deterministic, code=_code_digest(),
     )
 
 

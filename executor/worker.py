@@ -267,6 +267,7 @@ def _load_shard(
         device=device,
         weight_format=options.weight_format,
         progress=rank == 0,
+        deterministic=options.deterministic,
     )
 
 

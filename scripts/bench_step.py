@@ -299,7 +299,8 @@ class StampedModel:
         return logits
 
 
-def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress) -> StampedModel:
+def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress, deterministic=False) -> StampedModel:
+    # No kernels to make deterministic: the forward is a collective and a wait.
     forward_s = float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000
     inner = CollectiveOnlyModel(rank, world_size, forward_s, os.environ.get(FORWARD_KIND_ENV, "sleep"))
     return StampedModel(inner, _stamps(rank))

@@ -62,7 +62,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-fraction", type=float, default=0.25, help="share of requests before RSS must stay flat")
     p.add_argument("--rss-tolerance-mib", type=float, default=48.0)
-    p.add_argument("--near-tie-tolerance", type=float, default=None, help="logits; default 0.05 for fp32, 0.5 otherwise")
+    p.add_argument(
+        "--deterministic", action=argparse.BooleanOptionalAction, default=True,
+        help="both servers in the deterministic mode, and the reference pass compares greedy outputs exactly, with "
+        "no near-tie class (default on; --no-deterministic judges differences by --near-tie-tolerance)",
+    )
+    p.add_argument(
+        "--near-tie-tolerance", type=float, default=None,
+        help="logits, with --no-deterministic; default 0.05 for fp32, 0.5 otherwise",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--poll-interval", type=float, default=0.5)
     p.add_argument("--long-tokens", type=int, nargs=2, default=(300, 900), metavar=("MIN", "MAX"))
@@ -73,7 +81,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.requests is None and args.duration is None:
         args.requests = 40
-    if args.near_tie_tolerance is None:
+    if args.deterministic:
+        if args.near_tie_tolerance is not None:
+            p.error("--near-tie-tolerance applies with --no-deterministic only: the deterministic reference is exact")
+    elif args.near_tie_tolerance is None:
         args.near_tie_tolerance = 0.05 if args.dtype == "fp32" else 0.5
     if args.concurrency < 1 or args.tp < 1 or (args.requests is not None and args.requests < 1):
         p.error("--concurrency, --tp and --requests must be at least 1")

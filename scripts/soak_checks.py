@@ -1,8 +1,9 @@
 """The soak's verdicts: each check passes on a clean run and fails on the miss it exists for.
 
-Greedy outputs are compared with a TP=1 reference run of the same prompts; where they first differ,
-the reference model's logits there tell a near-tie (both tokens within a tolerance of the best:
-bf16 reductions at TP=2 may pick either) from a divergence. RSS must stay flat after warm-up, and
+Greedy outputs are compared with a TP=1 reference run of the same prompts. In the deterministic
+mode (the default, docs/invariance.md) they must be identical: any difference is a divergence.
+Without it, where they first differ, the reference model's logits there tell a near-tie (both
+tokens within a tolerance of the best: bf16 reductions at TP=2 may pick either) from a divergence. RSS must stay flat after warm-up, and
 /metrics must show that the run did what it claims: preemption, eviction, offload and clears.
 """
 
@@ -307,10 +308,11 @@ def compare_greedy(
     eos: int,
     model: str,
     dtype: str,
-    tolerance: float,
+    tolerance: float | None,
 ) -> list[Comparison]:
-    """Each greedy output against the reference's; a difference is judged on the logits of the
-    runtime's own model at TP=1 (scripts/reference.py) at the first differing position."""
+    """Each greedy output against the reference's. tolerance None (the deterministic mode): exact,
+    every difference diverges. Else a difference is judged on the logits of the runtime's own model
+    at TP=1 (scripts/reference.py) at the first differing position."""
     comparisons: list[Comparison] = []
     pending: list[tuple[SoakRequest, int]] = []
     for r in requests:
@@ -322,7 +324,19 @@ def compare_greedy(
             comparisons.append(Comparison(index=r.index, identical=True))
         else:
             pending.append((r, position))
-    if pending:
+    if pending and tolerance is None:
+        for r, position in pending:
+            soak, ref = results[r.index], reference[r.index]
+            comparisons.append(
+                Comparison(
+                    index=r.index,
+                    identical=False,
+                    position=position,
+                    soak_token=token_at(soak.token_ids, position, soak.finish_reason, eos),
+                    reference_token=token_at(ref.token_ids, position, ref.finish_reason, eos),
+                )
+            )
+    elif pending:
         from scripts.reference import OfflineReference
 
         offline = OfflineReference(model, dtype)

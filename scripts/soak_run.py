@@ -43,7 +43,7 @@ def soak_server_options(args: argparse.Namespace) -> ServerOptions:
         poison_kv_cache=True,
         poison_freed_pages=True,
         skip_clears=args.skip_clears,
-        extra_args=FAULT_MODE_RESTARTS if args.kill_every else (),
+        extra_args=(*deterministic_flag(args), *(FAULT_MODE_RESTARTS if args.kill_every else ())),
     )
 
 
@@ -57,7 +57,13 @@ def reference_server_options(args: argparse.Namespace) -> ServerOptions:
         max_num_seqs=max(args.concurrency, 8),
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        extra_args=deterministic_flag(args),
     )
+
+
+def deterministic_flag(args: argparse.Namespace) -> tuple[str, ...]:
+    """Both servers in the deterministic mode (docs/invariance.md), or neither."""
+    return ("--deterministic",) if args.deterministic else ("--no-deterministic",)
 
 
 def run_under_test(

@@ -50,6 +50,9 @@ class RuntimeConfig:
     frontend_nice: int | None = None
     device: str = "auto"
     enforce_eager: bool = False
+    # --deterministic (or VLLM_BATCH_INVARIANT=1): each request's output independent of its batch,
+    # its chunking, the schedule and the TP size (docs/invariance.md).
+    deterministic: bool = False
     # Launch across hosts (torchrun's names; docs/deployment.md). One host of nnodes: the options
     # above must be the same on every host, these say where this host stands.
     nnodes: int = 1

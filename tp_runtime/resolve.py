@@ -103,5 +103,6 @@ def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptio
         debug_poison_cache=config.debug_poison_kv_cache,
         debug_poison_freed=config.debug_poison_freed_pages,
         debug_skip_clears=config.debug_skip_clears,
+        deterministic=config.deterministic,
         seed=config.seed,
     )

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from executor.cache import from_storage
 from executor.inputs import StepInputs
+from executor.kernels import bmm_row_multiple
 
 
 @dataclass
@@ -288,3 +289,131 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor)
 
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+# The deterministic mode reads a row's slots in blocks of this many (whole pages): every product
+# it computes has this many slots, whatever the context, the batch or the chunk.
+BLOCK_SLOTS = 64
+
+
+@dataclass
+class InvariantItems:
+    """Sequences whose rows attend in one pass: `items` of `per_item` new tokens each (the step's
+    rows `rows`, item-major), over their page tables padded to whole blocks with the pad page."""
+
+    rows: torch.Tensor  # long[items * per_item]
+    items: int
+    per_item: int
+    padded_rows: int  # per_item * G, rounded up to the kernels' row multiple
+    table: torch.Tensor  # long[items, blocks * block_pages]
+    bias: torch.Tensor  # float32 [items, 1, padded_rows, slots]: 0 where a row may read a slot, else -inf
+
+
+@dataclass
+class InvariantAttention:
+    """The deterministic mode's attention plan for one step and window: the step's one-token
+    sequences as one set of items, each prefill chunk as one item (executor.model.attention's
+    `invariant_attention` says why every row then gets the same bits in any batch)."""
+
+    groups: list[InvariantItems]
+    block_slots: int
+
+    @classmethod
+    def build(
+        cls,
+        inputs: StepInputs,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pad_page: int,
+        device: torch.device,
+        *,
+        window: int | None = None,
+    ) -> InvariantAttention:
+        block_pages = max(1, BLOCK_SLOTS // page_size)
+        block_slots = block_pages * page_size
+        group = q_heads // kv_heads
+        multiple = max(bmm_row_multiple(head_dim, block_slots), bmm_row_multiple(block_slots, head_dim))
+        query_lens = inputs.query_lens_host
+        starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+        pages = -(-inputs.context_lens_host // page_size)
+
+        def items(seqs: np.ndarray, rows: torch.Tensor, per_item: int) -> InvariantItems:
+            width = -(-int(pages[seqs].max()) // block_pages) * block_pages
+            table = inputs.page_table[torch.from_numpy(seqs).to(device)]
+            table = F.pad(table[:, :width], (0, max(0, width - table.shape[1])), value=pad_page)
+            padded = -(-per_item * group // multiple) * multiple
+            positions = inputs.positions[rows].view(len(seqs), per_item)
+            bias = invariant_bias(positions, width * page_size, window, group, padded)
+            return InvariantItems(rows, len(seqs), per_item, padded, table, bias)
+
+        groups = []
+        decodes = np.flatnonzero(query_lens == 1)
+        if decodes.size:
+            groups.append(items(decodes, torch.from_numpy(starts[decodes]).to(device), 1))
+        for seq in np.flatnonzero(query_lens > 1):
+            start, length = int(starts[seq]), int(query_lens[seq])
+            groups.append(items(np.array([seq]), torch.arange(start, start + length, device=device), length))
+        return cls(groups, block_slots)
+
+
+def invariant_bias(
+    positions: torch.Tensor, slots: int, window: int | None, group: int, padded_rows: int
+) -> torch.Tensor:
+    """float32 [items, 1, padded_rows, slots] additive mask: row (token t, head g) at t * G + g reads
+    the slots up to its token's position (and with a window only the last `window` of them); rows
+    past per_item * G pad the product and read every slot (their output is dropped)."""
+    slot = torch.arange(slots, device=positions.device)
+    masked = slot[None, None, :] > positions[:, :, None]
+    if window is not None:
+        masked = masked | (slot[None, None, :] <= positions[:, :, None] - window)
+    masked = masked.repeat_interleave(group, dim=1)
+    masked = F.pad(masked, (0, 0, 0, padded_rows - masked.shape[1]), value=False)
+    bias = torch.zeros(masked.shape, dtype=torch.float32, device=positions.device).masked_fill(masked, float("-inf"))
+    return bias[:, None]
+
+
+def invariant_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, scales: torch.Tensor, plan: InvariantAttention
+) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq * D]: every row's attention in the same order of operations whatever
+    its batch mates, its chunk (a prefill row and the same token decoded are the same row), or the
+    number of KV heads on its rank; float32 throughout.
+
+    A row's slots are read in blocks of `block_slots` (whole pages): its scores are one fixed-shape
+    product per block, K and V gathered whole; its softmax runs over all of its blocks at once, and
+    torch's CPU softmax reduces a row lane by lane by slot index, so the blocks past a row's context
+    (another sequence's longer table, the rest of a chunk) add exact zeros and change nothing; the
+    weighted V sums are one fixed-shape product per block, added block after block by a cumulative
+    sum, where those blocks add exact zeros too. The products' rows are padded to the multiple at
+    which the BLAS kernel computes every row alike (executor.kernels.bmm_row_multiple).
+
+    The clearing rule holds: every slot of every page read is multiplied in, and a masked NaN still
+    reaches the row (NaN + -inf in a score is NaN; weight 0 times NaN in V is NaN)."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = kv.shape[-2]
+    group = q_heads // kv_heads
+    k_scale, v_scale = scales[layer][0]
+    out = torch.empty(tokens, q_heads * head_dim, dtype=q.dtype, device=q.device)
+    b = plan.block_slots
+    for g in plan.groups:
+        n, m = g.items, g.padded_rows
+        k_raw, v_raw = gather_kv(kv, layer, g.table)
+        blocks = k_raw.shape[1] // (b * kv_heads)
+        k = from_storage(k_raw, k_scale, torch.float32).view(n, blocks, b, kv_heads, head_dim)
+        v = from_storage(v_raw, v_scale, torch.float32).view(n, blocks, b, kv_heads, head_dim)
+        k_t = k.permute(0, 3, 1, 4, 2).reshape(-1, head_dim, b)  # [n * Hkv * blocks, D, b]
+        v = v.permute(0, 3, 1, 2, 4).reshape(-1, b, head_dim)  # [n * Hkv * blocks, b, D]
+        rows = q.index_select(0, g.rows).float().view(n, g.per_item, kv_heads, group, head_dim)
+        rows = rows.permute(0, 2, 1, 3, 4).reshape(n, kv_heads, g.per_item * group, head_dim)
+        rows = F.pad(rows, (0, 0, 0, m - rows.shape[2]))
+        rows = rows[:, :, None].expand(n, kv_heads, blocks, m, head_dim).reshape(-1, m, head_dim)
+        scores = torch.bmm(rows, k_t).mul_(head_dim**-0.5).view(n, kv_heads, blocks, m, b)
+        scores = scores.transpose(2, 3).reshape(n, kv_heads, m, blocks * b) + g.bias
+        weights = torch.softmax(scores, dim=-1).view(n, kv_heads, m, blocks, b).transpose(2, 3)
+        parts = torch.bmm(weights.reshape(-1, m, b), v).view(n, kv_heads, blocks, m, head_dim)
+        attended = parts.cumsum(dim=2)[:, :, -1, : g.per_item * group]
+        attended = attended.reshape(n, kv_heads, g.per_item, group, head_dim).transpose(1, 2)
+        out.index_copy_(0, g.rows, attended.reshape(n * g.per_item, q_heads * head_dim).to(q.dtype))
+    return out

@@ -11,14 +11,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from executor.kernels import Matrix
+from executor.kernels import Matrix, SplitMatrix
 from executor.model.config import ModelConfig, RopeScaling
 from executor.model.sharding import ShardPlan
 
 
-def all_reduce(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1:
-        dist.all_reduce(x)
+def all_reduce(x: torch.Tensor, world_size: int, *, ordered: bool = False) -> torch.Tensor:
+    """x summed over the ranks, in place. `ordered`: every element added in rank order, whatever
+    the tensor's size: a ring all-reduce of 3 or more ranks adds each chunk of the tensor in
+    another order, and which chunk an element falls in depends on the step's rows (2 ranks add
+    a + b, the same either way round)."""
+    if world_size == 1:
+        return x
+    if ordered and world_size > 2:
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return x.copy_(total)
+    dist.all_reduce(x)
     return x
 
 
@@ -52,17 +64,39 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class Rotary:
-    """Half-split rotary embedding (Hugging Face convention; GGUF Q/K are un-permuted to it)."""
+    """Half-split rotary embedding (Hugging Face convention; GGUF Q/K are un-permuted to it).
 
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+    With `by_position`, cos and sin are looked up in a table built in fixed chunks of positions
+    rather than computed for the step's positions: torch computes cos and sin by vector code and a
+    step's last few values by scalar code, which may differ in the last bit, so a position's value
+    would depend on how many rows the step has (the deterministic mode)."""
+
+    TABLE_CHUNK = 1024  # positions per table chunk, each computed alone in the same shape
+
+    def __init__(self, config: ModelConfig, device: torch.device, *, by_position: bool = False) -> None:
         self.inv_freq = rotary_inv_freq(config).to(device)
+        self.by_position = by_position
+        self._cos = torch.empty(0, config.head_dim, device=device)
+        self._sin = torch.empty(0, config.head_dim, device=device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim], each half repeated and the sin's first half negated, so
-        that `apply` is two multiplies and an add for every layer of the step."""
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim], each half repeated and the sin's first half negated, so that
+        `apply` is two multiplies and an add for every layer of the step."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
-        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] of the step's positions."""
+        if not self.by_position:
+            cos, sin = self._compute(positions)
+            return cos[:, None, :], sin[:, None, :]
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        while self._cos.shape[0] < needed:
+            start = self._cos.shape[0]
+            cos, sin = self._compute(torch.arange(start, start + self.TABLE_CHUNK, device=self.inv_freq.device))
+            self._cos, self._sin = torch.cat((self._cos, cos)), torch.cat((self._sin, sin))
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
 
 
 class Linear(Matrix):
@@ -94,17 +128,32 @@ class RowParallelLinear(Linear):
     Called, it does both; `reduce` sums a partial computed elsewhere (inside a decoder block or a
     compiled library, which cannot hold a collective)."""
 
-    def __init__(self, weight, q4=None, *, world_size: int = 1, **kwargs) -> None:  # noqa: ANN001
+    def __init__(self, weight, q4=None, *, world_size: int = 1, ordered: bool = False, **kwargs) -> None:  # noqa: ANN001
         if kwargs.get("bias") is not None:
             raise ValueError("a row-parallel matrix has no bias: each rank would add it to its partial sum")
         super().__init__(weight, q4, **kwargs)
         self.world_size = world_size
+        self.ordered = ordered  # the deterministic mode: all_reduce in rank order
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return all_reduce(partial, self.world_size)
+        return all_reduce(partial, self.world_size, ordered=self.ordered)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(super().__call__(x).float())
+
+
+class SplitRowParallelLinear(SplitMatrix):
+    """A row-parallel matrix on one rank, held as the column slices two ranks would hold
+    (executor.kernels.SplitMatrix): its float32 product is their partial sums added as the
+    two ranks' all-reduce adds them, so TP=1 gives TP=2's bits (the deterministic mode)."""
+
+    world_size = 1
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x).float()
 
 
 class VocabParallelEmbedding:

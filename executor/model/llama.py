@@ -7,13 +7,14 @@ compiled runners: they take the model's weights as `decoder` dataclasses, as the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from executor.cache import KVCache
 from executor.inputs import StepInputs
-from executor.model.attention import AttentionMasks, paged_attention
+from executor.model.attention import AttentionMasks, InvariantAttention, invariant_attention, paged_attention
 from executor.model.config import ModelConfig
 from executor.model.decoder import AttentionWeights, LayerShape, MlpWeights, StepTensors, attention_block, mlp_block
 from executor.model.layers import Linear, Rotary, VocabParallelEmbedding, VocabParallelLMHead, rms_norm
@@ -63,6 +64,7 @@ class LlamaModel:
         fingerprint: str,
         device: torch.device,
         compile_mode: str = "off",
+        deterministic: bool = False,
     ) -> None:
         self.config = config
         self.shard = shard
@@ -72,7 +74,10 @@ class LlamaModel:
         self.final_norm = final_norm
         self.embed = VocabParallelEmbedding(embed, shard)
         self.lm_head = VocabParallelLMHead(lm_head, shard, config.vocab_size)
-        self.rotary = Rotary(config, device)
+        # The deterministic mode (docs/invariance.md): each row's logits independent of its batch
+        # mates, its chunking and the TP size; the runner then runs every step eagerly.
+        self.deterministic = deterministic
+        self.rotary = Rotary(config, device, by_position=deterministic)
         self.ffn_width = shard.ffn[1] - shard.ffn[0]
         # executor.model.compiled: `auto`, `wait` or `off`, read by the runner (runner.py).
         self.compile_mode = compile_mode
@@ -116,22 +121,32 @@ class LlamaModel:
     def eager_layers(self, x: torch.Tensor, step: StepTensors, inputs: StepInputs, cache: KVCache) -> torch.Tensor:
         """Every decoder layer of the step, eagerly: the decoder blocks with paged attention."""
         rows = inputs.num_tokens
-        # One set of masks per distinct window (Qwen2 may mix windowed and full layers).
-        masks_of = {
-            shape.window: AttentionMasks.build(
-                inputs, shape.q_heads, shape.kv_heads, cache.page_size, self.dtype, self.device, window=shape.window
-            )
-            for shape in self.shapes
-        }
+        attends = {shape.window: self._attention(inputs, cache, shape) for shape in self.shapes}
         for index, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
-            layer_id, masks = cache.layer_ids[index], masks_of[shape.window]
+            layer_id, attention = cache.layer_ids[index], attends[shape.window]
             attention_w, mlp_w = layer.blocks(rows)
 
-            def attend(q: torch.Tensor, layer_id: torch.Tensor = layer_id, masks: AttentionMasks = masks) -> torch.Tensor:
-                return paged_attention(q, cache.data, layer_id, cache.scales, masks)
+            def attend(q: torch.Tensor, layer_id: torch.Tensor = layer_id, attention=attention) -> torch.Tensor:  # noqa: ANN001
+                return attention(q, layer_id)
 
             # A calibrating step sets an fp8 cache's scales from the K and V about to be written.
             observe = (lambda k, v, index=index: cache.observe(index, k, v)) if cache.calibrating else None
             x = x + layer.o.reduce(attention_block(shape, x, attention_w, step, layer_id, attend, observe))
             x = x + layer.down.reduce(mlp_block(shape, x, mlp_w))
         return x
+
+    def _attention(
+        self, inputs: StepInputs, cache: KVCache, shape: LayerShape
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Attention over the cache for one window (Qwen2 may mix windowed and full layers), its
+        masks or plan built once for every layer of the step: q, layer -> [T, Hq * D]."""
+        if self.deterministic:
+            plan = InvariantAttention.build(
+                inputs, shape.q_heads, shape.kv_heads, shape.head_dim, cache.page_size, cache.pad_page, self.device,
+                window=shape.window,
+            )
+            return lambda q, layer: invariant_attention(q, cache.data, layer, cache.scales, plan)
+        masks = AttentionMasks.build(
+            inputs, shape.q_heads, shape.kv_heads, cache.page_size, self.dtype, self.device, window=shape.window
+        )
+        return lambda q, layer: paged_attention(q, cache.data, layer, cache.scales, masks)

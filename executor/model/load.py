@@ -21,9 +21,15 @@ from executor.model.compiled import compile_mode as compile_mode_from_env
 from executor.model.config import ModelConfig, ModelLoadError
 from executor.model.gguf_source import GGUFSource
 from executor.model.hf_source import HFSource
-from executor.model.layers import Linear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from executor.model.layers import (
+    Linear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    SplitRowParallelLinear,
+)
 from executor.model.llama import LayerWeights, LlamaModel
-from executor.model.sharding import ShardPlan
+from executor.model.sharding import RowParallelCuts, ShardPlan
 from executor.model.source import WeightSource, files_digest
 from executor.options import WEIGHT_FORMATS
 from executor.probe import probe_cpu
@@ -94,22 +100,30 @@ def load_model(
     weight_format: str = "dense",
     progress: bool = False,
     compile_mode: str | None = None,
+    deterministic: bool = False,
 ) -> LlamaModel:
     """weight_format: `dense` (every matrix in `dtype`), `int4` (the file's 4-bit GGUF matrices
     stay 4-bit), `mixed` (both copies: int4 for steps of few rows, dense for the rest) or `auto`.
-    compile_mode: compiled decode layers (executor.model.compiled), `$TP_RUNTIME_COMPILE` if None."""
+    compile_mode: compiled decode layers (executor.model.compiled), `$TP_RUNTIME_COMPILE` if None.
+    deterministic: every row's output independent of its batch, chunking and the TP size
+    (docs/invariance.md): one kernel per matrix at every row count (`mixed` loads as `int4`), the
+    row-parallel matrices cut where two ranks cut them, the eager runner and its attention."""
     source = open_source(path)
     config = source.config
     shard = ShardPlan.build(config, rank, world_size)
     device = torch.device(device)
     requested, weight_format = weight_format, resolve_weight_format(weight_format, dtype, device, source)
+    if deterministic and weight_format == "mixed":
+        # One kernel per matrix whatever a step's rows: the 4-bit matrices' int4 copies only.
+        weight_format = "int4"
     # Where a step switches from the int4 copies to the dense ones: measured on this CPU.
     int4_max_rows = probe_cpu().int4_max_rows if weight_format == "mixed" else INT4_MAX_ROWS
     cache = open_cache(  # the loaded shard on disk (executor/weight_cache.py): GGUF files on the CPU
         isinstance(source, GGUFSource) and device.type == "cpu",
-        lambda: shard_key(Path(path), files_digest(source.files), dtype, weight_format, world_size, rank),
+        lambda: shard_key(Path(path), files_digest(source.files), dtype, weight_format, world_size, rank, deterministic),
     )
-    reader = _ShardReader(source, shard, device, dtype, weight_format, int4_max_rows, cache)
+    cuts = RowParallelCuts.of(config) if deterministic and world_size == 1 else None
+    reader = _ShardReader(source, shard, device, dtype, weight_format, int4_max_rows, cache, deterministic, cuts)
     show_bar = progress and sys.stderr.isatty()
     layers = [
         reader.layer(index) for index in Phase(f"loading {Path(path).name} (rank {rank})", config.num_layers, show_bar)
@@ -131,6 +145,7 @@ def load_model(
         fingerprint=fingerprint(source, config, world_size),
         device=device,
         compile_mode=compile_mode or compile_mode_from_env(),
+        deterministic=deterministic,
     )
 
 
@@ -145,6 +160,9 @@ class _ShardReader:
     weight_format: str
     int4_max_rows: int
     cache: ShardCache
+    deterministic: bool = False
+    # The deterministic mode at TP=1: o_proj and down held as the slices two ranks hold.
+    cuts: RowParallelCuts | None = None
 
     def weight(self, key: str, layer: int | None = None, rows=None, cols=None) -> torch.Tensor:
         return self.cache.tensor(f"weight/{key}/{layer}/{rows}/{cols}", lambda: self._read(key, layer, rows, cols))
@@ -184,13 +202,23 @@ class _ShardReader:
                 QKVParallelLinear, index, ("q", {"rows": q_rows}), ("k", {"rows": kv_rows}), ("v", {"rows": kv_rows}),
                 bias=self._qkv_bias(index, q_rows, kv_rows),
             ),
-            o=self.matrix(RowParallelLinear, index, ("o", {"cols": q_rows}), world_size=shard.world_size),
+            o=self.row_parallel(index, "o", q_rows, self.cuts.o if self.cuts else None),
             ffn_norm=self.norm("ffn_norm", index),
             gate_up=self.matrix(
                 MergedColumnParallelLinear, index, ("gate", {"rows": shard.ffn}), ("up", {"rows": shard.ffn})
             ),
-            down=self.matrix(RowParallelLinear, index, ("down", {"cols": shard.ffn}), world_size=shard.world_size),
+            down=self.row_parallel(index, "down", shard.ffn, self.cuts.down if self.cuts else None),
         )
+
+    def row_parallel(
+        self, layer: int, key: str, cols: tuple[int, int], cuts: tuple[int, ...] | None
+    ) -> RowParallelLinear | SplitRowParallelLinear:
+        """o_proj or down: this rank's input columns, or (cuts) the slices two ranks would hold."""
+        if cuts is None:
+            world = self.shard.world_size
+            return self.matrix(RowParallelLinear, layer, (key, {"cols": cols}), world_size=world, ordered=self.deterministic)
+        parts = [self.matrix(Linear, layer, (key, {"cols": span})) for span in zip(cuts, cuts[1:])]
+        return SplitRowParallelLinear(parts, cuts)
 
     def _qkv_bias(self, layer: int, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> torch.Tensor | None:
         """Column-parallel like QKV: each rank adds the biases of its own rows."""

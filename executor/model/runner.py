@@ -3,9 +3,10 @@
 By the step's shape and the machine: on CUDA, a decode step that fits a captured graph replays it
 (executor/cuda_graphs.py); on the CPU, a step the compiled layers cover (a decode step, or decodes
 beside one prefill chunk; executor/model/compiled.py) runs them; everything else, and the step that
-calibrates an fp8 cache's scales (its K and V must pass through KVCache.observe), runs the eager
-layer loop. `last_runner` says which served the last step, so that tests can tell a silent
-fall-back to eager from the runner they meant to exercise.
+calibrates an fp8 cache's scales (its K and V must pass through KVCache.observe), and every step
+of the deterministic mode (docs/invariance.md), runs the eager layer loop. `last_runner` says which
+served the last step, so that tests can tell a silent fall-back to eager from the runner they
+meant to exercise.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class ModelRunner:
 
     def pick(self, inputs: StepInputs, cache: KVCache) -> str:
         """Which runner serves this step."""
-        if cache.calibrating:
+        if cache.calibrating or self.model.deterministic:
+            # The deterministic mode runs one code path for every step: a token decoded by a
+            # compiled layer and recomputed after a preemption by the eager one would differ.
             return "eager"
         if self.graphs is not None and self.graphs.graph_for(inputs) is not None:
             return "cuda_graph"
@@ -74,7 +77,7 @@ class ModelRunner:
         else:
             begin = time.perf_counter()
             x = model.eager_layers(x, step, inputs, cache)
-            compiled = None if cache.calibrating else self.compiled(cache)
+            compiled = None if cache.calibrating or model.deterministic else self.compiled(cache)
             if compiled is not None and compiled.would_cover(inputs):
                 compiled.eager_ran(time.perf_counter() - begin)
         return model.logits(x, inputs)

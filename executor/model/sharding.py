@@ -78,3 +78,28 @@ class ShardPlan:
             vocab_chunk=chunk,
             ffn=even_split(config.intermediate_size, world_size, rank),
         )
+
+
+# The tensor-parallel size whose partial sums the deterministic mode forms at every size: one rank
+# forms both of two ranks' partial sums and adds them as their all-reduce would (a + b).
+INVARIANT_WORLD = 2
+
+
+@dataclass(frozen=True)
+class RowParallelCuts:
+    """Where INVARIANT_WORLD ranks cut the input columns of the row-parallel matrices: o_proj
+    (query heads x head_dim) and down (FFN columns), as bounds from 0 to the width."""
+
+    o: tuple[int, ...]
+    down: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> RowParallelCuts | None:
+        """None where the model does not split over INVARIANT_WORLD ranks."""
+        try:
+            plans = [ShardPlan.build(config, rank, INVARIANT_WORLD) for rank in range(INVARIANT_WORLD)]
+        except ShardingError:
+            return None
+        o = (0, *(plan.q_heads[1] * config.head_dim for plan in plans))
+        down = (0, *(plan.ffn[1] for plan in plans))
+        return cls(o, down)

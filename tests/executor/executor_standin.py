@@ -75,7 +75,7 @@ class StandInModel:
 
 def load_standin(
     path: str, *, rank: int, world_size: int, dtype: torch.dtype, device: torch.device, weight_format: str,
-    progress: bool,
+    progress: bool, deterministic: bool = False,
 ) -> StandInModel:
     """load_model's signature; the model "path" is the fingerprint, so a test can make ranks disagree."""
     return StandInModel(rank, world_size, fingerprint=path)

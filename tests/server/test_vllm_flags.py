@@ -149,3 +149,29 @@ def test_gpu_memory_utilization_leaves_the_rest_to_the_pool():
     ) // 2 + 1
     with pytest.raises(ConfigError, match="raise it"):
         kv_cache_bytes(RuntimeConfig(model="m", dtype="fp32", gpu_memory_utilization=0.01), model, False, total=1 << 30)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        ("", None, False),
+        ("--deterministic", None, True),
+        ("", "1", True),
+        ("", "0", False),
+        ("--no-deterministic", "1", False),  # the flag wins over vLLM's environment switch
+        ("--deterministic", "0", True),
+    ],
+)
+def test_deterministic_flag_and_vllm_batch_invariant(monkeypatch, flags, env, expected):
+    if env is None:
+        monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", env)
+    _, config = parse(f"vllm serve m {flags}")
+    assert config.deterministic is expected
+
+
+def test_a_vllm_batch_invariant_value_other_than_0_or_1_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT must be 1 or 0"):
+        parse("vllm serve m")

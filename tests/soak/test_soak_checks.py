@@ -24,7 +24,16 @@ from scripts.harness.metrics import (
     MetricsSample,
 )
 from scripts.harness.metrics import M_EXECUTOR_RESTARTS
-from scripts.soak_checks import CHECKS, Comparison, check_run, first_difference, judge_difference, rss_verdict, token_at
+from scripts.soak_checks import (
+    CHECKS,
+    Comparison,
+    check_run,
+    compare_greedy,
+    first_difference,
+    judge_difference,
+    rss_verdict,
+    token_at,
+)
 from scripts.soak_report import request_rows, summarize, write_plots
 from scripts.soak_workload import RunRecord, SoakRequest, outcome_of
 
@@ -145,6 +154,19 @@ def test_divergence_fails_but_a_near_tie_is_counted_and_passes():
     check = verdicts(clean_record(), [near, far])["greedy_reference"]
     assert not check.passed and check.misses[0].startswith("#1: position 5")
     assert "1 near-ties, 1 diverged" in check.detail
+
+
+def test_the_deterministic_reference_is_exact_with_no_near_tie_class():
+    """tolerance None (the soak's default, both servers --deterministic): a difference anywhere
+    diverges, without asking the reference model how close the two tokens were."""
+    requests = [soak_request(0), soak_request(1)]
+    results = {0: finished(0, [5, 6, 7]), 1: finished(1, [5, 6, 8])}
+    reference = {0: finished(0, [5, 6, 7]), 1: finished(1, [5, 6, 9])}
+    comparisons = compare_greedy(requests, results, reference, eos=2, model="unused", dtype="bf16", tolerance=None)
+    assert [c.identical for c in comparisons] == [True, False]
+    assert (comparisons[1].position, comparisons[1].soak_token, comparisons[1].reference_token) == (2, 8, 9)
+    check = verdicts(clean_record(2), comparisons)["greedy_reference"]
+    assert not check.passed and "1 identical, 0 near-ties, 1 diverged" in check.detail
 
 
 @pytest.mark.parametrize("name", [M_REJECTS, M_ABORTS])

@@ -54,6 +54,11 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         _check_http_options(config)
         if config.max_restarts < 0 or config.restart_window <= 0 or config.recovery_timeout <= 0:
             raise ConfigError("--max-restarts must be at least 0, --restart-window and --recovery-timeout above 0")
+    if config.deterministic:
+        from tp_runtime.resolve import uses_cuda
+
+        if uses_cuda(config):
+            raise ConfigError("--deterministic runs on the CPU only (its kernels are the CPU's): add --device cpu")
     try:
         resolved = resolve(config)
         _check_kv_scales(resolved)

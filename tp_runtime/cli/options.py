@@ -6,6 +6,7 @@ argparse's own usage errors get one sentence on stderr and exit code 2, as every
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from executor.options import WEIGHT_FORMATS
@@ -21,6 +22,7 @@ from tp_runtime.config import (
 
 EXIT_USAGE = 2
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: the server's API key when --api-key is not given
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's switch of its batch-invariant mode: 1 or 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +46,11 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--deterministic", action=argparse.BooleanOptionalAction, default=None,
+        help="each request's tokens and logprobs bitwise the same whatever its batch, chunking, schedule or TP size "
+        f"(CPU; docs/invariance.md); default ${BATCH_INVARIANT_ENV} (vLLM's spelling), else off",
+    )
     g = p.add_argument_group("KV cache and batching")
     g.add_argument(
         "--kv-cache-dtype", type=_kv_cache_dtype, default="auto", metavar="{" + ",".join(KV_DTYPES) + "}",
@@ -227,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         frontend_nice=getattr(args, "frontend_nice", None),
         device=args.device,
         enforce_eager=args.enforce_eager,
+        deterministic=_deterministic(args),
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 8000),
         debug_poison_kv_cache=args.debug_poison_kv_cache,
@@ -287,6 +295,16 @@ def _kv_cache_dtype(text: str) -> str:
             f"invalid choice {text!r}{unsupported}; choose from {', '.join((*KV_DTYPES, *KV_DTYPE_ALIASES))}"
         )
     return name
+
+
+def _deterministic(args: argparse.Namespace) -> bool:
+    """--deterministic / --no-deterministic, else vLLM's VLLM_BATCH_INVARIANT=1 (or 0), else off."""
+    if args.deterministic is not None:
+        return args.deterministic
+    value = os.environ.get(BATCH_INVARIANT_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ConfigError(f"{BATCH_INVARIANT_ENV} must be 1 or 0, got {value!r}")
+    return value == "1"
 
 
 def _kv_cache_scales(args: argparse.Namespace) -> str:
