@@ -20,6 +20,7 @@ from protocol.sampling_limits import (
     TOP_LOGPROBS_MAX,
     TOP_P_MIN,
 )
+from protocol.validate.array_checks import all_in_range
 
 # (the code a failure carries, the field, what a valid value is, which sequences broke it)
 Rule = tuple[RejectCode, str, str, np.ndarray]
@@ -71,7 +72,7 @@ def check_each_rule(p: Prepare, g: CacheGeometry) -> None:
         ("banned_ids", p.banned_lens),
     ):
         tokens = getattr(p, name)
-        if tokens.shape[0] and tokens.view(np.uint32).max() >= g.vocab_size:
+        if not all_in_range(tokens, g.vocab_size):
             rules.append((
                 RejectCode.TOKEN_OUT_OF_RANGE,
                 name,
@@ -118,10 +119,7 @@ def plainly_valid(p: Prepare, g: CacheGeometry) -> bool:
     penalized = not ((low[2:5] == _UNPENALIZED).all() and (high[2:5] == _UNPENALIZED).all())
     if penalized or np.vstack([getattr(p, name) for name in _CARRIED]).any():
         return False
-    # Viewed as unsigned, a negative id is huge: one max() covers both bounds.
-    return all(
-        not tokens.shape[0] or int(tokens.view(np.uint32).max()) < g.vocab_size for tokens in (p.token_ids, p.banned_ids)
-    )
+    return all_in_range(p.token_ids, g.vocab_size) and all_in_range(p.banned_ids, g.vocab_size)
 
 
 def _owners(counts: np.ndarray, flat_mask: np.ndarray) -> np.ndarray:
