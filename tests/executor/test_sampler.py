@@ -43,6 +43,9 @@ def test_the_cpu_argmax_is_torchs_first_largest_column():
     strided = random_logits(6, vocab=64)[::2, 1::3]
     assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
     assert argmax_rows(torch.zeros(0, 64)).dtype == torch.int64 and argmax_rows(torch.zeros(0, 64)).shape == (0,)
+    # Off the CPU (a GPU's logits) it is torch's own argmax: a meta tensor takes that branch here.
+    on_device = argmax_rows(torch.empty(3, 64, device="meta"))
+    assert on_device.device.type == "meta" and on_device.shape == (3,) and on_device.dtype == torch.int64
 
 
 def test_non_finite_rows_are_flagged_and_do_not_touch_other_rows():
