@@ -36,6 +36,7 @@ from tp_runtime.engine import Engine
 from tp_runtime.group_broker import BootstrapServer, GroupBroker, read_launcher, send_line
 from tp_runtime.launcher import LAUNCHER_PID_ENV
 from tp_runtime.recovery import Recovery, RecoveryPolicy
+from tp_runtime.signal_watch import SignalWatch, dump_stacks_on_signal
 from tp_runtime.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tp_runtime.frontend")
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
+    dump_stacks_on_signal()
     if args.launcher_fd is not None:
         return _main_supervised(config, socket.socket(fileno=args.launcher_fd))
     engine: Engine | None = None
@@ -136,16 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     # Its parent: rank 0 under torchrun, the launcher under `tp-runtime generate` (tp_runtime/local_launch.py).
     gone = LAUNCHER_GONE if os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid()) else RANK_0_GONE
 
-    def parent_died(_signum: int, _frame: object) -> None:
-        # Only a mark, never an exception: one raised here lands wherever the main thread happens to
-        # be, and a library's `except BaseException` there swallowed it (a frontend left waiting for
-        # a HELLO that never came). The engine's failure takes the main thread out through the
-        # finally below, which removes the ipc directory.
+    def parent_died() -> None:
+        # A mark and the engine's failure, never an exception: one raised in the main thread lands
+        # wherever it happens to be, and a library's `except BaseException` there swallowed it (a
+        # frontend left waiting for a HELLO that never came). The engine's failure takes the main
+        # thread out through the finally below, which removes the ipc directory.
         parent_gone.set()
         if engine is not None:
             engine.fail(gone)
 
-    signal.signal(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
+    signals = SignalWatch()
+    signals.on(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
     _die_with_parent()
     run_id = uuid.uuid4().hex
     clients = [k.encode() for k in args.client_keys.split(",") if k]
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.fail(gone)
         engine.start()
         if args.mode == "serve":
-            return _serve(engine, tokenizer, config, gone)
+            return _serve(engine, tokenizer, config, signals, gone)
         from tp_runtime.cli import run_generate_job
 
         return run_generate_job(engine, tokenizer, [a for a in args.job if a != "--"])
@@ -185,12 +188,13 @@ def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
     engine: Engine | None = None
     parent_gone = threading.Event()
 
-    def parent_died(_signum: int, _frame: object) -> None:  # only a mark: see main()
+    def parent_died() -> None:  # see main()
         parent_gone.set()
         if engine is not None:
             engine.fail(LAUNCHER_GONE)
 
-    signal.signal(PARENT_DIED, parent_died)
+    signals = SignalWatch()
+    signals.on(PARENT_DIED, parent_died)
     _die_with_parent()
     broker: GroupBroker | None = None
     server: BootstrapServer | None = None
@@ -206,7 +210,7 @@ def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
         engine.start()
         server.start()
         send_line(launcher, {"ready": server.path})
-        return _serve(engine, tokenizer, config, LAUNCHER_GONE)
+        return _serve(engine, tokenizer, config, signals, LAUNCHER_GONE)
     finally:
         _exit_within(EXIT_DEADLINE_S)
         if server is not None:
@@ -233,7 +237,7 @@ def _exit_within(seconds: float) -> None:
     timer.start()
 
 
-def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, parent_gone: str = RANK_0_GONE) -> int:
+def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals: SignalWatch, parent_gone: str) -> int:
     import uvicorn
 
     from tp_runtime.cli import API_KEY_ENV
@@ -259,22 +263,23 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, parent_g
             http=protocol_with_header_timeout(config.request_header_timeout),
         )
     )
-    # uvicorn in a non-main thread installs no signal handlers: the main thread owns SIGTERM (drain)
-    # and PARENT_DIED (fail fast).
+    # uvicorn in a non-main thread installs no signal handlers: this process's SignalWatch owns
+    # SIGTERM (drain) and PARENT_DIED (fail fast).
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     stop = threading.Event()
 
-    def drain(signum: int, _frame: object) -> None:
+    def drain() -> None:
         log.info("SIGTERM: draining (up to %g s)", config.shutdown_timeout)
+        # A thread of its own: the signal watch stays free for a PARENT_DIED during the drain.
         threading.Thread(target=lambda: (engine.drain(config.shutdown_timeout), stop.set()), daemon=True).start()
 
-    def parent_died(signum: int, _frame: object) -> None:
+    def parent_died() -> None:
         engine.fail(parent_gone)
         stop.set()
 
-    signal.signal(signal.SIGTERM, drain)
-    signal.signal(PARENT_DIED, parent_died)
-    signal.signal(signal.SIGINT, drain)
+    signals.on(signal.SIGTERM, drain)
+    signals.on(PARENT_DIED, parent_died)
+    signals.on(signal.SIGINT, drain)
     thread.start()
     log.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)
     while not stop.wait(0.2):

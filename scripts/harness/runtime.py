@@ -32,8 +32,10 @@ from scripts.harness.processes import (
     spawn,
     wait_gone,
 )
+from tp_runtime.signal_watch import STACK_DUMP_SIGNAL
 
 START_TIMEOUT_S = 300.0
+STACK_DUMP_WAIT_S = 3.0
 STOP_GRACE_S = 20.0  # a drain of short requests takes well under a second
 LAUNCHER = "launcher"
 FRONTEND = "frontend"
@@ -262,6 +264,27 @@ class RuntimeServer:
             self.process.wait()
         wait_gone(killed, 10.0)
         return self.process.returncode
+
+    def left_report(self, left: list[ProcessRef]) -> str:
+        """For a failure's message: the processes still alive, and the server's log once each has
+        written its Python stacks there (SIGUSR1: tp_runtime/signal_watch.py; a stopped process
+        writes nothing until it is continued)."""
+        if not left:
+            return "nothing left"
+        size = self._log_size()
+        for ref in left:
+            ref.signal(STACK_DUMP_SIGNAL)
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline and self._log_size() == size:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the rest of the dump: faulthandler writes it thread by thread
+        return f"still alive: {[ref.describe() for ref in left]}\n{self.log_tail(200)}"
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size if self.log_path is not None else 0
+        except OSError:
+            return 0
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None:

@@ -54,7 +54,7 @@ def test_kill_9_ends_the_group_fails_the_streams_and_frees_the_ipc_dir_and_port(
         server.signal(target, signal.SIGKILL)
         results = streams.join(timeout_s=30)
         left = server.wait_gone(GONE_S)
-        assert not left, f"after kill -9 of {target}, still alive: {[ref.describe() for ref in left]}\n{server.log_tail()}"
+        assert not left, f"after kill -9 of {target}: {server.left_report(left)}"
         for result in results:
             assert result.error is not None and not result.completed, (target, result.finish_reason, len(result.token_ids))
             if target != FRONTEND:  # the HTTP server lived on: the error came as an event, then [DONE]

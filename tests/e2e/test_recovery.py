@@ -109,5 +109,5 @@ def test_a_crash_loop_ends_the_service_naming_each_death(tiny_model: Path, tmp_p
         assert "rank 1 was killed by SIGKILL" in log, log
         assert len(killed) >= 3, killed
         left = server.wait_gone(10)
-        assert not left, f"still alive: {[ref.describe() for ref in left]}\n{log}"
+        assert not left, server.left_report(left)
     assert list(tmp_path.glob("tp-runtime-*")) == []

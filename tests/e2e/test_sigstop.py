@@ -42,5 +42,5 @@ def test_a_stopped_rank_turns_health_503_fails_the_streams_naming_it_and_leaves_
             assert f"rank {rank}" in result.error and "stopped answering" in result.error, result.error
             assert result.done_markers == 1, result.error
         left = server.wait_gone(GONE_S)
-        assert not left, f"after SIGSTOP of rank {rank}, still alive: {[ref.describe() for ref in left]}\n{server.log_tail()}"
+        assert not left, f"after SIGSTOP of rank {rank}: {server.left_report(left)}"
         assert not stopped.alive()
