@@ -494,6 +494,7 @@ class Engine:
             model_busy_s_total=lc.model_busy_s,
             model_idle_s_total=lc.model_idle_s,
             steps_planned_ahead_total=lc.planned_ahead,
+            peer_longest_silence_s=lc.longest_silence_s,
             prompt_tokens_total=c.prompt_tokens,
             prefix_cache_queries_total=scheduler.prefix_queries_total,
             prefix_cache_hits_total=scheduler.prefix_hits_total,

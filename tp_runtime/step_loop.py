@@ -65,9 +65,10 @@ class EngineTimeouts:
     step_margin: float = 10.0  # a step may take this many times the longest like it measured so far
     # No frame from a rank for this long: it stopped. Executors heartbeat every 0.25 s beside their
     # forward (ExecutorOptions.heartbeat_interval_s), and frames that arrived while this process
-    # did not run count as heard when it reads them: docs/reports.md measures the false positives
-    # under a loaded 2-core machine.
-    peer_silence_s: float = 2.0
+    # did not run count as heard when it reads them. The longest silence a live rank showed with the
+    # 2-core machine at load 5-6 was 0.29 s (tp_runtime_peer_longest_silence_seconds, docs/reports.md):
+    # 1.5 s finds a stopped rank within the issue's 2 s with five times that margin.
+    peer_silence_s: float = 1.5
     heartbeat_s: float = 0.5
     refusal_grace_s: float = 5.0  # after a refused handshake, how long ranks still starting are told to exit
 
@@ -104,6 +105,9 @@ class LoopCounters:
     step_s: float = 0.0  # PREPARE sent -> RESULT in
     model_busy_s: float = 0.0  # rank 0's forwards + sampling, back-to-back steps
     model_idle_s: float = 0.0  # rank 0's model idle between back-to-back steps: the control plane
+    # The longest a rank had gone unheard at a liveness check: how close this machine's load came to
+    # taking a live rank for a stopped one (peer_silence_s).
+    longest_silence_s: float = 0.0
 
 
 @dataclass
@@ -333,10 +337,11 @@ class StepLoop:
             raise RankFailure(f"the connection of {names} closed: its process ended")
         heard = self.conversation.last_heard
         since = {r: max(heard.get(r, now), self._welcomed_at) for r in self.ranks}
+        self.counters.longest_silence_s = max(self.counters.longest_silence_s, now - min(since.values()))
         silent = [r for r in self.ranks if now - since[r] > self.timeouts.peer_silence_s]
         if silent:
             names = ", ".join(self.conversation.who(r) for r in silent)
-            raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:.0f} s)")
+            raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:g} s)")
         self._check_deadlines(now)
         if now - self._last_heartbeat >= self.timeouts.heartbeat_s:
             self._last_heartbeat = now

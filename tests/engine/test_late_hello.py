@@ -57,12 +57,15 @@ def test_an_early_hello_is_not_silence_and_a_rank_that_stops_after_welcome_is() 
         engine.wait_ready(30)
         time.sleep(3 * SILENCE_S)  # both heartbeat after the WELCOME: nobody is silent
         assert engine.health().ok, engine.health()
+        assert engine.stats().peer_longest_silence_s < SILENCE_S
         beat_until[1] = 0.0  # rank 1 stops answering
         deadline = time.monotonic() + 5 * SILENCE_S
         while engine.health().ok and time.monotonic() < deadline:
             time.sleep(0.05)
         health = engine.health()
         assert not health.ok and "rank 1" in health.reason and "stopped answering" in health.reason, health
+        engine.shutdown("test over")  # joins the loop: its last snapshot is published
+        assert engine.stats().peer_longest_silence_s > SILENCE_S  # the silence that failed it, on /metrics
     finally:
         engine.shutdown("test over")
         for t in threads:

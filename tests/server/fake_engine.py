@@ -262,6 +262,7 @@ class FakeEngine:
                 prefix_cache_hits_total=16,
                 queue_time=self.queue_time,
                 pages_cleared_per_step=self.pages_cleared_per_step,
+                peer_longest_silence_s=0.75,
             )
 
 

@@ -419,6 +419,7 @@ def test_engine_stats_are_exposed_as_prometheus_metrics(client, engine):
     assert value("tp_runtime_step_rejects_total") == 3
     assert value("tp_runtime_step_aborts_total") == 1
     assert value("tp_runtime_generation_tokens_total") == 7
+    assert value("tp_runtime_peer_longest_silence_seconds") == 0.75
     assert value("tp_runtime_step_latency_seconds_count") == 7
     # The fake's latencies cycle 3, 6, 9, 12 ms.
     assert value("tp_runtime_step_latency_seconds_bucket", le="0.005") == 2

@@ -156,6 +156,12 @@ class EngineCollector(Collector):
             stats.model_idle_s_total,
         )
         yield _gauge(
+            f"{PREFIX}_peer_longest_silence_seconds",
+            "The longest any rank had gone without a frame reaching the scheduler, at a liveness check, since the "
+            "server started: the margin this machine's load leaves below the silence that takes a rank for stopped.",
+            stats.peer_longest_silence_s,
+        )
+        yield _gauge(
             f"{PREFIX}_generation_tokens_per_second",
             "Tokens generated per second since the previous scrape.",
             self._throughput(stats.tokens_generated_total),
