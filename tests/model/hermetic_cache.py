@@ -32,9 +32,16 @@ def hermetic_disk_cache(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("tp-runtime-cache")
     patch.setenv("TP_RUNTIME_CACHE_DIR", str(root))
     patch.setenv("TP_RUNTIME_COMPILE", "off")
+    fix_probe()
+    yield root
+    patch.undo()
+
+
+def fix_probe() -> None:
+    """FIXED_PROBE under the cache root TP_RUNTIME_CACHE_DIR names now: a test that moves the root
+    calls it again, or its loads would time the kernels (seconds quiet, a minute and more with the
+    suite's load)."""
     for threads in {1, torch.get_num_threads()}:  # the TP workers run one thread each
         path = probe_path(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(FIXED_PROBE)))
-    yield root
-    patch.undo()

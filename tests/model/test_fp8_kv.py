@@ -301,12 +301,14 @@ def test_smollm2_perplexity_with_calibrated_fp8_stays_within_the_bound_and_no_wo
         pytest.skip(str(missing))
     from scripts.bench_perplexity import CacheSetting, run
 
+    # fp32 weights and reference cache: the fp8 cache's loss is the same question, and on a CPU without
+    # native bf16 (AVX2 only) the three passes take a sixth of the time they take in bf16.
     settings = (
-        CacheSetting("bf16", "bf16", "none"),
+        CacheSetting("fp32", "fp32", "none"),
         CacheSetting("fp8_scale_1", "fp8-e4m3", "unit"),
         CacheSetting("fp8_calibrated", "fp8-e4m3", "calibrate"),
     )
-    report = run("bf16", 64, settings=settings)
+    report = run("fp32", 64, settings=settings)
     assert report["tokens"] > 300
     calibrated, unit = report["against_reference"]["fp8_calibrated"], report["against_reference"]["fp8_scale_1"]
     assert abs(calibrated["perplexity_delta_pct"]) <= PERPLEXITY_DELTA_PCT

@@ -15,6 +15,7 @@ import executor.weight_cache as weight_cache
 from executor.model import load_model
 from executor.model.gguf_source import GGUFSource
 from executor.model.load import _open_gguf
+from tests.model.hermetic_cache import fix_probe
 from tests.tiny_models import write_tiny_gguf
 
 CPU = torch.device("cpu")
@@ -24,6 +25,7 @@ CPU = torch.device("cpu")
 def entries(tmp_path, monkeypatch) -> Path:
     """A cache root of this test's own; the directory the entries go to."""
     monkeypatch.setenv("TP_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    fix_probe()
     return tmp_path / "cache" / "weights"
 
 
