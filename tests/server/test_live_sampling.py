@@ -5,42 +5,39 @@ requests with seeds seed, seed+1, ...; and /metrics counts a known workload."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.e2e.serving import SERVER_OPTIONS, Server
-from tests.tiny_models import write_tiny_llama
 
-NAME = "tiny"
 PROMPTS = ("Hello there", "The quick brown fox", "1, 2, 3, 4,")
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.6}
 EXTRA_PENALTIES = {"repetition_penalty": 1.3, "ignore_eos": True, "return_token_ids": True}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_heads=6, num_kv_heads=3)
+# The suite's shared servers of the tiny model (tests/conftest.py): a start each saved, in a suite
+# whose time is mostly starts.
+@pytest.fixture
+def tiny(tiny_model: Path) -> Path:
+    return tiny_model
 
 
-def _server(model: Path, tp: int) -> Iterator[Server]:
-    server = Server(model, tp=tp, extra=(*SERVER_OPTIONS, "--served-model-name", NAME))
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture
+def tp1(server_tp1: Server) -> Server:
+    return server_tp1
 
 
-@pytest.fixture(scope="module")
-def tp1(tiny: Path) -> Iterator[Server]:
-    yield from _server(tiny, 1)
+@pytest.fixture
+def tp2(server_tp2: Server) -> Server:
+    return server_tp2
 
 
-@pytest.fixture(scope="module")
-def tp2(tiny: Path) -> Iterator[Server]:
-    yield from _server(tiny, 2)
+def served(server: Server) -> str:
+    """The model's name on the API: its --model path as given (no --served-model-name)."""
+    assert server.options.model is not None
+    return server.options.model
 
 
 def api(server: Server) -> openai.OpenAI:
@@ -50,7 +47,7 @@ def api(server: Server) -> openai.OpenAI:
 def greedy_ids(server: Server, prompt: str, max_tokens: int = 20, **kwargs) -> list[int]:
     extra = {"ignore_eos": True, "return_token_ids": True, **kwargs.pop("extra_body", {})}
     result = api(server).completions.create(
-        model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra, **kwargs
+        model=served(server), prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra, **kwargs
     )
     return result.choices[0].token_ids
 
@@ -80,13 +77,13 @@ def test_min_tokens_holds_a_stop_token_back_at_both_sizes(tp1: Server, tp2: Serv
     prompt = PROMPTS[1]
     first = greedy_ids(tp1, prompt)[0]
     stopped = api(tp1).completions.create(
-        model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+        model=served(tp1), prompt=prompt, max_tokens=12, temperature=0,
         extra_body={"stop_token_ids": [first], "return_token_ids": True},
     )
     assert stopped.choices[0].token_ids == [first] and stopped.choices[0].finish_reason == "stop"
     held = {
         server.url: api(server).completions.create(
-            model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+            model=served(server), prompt=prompt, max_tokens=12, temperature=0,
             extra_body={"stop_token_ids": [first], "min_tokens": 5, "return_token_ids": True},
         ).choices[0].token_ids
         for server in (tp1, tp2)
@@ -101,7 +98,7 @@ def test_alternatives_are_the_rows_most_likely_tokens(tp1: Server, tp2: Server, 
 
     def content(server: Server) -> list:
         result = api(server).chat.completions.create(
-            model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5,
+            model=served(server), messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5,
             stream=stream, extra_body={"ignore_eos": True},
         )
         if not stream:
@@ -121,7 +118,7 @@ def test_alternatives_are_the_rows_most_likely_tokens(tp1: Server, tp2: Server, 
     for mine, theirs in zip(entries, at_tp2, strict=True):
         assert [t.logprob for t in theirs.top_logprobs] == pytest.approx([t.logprob for t in mine.top_logprobs], abs=1e-4)
     completion = api(tp1).completions.create(
-        model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+        model=served(tp1), prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
     )
     lp = completion.choices[0].logprobs
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -129,7 +126,7 @@ def test_alternatives_are_the_rows_most_likely_tokens(tp1: Server, tp2: Server, 
 
 
 def test_n_choices_are_the_single_requests_with_successive_seeds(tp1: Server, tp2: Server) -> None:
-    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 1.0, "seed": 7}
+    body = {"model": served(tp1), "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 1.0, "seed": 7}
     extra = {"ignore_eos": True}
     result = api(tp1).completions.create(n=3, extra_body=extra, **body)
     assert [c.index for c in result.choices] == [0, 1, 2]
@@ -155,7 +152,7 @@ def _stop_char(text: str) -> int | None:
 
 def test_a_choice_ended_by_a_stop_string_leaves_its_siblings_running(tp1: Server) -> None:
     """Choice 0 leads the prompt's pages; ending it early must not take them from the others."""
-    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    body = {"model": served(tp1), "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     # The tiny model's random weights write text only now and then: a seed whose first sample has some.
     for seed in range(20):
         alone = api(tp1).completions.create(**body, seed=seed).choices[0].text
@@ -176,7 +173,7 @@ def test_metrics_count_a_known_workload(tp1: Server) -> None:
     prompt = "A prompt long enough to fill two pages of sixteen tokens each, and then some more."
     usages = [
         api(tp1).completions.create(
-            model=NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+            model=served(tp1), prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
         ).usage
         for _ in range(2)
     ]
@@ -213,7 +210,7 @@ def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny: Path
 
     options = (
         "--dtype", "fp32", "--num-kv-pages", "12", "--max-model-len", "128", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "128", "--swap-space", "1MiB", "--served-model-name", NAME,
+        "--max-num-batched-tokens", "128", "--swap-space", "1MiB",
     )  # fmt: skip
     server = Server(tiny, tp=1, extra=options)
     try:
@@ -222,7 +219,7 @@ def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny: Path
 
         def one(i: int) -> int:
             result = api(server).completions.create(
-                model=NAME, prompt=f"{i} {prompt}", max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
+                model=served(server), prompt=f"{i} {prompt}", max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
             )
             return result.usage.completion_tokens
 
