@@ -17,6 +17,12 @@ fault, from the signal, as medians over the runs:
 Every run must also pass: the error names the rank, the held request gets the same greedy tokens as
 before any fault, and the HTTP server is the same process throughout. Exit code 0 when every run
 passed. The report goes to --out/report.json and, with --json, to stdout.
+
+With --quiet-s S the faults wait until four streams have run back to back for S seconds without
+one: the `quiet` part reports the longest a live rank went unheard
+(tp_runtime_peer_longest_silence_seconds) against the silence that takes a rank for stopped, and
+fails on any restart or error then (a false positive). Run it with the machine loaded, as the
+test suite beside it loads it, to see the margin a busy machine leaves.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import signal
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -34,14 +41,17 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scripts` importable
     sys.path.insert(0, REPO_ROOT)
 
-from scripts.harness.client import CompletionRequest, served_model  # noqa: E402
+from scripts.harness.client import BackgroundStreams, CompletionRequest, served_model  # noqa: E402
+from scripts.harness.metrics import M_EXECUTOR_RESTARTS, M_PEER_LONGEST_SILENCE, read_metrics  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
 from scripts.harness.recovery import RecoveryReport, complete, recover_from  # noqa: E402
 from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigterm  # noqa: E402
+from tp_runtime.step_loop import EngineTimeouts  # noqa: E402
 
 FAULTS = ((1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP))
 TIMES = ("error_s", "unhealthy_s", "first_token_s", "healthy_s")
 REFERENCE = CompletionRequest(prompt_ids=(1, 9690, 314, 253, 3458, 30, 2), max_tokens=16, ignore_eos=True)
+QUIET_STREAM = CompletionRequest(prompt_ids=(1, 9690, 314, 253, 3458, 30, 2), max_tokens=200, ignore_eos=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -50,9 +60,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--runs", type=int, default=5, help="runs of each fault")
+    p.add_argument("--quiet-s", type=float, default=0.0, help="seconds of streams without a fault first")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
+
+
+def quiet_phase(server: RuntimeServer, seconds: float) -> dict[str, object]:
+    """Four streams at a time, back to back, for `seconds`, with no fault: nothing may fail or restart."""
+    model = served_model(server.url)
+    deadline = time.monotonic() + seconds
+    streams = errors = 0
+    while time.monotonic() < deadline:
+        results = BackgroundStreams(server.url, model, [QUIET_STREAM] * 4, timeout_s=600).start().join()
+        streams += len(results)
+        errors += sum(r.error is not None for r in results)
+    metrics = read_metrics(server.url) or {}
+    restarts = metrics.get(M_EXECUTOR_RESTARTS)
+    return {
+        "seconds": seconds, "streams": streams, "errors": errors, "restarts": restarts,
+        "longest_silence_s": metrics.get(M_PEER_LONGEST_SILENCE), "peer_silence_s": EngineTimeouts().peer_silence_s,
+        "passed": errors == 0 and restarts == 0,
+    }  # fmt: skip
 
 
 def summarize(reports: Sequence[RecoveryReport]) -> dict[str, dict[str, float | None]]:
@@ -78,11 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra_args=("--max-restarts", str(len(FAULTS) * args.runs + 1)),
     )  # fmt: skip
     reports: list[RecoveryReport] = []
+    quiet: dict[str, object] | None = None
     with RuntimeServer(options, log_path=out / "server.log") as server:
         expected = complete(server.url, served_model(server.url), REFERENCE)
         if not expected.completed:
             sys.stderr.write(f"bench_recovery: the reference request failed: {expected.error}\n")
             return 2
+        if args.quiet_s > 0:
+            quiet = quiet_phase(server, args.quiet_s)
+            sys.stderr.write(f"quiet: {json.dumps(quiet)}\n")
         for run in range(args.runs):
             for rank, sig in FAULTS:
                 report = recover_from(server, rank, sig, REFERENCE, expected.token_ids)
@@ -90,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 times = ", ".join(f"{name} {getattr(report, name)}" for name in TIMES)
                 sys.stderr.write(f"run {run + 1}: {report.fault}: {times}{'' if report.passed else ' FAILED ' + str(report.lost)}\n")
     result = {
-        "model": options.model, "tp": args.tp, "runs": args.runs, "medians": summarize(reports),
-        "passed": all(r.passed for r in reports), "reports": [asdict(r) for r in reports],
+        "model": options.model, "tp": args.tp, "runs": args.runs, "medians": summarize(reports), "quiet": quiet,
+        "passed": all(r.passed for r in reports) and (quiet is None or bool(quiet["passed"])),
+        "reports": [asdict(r) for r in reports],
     }  # fmt: skip
     write_json(out / "report.json", result)
     sys.stderr.write(json.dumps(result["medians"], indent=2) + "\n")

@@ -36,6 +36,7 @@ M_PROTOCOL_SECONDS = "tp_runtime_protocol_seconds_total"
 M_STEP_SECONDS = "tp_runtime_step_seconds_total"
 M_REQUEST_ERRORS = "tp_runtime_request_errors_total"
 M_EXECUTOR_RESTARTS = "tp_runtime_executor_restarts_total"
+M_PEER_LONGEST_SILENCE = "tp_runtime_peer_longest_silence_seconds"
 # The scheduler's frame socket (protocol.transport.PeerStats): connections, and what it ignored.
 M_FRAME_CONNECTIONS = "tp_runtime_frame_socket_connections_total"
 M_FRAME_UNBOUND_DISCONNECTS = "tp_runtime_frame_socket_unbound_disconnects_total"
