@@ -107,9 +107,13 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     pipe_fd = int(os.environ[BOOTSTRAP_FD_ENV]) if rank == 0 and BOOTSTRAP_FD_ENV in os.environ else None
     if rank == 0 and not supervised and pipe_fd is None:
         if mode == "serve":
+            way = (
+                "recovery across hosts is not built yet" if not single_host
+                else "`tp-runtime serve` restarts the executor group"
+            )
             log.warning(
                 "the frontend runs as rank 0's child: a rank that dies or hangs ends the service, with no restart "
-                "(`tp-runtime serve` restarts the executor group: docs/deployment.md)"
+                f"({way}: docs/deployment.md)"
             )
         started = spawn_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
         frontend, pipe_fd = started.process, started.bootstrap_fd
