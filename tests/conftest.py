@@ -22,9 +22,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_heads=6, num_kv_heads=3)
 
 
-@pytest.fixture(scope="session")
-def server_tp2(tiny_model: Path) -> Iterator[Server]:
-    server = Server(tiny_model, tp=2, extra=SERVER_OPTIONS)
+def _server(model: Path, tp: int) -> Iterator[Server]:
+    server = Server(model, tp=tp, extra=SERVER_OPTIONS)
     try:
         yield server
     finally:
@@ -33,8 +32,9 @@ def server_tp2(tiny_model: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def server_tp1(tiny_model: Path) -> Iterator[Server]:
-    server = Server(tiny_model, tp=1, extra=SERVER_OPTIONS)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _server(tiny_model, 1)
+
+
+@pytest.fixture(scope="session")
+def server_tp2(tiny_model: Path) -> Iterator[Server]:
+    yield from _server(tiny_model, 2)
