@@ -312,7 +312,7 @@ class StepLoop:
     def _root_cause(self, reporter: int, said: str) -> str:
         deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
         while True:
-            closed = sorted(self.endpoint.disconnected_ranks() - {reporter})
+            closed = [r for r in self.endpoint.disconnected_ranks() if r != reporter]
             if closed:
                 names = ", ".join(self.conversation.who(r) for r in closed)
                 return f"the connection of {names} closed: its process ended (then {said})"
@@ -333,8 +333,9 @@ class StepLoop:
     def _duties(self, now: float) -> None:
         self._duties_at = now
         if closed := self.endpoint.disconnected_ranks():
-            names = ", ".join(self.conversation.who(r) for r in sorted(closed))
-            raise RankFailure(f"the connection of {names} closed: its process ended")
+            first, *then = (self.conversation.who(r) for r in closed)
+            after = f" (then {', '.join(then)} too)" if then else ""
+            raise RankFailure(f"the connection of {first} closed: its process ended{after}")
         heard = self.conversation.last_heard
         since = {r: max(heard.get(r, now), self._welcomed_at) for r in self.ranks}
         self.counters.longest_silence_s = max(self.counters.longest_silence_s, now - min(since.values()))

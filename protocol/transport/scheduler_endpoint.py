@@ -107,7 +107,7 @@ class SchedulerEndpoint:
         self._rank_of: dict[bytes, int] = {}  # routing id -> rank
         self._fd_of: dict[int, int] = {}  # rank -> its connection's file descriptor
         self._live_fds: set[int] = set()
-        self._disconnected: set[int] = set()
+        self._disconnected: list[int] = []
         self._ignored = _IgnoredLog()
         self._accepted = 0
         self._rank_disconnects = 0
@@ -142,10 +142,12 @@ class SchedulerEndpoint:
         self._watch_connections()
         return frozenset(self._route_of)
 
-    def disconnected_ranks(self) -> set[int]:
-        """The launched ranks whose connection closed since the last call (their process ended)."""
+    def disconnected_ranks(self) -> list[int]:
+        """The launched ranks whose connection closed since the last call (their process ended), in
+        the order the closes were seen: when a killed rank takes its peer down with it (a collective
+        fails under the peer, which exits), the first one is the cause."""
         self._watch_connections()
-        gone, self._disconnected = self._disconnected, set()
+        gone, self._disconnected = self._disconnected, []
         return gone
 
     def peer_stats(self) -> PeerStats:
@@ -271,7 +273,8 @@ class SchedulerEndpoint:
     def _lost(self, rank: int) -> None:
         self._rank_of.pop(self._route_of.pop(rank), None)
         self._fd_of.pop(rank, None)
-        self._disconnected.add(rank)
+        if rank not in self._disconnected:
+            self._disconnected.append(rank)
         self._rank_disconnects += 1
 
     def forget(self, rank: int) -> None:

@@ -104,17 +104,17 @@ def test_strangers_are_counted_and_ignored_and_the_ranks_steps_complete(endpoint
     stats = endpoint.peer_stats()
     assert stats.unauthenticated_frames == 4  # garbage from rank-00 and rank-0, two wrong keys
     assert stats.unbound_frames == 2  # the READY before a HELLO, the second HELLO for rank 1
-    assert stats.rank_disconnects == 0 and endpoint.disconnected_ranks() == set()
+    assert stats.rank_disconnects == 0 and endpoint.disconnected_ranks() == []
     assert stats.connections_accepted == WORLD + 18
     for s in strangers:
         s.close()
     settle(endpoint, lambda: endpoint.peer_stats().unbound_disconnects == 18)
-    assert endpoint.disconnected_ranks() == set() and endpoint.ranks == {0, 1}
+    assert endpoint.disconnected_ranks() == [] and endpoint.ranks == {0, 1}
     driver.shutdown("test over")
     for t in threads:
         t.join(timeout=10)
     settle(endpoint, lambda: endpoint.peer_stats().rank_disconnects == WORLD)
-    assert endpoint.disconnected_ranks() == {0, 1} and endpoint.ranks == set()
+    assert sorted(endpoint.disconnected_ranks()) == [0, 1] and endpoint.ranks == set()
 
 
 def test_a_ranks_closed_connection_is_reported_by_its_rank_never_a_strangers(endpoint: SchedulerEndpoint) -> None:
@@ -130,21 +130,23 @@ def test_a_ranks_closed_connection_is_reported_by_its_rank_never_a_strangers(end
         assert got is not None and got.rank == rank
         peers.append(peer)
     settle(endpoint, lambda: endpoint.peer_stats().unbound_disconnects == 9)
-    assert endpoint.disconnected_ranks() == set() and endpoint.ranks == {0, 1, 2}
+    assert endpoint.disconnected_ranks() == [] and endpoint.ranks == {0, 1, 2}
     peers[1].close()
     settle(endpoint, lambda: endpoint.peer_stats().rank_disconnects == 1)
-    assert endpoint.disconnected_ranks() == {1}
-    assert endpoint.disconnected_ranks() == set()  # reported once
+    assert endpoint.disconnected_ranks() == [1]
+    assert endpoint.disconnected_ranks() == []  # reported once
     assert endpoint.ranks == {0, 2}
     # A new process in rank 1's place is rank 1 again once it says HELLO.
     peers[1] = ExecutorEndpoint(endpoint.address, KEY, RUN_ID, 1)
     peers[1].send(hello(1, world=3), step=0)
     got = endpoint.recv(5000)
     assert got is not None and got.rank == 1 and endpoint.ranks == {0, 1, 2}
-    for peer in peers:
-        peer.close()
-    settle(endpoint, lambda: endpoint.peer_stats().rank_disconnects == 4)
-    assert endpoint.disconnected_ranks() == {0, 1, 2}
+    # Closed in turn and read at once: the order the closes were seen is the order they are said
+    # in (the first is the cause when a killed rank takes its peers down with it).
+    for count, rank in enumerate((2, 0, 1), start=2):
+        peers[rank].close()
+        settle(endpoint, lambda count=count: endpoint.peer_stats().rank_disconnects == count)
+    assert endpoint.disconnected_ranks() == [2, 0, 1]
 
 
 def test_a_flood_of_garbage_does_not_end_the_wait_early_or_fill_the_log(endpoint: SchedulerEndpoint, caplog) -> None:
