@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 log = logging.getLogger("tp_runtime.signals")
 
-# `kill -USR1 <pid>` of the frontend or a rank writes every thread's Python stack to its stderr.
+# `kill -USR1 <pid>` of the launcher, the frontend or a rank writes every thread's Python stack to
+# its stderr.
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 

@@ -38,7 +38,6 @@ from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.grammar_vocabulary import grammar_vocabulary
 from tp_runtime.launcher import LAUNCHER_PID_ENV, STORE_TIMEOUT_S, check_drain_fits
 from tp_runtime.resolve import executor_options, resolve, uses_cuda
-from tp_runtime.signal_watch import dump_stacks_on_signal
 
 log = logging.getLogger("tp_runtime.launch")
 
@@ -78,7 +77,6 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
 
     torch_floor.require_torch()
     drain_when_parent_dies()
-    dump_stacks_on_signal()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     single_host = os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world)

@@ -57,8 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     argv = _hide_api_key(args, argv)
     from tp_runtime.launcher import launch, quiet_torchrun, under_torchrun
+    from tp_runtime.signal_watch import dump_stacks_on_signal
     from tp_runtime.worker_process import run_worker
 
+    dump_stacks_on_signal()  # the launcher and the ranks (the frontend: tp_runtime/frontend.py)
     if args.command in ("serve", "generate") and not under_torchrun():
         quiet_torchrun(args.log_level)
     from executor.model import ModelLoadError
