@@ -282,11 +282,12 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
     signals.on(signal.SIGINT, drain)
     thread.start()
     log.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)
-    while not stop.wait(0.2):
-        if engine.failed:
-            sys.stderr.write(f"tp-runtime: error: the runtime failed: {engine.health().reason}\n")
+    while not stop.wait(0.2) and not engine.failed:
+        pass
+    if engine.failed:  # said whichever way it came, the parent's death included
+        sys.stderr.write(f"tp-runtime: error: the runtime failed: {engine.health().reason}\n")
+        if not stop.is_set():  # a failure of the group: /health answers 503 a moment before the exit
             stop.wait(FAILED_LINGER_S)
-            break
     server.should_exit = True
     thread.join(timeout=5)
     return 1 if engine.failed else 0
