@@ -90,7 +90,7 @@ def test_a_peer_without_an_admitted_key_gets_nothing_through(keys, scheduler: Sc
             with pytest.raises(TransportError, match="cannot reach the scheduler.*tp-runtime keys"):
                 for _ in range(20):
                     intruder.recv(100)
-        assert scheduler.disconnected_ranks() == set()
+        assert scheduler.disconnected_ranks() == []
     finally:
         intruder.close()
         real.close()
