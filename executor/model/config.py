@@ -11,11 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.errors import TPRuntimeError
-
-
-class ModelLoadError(TPRuntimeError):
-    """A model file is missing, corrupt, or does not describe a model this runtime can run."""
+from executor.errors import ModelLoadError
 
 
 class UnsupportedModelError(ModelLoadError):

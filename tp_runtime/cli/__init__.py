@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dump_stacks_on_signal()  # the launcher and the ranks (the frontend: tp_runtime/frontend.py)
     if args.command in ("serve", "generate") and not under_torchrun():
         quiet_torchrun(args.log_level)
-    from executor.model import ModelLoadError
+    from executor.errors import ModelLoadError
 
     try:
         if args.command == "keys":

@@ -22,7 +22,7 @@ TOOL_CALL_PARSERS = ("hermes",)
 
 def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
     """Everything that can be checked before a rank starts; raises ConfigError with one sentence."""
-    from executor.model import ModelLoadError
+    from executor.errors import ModelLoadError
     from tp_runtime.resolve import resolve
 
     if config.tensor_parallel_size < 1:

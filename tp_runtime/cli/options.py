@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    from executor.model import default_model_path
+    from executor.default_model import default_model_path
 
     return RuntimeConfig(
         model=_model(args) or default_model_path(),
