@@ -16,6 +16,7 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 
@@ -29,7 +30,9 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 def dump_stacks_on_signal() -> None:
     """The one look inside a stuck process that needs no py-spy: faulthandler writes the stacks from
     C, so a process whose every thread is blocked, or deadlocked holding the GIL, still answers."""
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+    stream = sys.__stderr__  # the process's own stderr: sys.stderr may be a stream without a file (a test's capture)
+    if stream is not None:
+        faulthandler.register(STACK_DUMP_SIGNAL, file=stream, all_threads=True)
 
 
 def _noted(_signum: int, _frame: object) -> None:
