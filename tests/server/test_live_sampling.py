@@ -1,7 +1,8 @@
 """The OpenAI parameters of issue 17 against the real runtime, at TP=1 and TP=2 on the CPU, through
 the official openai client: penalties, min_tokens and logit bias give the same greedy tokens at
 both sizes; alternatives are the sampled row's most likely tokens; n choices equal n single
-requests with seeds seed, seed+1, ...; and /metrics counts a known workload."""
+requests with seeds seed, seed+1, ...; and /metrics counts a known workload. The servers are the
+session's shared pair (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,23 +16,6 @@ from tests.e2e.serving import SERVER_OPTIONS, Server
 PROMPTS = ("Hello there", "The quick brown fox", "1, 2, 3, 4,")
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.6}
 EXTRA_PENALTIES = {"repetition_penalty": 1.3, "ignore_eos": True, "return_token_ids": True}
-
-
-# The suite's shared servers of the tiny model (tests/conftest.py): a start each saved, in a suite
-# whose time is mostly starts.
-@pytest.fixture
-def tiny(tiny_model: Path) -> Path:
-    return tiny_model
-
-
-@pytest.fixture
-def tp1(server_tp1: Server) -> Server:
-    return server_tp1
-
-
-@pytest.fixture
-def tp2(server_tp2: Server) -> Server:
-    return server_tp2
 
 
 def served(server: Server) -> str:
@@ -53,31 +37,31 @@ def greedy_ids(server: Server, prompt: str, max_tokens: int = 20, **kwargs) -> l
 
 
 def test_penalties_and_logit_bias_give_the_same_greedy_tokens_at_tp1_and_tp2(
-    tiny: Path, tp1: Server, tp2: Server
+    tiny_model: Path, server_tp1: Server, server_tp2: Server
 ) -> None:
     from tp_runtime.tokenizer import Tokenizer
 
     # The tiny model's logits are wider than its tokenizer's vocabulary; logit_bias takes tokens.
-    vocab = Tokenizer.from_model_path(tiny).vocab_size
+    vocab = Tokenizer.from_model_path(tiny_model).vocab_size
     changed = 0
     for prompt in PROMPTS:
-        plain = greedy_ids(tp1, prompt)
-        penalized = greedy_ids(tp1, prompt, extra_body=EXTRA_PENALTIES, **PENALTIES)
+        plain = greedy_ids(server_tp1, prompt)
+        penalized = greedy_ids(server_tp1, prompt, extra_body=EXTRA_PENALTIES, **PENALTIES)
         changed += penalized != plain
         # The plain output's most frequent token, biased away, never comes; biased up, it is all there is.
         common = max((t for t in set(plain) if t < vocab), key=plain.count)
         both = {**PENALTIES, "logit_bias": {str(common): -100}, "extra_body": EXTRA_PENALTIES}
-        at_tp1 = greedy_ids(tp1, prompt, **both)
-        assert common not in at_tp1 and greedy_ids(tp2, prompt, **both) == at_tp1, prompt
-        assert greedy_ids(tp2, prompt, max_tokens=4, logit_bias={str(common): 100}) == [common] * 4
+        at_tp1 = greedy_ids(server_tp1, prompt, **both)
+        assert common not in at_tp1 and greedy_ids(server_tp2, prompt, **both) == at_tp1, prompt
+        assert greedy_ids(server_tp2, prompt, max_tokens=4, logit_bias={str(common): 100}) == [common] * 4
     assert changed, "the penalties changed no greedy output"
 
 
-def test_min_tokens_holds_a_stop_token_back_at_both_sizes(tp1: Server, tp2: Server) -> None:
+def test_min_tokens_holds_a_stop_token_back_at_both_sizes(server_tp1: Server, server_tp2: Server) -> None:
     prompt = PROMPTS[1]
-    first = greedy_ids(tp1, prompt)[0]
-    stopped = api(tp1).completions.create(
-        model=served(tp1), prompt=prompt, max_tokens=12, temperature=0,
+    first = greedy_ids(server_tp1, prompt)[0]
+    stopped = api(server_tp1).completions.create(
+        model=served(server_tp1), prompt=prompt, max_tokens=12, temperature=0,
         extra_body={"stop_token_ids": [first], "return_token_ids": True},
     )
     assert stopped.choices[0].token_ids == [first] and stopped.choices[0].finish_reason == "stop"
@@ -86,14 +70,14 @@ def test_min_tokens_holds_a_stop_token_back_at_both_sizes(tp1: Server, tp2: Serv
             model=served(server), prompt=prompt, max_tokens=12, temperature=0,
             extra_body={"stop_token_ids": [first], "min_tokens": 5, "return_token_ids": True},
         ).choices[0].token_ids
-        for server in (tp1, tp2)
+        for server in (server_tp1, server_tp2)
     }
-    tokens = held[tp1.url]
-    assert held[tp2.url] == tokens and len(tokens) >= 5 and first not in tokens[:5]
+    tokens = held[server_tp1.url]
+    assert held[server_tp2.url] == tokens and len(tokens) >= 5 and first not in tokens[:5]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_alternatives_are_the_rows_most_likely_tokens(tp1: Server, tp2: Server, stream: bool) -> None:
+def test_alternatives_are_the_rows_most_likely_tokens(server_tp1: Server, server_tp2: Server, stream: bool) -> None:
     messages = [{"role": "user", "content": "Hi"}]
 
     def content(server: Server) -> list:
@@ -105,7 +89,7 @@ def test_alternatives_are_the_rows_most_likely_tokens(tp1: Server, tp2: Server, 
             return result.choices[0].logprobs.content
         return [t for c in result if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
 
-    entries = content(tp1)
+    entries = content(server_tp1)
     assert len(entries) == 6
     for entry in entries:
         tops = entry.top_logprobs
@@ -113,33 +97,33 @@ def test_alternatives_are_the_rows_most_likely_tokens(tp1: Server, tp2: Server, 
         # Greedy: the sampled token is the most likely one, with the same logprob.
         assert (tops[0].token, tops[0].bytes) == (entry.token, entry.bytes)
         assert tops[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
-    at_tp2 = content(tp2)
+    at_tp2 = content(server_tp2)
     assert [e.token for e in at_tp2] == [e.token for e in entries]
     for mine, theirs in zip(entries, at_tp2, strict=True):
         assert [t.logprob for t in theirs.top_logprobs] == pytest.approx([t.logprob for t in mine.top_logprobs], abs=1e-4)
-    completion = api(tp1).completions.create(
-        model=served(tp1), prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    completion = api(server_tp1).completions.create(
+        model=served(server_tp1), prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
     )
     lp = completion.choices[0].logprobs
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert top[token] == pytest.approx(logprob) and max(top.values()) == pytest.approx(logprob)
 
 
-def test_n_choices_are_the_single_requests_with_successive_seeds(tp1: Server, tp2: Server) -> None:
-    body = {"model": served(tp1), "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 1.0, "seed": 7}
+def test_n_choices_are_the_single_requests_with_successive_seeds(server_tp1: Server, server_tp2: Server) -> None:
+    body = {"model": served(server_tp1), "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 1.0, "seed": 7}
     extra = {"ignore_eos": True}
-    result = api(tp1).completions.create(n=3, extra_body=extra, **body)
+    result = api(server_tp1).completions.create(n=3, extra_body=extra, **body)
     assert [c.index for c in result.choices] == [0, 1, 2]
     singles = [
-        api(tp1).completions.create(extra_body=extra, **{**body, "seed": 7 + i}).choices[0].text for i in range(3)
+        api(server_tp1).completions.create(extra_body=extra, **{**body, "seed": 7 + i}).choices[0].text for i in range(3)
     ]
     assert [c.text for c in result.choices] == singles
     assert len(set(singles)) > 1, "three seeds sampled the same text"
-    prompt_tokens = api(tp1).completions.create(extra_body=extra, **body).usage.prompt_tokens
+    prompt_tokens = api(server_tp1).completions.create(extra_body=extra, **body).usage.prompt_tokens
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, 30)
-    assert [c.text for c in api(tp2).completions.create(n=3, extra_body=extra, **body).choices] == singles
+    assert [c.text for c in api(server_tp2).completions.create(n=3, extra_body=extra, **body).choices] == singles
     streamed = ["", "", ""]
-    for chunk in api(tp2).completions.create(n=3, stream=True, extra_body=extra, **body):
+    for chunk in api(server_tp2).completions.create(n=3, stream=True, extra_body=extra, **body):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == singles
@@ -150,34 +134,34 @@ def _stop_char(text: str) -> int | None:
     return next((i for i in range(1, len(text)) if text[i] not in text[:i] and text[i] != "\ufffd"), None)
 
 
-def test_a_choice_ended_by_a_stop_string_leaves_its_siblings_running(tp1: Server) -> None:
+def test_a_choice_ended_by_a_stop_string_leaves_its_siblings_running(server_tp1: Server) -> None:
     """Choice 0 leads the prompt's pages; ending it early must not take them from the others."""
-    body = {"model": served(tp1), "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    body = {"model": served(server_tp1), "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     # The tiny model's random weights write text only now and then: a seed whose first sample has some.
     for seed in range(20):
-        alone = api(tp1).completions.create(**body, seed=seed).choices[0].text
+        alone = api(server_tp1).completions.create(**body, seed=seed).choices[0].text
         cut = _stop_char(alone)
         if cut is not None:
             break
     assert cut is not None, "no seed gave a text to stop in"
     stop = alone[cut]
-    result = api(tp1).completions.create(n=3, stop=[stop], seed=seed, **body)
+    result = api(server_tp1).completions.create(n=3, stop=[stop], seed=seed, **body)
     assert result.choices[0].text == alone[:cut] and result.choices[0].finish_reason == "stop"
     for i, choice in enumerate(result.choices[1:], start=1):
-        single = api(tp1).completions.create(stop=[stop], seed=seed + i, **body).choices[0]
+        single = api(server_tp1).completions.create(stop=[stop], seed=seed + i, **body).choices[0]
         assert (choice.text, choice.finish_reason) == (single.text, single.finish_reason)
 
 
-def test_metrics_count_a_known_workload(tp1: Server) -> None:
-    before = tp1.metrics()
+def test_metrics_count_a_known_workload(server_tp1: Server) -> None:
+    before = server_tp1.metrics()
     prompt = "A prompt long enough to fill two pages of sixteen tokens each, and then some more."
     usages = [
-        api(tp1).completions.create(
-            model=served(tp1), prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        api(server_tp1).completions.create(
+            model=served(server_tp1), prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
         ).usage
         for _ in range(2)
     ]
-    after = tp1.metrics()
+    after = server_tp1.metrics()
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -203,7 +187,7 @@ def test_metrics_count_a_known_workload(tp1: Server) -> None:
     assert delta("vllm:num_preemptions_total") == 0
 
 
-def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny: Path) -> None:
+def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny_model: Path) -> None:
     """Four requests of 6 pages each in a pool of 12: the scheduler must preempt, and with host
     memory it offloads; the metrics count requests and pages apart, and agree with each other."""
     from concurrent.futures import ThreadPoolExecutor
@@ -212,7 +196,7 @@ def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny: Path
         "--dtype", "fp32", "--num-kv-pages", "12", "--max-model-len", "128", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "128", "--swap-space", "1MiB",
     )  # fmt: skip
-    server = Server(tiny, tp=1, extra=options)
+    server = Server(tiny_model, tp=1, extra=options)
     try:
         before = server.metrics()
         prompt = "pressure " * 4  # 36 tokens or so, 3 pages; 48 more tokens make 6
