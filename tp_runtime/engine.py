@@ -389,6 +389,9 @@ class Engine:
             if self._stopping.is_set():
                 break
             if self._recovery is not None:
+                # The socket sees a death before the agent's report (it polls every 0.2 s): a closed
+                # connection, when there is one, names the rank more exactly than the exit code.
+                loop.check_closed()
                 self._recovery.check_deaths()
             loop.iterate(wait_s=0.5)
             # A snapshot walks the scheduler's state: not once per frame (several per step), nor on

@@ -330,12 +330,16 @@ class StepLoop:
         beat = self._last_heartbeat + self.timeouts.heartbeat_s
         return min(self._duties_at + DUTY_INTERVAL_S, beat) if self._inflight else beat
 
-    def _duties(self, now: float) -> None:
-        self._duties_at = now
+    def check_closed(self) -> None:
+        """RankFailure naming the rank whose connection closed first, if any did."""
         if closed := self.endpoint.disconnected_ranks():
             first, *then = (self.conversation.who(r) for r in closed)
             after = f" (then {', '.join(then)} too)" if then else ""
             raise RankFailure(f"the connection of {first} closed: its process ended{after}")
+
+    def _duties(self, now: float) -> None:
+        self._duties_at = now
+        self.check_closed()
         heard = self.conversation.last_heard
         since = {r: max(heard.get(r, now), self._welcomed_at) for r in self.ranks}
         self.counters.longest_silence_s = max(self.counters.longest_silence_s, now - min(since.values()))
