@@ -1,6 +1,10 @@
-"""Frame <-> ZeroMQ parts, with no socket in sight (sans-IO).
+"""Frame <-> one ZeroMQ message, with no socket in sight (sans-IO).
 
-Parts: [envelope, payload, mac].
+Sections: [envelope, payload, mac], sent as one message (`to_message`): the MAC's header (the
+section count and each section's byte length) and then the sections, each from a multiple of 8
+bytes. One message, not one ZeroMQ part per section: pyzmq gives up the GIL around every part it
+sends or receives, and taking it back from a busy thread (an HTTP loop, a model's forward) costs up
+to the interpreter's switch interval, so every part is a chance to wait (docs/control_plane.md).
 - envelope: a msgpack map {version, layout, type, run_id, step, seq, body, arrays}; `body` maps the
   body's scalar fields (nested dataclasses as maps) and `arrays` lists every array field's length in
   elements, in the order frames.ARRAY_DTYPES declares the body's arrays.
@@ -8,11 +12,12 @@ Parts: [envelope, payload, mac].
   of 8 bytes (zero padding between them), dtypes from frames.ARRAY_DTYPES. One part, not one per
   array: every ZeroMQ part costs a message of its own on both sides (a 33-array PREPARE took 30x
   the time of the same bytes in one part to send and receive, docs/control_plane.md).
-- mac: HMAC-SHA256 over a header of the part count and every part's byte length, then every earlier
-  part: with the lengths under the MAC, bytes cannot be moved between parts.
+- mac: HMAC-SHA256 over a header of the section count and every section's byte length, then every
+  earlier section: with the lengths under the MAC, bytes cannot be moved between sections.
 
-Decoding is two stages. `verify` checks the part count and total size (both cheap, and they bound
-the hashing work), then the MAC: a frame that fails here cannot be attributed to a holder of the key.
+Decoding is two stages, after `from_message` has cut a message into its sections. `verify` checks
+the section count and total size (both cheap, and they bound the hashing work), then the MAC: a
+frame that fails here cannot be attributed to a holder of the key.
 `decode_verified` checks everything else on a verified frame. `decode` runs both; every failure is a
 ProtocolError. Encoding a body the codec cannot carry, or with a key that is not one, is the
 caller's bug: a UsageError.
@@ -44,9 +49,9 @@ _ENVELOPE_KEYS = frozenset(("version", "layout", "type", "run_id", "step", "seq"
 class Limits:
     """Upper bounds a decoder enforces before trusting a frame's contents."""
 
-    max_frame_bytes: int = 64 << 20  # all parts together
+    max_frame_bytes: int = 64 << 20  # all sections together
     max_envelope_bytes: int = 1 << 20
-    max_parts: int = 3  # envelope, payload, mac
+    max_parts: int = 3  # sections: envelope, payload, mac
     max_array_len: int = 1024  # msgpack arrays inside the envelope
     max_map_len: int = 64
     max_str_len: int = 64 << 10
@@ -102,15 +107,62 @@ _ALIGN = 8
 _PADDING = tuple(bytes(n) for n in range(_ALIGN))
 
 
+def _header(parts: Sequence[bytes | memoryview]) -> bytes:
+    """The section count and every section's byte length, 8-byte little-endian unsigned integers."""
+    return struct.pack(f"<{len(parts) + 1}Q", len(parts), *map(len, parts))
+
+
 def frame_mac(key: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
-    """HMAC-SHA256 over a header of the part count and every part's byte length (8-byte
-    little-endian unsigned integers), then the parts themselves (bytes or byte-format views)."""
+    """HMAC-SHA256 over the sections' header, then the sections themselves (bytes or byte-format
+    views)."""
     if type(key) is not bytes or len(key) < MIN_KEY_BYTES:
         raise UsageError(f"the frame key must be bytes, at least {MIN_KEY_BYTES} of them")
-    mac = hmac.new(key, struct.pack(f"<{len(parts) + 1}Q", len(parts), *map(len, parts)), "sha256")
+    mac = hmac.new(key, _header(parts), "sha256")
     for p in parts:
         mac.update(p)
     return mac.digest()
+
+
+def to_message(sections: Sequence[bytes]) -> bytes:
+    """The one ZeroMQ message that carries `sections`: their header, then each section from a
+    multiple of 8 bytes (zero padding between them), so that the payload's arrays stay aligned."""
+    chunks = [_header(sections)]
+    for section in sections:
+        chunks.append(section)
+        chunks.append(_PADDING[-len(section) % _ALIGN])
+    return b"".join(chunks)
+
+
+def from_message(parts: Sequence[object], limits: Limits = DEFAULT_LIMITS) -> list[memoryview]:
+    """The sections of a frame received as ZeroMQ parts (exactly one: `to_message`'s), as views
+    into it. The header is checked against the message's own length before anything is sliced."""
+    try:
+        count = len(parts)
+    except TypeError as exc:
+        raise ProtocolError(RejectCode.MALFORMED, "a frame must be a sequence of ZeroMQ parts") from exc
+    if count != 1:
+        raise ProtocolError(RejectCode.MALFORMED, f"a frame is one ZeroMQ message, got {count} parts")
+    (message,) = _byte_views(parts)
+    size = message.nbytes
+    if size > limits.max_frame_bytes + _ALIGN * (2 * limits.max_parts + 1):
+        raise ProtocolError(RejectCode.TOO_LARGE, f"a {size}-byte message exceeds the frame limit of {limits.max_frame_bytes}")
+    if size < _ALIGN:
+        raise ProtocolError(RejectCode.MALFORMED, f"a {size}-byte message has no section header")
+    (sections,) = struct.unpack_from("<Q", message)
+    if sections > limits.max_parts:
+        raise ProtocolError(RejectCode.TOO_LARGE, f"{sections} sections exceed the limit of {limits.max_parts}")
+    at = _ALIGN * (sections + 1)
+    if size < at:
+        raise ProtocolError(RejectCode.MALFORMED, f"a {size}-byte message cannot hold the header of {sections} sections")
+    views = []
+    for length in struct.unpack_from(f"<{sections}Q", message, _ALIGN):
+        if length > size - at:
+            raise ProtocolError(RejectCode.MALFORMED, "a section runs past the end of its message")
+        views.append(message[at : at + length])
+        at += length + (-length % _ALIGN)
+    if at != size:
+        raise ProtocolError(RejectCode.MALFORMED, f"the sections end at byte {at} of a {size}-byte message")
+    return views
 
 
 def _pack_default(obj: object) -> object:
@@ -148,7 +200,8 @@ def _array_bytes(cls_name: str, name: str, value: object, dtype: np.dtype) -> by
 
 
 def encode(frame: Frame, key: bytes) -> list[bytes]:
-    """Encode a frame into ZeroMQ parts, the last one its MAC."""
+    """Encode a frame into its sections, the last one its MAC (`to_message` makes them one
+    ZeroMQ message)."""
     body = frame.body
     spec = _SPECS.get(type(body))
     if spec is None:
@@ -311,16 +364,17 @@ def _arrays_from_payload(spec: _Spec, lengths: object, payload: memoryview) -> d
 
 
 def verify(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[memoryview]:
-    """The parts (bytes, memoryviews or zmq.Frame objects) as read-only byte views, once their count,
-    total size and MAC have passed: from here on the frame is known to come from a key holder."""
+    """The sections (bytes, memoryviews or zmq.Frame objects) as read-only byte views, once their
+    count, total size and MAC have passed: from here on the frame is known to come from a key
+    holder."""
     try:
         count = len(parts)
     except TypeError as exc:
-        raise ProtocolError(RejectCode.MALFORMED, "a frame must be a sequence of parts") from exc
+        raise ProtocolError(RejectCode.MALFORMED, "a frame must be a sequence of sections") from exc
     if count < 3:
-        raise ProtocolError(RejectCode.MALFORMED, f"a frame has 3 parts (envelope, payload, MAC), got {count}")
+        raise ProtocolError(RejectCode.MALFORMED, f"a frame has 3 sections (envelope, payload, MAC), got {count}")
     if count > limits.max_parts:
-        raise ProtocolError(RejectCode.TOO_LARGE, f"{count} parts exceed the limit of {limits.max_parts}")
+        raise ProtocolError(RejectCode.TOO_LARGE, f"{count} sections exceed the limit of {limits.max_parts}")
     views = _byte_views(parts)
     total = sum(v.nbytes for v in views)
     if total > limits.max_frame_bytes:
@@ -333,8 +387,8 @@ def verify(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEF
 
 
 def decode_verified(views: list[memoryview], limits: Limits = DEFAULT_LIMITS) -> Frame:
-    """The Frame in parts that `verify` passed. Arrays are read-only views into the parts, which
-    they keep alive."""
+    """The Frame in sections that `verify` passed. Arrays are read-only views into the sections,
+    which they keep alive."""
     if views[0].nbytes > limits.max_envelope_bytes:
         raise ProtocolError(
             RejectCode.TOO_LARGE,
@@ -366,5 +420,5 @@ def decode_verified(views: list[memoryview], limits: Limits = DEFAULT_LIMITS) ->
 
 
 def decode(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEFAULT_LIMITS) -> Frame:
-    """Authenticate and decode ZeroMQ parts into a Frame (`verify`, then `decode_verified`)."""
+    """Authenticate and decode a frame's sections into a Frame (`verify`, then `decode_verified`)."""
     return decode_verified(verify(parts, key, limits), limits)

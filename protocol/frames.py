@@ -23,7 +23,9 @@ import numpy as np
 #    sent with its sampling state, before anything outside this repository spoke it either.
 # 4: every array of a frame in one payload part (offsets from the lengths the envelope lists, in
 #    ARRAY_DTYPES' order, 8-byte aligned) instead of one ZeroMQ part per array.
-PROTOCOL_VERSION = 4
+# 5: the envelope, payload and MAC in one ZeroMQ message behind a header of their lengths
+#    (codec.to_message) instead of three parts.
+PROTOCOL_VERSION = 5
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1

@@ -31,12 +31,14 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import zmq
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -47,13 +49,15 @@ from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
-from protocol.frames import CacheGeometry, Prepare, plain_sampling  # noqa: E402
+from protocol.codec import encode, to_message  # noqa: E402
+from protocol.frames import LAYOUT_VERSION, PROTOCOL_VERSION, CacheGeometry, Frame, Prepare, Ready, plain_sampling  # noqa: E402
 from protocol.validate import validate_prepare  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 BENCH_VOCAB = 256  # the loop benchmark's logits width: small, so sampling does not dominate
 DECODE_SEQS = 16
+BENCH_KEY = bytes(range(32))  # message_costs' frames: any key of the right length
 
 
 def median_us(fn, repeats: int) -> float:
@@ -189,6 +193,55 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
         "sample_16x49152_top_p_peaked_us": median_us(lambda: sample(peaked, params), 20),
         "sample_16x49152_top_p_flat_us": median_us(lambda: sample(flat, params), 20),
     }
+
+
+def message_costs(repeats: int = 2000) -> dict[str, float]:
+    """Send + receive of one frame over an inproc pair of sockets: its three sections as three
+    ZeroMQ parts (protocol version 4) against one message (version 5), alone and while another
+    thread runs tiny torch ops (a CPU model's forward: pyzmq gives up the GIL around every part, and
+    taking it back from that thread is what a part costs beyond its copy). Means, which carry the
+    waits, and medians."""
+    frames = {
+        "ready": encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "bench", 1, 1, Ready(0)), BENCH_KEY),
+        "prepare_16": encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "bench", 1, 1, decode_prepare(3, steady=True)), BENCH_KEY),
+    }
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    stop = threading.Event()
+    try:
+        receiver.bind("inproc://bench-messages")
+        sender.connect("inproc://bench-messages")
+
+        def once(parts: list[bytes]) -> float:
+            started = time.perf_counter()
+            sender.send_multipart(parts)
+            receiver.recv_multipart(copy=False)
+            return time.perf_counter() - started
+
+        def ops() -> None:
+            scratch = torch.zeros(64)
+            while not stop.is_set():
+                scratch.add_(1.0)
+
+        report: dict[str, float] = {}
+        for beside in ("alone", "beside_torch_ops"):
+            if beside != "alone":
+                threading.Thread(target=ops, daemon=True).start()
+            for name, sections in frames.items():
+                layouts = {"3_parts": sections, "1_message": [to_message(sections)]}
+                times: dict[str, list[float]] = {layout: [] for layout in layouts}
+                for _ in range(repeats):  # interleaved, so that both see the same moments of the machine
+                    for layout, parts in layouts.items():
+                        times[layout].append(once(parts))
+                for layout, got in times.items():
+                    report[f"{name}_{layout}_{beside}_mean_us"] = float(np.mean(got) * 1e6)
+                    report[f"{name}_{layout}_{beside}_median_us"] = float(np.median(got) * 1e6)
+        return report
+    finally:
+        stop.set()
+        sender.close(0)
+        receiver.close(0)
+        context.term()
 
 
 @dataclass(frozen=True)
@@ -502,6 +555,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,3", help="world sizes for the loop benchmark")
     parser.add_argument("--steps", type=int, default=200, help="steps per world size")
     parser.add_argument("--loop-only", action="store_true", help="only the step loop (for before/after runs)")
+    parser.add_argument("--messages", action="store_true", help="only a frame's send + receive, three parts against one message")
     parser.add_argument(
         "--forward-ms", type=float, default=10.0,
         help="each forward's length besides its all_reduce (default 10: a small model's decode step on a CPU)",
@@ -518,6 +572,14 @@ def main() -> None:
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     torch.set_num_threads(1)
     report: dict[str, object] = {}
+    if args.messages:
+        report["messages"] = message_costs()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            for name, value in report["messages"].items():
+                print(f"{name}: {value:.1f}")
+        return
     if not args.loop_only:
         report |= {"bandwidth": bandwidth(), "clear_pages_bf16_smollm2_pages": clear_cost(), "step_pieces": step_pieces()}
     inflight = {"serial": 1, "overlap": 2}

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, verify
+from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, from_message, verify
 from protocol.curve import ClientCurve
 from protocol.errors import TransportError
 from protocol.frames import SUPPORTED_VERSIONS, Body, Frame
@@ -68,7 +68,7 @@ class ExecutorEndpoint:
 
     def send(self, body: Body, step: int) -> None:
         try:
-            self._sock.send_multipart(self._stamp.encode(body, step))
+            self._sock.send(self._stamp.encode(body, step))
         except zmq.ZMQError as exc:
             raise TransportError(f"rank {self.rank} cannot send to {self.address}: {exc}") from exc
 
@@ -86,8 +86,9 @@ class ExecutorEndpoint:
         if not self._waker.poll(timeout_ms):
             self._check_handshake()
             return None
-        parts = self._sock.recv_multipart(copy=False)
-        frame = decode_verified(verify(parts, self._stamp.key, self._stamp.limits), self._stamp.limits)
+        limits = self._stamp.limits
+        sections = from_message(self._sock.recv_multipart(copy=False), limits)
+        frame = decode_verified(verify(sections, self._stamp.key, limits), limits)
         self._stamp.replay.check(_SCHEDULER, frame.seq)
         return frame
 

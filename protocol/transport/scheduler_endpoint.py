@@ -13,7 +13,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, verify
+from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, from_message, verify
 from protocol.curve import ZAP_DOMAIN, ServerCurve
 from protocol.errors import ProtocolError, TransportError
 from protocol.frames import SUPPORTED_VERSIONS, Body, Frame, Hello
@@ -163,19 +163,20 @@ class SchedulerEndpoint:
         )
 
     def send(self, rank: int, body: Body, step: int) -> None:
-        self._send_parts((rank,), self._stamp.encode(body, step))
+        self.send_message((rank,), self._stamp.encode(body, step))
 
     def send_all(self, ranks: Iterable[int], body: Body, step: int) -> None:
-        """Encode once, send the same parts to every rank."""
-        self._send_parts(ranks, self._stamp.encode(body, step))
+        """Encode once, send the same message to every rank."""
+        self.send_message(ranks, self._stamp.encode(body, step))
 
-    def _send_parts(self, ranks: Iterable[int], parts: list[bytes]) -> None:
+    def send_message(self, ranks: Iterable[int], message: bytes) -> None:
+        """One frame's message (Stamp.encode's, or a fuzzer's bytes) to each of `ranks`."""
         for rank in ranks:
             route = self._route_of.get(rank)
             if route is None:
                 raise TransportError(f"rank {rank} is not connected to {self.address}")
             try:
-                self._sock.send_multipart([route, *parts])
+                self._sock.send_multipart([route, message])
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
                     raise TransportError(f"rank {rank} is not connected to {self.address}") from exc
@@ -209,7 +210,7 @@ class SchedulerEndpoint:
         self._watch_connections()
         route, parts = msg[0].bytes, msg[1:]
         try:
-            views = verify(parts, self._stamp.key, self._stamp.limits)
+            views = verify(from_message(parts, self._stamp.limits), self._stamp.key, self._stamp.limits)
         except ProtocolError as exc:
             self._ignored.note("unauthenticated_frames", f"from connection {route.hex()}: {exc}")
             return None

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 
 from protocol.auth import ReplayGuard
-from protocol.codec import Limits, encode
+from protocol.codec import Limits, encode, to_message
 from protocol.frames import LAYOUT_VERSION, Body, Frame
 
 
@@ -29,7 +29,8 @@ class Stamp:
         self.replay = ReplayGuard()
         self._seq = _first_seq()
 
-    def encode(self, body: Body, step: int) -> list[bytes]:
+    def encode(self, body: Body, step: int) -> bytes:
+        """The next frame of this sender, as its one ZeroMQ message."""
         self._seq += 1
         frame = Frame(self.version, self.layout, self.run_id, step, self._seq, body)
-        return encode(frame, self.key)
+        return to_message(encode(frame, self.key))

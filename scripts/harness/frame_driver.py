@@ -1,12 +1,12 @@
 """The scheduler's side of the step protocol, for bare executors (`executors.ExecutorCluster`): the
-handshake, heartbeats, whole steps, and frames sent as raw parts (a fuzzer's), with every answer
+handshake, heartbeats, whole steps, and frames sent as raw sections (a fuzzer's), with every answer
 seen as the rank sent it.
 
 It speaks through protocol.conversation's SchedulerConversation, the state machine the engine uses,
 over a real SchedulerEndpoint: every frame the ranks send goes through `conv.receive`, and every
-step number, GO and ABORT comes from it. Raw parts take the place of a PREPARE the conversation
+step number, GO and ABORT comes from it. Raw sections take the place of a PREPARE the conversation
 believes was sent (`send_parts`), so that the step numbering on both sides stays the engine's own
-whatever the executors make of the parts. The parts are stamped with the endpoint's own key and
+whatever the executors make of them. The sections are stamped with the endpoint's own key and
 sequence counter (`stamp`), so a mutation that is not about the seq is never refused as a replay.
 
 One thread: the endpoint's socket belongs to it. Every wait sends heartbeats, so the ranks (which
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from protocol.codec import encode, frame_mac
+from protocol.codec import encode, frame_mac, to_message
 from protocol.conversation import (
     HandshakeComplete,
     HandshakeRefused,
@@ -168,7 +168,7 @@ class FrameDriver:
         return self.resign([packed, *parts[1:]])
 
     def send_parts(self, messages: Sequence[Sequence[bytes]], *, answered: bool = True, quiet_s: float = QUIET_S) -> Sent:
-        """Sends `messages` (each a list of parts) to every rank in place of the PREPARE of the next
+        """Sends `messages` (each a list of sections, made one ZeroMQ message) to every rank in place of the PREPARE of the next
         step, as the conversation sees it. Waits for one answer from every rank (`answered`), or
         watches for quiet_s that none comes (frames the protocol ignores). If every rank answered
         READY for the step, it runs (GO, then RESULT); otherwise it is aborted. Answers for another
@@ -180,7 +180,7 @@ class FrameDriver:
         self._tap = sent
         try:
             for parts in messages:
-                self.endpoint._send_parts(self.conv.ranks, [bytes(p) for p in parts])
+                self.endpoint.send_message(self.conv.ranks, to_message([bytes(p) for p in parts]))
             ranks = set(self.conv.ranks)
             if answered:
                 answers = lambda: ranks <= {r for r, a in sent.answers.items() if a}  # noqa: E731

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 from hypothesis import strategies as st
 
-from protocol.codec import encode
+from protocol.codec import encode, to_message
 from protocol.frames import (
     LAYOUT_VERSION,
     PROTOCOL_VERSION,
@@ -157,11 +157,11 @@ def _message(kind: str, rng: random.Random) -> list[bytes]:
     wrong_key = rng.randbytes(32)
     seq = time.time_ns()
     if kind == "bad_mac":
-        return encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "guessed-run", rng.randint(0, 9), seq, Ready(rng.randint(0, 1))), wrong_key)
+        return [to_message(encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "guessed-run", rng.randint(0, 9), seq, Ready(rng.randint(0, 1))), wrong_key))]
     # A HELLO claiming a launched rank, signed with a guessed key: no key, no rank.
     rank = rng.randint(0, 1)
     hello = Hello(rank, 2, SUPPORTED_VERSIONS, LAYOUT_VERSION, "forged", _GEOMETRY, "", "stranger")
-    return encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "guessed-run", 0, seq, hello), wrong_key)
+    return [to_message(encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "guessed-run", 0, seq, hello), wrong_key))]
 
 
 # Bytes that are not a ZMTP greeting, each seen to fail libzmq's handshake every time. Random bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_step import DECODE_SEQS, LoopSpec, bench_geometry, decode_prepare, measure_loop
+from scripts.bench_step import DECODE_SEQS, LoopSpec, bench_geometry, decode_prepare, measure_loop, message_costs
 from protocol.validate import validate_prepare
 
 
@@ -27,3 +27,13 @@ def test_steady_decode_steps_are_valid_for_the_geometry(rows: int) -> None:
         p = decode_prepare(step, rows, steady=steady)
         validate_prepare(p, g)
         assert bool(p.feedback.all()) is steady and p.page_table.shape[0] == (0 if steady else rows * 8)
+
+
+def test_the_message_costs_compare_both_layouts_of_both_frames_in_both_settings() -> None:
+    report = message_costs(repeats=20)
+    for frame in ("ready", "prepare_16"):
+        for layout in ("3_parts", "1_message"):
+            for beside in ("alone", "beside_torch_ops"):
+                for stat in ("mean", "median"):
+                    assert report.pop(f"{frame}_{layout}_{beside}_{stat}_us") > 0
+    assert report == {}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from protocol.codec import encode
+from protocol.codec import encode, to_message
 from protocol.conversation import StepDone
 from protocol.frames import PROTOCOL_VERSION, Frame, Ready
 from protocol.transport import ExecutorEndpoint, SchedulerEndpoint, ipc_address
@@ -51,7 +51,8 @@ def settle(endpoint: SchedulerEndpoint, condition, timeout_s: float = 5.0) -> No
 
 
 def signed(body: object, step: int = 0, key: bytes = KEY, seq: int = 1) -> list[bytes]:
-    return encode(Frame(PROTOCOL_VERSION, 1, RUN_ID, step, seq, body), key)
+    """A frame as the ZeroMQ parts a peer sends: its one message."""
+    return [to_message(encode(Frame(PROTOCOL_VERSION, 1, RUN_ID, step, seq, body), key))]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from protocol.codec import encode, frame_mac
+from protocol.codec import encode, frame_mac, to_message
 from protocol.errors import ProtocolError, RejectCode, TransportError
 from protocol.frames import PROTOCOL_VERSION as V
 from protocol.frames import SUPPORTED_VERSIONS, Frame, Go, Hello, Ready
@@ -48,8 +48,8 @@ class RawPeer:
         self.seq += 1
         return encode(Frame(version, 1, run_id, step, self.seq if seq is None else seq, body), self.key)
 
-    def send(self, parts: list[bytes]) -> None:
-        self.sock.send_multipart(parts)
+    def send(self, sections: list[bytes]) -> None:
+        self.sock.send(to_message(sections))
 
     def close(self) -> None:
         self.sock.close()
@@ -184,11 +184,11 @@ def test_executor_raises_on_a_bad_frame_and_keeps_working() -> None:
             ex.send(Ready(2), step=0)
             identity = router.recv_multipart()[0]
             assert identity.startswith(b"\0")  # made by the ROUTER: executors choose none
-            router.send_multipart([identity, b"garbage", b"", b"x" * 32])
+            router.send_multipart([identity, to_message([b"garbage", b"", b"x" * 32])])
             with pytest.raises(ProtocolError) as info:
                 ex.recv(TIMEOUT_MS)
             assert info.value.code == RejectCode.BAD_MAC
-            router.send_multipart([identity, *encode(Frame(V, 1, RUN_ID, 1, 1, Go()), KEY)])
+            router.send_multipart([identity, to_message(encode(Frame(V, 1, RUN_ID, 1, 1, Go()), KEY))])
             assert ex.recv(TIMEOUT_MS).body == Go()
     finally:
         router.close()

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import DEFAULT_LIMITS, decode, encode, frame_mac
+from protocol.codec import DEFAULT_LIMITS, decode, encode, frame_mac, from_message, to_message
 from protocol.errors import ProtocolError, RejectCode, UsageError
 from protocol.frames import Frame, FrameType, Go, Ready, Result, Welcome
 from tests.protocol.wire_samples import GEOMETRY, KEY, valid_prepare
@@ -91,7 +91,7 @@ def test_wrong_part_counts_are_refused(data: st.DataObject) -> None:
 
 
 def test_re_split_parts_fail_the_mac() -> None:
-    # Same bytes, different boundaries between two parts: the lengths under the MAC catch it.
+    # Same bytes, different boundaries between two sections: the lengths under the MAC catch it.
     parts = prepare_parts()
     joined = parts[0] + parts[1]
     parts[0], parts[1] = joined[:-4], joined[-4:]
@@ -109,6 +109,81 @@ def test_too_few_parts_too_many_parts_and_too_many_bytes() -> None:
     assert reject_code([b""] * (DEFAULT_LIMITS.max_parts + 1)) == RejectCode.TOO_LARGE
     small = dataclasses.replace(DEFAULT_LIMITS, max_frame_bytes=200)
     assert reject_code(prepare_parts(), limits=small) == RejectCode.TOO_LARGE
+
+
+# -- the one ZeroMQ message that carries the sections ----------------------------------------
+
+
+def message_code(parts: object) -> RejectCode:
+    with pytest.raises(ProtocolError) as info:
+        from_message(parts)
+    return info.value.code
+
+
+def test_a_message_holds_the_sections_aligned_and_decodes_in_place() -> None:
+    sections = encode(result_frame(), KEY)
+    message = to_message(sections)
+    # The MAC's own header (count, then each length), then each section from a multiple of 8.
+    assert message[:32] == b"".join(n.to_bytes(8, "little") for n in [3, *map(len, sections)])
+    views = from_message([message])
+    assert [bytes(v) for v in views] == sections
+    got = decode(views, KEY).body
+    for name in ("seq_ids", "token_ids", "logprobs", "finite"):
+        array = getattr(got, name)
+        assert np.shares_memory(array, np.frombuffer(message, np.uint8)) or array.size == 0
+        assert (array.ctypes.data - np.frombuffer(message, np.uint8).ctypes.data) % 8 == 0
+
+
+def test_a_frame_in_several_zeromq_parts_or_none_is_refused() -> None:
+    sections = prepare_parts()
+    assert message_code(sections) == RejectCode.MALFORMED  # the version-4 layout: one part per section
+    assert message_code([to_message(sections), b""]) == RejectCode.MALFORMED
+    assert message_code([]) == RejectCode.MALFORMED
+    assert message_code(None) == RejectCode.MALFORMED
+
+
+def test_a_header_that_does_not_fit_its_message_is_refused() -> None:
+    message = to_message(prepare_parts())
+    assert message_code([message[:5]]) == RejectCode.MALFORMED  # no header
+    assert message_code([message[:16]]) == RejectCode.MALFORMED  # a header cut short
+    assert message_code([message[:-8]]) == RejectCode.MALFORMED  # the last section cut short
+    assert message_code([message + bytes(8)]) == RejectCode.MALFORMED  # bytes past the last section
+    lying = bytearray(message)
+    lying[8:16] = (len(message)).to_bytes(8, "little")  # the envelope said to be the whole message
+    assert message_code([bytes(lying)]) == RejectCode.MALFORMED
+    many = (DEFAULT_LIMITS.max_parts + 1).to_bytes(8, "little") + message[8:]
+    assert message_code([many]) == RejectCode.TOO_LARGE
+    huge = (1 << 62).to_bytes(8, "little") + message[8:]
+    assert message_code([huge]) == RejectCode.TOO_LARGE
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_random_messages_are_refused_or_cut_into_sections_inside_them(raw: bytes) -> None:
+    try:
+        views = from_message([raw])
+    except ProtocolError:
+        return
+    assert sum(v.nbytes for v in views) <= len(raw)
+    assert all(v.obj is not None and v.readonly for v in views)
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_messages_never_decode_into_another_frame(data: st.DataObject) -> None:
+    message = bytearray(to_message(prepare_parts()))
+    at = data.draw(st.integers(0, len(message) - 1))
+    message[at] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        views = from_message([bytes(message)])
+    except ProtocolError:
+        return
+    try:
+        decode(views, KEY)
+    except ProtocolError:
+        return
+    # Only a flipped padding byte (outside every section) leaves the frame as it was.
+    assert [bytes(v) for v in views] == prepare_parts()
 
 
 def test_parts_that_are_not_buffers_are_refused() -> None:
