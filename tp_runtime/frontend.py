@@ -1,15 +1,15 @@
 """The frontend process: the scheduler and the HTTP server or the CLI job.
 
-Under `tp-runtime serve` it is the launcher's child, beside the ranks, and outlives every executor
-group (--launcher-fd: tp_runtime/supervisor.py, tp_runtime/group_broker.py); under plain torchrun,
+Under `tp-runtime serve` it is the launcher's child, beside the ranks (on node 0 across hosts), and
+outlives every executor group (--launcher-fd: tp_runtime/supervisor.py, tp_runtime/group_broker.py); under plain torchrun,
 and for `generate`, it is rank 0's child (--bootstrap-fd) and ends with the group. It imports no
 torch, so its Python work never competes with rank 0's model step for a GIL. It dies with its parent
 (PR_SET_PDEATHSIG), failing every request in flight with a clear error and removing its ipc
 directory first.
 
-Its endpoint: on one host an ipc:// socket in a 0700 directory; across hosts tcp on the address the
-other hosts reach this one by (tp_runtime.hosts.scheduler_address), never a loopback address when a
-peer is on another host.
+Its endpoint (tp_runtime/group_endpoints.py): on one host an ipc:// socket in a 0700 directory;
+across hosts tcp on the address the other hosts reach this one by (tp_runtime.hosts.scheduler_address),
+never a loopback address when a peer is on another host.
 """
 
 from __future__ import annotations
