@@ -1,10 +1,15 @@
 """Bootstrap: how the ranks learn the frontend's endpoint, the run id and their frame keys.
 
 The frontend (the scheduler) makes the run id and binds its endpoint; on one host it also makes the
-HMAC key. It hands them to rank 0 over a private pipe, and rank 0 broadcasts them over the gloo
-group. Across hosts the key is not in that message: every process reads it from the operator's key
-directory, or gets it sealed to its own key through the rendezvous store (tp_runtime.frame_keys).
+HMAC key. It hands them to one rank (the source: over a private pipe to rank 0, its parent, under
+plain torchrun; over the frontend's bootstrap socket under `tp-runtime serve`), which broadcasts them
+over the gloo group. Across hosts the key is not in that message: every process derives it from the
+operator's key directory and the run id, or gets it sealed to its own key (tp_runtime.frame_keys).
 The key never travels on a frame socket.
+
+Under `tp-runtime serve` across hosts the frontend runs on node 0, the host of the rendezvous, but
+c10d numbers the hosts by address, so global rank 0 may be on another host: the source is the first
+rank that can reach the bootstrap socket (`bootstrap_source`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ BOOTSTRAP_ENV = "TP_RUNTIME_BOOTSTRAP"
 # Under `tp-runtime generate` on one host the launcher starts the frontend beside the ranks it starts
 # itself (tp_runtime/local_launch.py) and hands rank 0 the read end of the frontend's pipe: its number.
 BOOTSTRAP_FD_ENV = "TP_RUNTIME_BOOTSTRAP_FD"
+# Under `tp-runtime serve`, on every host: the executor group is restarted when it fails (on node 0,
+# BOOTSTRAP_ENV names the frontend's socket; on the others there is none), so no rank starts a
+# frontend of its own nor drains at SIGTERM.
+SUPERVISED_ENV = "TP_RUNTIME_SUPERVISED"
 
 
 class KeyMode(str, enum.Enum):
@@ -52,7 +61,7 @@ class KeyMode(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Bootstrap:
-    """What rank 0 broadcasts to every rank once its frontend is up: nothing secret in cleartext.
+    """What the source rank broadcasts to every rank once the frontend is up: nothing secret in cleartext.
     `key_hex` is set on one host only (the gloo group is on loopback there); with keys through the
     store the frame key is in `sealed_keys`, one per rank, each sealed to that rank's own key."""
 
@@ -137,30 +146,65 @@ def read_bootstrap(fd: int, frontend: subprocess.Popen[bytes] | None = None) -> 
     code = f" with code {frontend.wait()}" if frontend is not None else ""
     return Bootstrap(error=f"the frontend process exited{code} before it was ready").pack()
 
-def request_bootstrap(path: str, restart: int, timeout_s: float) -> bytes:
-    """Rank 0 of a supervised group: its packed Bootstrap from the frontend's bootstrap socket (one
-    with `error` set if the frontend cannot be reached or opens no group in time)."""
+@dataclass(frozen=True)
+class BootstrapRequest:
+    """What the source rank of a supervised group asks the frontend with: the group's restart count,
+    and with keys through the rendezvous store every rank's CURVE public key (Z85), in rank order,
+    which the frontend admits and seals the group's frame key to."""
+
+    restart: int
+    client_keys: tuple[str, ...] = ()
+
+    def pack(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def unpack(cls, payload: bytes) -> BootstrapRequest:
+        data = json.loads(payload.decode())
+        keys = data.get("client_keys", []) if isinstance(data, dict) else None
+        restart = data.get("restart") if isinstance(data, dict) else None
+        if not isinstance(restart, int) or restart < 0 or not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError(f"a malformed bootstrap request: {payload[:200]!r}")
+        return cls(restart, tuple(keys))
+
+
+def request_bootstrap(path: str, request: BootstrapRequest, timeout_s: float) -> bytes:
+    """The source rank of a supervised group: its packed Bootstrap from the frontend's bootstrap
+    socket (one with `error` set if the frontend cannot be reached or opens no group in time)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(path)
-            sock.sendall(json.dumps({"restart": restart}).encode() + b"\n")
+            sock.sendall(request.pack() + b"\n")
             reply = sock.makefile("rb").readline()
     except OSError as exc:
         return Bootstrap(error=f"cannot reach the frontend's bootstrap socket {path}: {exc}").pack()
     return reply.strip() or Bootstrap(error="the frontend closed the bootstrap socket without an answer").pack()
 
 
-def broadcast_bytes(payload: bytes, group: object) -> bytes:
+def bootstrap_source(asks: bool, rank: int, world: int, group: object) -> int:
+    """The rank every rank takes the bootstrap from: the lowest that `asks` (it can reach the
+    frontend), agreed by an all-reduce; rank 0 where none does (under plain torchrun rank 0 starts
+    the frontend itself)."""
+    import torch
+    import torch.distributed as dist
+
+    vote = torch.tensor([rank if asks else world], dtype=torch.int64)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    source = int(vote.item())
+    return 0 if source == world else source
+
+
+def broadcast_bytes(payload: bytes, group: object, src: int = 0) -> bytes:
     import torch
     import torch.distributed as dist
 
     size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
+    dist.broadcast(size, src=src, group=group)
     buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
     if payload:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0, group=group)
+    dist.broadcast(buffer, src=src, group=group)
     return buffer.numpy().tobytes()
 
 def rank_keys(info: Bootstrap, mode: KeyMode, keys: LaunchKeys | None, pair: frame_keys.CurvePair | None, rank: int):
@@ -171,7 +215,7 @@ def rank_keys(info: Bootstrap, mode: KeyMode, keys: LaunchKeys | None, pair: fra
         return bytes.fromhex(info.key_hex), None
     if mode == KeyMode.DIRECTORY:
         assert keys is not None and keys.client is not None  # load_key_dir checked
-        return keys.frame_key, keys.client
+        return frame_keys.group_frame_key(keys.frame_key, info.run_id), keys.client
     assert pair is not None
     server_key = info.server_key.encode()
     key = frame_keys.open_frame_key(bytes.fromhex(info.sealed_keys[rank]), pair, server_key, info.run_id, rank)

@@ -435,10 +435,9 @@ class Engine:
             scheduler_totals = carry_totals(self._carried[0], scheduler_totals)
             peer_totals = carry_totals(self._carried[1], peer_totals)
         self._carried = (scheduler_totals, peer_totals)
-        endpoint = recovery.groups.open_group()
-        with self._endpoint_lock:
-            self._endpoint = endpoint
-        old_endpoint.close()
+        with self._endpoint_lock:  # the old socket first: across hosts the new one binds the same --frame-port
+            old_endpoint.close()
+            endpoint = self._endpoint = recovery.groups.open_group()
         self._scheduler = Scheduler(old_scheduler.config)
         self._loop = self._new_loop(self._scheduler, endpoint, self._loop)
         for command in kept:

@@ -13,7 +13,9 @@ Across hosts the frames travel over tcp, encrypted and authenticated with CurveZ
   operator copies OUT/<host> to each host over a channel they trust. Every host's directory holds
   the scheduler's secret, because torchrun's rendezvous decides which host gets global rank 0 and
   so runs the scheduler. Each process reads its keys from its own disk; only the run id and the
-  scheduler's address cross the network.
+  scheduler's address cross the network. Frames are signed with a key derived from the directory's
+  and the run id (`group_frame_key`), so that each executor group of a launch that recovers has a
+  key of its own, and none crosses the network.
 - Keys through the rendezvous store (`--trust-rendezvous-store`): every executor makes a CurveZMQ
   key pair per launch and puts its public half in torchrun's store; the frontend makes its own pair
   and the HMAC key, admits exactly the executors' public keys, and hands each rank the HMAC key
@@ -25,6 +27,8 @@ Across hosts the frames travel over tcp, encrypted and authenticated with CurveZ
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import shutil
 from dataclasses import dataclass
@@ -63,6 +67,17 @@ def load_key_dir(directory: str) -> LaunchKeys:
             "executors; make the directories with `tp-runtime keys OUT --hosts ...`"
         )
     return keys
+
+
+_GROUP_KEY_INFO = b"tp-runtime group frame key|"
+
+
+def group_frame_key(directory_key: bytes, run_id: str) -> bytes:
+    """The HMAC key of the executor group `run_id`, from the key directory's frame key: HKDF-Expand
+    (RFC 5869, SHA-256, one block). The directory's key is 32 random bytes, already a pseudorandom key,
+    so HKDF's extract step adds nothing. A frame of one group then never verifies under another's key,
+    though every host holds only the one file."""
+    return hmac.new(directory_key, _GROUP_KEY_INFO + run_id.encode() + b"\x01", hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)

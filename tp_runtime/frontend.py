@@ -1,15 +1,15 @@
 """The frontend process: the scheduler and the HTTP server or the CLI job.
 
-Under `tp-runtime serve` it is the launcher's child, beside the ranks, and outlives every executor
-group (--launcher-fd: tp_runtime/supervisor.py, tp_runtime/group_broker.py); under plain torchrun,
+Under `tp-runtime serve` it is the launcher's child, beside the ranks (on node 0 across hosts), and
+outlives every executor group (--launcher-fd: tp_runtime/supervisor.py, tp_runtime/group_broker.py); under plain torchrun,
 and for `generate`, it is rank 0's child (--bootstrap-fd) and ends with the group. It imports no
 torch, so its Python work never competes with rank 0's model step for a GIL. It dies with its parent
 (PR_SET_PDEATHSIG), failing every request in flight with a clear error and removing its ipc
 directory first.
 
-Its endpoint: on one host an ipc:// socket in a 0700 directory; across hosts tcp on the address the
-other hosts reach this one by (tp_runtime.hosts.scheduler_address), never a loopback address when a
-peer is on another host.
+Its endpoint (tp_runtime/group_endpoints.py): on one host an ipc:// socket in a 0700 directory;
+across hosts tcp on the address the other hosts reach this one by (tp_runtime.hosts.scheduler_address),
+never a loopback address when a peer is on another host.
 """
 
 from __future__ import annotations
@@ -22,18 +22,13 @@ import signal
 import socket
 import sys
 import threading
-import uuid
-from dataclasses import replace
-
-from protocol.auth import new_key
-from protocol.curve import ServerCurve
 from protocol.transport import SchedulerEndpoint, ipc_address, remove_private_dirs
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tp_runtime import frame_keys, hosts
-from tp_runtime.bootstrap import Bootstrap, KeyMode
+from tp_runtime.bootstrap import Bootstrap, BootstrapRequest
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
 from tp_runtime.group_broker import BootstrapServer, GroupBroker, read_launcher, send_line
+from tp_runtime.group_endpoints import open_group, tcp_address
 from tp_runtime.launcher import LAUNCHER_PID_ENV
 from tp_runtime.recovery import Recovery, RecoveryPolicy
 from tp_runtime.signal_watch import SignalWatch, dump_stacks_on_signal
@@ -60,28 +55,10 @@ def single_host() -> bool:
     return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
 
 
-def _bind_endpoint(config: RuntimeConfig, key: bytes, run_id: str, curve: ServerCurve | None) -> SchedulerEndpoint:
+def _first_address(config: RuntimeConfig) -> str:
     if single_host():
-        return SchedulerEndpoint(ipc_address(), key, run_id)
-    ip = hosts.scheduler_address(config.advertise_host, os.environ.get("MASTER_ADDR", config.master_addr))
-    host = f"[{ip}]" if ":" in ip else ip
-    return SchedulerEndpoint(f"tcp://{host}:{config.frame_port}", key, run_id, curve=curve)
-
-
-def _frame_keys(config: RuntimeConfig, run_id: str, clients: list[bytes]) -> tuple[bytes, ServerCurve | None, Bootstrap]:
-    """The HMAC key, the CURVE server keys (none on one host), and what the ranks learn of them."""
-    if single_host():
-        key = new_key()
-        return key, None, Bootstrap(key_mode=KeyMode.PIPE, key_hex=key.hex())
-    if config.frame_key_dir:
-        keys = frame_keys.load_key_dir(config.frame_key_dir)
-        return keys.frame_key, keys.server, Bootstrap(key_mode=KeyMode.DIRECTORY)
-    if not config.trust_rendezvous_store:
-        raise ConfigError("across hosts pass --frame-key-dir or --trust-rendezvous-store (docs/deployment.md)")
-    pair, key = frame_keys.new_pair(), new_key()
-    sealed = tuple(frame_keys.seal_frame_key(key, pair, public, run_id, rank).hex() for rank, public in enumerate(clients))
-    curve = ServerCurve(pair.public, pair.secret, frozenset(clients))
-    return key, curve, Bootstrap(key_mode=KeyMode.STORE, server_key=pair.public.decode(), sealed_keys=sealed)
+        return ipc_address()
+    return tcp_address(config, os.environ.get("MASTER_ADDR", config.master_addr))
 
 
 def build_engine(
@@ -150,18 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     signals = SignalWatch()
     signals.on(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
     _die_with_parent()
-    run_id = uuid.uuid4().hex
-    clients = [k.encode() for k in args.client_keys.split(",") if k]
+    request = BootstrapRequest(0, tuple(k for k in args.client_keys.split(",") if k))
     endpoint: SchedulerEndpoint | None = None
     try:
         with os.fdopen(args.bootstrap_fd, "wb") as pipe:
             try:
-                key, curve, keys_bootstrap = _frame_keys(config, run_id, clients)
-                endpoint = _bind_endpoint(config, key, run_id, curve)
+                opened = open_group(config, _first_address(config))
             except ConfigError as exc:
                 pipe.write(Bootstrap(error=str(exc)).pack())
                 return 2
-            pipe.write(replace(keys_bootstrap, run_id=run_id, address=endpoint.address).pack())
+            endpoint = opened.endpoint
+            pipe.write(opened.answer(request, config.tensor_parallel_size).pack())
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
         engine = build_engine(config, endpoint, tokenizer)
         if parent_gone.is_set():  # the signal came before `engine` was bound
@@ -199,7 +175,7 @@ def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
     broker: GroupBroker | None = None
     server: BootstrapServer | None = None
     try:
-        broker = GroupBroker(launcher)
+        broker = GroupBroker(launcher, config)
         server = BootstrapServer(broker)
         tokenizer = Tokenizer.from_model_path(config.model)
         policy = RecoveryPolicy(config.max_restarts, config.restart_window, config.recovery_timeout)

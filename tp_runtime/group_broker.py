@@ -1,13 +1,13 @@
 """The frontend's side of a supervised launch: each executor group's run id, frame key and
-endpoint, how the group's rank 0 gets them, and the line to the launcher.
+endpoint, how the group's source rank gets them, and the line to the launcher.
 
 Under `tp-runtime serve` the frontend is the launcher's child, beside torchrun's elastic agent
-(tp_runtime/supervisor.py), and outlives every executor group. For each group the engine opens a
-new endpoint under a new run id and a new HMAC key (`open_group`); the group's rank 0 asks for them
-on the bootstrap socket, a Unix socket in the frontend's private 0700 directory (the one its frame
-sockets are in), and broadcasts them to its peers over the loopback gloo group, as rank 0 did with
-the pipe from its own frontend child before. A frame of an old group can then never pass for one of
-the new: another socket, another key, another run id.
+(tp_runtime/supervisor.py), on node 0 across hosts, and outlives every executor group. For each
+group the engine opens a new endpoint under a new run id and new frame keys (`open_group`,
+tp_runtime/group_endpoints.py); the group's source rank (the first on the frontend's host:
+tp_runtime.bootstrap.bootstrap_source) asks for them on the bootstrap socket, a Unix socket in the
+frontend's private 0700 directory, and broadcasts them to its peers over the gloo group. A frame of
+an old group can then never pass for one of the new: another socket, another key, another run id.
 
 The launcher tells the frontend when the agent saw a group die (which ranks, which exit codes),
 and the frontend asks the launcher to SIGKILL a group it found dead or hung: SIGTERM would not end
@@ -16,6 +16,9 @@ a stopped rank, and a rank that exits 0 would read to the agent as a group that 
 Messages on the launcher's socket pair are JSON lines:
   frontend -> launcher: {"ready": <bootstrap socket path>} or {"error": <sentence>}, then {"kill": <restart>}
   launcher -> frontend: {"died": <restart>, "exits": [[rank, exit code], ...]}
+Across hosts only node 0's ranks are the launcher's: the other hosts' ranks end by themselves (their
+collective fails, the scheduler goes silent, or their agent sees node 0's re-enter the rendezvous),
+and their agents tell the frontend nothing.
 """
 
 from __future__ import annotations
@@ -28,20 +31,20 @@ import signal
 import socket
 import tempfile
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.auth import new_key
 from protocol.transport import SchedulerEndpoint
-from tp_runtime.bootstrap import Bootstrap, KeyMode
+from tp_runtime.bootstrap import Bootstrap, BootstrapRequest
+from tp_runtime.config import RuntimeConfig
+from tp_runtime.group_endpoints import OpenedGroup, open_group, tcp_address
 from tp_runtime.recovery import exit_cause
 
 log = logging.getLogger("tp_runtime.recovery")
 
 BOOTSTRAP_SOCKET = "bootstrap.sock"
-CLAIM_TIMEOUT_S = 120.0  # a rank 0 waits this long for the frontend to open its group
+CLAIM_TIMEOUT_S = 120.0  # a source rank waits this long for the frontend to open its group
 _MAX_LINE = 1 << 16
 
 
@@ -79,17 +82,18 @@ class GroupBroker:
     """Shared by the engine thread (open_group, kill, deaths), the bootstrap socket's threads
     (claim) and the launcher line's reader (group_died)."""
 
-    def __init__(self, launcher: socket.socket) -> None:
-        # Its own 0700 directory: the bootstrap socket and every group's frame socket, removed at
-        # close() (by the launcher if this process is killed: tp_runtime/supervisor.py).
+    def __init__(self, launcher: socket.socket, config: RuntimeConfig) -> None:
+        # Its own 0700 directory: the bootstrap socket and on one host every group's frame socket,
+        # removed at close() (by the launcher if this process is killed: tp_runtime/supervisor.py).
         self.directory = tempfile.mkdtemp(prefix="tp-runtime-")
         os.chmod(self.directory, 0o700)
+        self._config = config
         self._launcher = launcher
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._published: Bootstrap | None = None
+        self._published: OpenedGroup | None = None
         self._generation = 0  # groups opened so far
-        self._claimed_by: int | None = None  # the restart count of the rank 0 that took the open group
+        self._claimed_by: int | None = None  # the restart count of the group that took the open one
         self._deaths: deque[DeathReport] = deque()
         self._closed = False
         self.wake: Callable[[], None] = lambda: None  # set by the engine: ends its poll
@@ -97,15 +101,19 @@ class GroupBroker:
     # ---- the engine thread ------------------------------------------------------------------------
 
     def open_group(self) -> SchedulerEndpoint:
-        """A new endpoint under a new run id and key, offered to the next rank 0 that asks."""
-        key, run_id = new_key(), uuid.uuid4().hex
-        endpoint = SchedulerEndpoint(f"ipc://{self.directory}/group-{self._generation}.sock", key, run_id)
+        """A new endpoint under a new run id and keys, offered to the next group that asks. Across
+        hosts it binds the same --frame-port each time: the engine closes the old group's first."""
+        if self._config.multi_node:
+            address = tcp_address(self._config, self._config.master_addr)
+        else:
+            address = f"ipc://{self.directory}/group-{self._generation}.sock"
+        opened = open_group(self._config, address)
         with self._cond:
             self._generation += 1
-            self._published = Bootstrap(run_id=run_id, address=endpoint.address, key_mode=KeyMode.PIPE.value, key_hex=key.hex())
+            self._published = opened
             self._claimed_by = None
             self._cond.notify_all()
-        return endpoint
+        return opened.endpoint
 
     def claimed_restart(self) -> int | None:
         with self._cond:
@@ -143,10 +151,11 @@ class GroupBroker:
 
     # ---- other threads ----------------------------------------------------------------------------
 
-    def claim(self, restart: int, timeout_s: float = CLAIM_TIMEOUT_S) -> Bootstrap:
-        """The bootstrap of the open group for the rank 0 of group `restart`. If an older group
-        holds the open one, that group is gone (a new one would not start otherwise): it is
-        reported dead, and this waits for the engine to open the next."""
+    def claim(self, request: BootstrapRequest, timeout_s: float = CLAIM_TIMEOUT_S) -> Bootstrap:
+        """The bootstrap of the open group for the source rank of group `request.restart`. If an
+        older group holds the open one, that group is gone (a new one would not start otherwise): it
+        is reported dead, and this waits for the engine to open the next."""
+        restart = request.restart
         with self._cond:
             if self._claimed_by is not None and self._claimed_by < restart:
                 self._deaths.append(DeathReport(self._claimed_by, ()))
@@ -158,7 +167,8 @@ class GroupBroker:
             if self._closed or not ready or self._published is None:
                 return Bootstrap(error="the frontend opened no executor group in time (it is stopping, or the service has ended)")
             self._claimed_by = restart
-            return self._published
+            opened = self._published
+        return opened.answer(request, self._config.tensor_parallel_size)
 
     def group_died(self, report: DeathReport) -> None:
         with self._cond:
@@ -168,8 +178,8 @@ class GroupBroker:
 
 
 class BootstrapServer:
-    """The Unix socket in the frontend's private directory where each group's rank 0 asks for its
-    bootstrap: one JSON line {"restart": N} in, one packed Bootstrap out."""
+    """The Unix socket in the frontend's private directory where each group's source rank asks for
+    its bootstrap: one packed BootstrapRequest in, one packed Bootstrap out."""
 
     def __init__(self, broker: GroupBroker) -> None:
         self.path = os.path.join(broker.directory, BOOTSTRAP_SOCKET)
@@ -193,11 +203,15 @@ class BootstrapServer:
     def _answer(self, conn: socket.socket) -> None:
         with conn:
             try:
-                request = LineReader(conn).next()
-                restart = int(request["restart"]) if request else -1
-                reply = self._broker.claim(restart) if restart >= 0 else Bootstrap(error="a malformed bootstrap request")
+                line = conn.makefile("rb").readline(_MAX_LINE)
+                try:
+                    request = BootstrapRequest.unpack(line)
+                except ValueError as exc:
+                    reply = Bootstrap(error=str(exc))
+                else:
+                    reply = self._broker.claim(request)
                 conn.sendall(reply.pack() + b"\n")
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except OSError as exc:
                 log.warning("a bootstrap request failed: %s", exc)
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
 """The convenience launcher: `tp-runtime serve|generate` outside torchrun re-enters itself through
 torch.distributed's own launcher (`torch.distributed.run`, c10d rendezvous), so that the canonical
 `torchrun ... -m tp_runtime serve` and the convenience command are the same code path. Across hosts
-the same command runs on every host (`--nnodes N --node-rank K --master-addr H --master-port P`); the
-host that the rendezvous gives global rank 0 runs the frontend, the others only executors. What each
-rank then does is tp_runtime/worker_process.py.
+the same command runs on every host (`--nnodes N --node-rank K --master-addr H --master-port P`).
+Under `serve` node 0 (the rendezvous host) runs the frontend beside its agent, and every host's
+agent restarts its ranks when the executor group fails (tp_runtime/supervisor.py,
+tp_runtime/service_end.py); for `generate` the host that the rendezvous gives global rank 0 runs the
+frontend as that rank's child. What each rank then does is tp_runtime/worker_process.py.
 
 Where things listen: torch's TCPStore binds every interface whatever host it is given, and gloo
 binds the address the host name resolves to. So the launcher hosts the rendezvous store itself, on
@@ -12,14 +14,16 @@ agent join it as a client; rank 0 hosts the process group's store the same way o
 gloo is bound to the interface that reaches MASTER_ADDR. On one host nothing listens beyond
 loopback but the HTTP server.
 
-Stopping: SIGTERM drains for at most --shutdown-timeout seconds, and the launcher gives torchrun a
-grace period STOP_MARGIN_S longer, so that the drain always ends before torchrun kills the ranks.
+Stopping: SIGTERM (to node 0's launcher across hosts) drains for at most --shutdown-timeout seconds,
+and the launcher gives torchrun a grace period STOP_MARGIN_S longer, so that the drain always ends
+before torchrun kills the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -76,16 +80,17 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 @contextlib.contextmanager
-def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
-    """(rendezvous endpoint, this host's address) for torchrun, with the store listening on the
-    endpoint's own address only while the launch runs (host 0 hosts it)."""
+def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str, object]]:
+    """(rendezvous endpoint, this host's address, the store where this host hosts it, else None)
+    for torchrun, with the store listening on the endpoint's own address only while the launch runs
+    (host 0 hosts it)."""
     import torch.distributed as dist
 
     if config.multi_node:
         local_addr = hosts.route_address(config.master_addr, config.master_port)
         endpoint = _host_port(config.master_addr, config.master_port)
         if config.node_rank != 0:
-            yield endpoint, local_addr
+            yield endpoint, local_addr, None
             return
         store_ip = hosts.resolve(config.master_addr)
         if store_ip != local_addr:
@@ -104,7 +109,7 @@ def _rendezvous(config: RuntimeConfig) -> Iterator[tuple[str, str]]:
         timeout=timedelta(seconds=STORE_TIMEOUT_S), master_listen_fd=listener.detach(),
     )
     try:
-        yield endpoint, local_addr
+        yield endpoint, local_addr, store
     finally:
         del store
 
@@ -181,11 +186,15 @@ def quiet_torchrun(log_level: str) -> None:
         os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-def supervise(config: RuntimeConfig, argv: list[str]) -> bool:
-    """`serve` on one host runs its frontend beside the agent and restarts a failed executor group
-    (tp_runtime/supervisor.py). Across hosts, and for `generate`, the frontend is rank 0's child and
-    a failed rank ends the launch."""
-    return argv[:1] == ["serve"] and not config.multi_node
+def supervise(argv: list[str]) -> bool:
+    """`serve` restarts a failed executor group (tp_runtime/supervisor.py), on every host of the
+    launch; the frontend runs beside the agent on node 0 (`runs_frontend`). For `generate` the
+    frontend is rank 0's child and a failed rank ends the launch."""
+    return argv[:1] == ["serve"]
+
+
+def runs_frontend(config: RuntimeConfig, argv: list[str]) -> bool:
+    return supervise(argv) and config.node_rank == 0
 
 
 def launch(config: RuntimeConfig, argv: list[str]) -> int:
@@ -201,7 +210,8 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     torch_floor.require_torch()
-    from tp_runtime.bootstrap import frontend_nice
+    from tp_runtime import service_end
+    from tp_runtime.bootstrap import SUPERVISED_ENV, frontend_nice
     from tp_runtime.recovery import AGENT_MAX_RESTARTS
     from tp_runtime.resolve import uses_cuda
     from tp_runtime.supervisor import Supervisor, agent_observed_by
@@ -216,24 +226,46 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     # No agent-hosted store for the process group: rank 0 hosts it on MASTER_ADDR (_process_group_store).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=_stop_torchrun)
+    supervised = supervise(argv)
+    if supervised:
+        os.environ[SUPERVISED_ENV] = "1"
+    stop: Stop | None = None
     supervisor: Supervisor | None = None
-    if supervise(config, argv):
+    watch: service_end.EndWatch | None = None
+    end_here = functools.partial(service_end.end_launch, lambda: list(live_children()))
+    if runs_frontend(config, argv):
+        stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=_stop_torchrun)
         supervisor = Supervisor(config, frontend_nice(config, uses_cuda(config)))
         stop.targets = lambda: [supervisor.frontend.pid]
+    elif supervised:
+        # The service is node 0's to drain: a SIGTERM here takes this host out of it (the frontend
+        # sees its ranks go and waits for them to rejoin). Its ranks hold nothing worth a grace
+        # period, and its agent, stopped first, would restart them.
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: end_here())
     else:
+        stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=_stop_torchrun)
         end_stragglers(STOP_MARGIN_S)
-    observed = agent_observed_by(supervisor) if supervisor is not None else contextlib.nullcontext()
-    max_restarts = AGENT_MAX_RESTARTS if supervisor is not None else 0
+    max_restarts = AGENT_MAX_RESTARTS if supervised else 0
+    observed = agent_observed_by(supervisor) if supervised else contextlib.nullcontext()
     code = 0
-    with _rendezvous(config) as (endpoint, local_addr), observed:
+    with _rendezvous(config) as (endpoint, local_addr, store), observed:
+        if supervisor is not None and config.multi_node:
+            supervisor.before_end = lambda frontend_code: service_end.announce(store, frontend_code, config.nnodes - 1)
+        elif supervised:
+            watch = service_end.EndWatch(config.master_addr, config.master_port, end_here)
         torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv, supported, max_restarts))
         try:
             run(torchrun_args)
         except SignalException as exc:
-            if stop.forced:
+            if stop is not None and stop.forced:
                 sys.stderr.write(
                     f"tp-runtime: error: the ranks did not stop within {stop.after_s:g} s of SIGTERM: stopped by force\n"
+                )
+                code = 1
+            elif watch is not None and watch.code:
+                sys.stderr.write(
+                    f"tp-runtime: error: the service ended on node 0, the frontend's host ({config.master_addr}), "
+                    f"with code {watch.code}: its error is there\n"
                 )
                 code = 1
             elif supervisor is None or not supervisor.ended:
@@ -244,6 +276,8 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
             sys.stderr.write(f"tp-runtime: error: the rendezvous at {endpoint} failed: {exc}\n")
             code = 1
         finally:
+            if watch is not None:
+                watch.finished.set()
             if supervisor is not None:
                 supervisor.close()
     if supervisor is not None and code == 0:
@@ -326,11 +360,22 @@ def live_children() -> dict[int, str]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
+        fields = _stat_fields(int(entry))
+        if fields is not None and int(fields[1]) == me and fields[0] != "Z":
             children[int(entry)] = fields[0]
     return children
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives a process (R, S, T, Z ...), None once it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields is not None else None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat past the command name: state, parent pid, ..."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None

@@ -5,6 +5,11 @@ agent restarting the executor group under it.
      |-- frontend: HTTP server, engine, scheduler; lives as long as the service
      '-- rank 0 .. N-1: torchrun workers, restarted by the agent (--max-restarts) when one fails
 
+Across hosts this is node 0 (the rendezvous host); the other hosts run their agents, with the same
+unbounded --max-restarts, without a frontend: they rejoin the c10d rendezvous when node 0's agent
+enters its next round, tell the frontend nothing, and stop at the end-of-service mark
+(tp_runtime/service_end.py), which node 0 sets when its frontend exits.
+
 The launcher starts the frontend first, with a socket pair (tp_runtime/group_broker.py says what
 travels on it), and names the frontend's bootstrap socket to the ranks in their environment
 (BOOTSTRAP_ENV). Then it runs the agent, which it watches through `ObservedAgent`: every failure the
@@ -30,12 +35,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tp_runtime.bootstrap import BOOTSTRAP_ENV
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.group_broker import LineReader, send_line
-from tp_runtime.launcher import live_children
+from tp_runtime.launcher import live_children, process_state
 from tp_runtime.worker_process import remove_ipc_dir
 
 log = logging.getLogger("tp_runtime.launch")
@@ -61,6 +66,8 @@ class Supervisor:
         self._send_lock = threading.Lock()
         self._ending = threading.Event()
         self.frontend_code: int | None = None
+        # Across hosts: the end-of-service mark for the other hosts (tp_runtime/service_end.py).
+        self.before_end: Callable[[int], object] = lambda _code: None
         first = LineReader(ours).next()
         if first is None or "ready" not in first:
             code = self.frontend.wait()
@@ -99,6 +106,10 @@ class Supervisor:
         remove_ipc_dir(f"ipc://{self.bootstrap_path}")
         if code == 0:  # a drain: the ranks were told to stop and exit by themselves
             _wait_for(lambda: not rank_pids(self.frontend.pid), RANKS_EXIT_GRACE_S)
+        try:
+            self.before_end(code)
+        except Exception as exc:  # noqa: BLE001 - the store is gone: the other hosts' rendezvous fails by itself
+            log.warning("could not mark the end of the service for the other hosts: %s", exc)
         self.end()
 
     def end(self) -> None:
@@ -130,30 +141,63 @@ class Supervisor:
         self._sock.close()
 
 
-def observed_agent(on_failure: Callable[[int, dict[int, int]], None]) -> type:
-    """torchrun's LocalElasticAgent, telling on_failure(restart count, {rank: exit code}) of every
-    failed group before it restarts it (the agent keeps no record a caller could read)."""
+def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None) -> type:
+    """torchrun's LocalElasticAgent, with three changes. It tells on_failure(restart count, {rank:
+    exit code}) of every group that ends before it restarts it (the agent keeps no record a caller
+    could read); the other hosts' agents pass None. It counts every restart: torch's counts only a
+    failed group, not a restart because another host's agent re-entered the rendezvous, and the
+    frontend (which group to kill, whose death it was told of) and the ranks (their keys in the
+    group's store) tell groups apart by TORCHELASTIC_RESTART_COUNT, which must then be new for every
+    group and the same on every host. And its stop SIGKILLs a stopped rank at once: SIGTERM never
+    ends one, and the agent would wait its whole grace period before its SIGKILL."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class ObservedAgent(LocalElasticAgent):
+        _running = 0  # the restart count of the group the agent started last
+        _reported = -1  # the last group on_failure was told of
+
         def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 (torch's signature)
             result = super()._monitor_workers(worker_group)
-            if result.state.name in ("FAILED", "UNHEALTHY"):
-                restart = worker_group.spec.max_restarts - self._remaining_restarts
-                on_failure(restart, {rank: failure.exitcode for rank, failure in result.failures.items()})
+            if result.state.name in ("FAILED", "UNHEALTHY") and on_failure is not None and self._reported != self._running:
+                self._reported = self._running
+                on_failure(self._running, {rank: failure.exitcode for rank, failure in result.failures.items()})
             return result
+
+        def _restart_workers(self, worker_group):  # noqa: ANN001, ANN202
+            spec = worker_group.spec
+            if spec.max_restarts - self._remaining_restarts == self._running:  # not counted by torch
+                self._remaining_restarts -= 1
+                if on_failure is not None and self._reported != self._running:
+                    self._reported = self._running
+                    on_failure(self._running, {})
+            self._running = spec.max_restarts - self._remaining_restarts
+            super()._restart_workers(worker_group)
+
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):  # noqa: ANN001, ANN202
+            if self._pcontext is not None:
+                kill_stopped(self._pcontext.pids().values())
+            super()._shutdown(death_sig, timeout)
 
     return ObservedAgent
 
 
+def kill_stopped(pids: Iterable[int]) -> None:
+    """SIGKILLs those of `pids` that are stopped (state T: SIGSTOP, or a debugger's)."""
+    for pid in pids:
+        if process_state(pid) == "T":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @contextlib.contextmanager
-def agent_observed_by(supervisor: Supervisor):
+def agent_observed_by(supervisor: Supervisor | None):
     """torchrun's launcher builds its agent by the name LocalElasticAgent in its module: the
-    observed one takes that name while the launch runs."""
+    observed one takes that name while the launch runs (on a host without the frontend, one that
+    reports to nobody)."""
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = observed_agent(supervisor.group_failed)
+    launcher_api.LocalElasticAgent = observed_agent(supervisor.group_failed if supervisor is not None else None)
     try:
         yield
     finally:

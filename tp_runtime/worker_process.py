@@ -1,10 +1,11 @@
-"""The body of one torchrun worker: the process group, the bootstrap, one executor, and on rank 0
-the frontend child and its watch.
+"""The body of one torchrun worker: the process group, the bootstrap, one executor, and under plain
+torchrun on rank 0 the frontend child and its watch.
 
-Under `tp-runtime serve` the frontend is not rank 0's child: it runs beside the ranks
-(tp_runtime/supervisor.py) and names its bootstrap socket in BOOTSTRAP_ENV, where rank 0 asks for
-this group's run id and key. A failed group is then killed and restarted, so a rank keeps no
-drain of its own: SIGTERM ends it at once."""
+Under `tp-runtime serve` the frontend is not rank 0's child: it runs beside node 0's ranks
+(tp_runtime/supervisor.py) and names its bootstrap socket in BOOTSTRAP_ENV, where the first rank on
+that host asks for this group's run id and keys and broadcasts them (tp_runtime.bootstrap). A failed
+group is then killed and restarted, on every host, so a rank keeps no drain of its own: SIGTERM
+ends it at once."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from tp_runtime import frame_keys, hosts, torch_floor
 from tp_runtime.bootstrap import (
     BOOTSTRAP_ENV,
     BOOTSTRAP_FD_ENV,
+    SUPERVISED_ENV,
     Bootstrap,
+    BootstrapRequest,
     KeyMode,
+    bootstrap_source,
     broadcast_bytes,
     frontend_nice,
     rank_keys,
@@ -95,23 +99,23 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         _bind_gloo(single_host)
         _init_process_group("nccl" if use_cuda else "gloo", rank, world, use_cuda)
     bootstrap_group = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
-    own_pair, client_keys = _exchange_store_keys(rank, world) if key_mode == KeyMode.STORE else (None, [])
+    supervised = SUPERVISED_ENV in os.environ
+    bootstrap_socket = os.environ.get(BOOTSTRAP_ENV)
+    source = 0
+    if supervised and world > 1:
+        source = bootstrap_source(bootstrap_socket is not None and os.environ.get("LOCAL_RANK") == "0", rank, world, bootstrap_group)
+    own_pair, client_keys = _exchange_store_keys(rank, world, source) if key_mode == KeyMode.STORE else (None, [])
 
     # The frontend starts now (under plain torchrun: rank 0's child) or has started beside the ranks
-    # (tp-runtime serve and generate); the shard loads meanwhile, and only then does rank 0 ask for
-    # the frontend's endpoint, so that the frontend's start is not on the way to the first token.
+    # (tp-runtime serve and generate); the shard loads meanwhile, and only then does the source rank
+    # ask for the frontend's endpoint, so that the frontend's start is not on the way to the first token.
     frontend: subprocess.Popen[bytes] | None = None
-    supervised = os.environ.get(BOOTSTRAP_ENV)
     pipe_fd = int(os.environ[BOOTSTRAP_FD_ENV]) if rank == 0 and BOOTSTRAP_FD_ENV in os.environ else None
     if rank == 0 and not supervised and pipe_fd is None:
         if mode == "serve":
-            way = (
-                "recovery across hosts is not built yet" if not single_host
-                else "`tp-runtime serve` restarts the executor group"
-            )
             log.warning(
                 "the frontend runs as rank 0's child: a rank that dies or hangs ends the service, with no restart "
-                f"({way}: docs/deployment.md)"
+                "(`tp-runtime serve` restarts the executor group, on one host or across hosts: docs/deployment.md)"
             )
         started = spawn_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
         frontend, pipe_fd = started.process, started.bootstrap_fd
@@ -123,13 +127,19 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
             frontend.wait()
         raise
     payload = b""
-    if rank == 0 and supervised:
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        payload = request_bootstrap(supervised, restart, BOOTSTRAP_WAIT_S)
+    if rank == source and supervised:
+        if bootstrap_socket is None:
+            payload = Bootstrap(
+                error="no rank of this group is on the frontend's host: node 0 of `tp-runtime serve` runs ranks too"
+            ).pack()
+        else:
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            request = BootstrapRequest(restart, tuple(key.decode() for key in client_keys))
+            payload = request_bootstrap(bootstrap_socket, request, BOOTSTRAP_WAIT_S)
     elif pipe_fd is not None:
         payload = read_bootstrap(pipe_fd, frontend)
     if world > 1:
-        payload = broadcast_bytes(payload, bootstrap_group)
+        payload = broadcast_bytes(payload, bootstrap_group, source)
     info = Bootstrap.unpack(payload)
     if info.error:
         if frontend is not None:
@@ -155,18 +165,18 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         if frontend is not None:
             code = _reap_frontend(frontend, info.address) or code
     if world > 1:
-        code = _agree_on_exit(code, bootstrap_group)
+        code = _agree_on_exit(code, bootstrap_group, source)
         dist.destroy_process_group()
     return code
 
 
-def _exchange_store_keys(rank: int, world: int) -> tuple[frame_keys.CurvePair, list[bytes]]:
+def _exchange_store_keys(rank: int, world: int, source: int) -> tuple[frame_keys.CurvePair, list[bytes]]:
     """With keys through the rendezvous store: this rank's new pair, its public half published,
-    and on rank 0 every rank's public key, for the frontend."""
+    and on the source rank every rank's public key, for the frontend."""
     store = store_client()
     own_pair = frame_keys.new_pair()
     frame_keys.publish_client_key(store, rank, own_pair)
-    return own_pair, frame_keys.client_keys(store, world) if rank == 0 else []
+    return own_pair, frame_keys.client_keys(store, world) if rank == source else []
 
 
 def _drain_on_sigterm(frontend: subprocess.Popen[bytes] | None) -> None:
@@ -208,24 +218,27 @@ def _watch_frontend(frontend: subprocess.Popen[bytes], address: str) -> None:
 
     threading.Thread(target=watch, name="frontend-watch", daemon=True).start()
 
-def _agree_on_exit(code: int, group: object) -> int:
-    """Every rank exits with rank 0's code unless it has a failure of its own: a failed launch fails
-    on every host, so that no host's torchrun agent waits in its exit barrier for one that failed."""
+def _agree_on_exit(code: int, group: object, source: int) -> int:
+    """Every rank exits with the code of the source rank (the frontend's host's) unless it has a
+    failure of its own: a failed launch fails on every host, so that no host's torchrun agent waits
+    in its exit barrier for one that failed."""
     import torch
     import torch.distributed as dist
 
     status = torch.tensor([code], dtype=torch.int32)
     try:
-        dist.broadcast(status, src=0, group=group, async_op=True).wait(timedelta(seconds=FRONTEND_GRACE_S * 2))
-    except Exception:  # noqa: BLE001 - rank 0 is gone: that is a failure whatever this rank saw
+        dist.broadcast(status, src=source, group=group, async_op=True).wait(timedelta(seconds=FRONTEND_GRACE_S * 2))
+    except Exception:  # noqa: BLE001 - the source is gone: that is a failure whatever this rank saw
         return code or 1
-    rank_zero = int(status.item())
-    if code == 0 and rank_zero != 0 and os.environ.get("LOCAL_RANK") == "0" and os.environ.get("GROUP_RANK") != "0":
+    theirs = int(status.item())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    first_here = int(os.environ.get("RANK", "0")) - local_rank  # a host's ranks are numbered in a row
+    source_here = first_here <= source < first_here + int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if code == 0 and theirs != 0 and local_rank == 0 and not source_here:
         sys.stderr.write(
-            f"tp-runtime: error: the launch failed on the host of rank 0 ({os.environ.get('MASTER_ADDR')}), "
-            f"exit code {rank_zero}: its error is there\n"
+            f"tp-runtime: error: the launch failed on the host of rank {source}, exit code {theirs}: its error is there\n"
         )
-    return code or rank_zero
+    return code or theirs
 
 def store_client():  # -> torch.distributed.TCPStore, imported late
     """A connection to the store torchrun's rendezvous set up for this launch (MASTER_ADDR:MASTER_PORT)."""

@@ -124,6 +124,15 @@ class SchedulerEndpoint:
         self._sock.zap_domain = ZAP_DOMAIN.encode()
         self._sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
+    def admit(self, clients: frozenset[bytes]) -> None:
+        """Replaces the CURVE client keys the server admits (from now on; connections made stay).
+        Where the executors make their keys per process, the scheduler learns them only after it
+        has bound, from the request of the group that will connect."""
+        if self._auth is None:
+            raise TransportError(f"the scheduler endpoint {self.address} is not a CURVE server: it admits no keys")
+        # The authenticator's thread looks the provider up per handshake: one dict item, set whole.
+        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowedKeys(clients))
+
     @property
     def version(self) -> int:
         return self._stamp.version

@@ -160,11 +160,15 @@ class RuntimeServer:
             time.sleep(0.3)
         raise ServerStartError(f"the server was not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
 
+    def _tree(self) -> list[int]:
+        """The server's processes below its launcher (or launchers: scripts/harness/two_hosts.py)."""
+        return descendants(self.pid)
+
     def _label_processes(self, timeout_s: float) -> None:
         wanted = {FRONTEND, *(rank_label(r) for r in range(self.options.tensor_parallel_size))}
         deadline = time.monotonic() + timeout_s
         while True:
-            for pid in descendants(self.pid):
+            for pid in self._tree():
                 label = process_label(pid)
                 ref = ProcessRef.of(pid, label) if label in wanted else None
                 if ref is not None:
@@ -184,7 +188,7 @@ class RuntimeServer:
         deadline = time.monotonic() + timeout_s
         while True:
             found = {}
-            for pid in descendants(self.pid):
+            for pid in self._tree():
                 label = process_label(pid)
                 ref = ProcessRef.of(pid, label) if label in ranks and pid not in old else None
                 if ref is not None:

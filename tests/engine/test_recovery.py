@@ -19,7 +19,8 @@ from protocol.auth import new_key
 from protocol.transport import SchedulerEndpoint, ipc_address
 from scheduler.request import SamplingParams
 from tests.server.fake_rank import GEOMETRY, MAX_MODEL_LEN, FakeRank, fake_scheduler
-from tp_runtime.bootstrap import Bootstrap, request_bootstrap
+from tp_runtime.bootstrap import Bootstrap, BootstrapRequest, request_bootstrap
+from tp_runtime.config import RuntimeConfig
 from tp_runtime.engine import Engine, EngineTimeouts, EngineUnavailable, TokenEvent
 from tp_runtime.group_broker import BootstrapServer, DeathReport, GroupBroker
 from tp_runtime.recovery import CrashLoop, Fault, GroupDeath, Recovery, RecoveryPolicy, RestartWindow, carry_totals
@@ -190,18 +191,18 @@ def test_totals_carry_over_and_gauges_do_not() -> None:
 
 def test_the_broker_gives_each_group_its_own_keys_and_a_new_group_replaces_an_old_claim() -> None:
     ours, theirs = socket.socketpair()
-    broker = GroupBroker(ours)
+    broker = GroupBroker(ours, RuntimeConfig(model="m"))
     server = BootstrapServer(broker)
     server.start()
     try:
         first = broker.open_group()
-        got = Bootstrap.unpack(request_bootstrap(server.path, 0, timeout_s=10))
+        got = Bootstrap.unpack(request_bootstrap(server.path, BootstrapRequest(0), timeout_s=10))
         assert (got.run_id, got.address) == (first.run_id, first.address) and broker.claimed_restart() == 0
         woken = []
         broker.wake = lambda: woken.append(1)
         # Restart 1 asks while restart 0 holds the group: 0 is dead, and 1 waits for the next group.
         second: list[Bootstrap] = []
-        asked = threading.Thread(target=lambda: second.append(Bootstrap.unpack(request_bootstrap(server.path, 1, 10))))
+        asked = threading.Thread(target=lambda: second.append(Bootstrap.unpack(request_bootstrap(server.path, BootstrapRequest(1), 10))))
         asked.start()
         wait_until(lambda: bool(woken))
         assert [d.restart for d in broker.take_deaths()] == [0]

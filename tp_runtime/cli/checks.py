@@ -49,8 +49,10 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
     if args.command == "serve":
         if not 0 <= config.shutdown_timeout < 3600:
             raise ConfigError(f"--shutdown-timeout must be in 0..3600 seconds, got {config.shutdown_timeout}")
-        # Any host may be the one torchrun gives rank 0, and so the HTTP server.
-        check_port_free(config.host, config.port)
+        # Under the launcher (this check's caller) node 0 runs the HTTP server; the other hosts serve
+        # none, and a host that rejoins may share a machine with node 0 (tests/e2e/test_multinode.py).
+        if config.node_rank == 0:
+            check_port_free(config.host, config.port)
         _check_http_options(config)
         if config.max_restarts < 0 or config.restart_window <= 0 or config.recovery_timeout <= 0:
             raise ConfigError("--max-restarts must be at least 0, --restart-window and --recovery-timeout above 0")
