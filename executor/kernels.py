@@ -99,6 +99,13 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def warm_dense_linear() -> None:
+    """Calls the custom op once. torch imports torch._dynamo on a custom op's first call (2.4 s on
+    a loaded 2-core machine): done at load, before the rank's HELLO, it is not paid inside the first
+    step that runs compiled layers, which is what a new group's step deadline measures."""
+    dense_linear(torch.zeros(1, 1), torch.zeros(1, 1))
+
+
 def int4_pack(blocks: Q4Blocks, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's CPU int4 layout of GGUF blocks and its per-group (scale, zero) in `dtype`."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(blocks.q.astype(np.int32)), 1)

@@ -60,7 +60,9 @@ class HandshakeError(TPRuntimeError):
 class EngineTimeouts:
     handshake_s: float = 600.0  # ranks load their weights before HELLO
     ready_s: float = 10.0  # PREPARE -> READY from every rank
-    first_step_s: float = 120.0  # a step's deadline before any step was measured (a long CPU prefill)
+    # A step's deadline before any step of its kind was measured: a long CPU prefill, or a group's
+    # first decode step, which runs code no step ran before (the compiled layers' first call).
+    first_step_s: float = 120.0
     step_floor_s: float = 5.0  # no measured deadline is shorter than this
     step_margin: float = 10.0  # a step may take this many times the longest like it measured so far
     # No frame from a rank for this long: it stopped. Executors heartbeat every 0.25 s beside their
@@ -77,17 +79,24 @@ class StepDeadlines:
     """How long a step may run, from the steps measured so far: a step of t tokens may take
     step_margin times the longest measured step, scaled up by t over that step's tokens when t is
     more, and never less than step_floor_s. A deadline catches a group that heartbeats but makes no
-    progress; a stopped rank is caught sooner by its silence."""
+    progress; a stopped rank is caught sooner by its silence.
+
+    Until a decode step (one new token per sequence) and a step with a prefill have each been
+    measured, a step of the kind not seen yet gets first_step_s: the two run different code (on a
+    CPU, compiled layers against eager ones), and the first call of that code pays one-time costs a
+    step of the other kind says nothing about."""
 
     def __init__(self, timeouts: EngineTimeouts, history: int = 64) -> None:
         self._t = timeouts
         self._recent: deque[tuple[int, float]] = deque(maxlen=history)
+        self._kinds_seen: set[bool] = set()
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, decode: bool) -> None:
         self._recent.append((max(tokens, 1), seconds))
+        self._kinds_seen.add(decode)
 
-    def allowed(self, tokens: int) -> float:
-        if not self._recent:
+    def allowed(self, tokens: int, decode: bool) -> float:
+        if decode not in self._kinds_seen:
             return self._t.first_step_s
         expected = max(seconds * max(1.0, tokens / measured) for measured, seconds in self._recent)
         return max(self._t.step_floor_s, self._t.step_margin * expected)
@@ -121,6 +130,11 @@ class _InFlight:
     @property
     def tokens(self) -> int:
         return int(self.plan.prepare.token_ids.shape[0])
+
+    @property
+    def decode(self) -> bool:
+        """One new token per sequence."""
+        return self.tokens == self.plan.prepare.seq_ids.shape[0]
 
 
 class StepLoop:
@@ -293,7 +307,7 @@ class StepLoop:
         now = time.monotonic()
         result = event.result
         if entry.started_at is not None:
-            self._deadlines.observe(entry.tokens, now - entry.started_at)
+            self._deadlines.observe(entry.tokens, now - entry.started_at, entry.decode)
         self.step_latency.observe(now - entry.sent_at)
         self.counters.step_s += now - entry.sent_at
         if entry.back_to_back:
@@ -364,7 +378,7 @@ class StepLoop:
         for step, entry in self._inflight.items():
             if entry.started_at is None:
                 continue
-            allowed = self._deadlines.allowed(entry.tokens)
+            allowed = self._deadlines.allowed(entry.tokens, entry.decode)
             if now - entry.started_at > allowed:
                 names = ", ".join(conv.who(r) for r in sorted(conv.unfinished(step)))
                 raise RankFailure(f"step {step} did not finish within {allowed:.1f} s on {names}")

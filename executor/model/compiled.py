@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import executor.model.kernel_cache as kernel_cache
+from executor import kernels
 from executor.cache import KVCache
 from executor.disk_cache import digest, file_lock, write_atomically
 from executor.inputs import StepInputs
@@ -157,6 +158,7 @@ class CompiledLayers:
         libraries = _load(compiled.specs)
         if libraries is not None:
             compiled._bind(libraries)
+            kernels.warm_dense_linear()
             log.info(f"steps run compiled layers from {kernel_cache.kernel_dir()} ({len(compiled.specs)} libraries)")
         return compiled
 
