@@ -77,11 +77,20 @@ class CompiledLayer:
 
 
 def _load(specs: list[LayerSpec]) -> dict[LayerSpec, CompiledLayer] | None:
+    previous = os.environ.get("TMPDIR")
+    # The loader unpacks each package under TMPDIR (read when it runs): into this process's folder
+    # of the cache, which the next process to load removes once this one is gone.
+    os.environ["TMPDIR"] = str(kernel_cache.unpack_dir())
     try:
         return {spec: CompiledLayer(spec, kernel_cache.package_path(spec)) for spec in specs}
     except RuntimeError as exc:
         log.warning(f"compiled decode kernels in {kernel_cache.kernel_dir()} could not be loaded ({exc}); decode runs eager")
         return None
+    finally:
+        if previous is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = previous
 
 
 def _buildable(missing: list[LayerSpec]) -> bool:

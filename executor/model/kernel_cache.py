@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,34 @@ def compiler_available() -> bool:
 
 def package_path(spec: LayerSpec) -> Path:
     return kernel_dir() / f"{spec.key()}.pt2"
+
+
+def unpack_dir() -> Path:
+    """This process's folder for the libraries AOTInductor's loader unpacks (it makes a temporary
+    folder under TMPDIR per library and removes it only in its destructor, which a killed rank, or
+    one that ends with os._exit, never runs: /tmp filled with ~2 MB copies, one set per group a
+    recovery restarts). Folders of processes of this host that are gone are removed here, so the
+    next load cleans up after the last. Named by host too: a cache folder may be shared by hosts."""
+    root = kernel_dir() / "unpacked"
+    root.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    for entry in root.iterdir():
+        owner, _, pid = entry.name.rpartition("-")
+        if owner == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+    mine = root / f"{host}-{os.getpid()}"
+    mine.mkdir(exist_ok=True)
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def failure_log(spec: LayerSpec) -> Path:
