@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from executor.model import ModelLoadError, load_model
+from executor.model import compiled as compiled_layers
 from executor.model.config import UnsupportedModelError
 from executor.model.load import open_source
 from protocol.errors import TPRuntimeError
@@ -167,13 +168,35 @@ def test_window_keeps_the_poison_proof(checkpoints):
     assert not torch.isfinite(unclear[:2]).any(dim=-1).any(), "every row reads a stale slot"
 
 
-@pytest.mark.timeout(1800)  # builds four libraries: two windows (layer 0 has none) x decode and mixed
-def test_biased_and_windowed_models_run_compiled(checkpoints):
+def test_a_model_mixing_windowed_and_full_layers_plans_a_library_for_each(checkpoints):
+    """Qwen2's windowed layers get libraries of their own beside the full layers', for decode and
+    mixed steps alike (the plan alone: the compiled test below builds a model of windowed layers)."""
+    _, path = checkpoints["qwen2-window"]
+    model = load_model(str(path), rank=0, world_size=1, dtype=torch.float32, device=CPU)
+    driver = Driver(model, page_size=4)
+    plan = compiled_layers._plan(model.layers, model.shapes, 1, driver.cache)
+    assert [r.kind for r in plan] == ["decode", "mixed"]
+    for r in plan:
+        assert [(spec.window, spec.qkv_bias) for (spec,) in r.layers] == [(None, True), (4, True)]
+
+
+@pytest.fixture(scope="module")
+def windowed_qwen2(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    """Qwen2 with every layer windowed (max_window_layers 0), q/k/v biases and all: one library for
+    decode steps and one for mixed steps. A full layer would add two more, whose bias code the
+    windowed ones run too."""
+    model = reference_model("qwen2", seed=len(CASES), use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    return model, write_hf(tmp_path_factory.mktemp("qwen2-windowed"), model)
+
+
+@pytest.mark.timeout(1200)  # builds two libraries: decode and mixed, every layer windowed
+def test_biased_and_windowed_models_run_compiled(windowed_qwen2):
     """Changed meaning on purpose: with one decoder layer, Qwen2's biases and its windowed layers
     run on the compiled layers like any other model (they used to decode eager). Every step's
     runner is asserted, and its logits held to transformers' as the eager tests hold them."""
-    reference, path = checkpoints["qwen2-window"]
+    reference, path = windowed_qwen2
     model = load_model(str(path), rank=0, world_size=1, dtype=torch.float32, device=CPU, compile_mode="wait")
+    assert model.config.windowed_layers == (0, 1) and model.config.sliding_window == 4
     driver = Driver(model, page_size=4)
     prompt = PROMPT[:9]
     rows = [driver.step([(0, prompt, True)])]
@@ -190,6 +213,8 @@ def test_biased_and_windowed_models_run_compiled(checkpoints):
     assert driver.runner.last_runner == "compiled", "a mixed step"
     torch.testing.assert_close(mixed[0], reference_logits(reference, tokens)[-1], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(mixed[1], reference_logits(reference, PROMPT[2:9])[-1], atol=ATOL, rtol=RTOL)
+    layers = driver.runner.compiled(driver.cache)
+    assert [(spec.step, spec.window, spec.qkv_bias) for spec in layers.specs] == [("decode", 4, True), ("mixed", 4, True)]
 
 
 # -- refusals ----------------------------------------------------------------------------------------
