@@ -177,8 +177,21 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None) -> 
             if self._pcontext is not None:
                 kill_stopped(self._pcontext.pids().values())
             super()._shutdown(death_sig, timeout)
+            stop_heartbeats(self._worker_group.spec.rdzv_handler)
 
     return ObservedAgent
+
+
+def stop_heartbeats(handler: object) -> None:
+    """Stops the rendezvous handler's keep-alive timer once the agent is done with it. torch's
+    launcher skips the handler's shutdown when a signal stopped the agent (so as not to close the
+    rendezvous for the other hosts), and the timer runs on until the handler is freed; freed on the
+    timer's own thread (a tick holds the last reference), the timer's finalizer joins that thread and
+    the launcher prints "RuntimeError: cannot join current thread" as it exits. A rendezvous without
+    heartbeats has none to stop."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if stop is not None:
+        stop()
 
 
 def kill_stopped(pids: Iterable[int]) -> None:
