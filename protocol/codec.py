@@ -143,9 +143,7 @@ def from_message(parts: Sequence[object], limits: Limits = DEFAULT_LIMITS) -> li
     if count != 1:
         raise ProtocolError(RejectCode.MALFORMED, f"a frame is one ZeroMQ message, got {count} parts")
     (message,) = _byte_views(parts)
-    size = message.nbytes
-    if size > limits.max_frame_bytes + _ALIGN * (2 * limits.max_parts + 1):
-        raise ProtocolError(RejectCode.TOO_LARGE, f"a {size}-byte message exceeds the frame limit of {limits.max_frame_bytes}")
+    size = message.nbytes  # the sections' total is held to max_frame_bytes by `verify`
     if size < _ALIGN:
         raise ProtocolError(RejectCode.MALFORMED, f"a {size}-byte message has no section header")
     (sections,) = struct.unpack_from("<Q", message)

@@ -213,21 +213,18 @@ def run_faults(
                 if server.process is not None and server.process.poll() is not None:
                     sys.stderr.write(f"bench_recovery: the server has exited (code {server.process.returncode}): no more faults\n")
                     return 1, quiet
-                if isinstance(server, TwoHostServer):
-                    host, rank = target, rank_on_host(server, target, args.tp)
-                    report = recover_from(server, rank, sig, REFERENCE, expected.token_ids)
-                    report.fault = f"{sig.name} host{host}"  # the rank on a host may change at a rendezvous
-                    where.append({"host": host, "rank": rank})
-                else:
-                    rank = target
-                    report = recover_from(server, rank, sig, REFERENCE, expected.token_ids)
-                    where.append({"rank": rank})
+                two_hosts = isinstance(server, TwoHostServer)
+                rank = rank_on_host(server, target, args.tp) if two_hosts else target
+                report = recover_from(server, rank, sig, REFERENCE, expected.token_ids)
+                if two_hosts:
+                    report.fault = f"{sig.name} host{target}"  # the rank on a host may change at a rendezvous
+                where.append({"host": target, "rank": rank} if two_hosts else {"rank": rank})
                 check_named(report, rank)
                 if report.same_frontend and server.process_of(FRONTEND).pid != frontend_pid:
                     report.lost.append(f"the frontend is pid {server.process_of(FRONTEND).pid}, not {frontend_pid} as at the start")
                 reports.append(report)
                 times = ", ".join(f"{name} {getattr(report, name)}" for name in TIMES)
-                label = f"{report.fault} (rank {rank})" if isinstance(server, TwoHostServer) else report.fault
+                label = f"{report.fault} (rank {rank})" if two_hosts else report.fault
                 sys.stderr.write(f"run {run + 1}: {label}: {times}{'' if report.passed else ' FAILED ' + str(report.lost)}\n")
                 if not report.passed:
                     sys.stderr.write(f"{server.log_tail(60)}\n")
