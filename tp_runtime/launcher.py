@@ -211,6 +211,7 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
 
     torch_floor.require_torch()
     from tp_runtime import service_end
+    from tp_runtime.agent_stop import AgentStop
     from tp_runtime.bootstrap import SUPERVISED_ENV, frontend_nice
     from tp_runtime.recovery import AGENT_MAX_RESTARTS
     from tp_runtime.resolve import uses_cuda
@@ -232,10 +233,11 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     stop: Stop | None = None
     supervisor: Supervisor | None = None
     watch: service_end.EndWatch | None = None
-    end_here = functools.partial(service_end.end_launch, lambda: list(live_children()))
+    agent = AgentStop()
+    end_here = functools.partial(service_end.end_launch, lambda: list(live_children()), agent)
     if runs_frontend(config, argv):
-        stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=_stop_torchrun)
-        supervisor = Supervisor(config, frontend_nice(config, uses_cuda(config)))
+        stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=agent.stop)
+        supervisor = Supervisor(config, frontend_nice(config, uses_cuda(config)), agent)
         stop.targets = lambda: [supervisor.frontend.pid]
     elif supervised:
         # The service is node 0's to drain: a SIGTERM here takes this host out of it (the frontend
@@ -243,19 +245,23 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
         # period, and its agent, stopped first, would restart them.
         signal.signal(signal.SIGTERM, lambda _signum, _frame: end_here())
     else:
-        stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=_stop_torchrun)
+        stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=agent.stop)
         end_stragglers(STOP_MARGIN_S)
     max_restarts = AGENT_MAX_RESTARTS if supervised else 0
     observed = agent_observed_by(supervisor) if supervised else contextlib.nullcontext()
     code = 0
     with _rendezvous(config) as (endpoint, local_addr, store), observed:
-        if supervisor is not None and config.multi_node:
-            supervisor.before_end = lambda frontend_code: service_end.announce(store, frontend_code, config.nnodes - 1)
-        elif supervised:
+        if supervisor is not None:
+            if config.multi_node:
+                supervisor.before_end = lambda frontend_code: service_end.announce(store, frontend_code, config.nnodes - 1)
+        elif supervised:  # another host than node 0
             watch = service_end.EndWatch(config.master_addr, config.master_port, end_here)
         torchrun_args = get_args_parser().parse_args(torchrun_argv(config, endpoint, local_addr, argv, supported, max_restarts))
         try:
-            run(torchrun_args)
+            try:
+                run(torchrun_args)
+            finally:
+                agent.returned()
         except SignalException as exc:
             if stop is not None and stop.forced:
                 sys.stderr.write(
@@ -277,7 +283,7 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
             code = 1
         finally:
             if watch is not None:
-                watch.finished.set()
+                watch.finish()
             if supervisor is not None:
                 supervisor.close()
     if supervisor is not None and code == 0:
@@ -291,7 +297,7 @@ class Stop:
     others in torchrun's exit barrier; an agent stopped by a signal skips that barrier, and the
     other hosts' agents would wait there for it (torch's exit_barrier_timeout, 300 s). If the ranks
     are still there `after_s` seconds later, or at a second signal, the launcher calls `force`: it
-    hands the stop to torchrun (_stop_torchrun), or where it started the processes itself kills them."""
+    hands the stop to torchrun's agent (AgentStop), or where it started the processes itself kills them."""
 
     def __init__(
         self, after_s: float, force: Callable[[], None], signals: Iterable[signal.Signals] = (signal.SIGTERM,)
@@ -321,11 +327,6 @@ class Stop:
     def _force(self) -> None:
         self.forced = True
         self._force_stop()
-
-
-def _stop_torchrun() -> None:
-    """torchrun's agent stops at a SIGINT: it signals the ranks and SIGKILLs them after its grace period."""
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def end_stragglers(after_s: float) -> None:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from tp_runtime.agent_stop import AgentStop
+
 log = logging.getLogger("tp_runtime.launch")
 
 END_KEY = "tp-runtime/service-end"  # the frontend's exit code
@@ -46,10 +48,17 @@ class EndWatch:
 
     def __init__(self, host: str, port: int, end: Callable[[], None]) -> None:
         self.code: int | None = None  # the frontend's exit code, once the mark is seen
-        self.finished = threading.Event()  # set by the launcher once its agent has returned
+        self._finished = threading.Event()  # set once the launcher's agent has returned
         self._host, self._port = host, port
         self._end = end
-        threading.Thread(target=self._watch, name="service-end", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="service-end", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """The launcher, once its agent has returned: the watch stops, and the launcher leaves only
+        after its store calls have (tp_runtime/agent_stop.py says why)."""
+        self._finished.set()
+        self._thread.join(DRAIN_GRACE_S)
 
     def _watch(self) -> None:
         import torch.distributed as dist
@@ -57,7 +66,7 @@ class EndWatch:
         try:
             store = dist.TCPStore(self._host, self._port, is_master=False, timeout=timedelta(seconds=60))
             while not store.check([END_KEY]):
-                if self.finished.wait(POLL_S):
+                if self._finished.wait(POLL_S):
                     return
             code = int(store.get(END_KEY))
             store.add(SEEN_KEY, 1)
@@ -67,14 +76,14 @@ class EndWatch:
         self.code = code
         log.warning("the service ended on node 0 (the frontend exited with code %d): this host stops", code)
         # After a drain the ranks were told to stop: they exit 0 and the agent returns by itself.
-        if code == 0 and self.finished.wait(DRAIN_GRACE_S):
+        if code == 0 and self._finished.wait(DRAIN_GRACE_S):
             return
         self._end()
 
 
-def end_launch(ranks: Callable[[], list[int]]) -> None:
-    """SIGKILLs this host's ranks, then stops torchrun's agent (a SIGINT: its SignalException)."""
+def end_launch(ranks: Callable[[], list[int]], agent: AgentStop) -> None:
+    """SIGKILLs this host's ranks, then stops torchrun's agent if it still runs."""
     for pid in ranks():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGINT)
+    agent.stop()

@@ -37,10 +37,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from tp_runtime.agent_stop import AgentStop
 from tp_runtime.bootstrap import BOOTSTRAP_ENV
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.group_broker import LineReader, send_line
 from tp_runtime.launcher import live_children, process_state
+from tp_runtime.service_end import SEEN_WAIT_S
 from tp_runtime.worker_process import remove_ipc_dir
 
 log = logging.getLogger("tp_runtime.launch")
@@ -52,7 +54,7 @@ RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 class Supervisor:
     """The frontend process and the launcher's end of its socket pair."""
 
-    def __init__(self, config: RuntimeConfig, nice: int) -> None:
+    def __init__(self, config: RuntimeConfig, nice: int, agent: AgentStop) -> None:
         ours, theirs = socket.socketpair()
         command = [
             sys.executable, "-m", "tp_runtime.frontend", "--launcher-fd", str(theirs.fileno()),
@@ -65,6 +67,7 @@ class Supervisor:
         self._sock = ours
         self._send_lock = threading.Lock()
         self._ending = threading.Event()
+        self._agent = agent
         self.frontend_code: int | None = None
         # Across hosts: the end-of-service mark for the other hosts (tp_runtime/service_end.py).
         self.before_end: Callable[[int], object] = lambda _code: None
@@ -75,7 +78,8 @@ class Supervisor:
             raise ConfigError(reason)
         os.environ[BOOTSTRAP_ENV] = self.bootstrap_path = first["ready"]
         threading.Thread(target=self._take_requests, name="frontend-line", daemon=True).start()
-        threading.Thread(target=self._watch_frontend, name="frontend-watch", daemon=True).start()
+        self._watch = threading.Thread(target=self._watch_frontend, name="frontend-watch", daemon=True)
+        self._watch.start()
 
     # ---- from the agent ---------------------------------------------------------------------------
 
@@ -113,14 +117,14 @@ class Supervisor:
         self.end()
 
     def end(self) -> None:
-        """Ends the launch: every rank now, then the agent (SIGINT: torchrun's SignalException)."""
+        """Ends the launch: every rank now, then the agent if it still runs."""
         if self._ending.is_set():
             return
         self._ending.set()
         for pid in rank_pids(self.frontend.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGINT)
+        self._agent.stop()
 
     @property
     def ended(self) -> bool:
@@ -138,6 +142,9 @@ class Supervisor:
                 self.frontend.kill()
                 self.frontend.wait()
         self.frontend_code = self.frontend.returncode
+        # The watch may still be marking the end in the rendezvous store (tp_runtime/agent_stop.py
+        # says why the launcher must not leave before it).
+        self._watch.join(RANKS_EXIT_GRACE_S + SEEN_WAIT_S + 5.0)
         self._sock.close()
 
 
