@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import executor.model.kernel_cache as kernel_cache
-from executor import kernels, native_kernels
+from executor import kernels
 from executor.cache import KVCache
 from executor.disk_cache import digest, file_lock, write_atomically
 from executor.inputs import StepInputs
@@ -147,11 +147,6 @@ class CompiledLayers:
         missing = [spec for spec in compiled.specs if not kernel_cache.package_path(spec).is_file()]
         if missing and not _buildable(missing):
             return compiled
-        if not missing and kernel_cache.native_missing() and kernel_cache.compiler_available():
-            # Layer libraries from before the C++ kernel: it is built now (the next load uses it).
-            build = kernel_cache.start_build([], background=mode != "wait")
-            if build is not None and mode == "wait":
-                build.wait()
         if missing and mode == "wait":
             begin = time.monotonic()
             log.warning(f"building compiled layers for this CPU and model shape (log {kernel_cache.build_log()})")
@@ -172,7 +167,6 @@ class CompiledLayers:
         libraries = _load(compiled.specs)
         if libraries is not None:
             compiled._bind(libraries)
-            native_kernels.load(kernel_cache.kernel_dir())
             kernels.warm_dense_linear()
             log.info(f"steps run compiled layers from {kernel_cache.kernel_dir()} ({len(compiled.specs)} libraries)")
         return compiled

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from executor.disk_cache import cache_root, file_lock, write_atomically
-from executor import native_kernels
 from executor.model.aot_layer import LayerSpec, build
 
 
@@ -69,28 +68,6 @@ def failure_log(spec: LayerSpec) -> Path:
     return kernel_dir() / f"{spec.key()}.failed.log"
 
 
-def native_missing() -> bool:
-    """The C++ kernel library (executor/native_kernels.py) is neither built nor failed."""
-    return not native_kernels.library_path(kernel_dir()).is_file() and not native_kernels.failure_log(kernel_dir()).is_file()
-
-
-def build_native() -> bool:
-    """Builds the C++ kernel library if it is missing; False if that failed (logged beside it, not
-    retried: the compiled layers then call the Python kernel)."""
-    if not native_missing():
-        return native_kernels.library_path(kernel_dir()).is_file()
-    begin = time.monotonic()
-    print(f"building {native_kernels.library_path(kernel_dir()).name}", flush=True)
-    try:
-        native_kernels.build(kernel_dir())
-    except (OSError, RuntimeError) as exc:
-        write_atomically(native_kernels.failure_log(kernel_dir()), f"{exc}\n".encode())
-        print(f"failed: {exc}", flush=True)
-        return False
-    print(f"built in {time.monotonic() - begin:.1f} s", flush=True)
-    return True
-
-
 def build_log() -> Path:
     return kernel_dir() / "build.log"
 
@@ -137,7 +114,7 @@ def build_main(argv: list[str]) -> int:
         # Inductor's own cache (compiler checks, precompiled headers: a build after the first takes
         # half the time) lives beside the packages.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernel_dir() / "inductor")
-        status = 0 if build_native() else 1
+        status = 0
         for spec in specs:
             path = package_path(spec)
             if path.is_file():

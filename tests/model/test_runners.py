@@ -13,17 +13,13 @@ and TP=2 cases build more and are marked slow."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import sys
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from executor import disk_cache, kernels, native_kernels
+from executor import disk_cache
 from executor.model import aot_layer, compiled, default_model_path, kernel_cache, load_model
 from executor.model.aot_layer import LayerSpec
 from tests.model.driver import Driver
@@ -303,108 +299,3 @@ def test_compiled_tp2_matches_compiled_tp1(tiny_path, tmp_path):
     np.testing.assert_allclose(logits, torch.cat(expected_logits).float().numpy(), atol=LOGIT_ATOL, rtol=0)
     generated = {int(k): v for k, v in json.loads((tmp_path / "generated.json").read_text()).items()}
     assert generated == expected_tokens
-
-
-def _recorded_call(built) -> tuple[compiled.CompiledLayer, list[torch.Tensor]]:
-    """A decode step's first library call of the module's model, and its inputs."""
-    calls = []
-    original = compiled.CompiledLayer.run
-
-    def record(self, inputs):
-        calls.append((self, [t.clone() for t in inputs]))
-        return original(self, inputs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiled.CompiledLayer, "run", record)
-        driver, _, _ = greedy(built[0])
-    assert driver.runner.last_runner == "compiled"
-    return calls[-1]
-
-
-def test_no_python_runs_inside_a_library_run(built):
-    """Every Python function that runs in this thread during a library run is recorded: none may.
-    (With the Python kernel of tp_runtime::dense_linear, or its Python autograd layer in the way,
-    torch/_library's functions run at every dense matmul.) The module's build made the C++ kernel
-    library (kernel_cache.build_native) before the layer libraries."""
-    library, inputs = _recorded_call(built)
-    batch = [t.clone() for t in inputs]
-    ran: list[str] = []
-
-    def profile(frame, event, _arg):
-        if event == "call":
-            ran.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    try:
-        library._loader.run(batch)
-    finally:
-        sys.setprofile(None)
-    assert ran == []
-
-
-def test_the_native_matmul_kernel_is_the_python_one():
-    """tp_runtime::dense_linear's C++ CPU kernel against executor/kernels.py dense_matmul, on
-    oneDNN-packed and plain weights, at row counts below, at and past the rounding, bit for bit;
-    and the row rounding of both, which bounds the shapes oneDNN sees."""
-    assert kernel_cache.build_native(), "the C++ library did not build (its .failed.log says why)"
-    assert native_kernels.load(kernel_cache.kernel_dir())
-    native = ctypes.CDLL(str(native_kernels.library_path(kernel_cache.kernel_dir())))
-    native.tp_padded_rows.restype = ctypes.c_int64
-    native.tp_padded_rows.argtypes = [ctypes.c_int64]
-    assert [native.tp_padded_rows(rows) for rows in range(1, 4097)] == [
-        kernels.padded_rows(rows) for rows in range(1, 4097)
-    ]
-    torch.manual_seed(0)
-    weight = torch.randn(96, 64)
-    for matrix in (kernels.Matrix(weight), kernels.Matrix(weight.to(torch.bfloat16))):
-        for rows in (1, 16, 17, 100):
-            x = torch.randn(rows, 64, dtype=matrix.dtype)
-            got = torch.ops.tp_runtime.dense_linear(x, matrix.weight)
-            torch.testing.assert_close(got, kernels.dense_matmul(x, matrix.weight), atol=0, rtol=0)
-
-
-def test_a_library_run_holds_no_gil_while_it_computes(built):
-    """The run writes its step's keys and values into the cache (an input) before it returns. With
-    a switch interval longer than the test, a thread that holds the GIL keeps it until it gives it
-    up itself. The main thread takes the GIL when the worker's run gives it up and reads that cache
-    slot through numpy (which never gives it up) until it changes: if the run needed the GIL back
-    (the matmul's Python kernel, at the first dense matmul, before the cache write), the slot would
-    stay as it was. Whether the main thread is scheduled before a run this short is over is the
-    operating system's choice: a try where the worker had come back first proves nothing either way,
-    and is made again."""
-    library, inputs = _recorded_call(built)
-    probe = [t.clone() for t in inputs]
-    library.run(probe)
-
-    def raw(t: torch.Tensor) -> np.ndarray:  # its bytes, which numpy reads whatever the dtype
-        return t.contiguous().view(torch.uint8).numpy().reshape(-1)
-
-    written = [(i, np.flatnonzero(raw(a) != raw(b))) for i, (a, b) in enumerate(zip(inputs, probe))]
-    index, where = next((i, flat[0]) for i, flat in written if i > 0 and flat.size)
-    outcomes = []
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(100.0)
-    try:
-        for _ in range(200):
-            batch = [t.clone() for t in inputs]
-            slot, started, returned = raw(batch[index]), threading.Event(), []
-            before = slot[where]
-
-            def runs(batch=batch, started=started, returned=returned) -> None:
-                started.set()
-                library.run(batch)
-                returned.append(True)
-
-            worker = threading.Thread(target=runs)
-            worker.start()
-            started.wait()
-            deadline = time.monotonic() + 10
-            while slot[where] == before and time.monotonic() < deadline:
-                pass
-            outcomes.append((bool(slot[where] != before), bool(returned)))
-            worker.join()
-            if outcomes[-1] != (True, True):
-                break
-    finally:
-        sys.setswitchinterval(previous)
-    assert outcomes[-1] == (True, False), f"{len(outcomes)} tries, the last {outcomes[-1]}: (written, returned)"
