@@ -58,7 +58,10 @@ class DeathReport:
     def cause(self) -> str:
         # The agent SIGTERMs the ranks left once one has failed: those are its doing, not causes.
         own = [(rank, code) for rank, code in self.exits if code != -signal.SIGTERM] or self.exits
-        return "; ".join(exit_cause(rank, code) for rank, code in own) or "the group ended"
+        # No exit of this host's: another host's agent re-entered the rendezvous (observed_agent).
+        return "; ".join(exit_cause(rank, code) for rank, code in own) or (
+            "a rank on another host ended (that host's launcher log has its exit code)"
+        )
 
 
 def send_line(sock: socket.socket, message: dict) -> None:

@@ -218,3 +218,10 @@ def test_the_broker_gives_each_group_its_own_keys_and_a_new_group_replaces_an_ol
         broker.close()
         ours.close()
         theirs.close()
+
+
+def test_a_death_on_another_host_is_said_to_be_there():
+    # Node 0's agent restarts its ranks when another host's agent re-enters the rendezvous: its
+    # report holds no exit of its own, and the cause points the operator to the other host.
+    assert "another host" in DeathReport(2, ()).cause()
+    assert DeathReport(2, ((1, -signal.SIGKILL), (0, -signal.SIGTERM))).cause() == "rank 1 was killed by SIGKILL"
