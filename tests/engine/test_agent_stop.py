@@ -29,13 +29,9 @@ def sigints() -> Iterator[list[int]]:
 
 
 @pytest.fixture
-def store() -> Iterator[dist.TCPStore]:
+def store() -> dist.TCPStore:
     """A rendezvous store as node 0's launcher hosts it."""
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    try:
-        yield master
-    finally:
-        del master
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
 
 def test_the_agent_is_stopped_once_while_it_runs(sigints: list[int]) -> None:
@@ -69,15 +65,14 @@ def test_node_0_stops_waiting_for_a_host_that_never_looks(store: dist.TCPStore) 
 
 WATCH_THEN_EXIT = """
 import sys
+import time
 from datetime import timedelta
 import torch.distributed as dist
 from tp_runtime import service_end
 service_end.POLL_S = 0.0  # the watch is inside a store call nearly all the time
 master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 watch = service_end.EndWatch("127.0.0.1", master.port, lambda: None)
-while not watch._thread.is_alive():
-    pass
-master.add("started", 1)  # the watch is polling the store
+time.sleep(0.2)  # connected, and polling
 if sys.argv[1] == "finish":
     watch.finish()
 print("exiting", flush=True)
