@@ -179,8 +179,8 @@ class Engine:
         self._scheduler = scheduler
         self._endpoint = endpoint
         self._endpoint_lock = threading.Lock()  # the HTTP thread wakes the endpoint the engine may swap
-        self._loop = self._new_loop(scheduler, endpoint, None)
         self._recovery = recovery
+        self._loop = self._new_loop(scheduler, endpoint, None)
         self._submits: dict[int, _Submit] = {}  # under recovery: how to submit a request again
         self._carried: tuple[object, object] | None = None  # dead groups' SchedulerStats and PeerStats totals
         if recovery is not None:
@@ -339,6 +339,7 @@ class Engine:
             timeouts=self._timeouts,
             deliver=self._deliver,
             on_scheduled=self._scheduled,
+            check_deaths=None if self._recovery is None else self._recovery.check_deaths,
         )
         if previous is not None:  # the totals /metrics shows go on across groups
             loop.counters, loop.step_latency, loop.pages_cleared = previous.counters, previous.step_latency, previous.pages_cleared
@@ -388,11 +389,6 @@ class Engine:
             self._deliver(self._scheduler.drain_outputs())
             if self._stopping.is_set():
                 break
-            if self._recovery is not None:
-                # The socket sees a death before the agent's report (it polls every 0.2 s): a closed
-                # connection, when there is one, names the rank more exactly than the exit code.
-                loop.check_closed()
-                self._recovery.check_deaths()
             loop.iterate(wait_s=0.5)
             # A snapshot walks the scheduler's state: not once per frame (several per step), nor on
             # every heartbeat of an idle loop, but as soon as the last step in flight has ended and

@@ -147,6 +147,7 @@ class StepLoop:
         timeouts: EngineTimeouts,
         deliver: Callable[[list[RequestOutput]], None],
         on_scheduled: Callable[[StepPlan], None],
+        check_deaths: Callable[[], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.endpoint = endpoint
@@ -156,12 +157,14 @@ class StepLoop:
             run_id=endpoint.run_id,
             planned=scheduler.config,
             max_inflight=scheduler.config.max_inflight_steps,
+            ready_is_go=world_size == 1,
         )
         self.counters = LoopCounters()
         self.step_latency = BucketCounter(STEP_LATENCY_BUCKETS)
         self.pages_cleared = BucketCounter(PAGES_CLEARED_BUCKETS)
         self._deliver = deliver
         self._on_scheduled = on_scheduled
+        self._check_deaths = check_deaths
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
         self._last_heartbeat = 0.0
@@ -267,7 +270,9 @@ class StepLoop:
     def _on_event(self, event: object) -> None:
         conv = self.conversation
         if isinstance(event, StepReady):
-            self.endpoint.send_all(conv.ranks, *conv.go(event.step))
+            go = conv.go(event.step)
+            if go is not None:
+                self.endpoint.send_all(conv.ranks, *go)
             entry = self._inflight[event.step]
             entry.go_at = time.monotonic()
             self.counters.protocol_s += entry.go_at - entry.sent_at
@@ -353,7 +358,11 @@ class StepLoop:
 
     def _duties(self, now: float) -> None:
         self._duties_at = now
+        # The socket sees a death before the launcher's report (it polls every 0.2 s): a closed
+        # connection, when there is one, names the rank more exactly than the exit code.
         self.check_closed()
+        if self._check_deaths is not None:
+            self._check_deaths()
         heard = self.conversation.last_heard
         since = {r: max(heard.get(r, now), self._welcomed_at) for r in self.ranks}
         self.counters.longest_silence_s = max(self.counters.longest_silence_s, now - min(since.values()))
