@@ -262,11 +262,10 @@ class SchedulerLink:
                 self._send(conv.reject(event.step, exc))
                 return
             self._send(conv.ready(event.step))
+            if conv.ready_is_go:
+                self._run_staged(event.step)
         elif isinstance(event, GoReceived):
-            staged, self._staged = self._staged, None
-            assert staged is not None and staged.step == event.step  # the conversation checked it
-            self._last_sampled = staged.inputs.sample_seq_ids
-            self.commands.put(Run(staged))
+            self._run_staged(event.step)
         elif isinstance(event, AbortReceived):
             if event.dropped:
                 logger.info("[rank %d] abort step %d: %s", self.rank, event.step, event.reason)
@@ -283,6 +282,12 @@ class SchedulerLink:
             self._stop(self._codes.OK, event.reason)
         elif isinstance(event, Ignored):
             logger.warning("[rank %d] %s", self.rank, event.reason)
+
+    def _run_staged(self, step: int) -> None:
+        staged, self._staged = self._staged, None
+        assert staged is not None and staged.step == step  # the conversation checked it
+        self._last_sampled = staged.inputs.sample_seq_ids
+        self.commands.put(Run(staged))
 
     def _stage(self, step: int, prepare: Prepare) -> StagedStep:
         """Everything of a step that needs no device work: nothing here changes if it is refused,

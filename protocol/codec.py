@@ -61,7 +61,7 @@ DEFAULT_LIMITS = Limits()
 
 
 # Field specs, computed once per class so that encode/decode do no per-call introspection.
-_INT, _FLOAT, _STR, _INT_TUPLE = "int", "float", "str", "int_tuple"
+_INT, _FLOAT, _STR, _BOOL, _INT_TUPLE = "int", "float", "str", "bool", "int_tuple"
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,8 @@ def _kind_of(hint: object) -> object:
         return _FLOAT
     if hint is str:
         return _STR
+    if hint is bool:
+        return _BOOL
     if typing.get_origin(hint) is tuple and typing.get_args(hint) == (int, Ellipsis):
         return _INT_TUPLE
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
@@ -311,6 +313,10 @@ def _scalars_from_map(spec: _Spec, data: object, where: str) -> dict[str, object
         elif kind is _STR:
             if type(value) is not str:
                 raise _mistyped(here, "a string", value)
+            out[name] = value
+        elif kind is _BOOL:
+            if type(value) is not bool:
+                raise _mistyped(here, "true or false", value)
             out[name] = value
         elif kind is _FLOAT:
             if type(value) is not float and type(value) is not int:

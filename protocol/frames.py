@@ -25,7 +25,8 @@ import numpy as np
 #    ARRAY_DTYPES' order, 8-byte aligned) instead of one ZeroMQ part per array.
 # 5: the envelope, payload and MAC in one ZeroMQ message behind a header of their lengths
 #    (codec.to_message) instead of three parts.
-PROTOCOL_VERSION = 5
+# 6: WELCOME's ready_is_go: a group of one rank runs each step on its own READY, without a GO.
+PROTOCOL_VERSION = 6
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -92,12 +93,17 @@ class Hello:
 
 @dataclass(frozen=True)
 class Welcome:
-    """Scheduler -> executor: the negotiated version and the geometry every rank uses."""
+    """Scheduler -> executor: the negotiated version and the geometry every rank uses.
+
+    ready_is_go: the rank runs each step as soon as it has answered READY, and no GO is sent. Only
+    for a group of one rank, whose own READY is the whole group's: GO would carry nothing, and it
+    costs a frame each way per step on both sides' hot path (docs/control_plane.md)."""
 
     version: int
     layout: int
     world_size: int
     geometry: CacheGeometry
+    ready_is_go: bool = False
 
 
 @dataclass(frozen=True)

@@ -419,7 +419,10 @@ class _LoopDriver:
         from protocol.conversation import SchedulerConversation
 
         self.endpoint = endpoint
-        self.conv = SchedulerConversation(world_size=world_size, run_id="bench", max_inflight=max_inflight)
+        # As the engine's step loop: a group of one rank runs on its READY (protocol/frames.py Welcome).
+        self.conv = SchedulerConversation(
+            world_size=world_size, run_id="bench", max_inflight=max_inflight, ready_is_go=world_size == 1
+        )
         self.max_inflight = max_inflight
         self.rows = rows
         self.sent: dict[int, float] = {}
@@ -460,7 +463,9 @@ class _LoopDriver:
                 now = time.perf_counter()
                 if isinstance(event, StepReady):
                     self.ready_at[event.step] = now
-                    endpoint.send_all(conv.ranks, *conv.go(event.step))
+                    go = conv.go(event.step)
+                    if go is not None:
+                        endpoint.send_all(conv.ranks, *go)
                     self.go_at[event.step] = time.perf_counter()
                 elif isinstance(event, StepDone):
                     finished += 1

@@ -106,7 +106,9 @@ class ExecutorConversation:
     A PREPARE must carry last step + 1 and arrive while no other step waits for GO here (one may be
     running: the pipelined PREPARE for N+1 arrives while N runs); GO must be for the staged step, so
     GO N+1 always follows GO N; ABORT names a step and uses it up (dropping it if staged). RESULT or
-    DONE go out in the order the steps were GOed.
+    DONE go out in the order the steps were GOed. When the WELCOME says ready_is_go (a group of one
+    rank), READY itself GOes the step: nothing is ever staged, and a GO is refused like any other
+    GO with nothing staged.
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class ExecutorConversation:
         self._staged: int | None = None  # READY sent, waiting for GO or ABORT
         self._refused: int | None = None  # the last PREPARE this rank refused (its ABORT is expected)
         self._running: deque[int] = deque()  # GOed, RESULT/DONE not sent yet, oldest first
+        self.ready_is_go = False  # the WELCOME's: a step runs once READY is sent, no GO comes
 
     @property
     def staged(self) -> int | None:
@@ -160,9 +163,14 @@ class ExecutorConversation:
         return Outgoing(self._hello, 0)
 
     def ready(self, step: int) -> Outgoing:
+        """READY for the step just received. With ready_is_go the step runs from here, as if GOed."""
         if step != self._pending:
             raise UsageError(f"READY for step {step}, but the PREPARE waiting for an answer is {self._pending}")
-        self._pending, self._staged = None, step
+        self._pending = None
+        if self.ready_is_go:
+            self._running.append(step)
+        else:
+            self._staged = step
         return Outgoing(Ready(self.rank), step)
 
     def reject(self, step: int, error: ProtocolError) -> Outgoing:
@@ -253,6 +261,7 @@ class ExecutorConversation:
             return [WelcomeRefused(exc.message)]
         self.phase = Phase.RUNNING
         self.version = body.version
+        self.ready_is_go = body.ready_is_go
         self.last_step = frame.step
         return [Welcomed(body.version)]
 
@@ -271,6 +280,11 @@ class ExecutorConversation:
             raise ProtocolError(
                 RejectCode.GEOMETRY_MISMATCH,
                 f"WELCOME says world size {welcome.world_size}; this rank was started in a world of {self.world_size}",
+            )
+        if welcome.ready_is_go and self.world_size != 1:
+            raise ProtocolError(
+                RejectCode.GEOMETRY_MISMATCH,
+                f"WELCOME says READY is GO, which only a group of one rank can do; this one has {self.world_size}",
             )
         try:
             check_geometry(self.geometry, welcome.geometry, who="WELCOME")

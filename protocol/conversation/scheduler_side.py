@@ -64,7 +64,8 @@ class SchedulerConversation:
     - prepare(N) needs N == next_step, no step waiting for GO, and fewer than max_inflight steps in
       flight (prepared and not yet done or aborted): with max_inflight 1 the next PREPARE waits for
       the previous step's end, with 2 it may go out as soon as GO for the previous step is out;
-    - go(N) only when every rank answered READY for N and none refused it;
+    - go(N) only when every rank answered READY for N and none refused it (with ready_is_go, a
+      group of one rank, go(N) records that the rank runs N and there is nothing to send);
     - abort(N) only for the step waiting for GO; it uses up N (the next step is N + 1).
     Rules it enforces on the ranks (ProtocolViolation otherwise): frames stamped with this launch's
     run id, the negotiated version and layout; READY/REJECT only for the step waiting for answers
@@ -79,12 +80,16 @@ class SchedulerConversation:
         run_id: str,
         planned: PlannedGeometry | None = None,
         max_inflight: int = 1,
+        ready_is_go: bool = False,
         supported_versions: Iterable[int] = SUPPORTED_VERSIONS,
         layout: int = LAYOUT_VERSION,
     ) -> None:
         if world_size < 1 or max_inflight < 1:
             raise UsageError(f"world_size ({world_size}) and max_inflight ({max_inflight}) must be >= 1")
+        if ready_is_go and world_size != 1:
+            raise UsageError(f"READY can be GO only in a group of one rank, not {world_size}")
         self.world_size = world_size
+        self.ready_is_go = ready_is_go
         self.ranks = tuple(range(world_size))
         self.run_id = run_id
         self.max_inflight = max_inflight
@@ -149,7 +154,7 @@ class SchedulerConversation:
         if self.phase is not Phase.AGREED:
             raise UsageError(f"WELCOME needs every rank's HELLO to agree; the conversation is {self.phase.value}")
         self.phase = Phase.RUNNING
-        return Outgoing(Welcome(self.version, self.layout, self.world_size, self.geometry), 0)
+        return Outgoing(Welcome(self.version, self.layout, self.world_size, self.geometry, self.ready_is_go), 0)
 
     def prepare(self, step: int, body: Prepare) -> Outgoing:
         self._require_running("PREPARE")
@@ -165,7 +170,8 @@ class SchedulerConversation:
         self.next_step = step + 1
         return Outgoing(body, step)
 
-    def go(self, step: int) -> Outgoing:
+    def go(self, step: int) -> Outgoing | None:
+        """GO for the staged step; None when the WELCOME said READY is GO (the rank runs it already)."""
         self._require_running("GO")
         if step != self.staged:
             raise UsageError(f"GO for step {step}, but the step waiting for GO is {self.staged}")
@@ -174,7 +180,7 @@ class SchedulerConversation:
             raise UsageError(f"GO for step {step} before every rank is READY (unanswered {sorted(self.unanswered(step))}, "
                              f"refused by {sorted(s.rejections)})")
         s.go_sent = True
-        return Outgoing(Go(), step)
+        return None if self.ready_is_go else Outgoing(Go(), step)
 
     def abort(self, step: int, reason: str) -> Outgoing:
         self._require_running("ABORT")

@@ -28,6 +28,11 @@ class Waker:
 
     def poll(self, timeout_ms: int) -> bool:
         """Whether the socket has a message; False after timeout_ms (-1: for ever) or a wake."""
+        if timeout_ms == 0:
+            # Asked between frames, several times per step: the socket's own flags answer without
+            # the poller, which gives up the GIL and may wait to take it back. A wake-up left in the
+            # pipe ends the next wait instead, as wake() promises.
+            return bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
         ready = dict(self._poller.poll(None if timeout_ms < 0 else timeout_ms))
         if self._read in ready:
             try:

@@ -71,8 +71,8 @@ def frame(step: int, body, *, version: int = PROTOCOL_VERSION, run_id: str = RUN
     return Frame(version=version, layout=LAYOUT_VERSION, run_id=run_id, step=step, seq=next(_seq), body=body)
 
 
-def welcome(g=GEOMETRY, *, version=PROTOCOL_VERSION, layout=LAYOUT_VERSION, world_size=1) -> Frame:
-    return frame(0, Welcome(version=version, layout=layout, world_size=world_size, geometry=g))
+def welcome(g=GEOMETRY, *, version=PROTOCOL_VERSION, layout=LAYOUT_VERSION, world_size=1, ready_is_go=False) -> Frame:
+    return frame(0, Welcome(version=version, layout=layout, world_size=world_size, geometry=g, ready_is_go=ready_is_go))
 
 
 def options(**overrides) -> ExecutorOptions:
@@ -128,6 +128,15 @@ def test_hello_carries_this_rank_and_a_clean_step_returns_a_result():
     assert result.finite.tolist() == [1, 1]
     assert np.all(np.isfinite(result.logprobs))
     assert result.step_time_us > 0
+
+
+def test_a_lone_rank_told_ready_is_go_runs_each_step_on_its_ready_without_a_go():
+    first = make_prepare([Seq(7, (3, 4, 5), 0, (2,)), Seq(9, (10,), 0, (4,))], cleared=(2, 4))
+    code, endpoint, _ = run_worker([welcome(ready_is_go=True), frame(1, first), frame(1, Shutdown("done"))])
+    assert code == ExitCode.OK
+    (s1, ready), (s2, result) = endpoint.replies()
+    assert (s1, s2) == (1, 1) and isinstance(ready, Ready) and isinstance(result, Result)
+    assert result.token_ids.tolist() == [6, 11]  # as the GOed step above
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ clean close."""
 from __future__ import annotations
 
 import os
+import time
 import stat
 from collections.abc import Iterator
 
@@ -195,3 +196,23 @@ def test_executor_raises_on_a_bad_frame_and_keeps_working() -> None:
         context.term()
         os.remove(address.removeprefix("ipc://"))
         os.rmdir(os.path.dirname(address.removeprefix("ipc://")))
+
+
+def test_a_recv_that_does_not_wait_reads_what_is_queued_and_leaves_a_wake_for_the_next_wait(
+    scheduler: SchedulerEndpoint, rank0: RawPeer
+) -> None:
+    """recv(0) answers from the socket's own flags (no poller): a queued frame comes back, an empty
+    socket gives None at once, and a wake() it did not consume still ends the next wait at once."""
+    assert scheduler.recv(0) is None
+    rank0.send(rank0.frame(Ready(0)))
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = scheduler.recv(0)  # the frame arrives on ZeroMQ's I/O thread, in its own time
+    assert got is not None and got.rank == 0 and got.frame.body == Ready(0)
+    assert scheduler.recv(0) is None
+    scheduler.wake()
+    assert scheduler.recv(0) is None
+    started = time.monotonic()
+    assert scheduler.recv(TIMEOUT_MS) is None
+    assert time.monotonic() - started < TIMEOUT_MS / 2000

@@ -42,8 +42,8 @@ def run_executor(
     geometry: CacheGeometry,
     curve: ClientCurve | None = None,
 ) -> None:
-    """HELLO, then PREPARE -> READY | REJECT, GO -> RESULT (rank 0) or DONE, ABORT drops the step,
-    SHUTDOWN exits.
+    """HELLO, then PREPARE -> READY | REJECT, GO -> RESULT (rank 0) or DONE (with the WELCOME's
+    ready_is_go, READY is followed by the RESULT at once), ABORT drops the step, SHUTDOWN exits.
 
     Exits non-zero if the scheduler goes quiet or its WELCOME is refused, so the parent test sees
     it in the exit code.
@@ -54,6 +54,14 @@ def run_executor(
     with ExecutorEndpoint(address, key, run_id, rank, curve=curve) as endpoint:
         endpoint.send(*conv.hello())
         staged: dict[int, Prepare] = {}
+
+        def finish(step: int) -> None:
+            prepare = staged.pop(step)
+            if rank == 0:
+                endpoint.send(*conv.result(step, placeholder_result(prepare)))
+            else:
+                endpoint.send(*conv.done(step))
+
         while True:
             try:
                 got = endpoint.recv(IDLE_TIMEOUT_MS)
@@ -69,12 +77,10 @@ def run_executor(
                 elif isinstance(event, PrepareReceived):
                     staged[event.step] = event.prepare
                     endpoint.send(*conv.ready(event.step))
+                    if conv.ready_is_go:
+                        finish(event.step)
                 elif isinstance(event, GoReceived):
-                    prepare = staged.pop(event.step)
-                    if rank == 0:
-                        endpoint.send(*conv.result(event.step, placeholder_result(prepare)))
-                    else:
-                        endpoint.send(*conv.done(event.step))
+                    finish(event.step)
                 elif isinstance(event, Refused):
                     endpoint.send(*conv.reject(event.step, event.error))
                 elif isinstance(event, ShutdownReceived):

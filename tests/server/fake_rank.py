@@ -1,7 +1,8 @@
 """The real Engine, with one fake rank 0 on its socket: the step protocol without a model.
 
 The rank answers every PREPARE with READY and every GO with a RESULT that samples `token` for each
-sampled row (logprob -1), after `step_delay_s`; it answers heartbeats. It lets the tests drive the
+sampled row (logprob -1), after `step_delay_s`; it answers heartbeats. As the engine's WELCOME tells a
+group of one rank (ready_is_go), it runs each step right after its READY: no GO comes. It lets the tests drive the
 engine loop, its published stats and its bounds, in one process and in milliseconds.
 """
 
@@ -26,6 +27,7 @@ from protocol.frames import (
     Ready,
     Result,
     Shutdown,
+    Welcome,
 )
 from protocol.transport import ExecutorEndpoint, SchedulerEndpoint, ipc_address
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -45,6 +47,7 @@ class FakeRank(threading.Thread):
         self._token = token
         self._delay = step_delay_s
         self._prepared: Prepare | None = None
+        self._ready_is_go = False
         self.steps = 0
         self.vanish = threading.Event()  # set: the rank closes its socket at its next frame, as a killed process would
 
@@ -60,21 +63,27 @@ class FakeRank(threading.Thread):
                     return
                 if isinstance(body, Heartbeat):
                     peer.send(Heartbeat(0), 0)
+                elif isinstance(body, Welcome):
+                    self._ready_is_go = body.ready_is_go
                 elif isinstance(body, Prepare):
                     self._prepared = body
                     peer.send(Ready(0), frame.step)
+                    if self._ready_is_go:
+                        self._run(frame.step)
                 elif isinstance(body, Go) and self._prepared is not None:
-                    time.sleep(self._delay)
-                    rows = self._prepared.seq_ids[self._prepared.sample.astype(bool)]
-                    n = len(rows)
-                    result = Result(
-                        rows.astype(np.int64), np.full(n, self._token, np.int32), np.full(n, -1.0, np.float32),
-                        np.ones(n, np.uint8),
-                    )
-                    self.steps += 1
-                    peer.send(result, frame.step)
+                    self._run(frame.step)
         finally:
             peer.close()
+
+    def _run(self, step: int) -> None:
+        time.sleep(self._delay)
+        rows = self._prepared.seq_ids[self._prepared.sample.astype(bool)]
+        n = len(rows)
+        result = Result(
+            rows.astype(np.int64), np.full(n, self._token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8)
+        )
+        self.steps += 1
+        self._peer.send(result, step)
 
 
 def fake_scheduler() -> Scheduler:

@@ -1,0 +1,148 @@
+"""A group of one rank runs each step on its own READY (WELCOME's ready_is_go): no GO frame either
+way, the same step order, results, refusals and failures as with GO, and only for one rank."""
+
+from __future__ import annotations
+
+import pytest
+
+import msgpack
+
+from protocol.codec import decode_verified, encode, frame_mac, from_message, to_message, verify
+from protocol.conversation import (
+    ExecutorConversation,
+    GoReceived,
+    PrepareReceived,
+    ProtocolViolation,
+    Refused,
+    SchedulerConversation,
+    StepDone,
+    StepFailed,
+    StepReady,
+    WelcomeRefused,
+)
+from protocol.errors import ProtocolError, RejectCode, UsageError
+from protocol.frames import LAYOUT_VERSION, Go, Welcome
+from tests.protocol.conversation_helpers import PREPARE, V, frame, hello, result
+from tests.protocol.wire_samples import GEOMETRY, RUN_ID
+
+KEY = b"k" * 32
+
+
+def one_rank_scheduler(max_inflight: int = 2) -> SchedulerConversation:
+    conv = SchedulerConversation(world_size=1, run_id=RUN_ID, max_inflight=max_inflight, ready_is_go=True)
+    conv.receive(0, frame(hello(0, 1)), 0.0)
+    return conv
+
+
+def one_rank_executor(ready_is_go: bool = True) -> ExecutorConversation:
+    conv = ExecutorConversation(rank=0, world_size=1, run_id=RUN_ID, geometry=GEOMETRY, model_fingerprint="w")
+    conv.hello()
+    conv.receive(frame(Welcome(V, LAYOUT_VERSION, 1, GEOMETRY, ready_is_go)))
+    return conv
+
+
+def test_the_welcome_carries_ready_is_go_and_the_codec_keeps_it() -> None:
+    conv = one_rank_scheduler()
+    welcome, _ = conv.welcome()
+    assert welcome == Welcome(V, LAYOUT_VERSION, 1, GEOMETRY, True)
+    for flag in (True, False):
+        f = frame(Welcome(V, LAYOUT_VERSION, 1, GEOMETRY, flag))
+        assert decoded(encode(f, KEY)).body.ready_is_go is flag
+
+
+def test_a_ready_is_go_that_is_not_true_or_false_is_malformed() -> None:
+    envelope, payload, _ = encode(frame(Welcome(V, LAYOUT_VERSION, 1, GEOMETRY, True)), KEY)
+    fields = msgpack.unpackb(envelope)
+    fields["body"]["ready_is_go"] = 1
+    envelope = msgpack.packb(fields)
+    with pytest.raises(ProtocolError, match="ready_is_go must be true or false") as info:
+        decoded([envelope, payload, frame_mac(KEY, [envelope, payload])])
+    assert info.value.code == RejectCode.MALFORMED
+
+
+def decoded(sections: list[bytes]):
+    return decode_verified(verify(from_message([to_message(sections)]), KEY))
+
+
+def test_only_a_group_of_one_rank_may_run_on_ready() -> None:
+    with pytest.raises(UsageError, match="only in a group of one rank"):
+        SchedulerConversation(world_size=2, run_id=RUN_ID, ready_is_go=True)
+    conv = ExecutorConversation(rank=0, world_size=2, run_id=RUN_ID, geometry=GEOMETRY, model_fingerprint="w")
+    conv.hello()
+    (refused,) = conv.receive(frame(Welcome(V, LAYOUT_VERSION, 2, GEOMETRY, True)))
+    assert isinstance(refused, WelcomeRefused) and "only a group of one rank" in refused.message
+
+
+def test_steps_run_on_ready_with_no_go_frame_and_finish_in_order() -> None:
+    sched, rank = one_rank_scheduler(), one_rank_executor()
+    sched.welcome()
+    for step in (1, 2):
+        sched.prepare(step, PREPARE)
+        (got,) = rank.receive(frame(PREPARE, step))
+        assert isinstance(got, PrepareReceived)
+        ready, _ = rank.ready(step)
+        assert rank.staged is None and rank.running[-1] == step  # running: nothing waits for a GO
+        assert sched.receive(0, frame(ready, step), 1.0) == [StepReady(step)]
+        assert sched.go(step) is None  # nothing to send
+        assert sched.staged is None  # so the next step may be planned at once
+    assert rank.running == (1, 2)
+    body, _ = rank.result(1, result())
+    (done,) = sched.receive(0, frame(body, 1), 2.0)
+    assert isinstance(done, StepDone) and done.step == 1 and sched.in_flight == (2,)
+    with pytest.raises(UsageError, match="oldest running step is 2"):
+        rank.result(3, result())
+
+
+def test_a_go_sent_anyway_is_refused_and_a_failed_forward_is_a_failed_step() -> None:
+    sched, rank = one_rank_scheduler(), one_rank_executor()
+    sched.welcome()
+    sched.prepare(1, PREPARE)
+    rank.receive(frame(PREPARE, 1))
+    ready, _ = rank.ready(1)
+    (refused,) = rank.receive(frame(Go(), 1))
+    assert isinstance(refused, Refused) and refused.error.code == RejectCode.UNEXPECTED_FRAME
+    sched.receive(0, frame(ready, 1), 1.0)
+    sched.go(1)
+    reject, _ = rank.reject(1, ProtocolError(RejectCode.INTERNAL, "the forward raised"))
+    (failed,) = sched.receive(0, frame(reject, 1), 2.0)
+    assert isinstance(failed, StepFailed) and failed.step == 1 and rank.running == ()
+
+
+def test_a_refused_step_is_aborted_as_with_go() -> None:
+    sched, rank = one_rank_scheduler(), one_rank_executor()
+    sched.welcome()
+    sched.prepare(1, PREPARE)
+    rank.receive(frame(PREPARE, 1))
+    reject, _ = rank.reject(1, ProtocolError(RejectCode.PAGE_OUT_OF_RANGE, "page 9999"))
+    assert rank.running == ()
+    (refused,) = sched.receive(0, frame(reject, 1), 1.0)
+    assert refused.step == 1 and sched.staged == 1
+    abort, _ = sched.abort(1, "refused")
+    (got,) = rank.receive(frame(abort, 1))
+    assert got.step == 1 and rank.running == () and sched.in_flight == ()
+
+
+def test_without_the_flag_a_lone_rank_still_waits_for_go() -> None:
+    rank = one_rank_executor(ready_is_go=False)
+    rank.receive(frame(PREPARE, 1))
+    rank.ready(1)
+    assert rank.staged == 1 and rank.running == ()
+    assert rank.receive(frame(Go(), 1)) == [GoReceived(1)]
+
+
+def test_a_result_for_a_step_aborted_while_its_ready_crossed_the_abort_breaks_the_protocol() -> None:
+    """The one race READY-is-GO opens: the scheduler gave up waiting for READY (ready_s) just as the
+    rank sent it and started the step. The step's RESULT then names a step the scheduler dropped: a
+    violation (the engine ends the group, recovery replaces it), never a silently accepted result."""
+    sched, rank = one_rank_scheduler(), one_rank_executor()
+    sched.welcome()
+    sched.prepare(1, PREPARE)
+    rank.receive(frame(PREPARE, 1))
+    ready, _ = rank.ready(1)
+    abort, _ = sched.abort(1, "no READY within 10 s")
+    (refused,) = rank.receive(frame(abort, 1))
+    assert isinstance(refused, Refused) and "which is running" in refused.error.message
+    assert sched.receive(0, frame(ready, 1), 1.0) == []  # a late answer to an aborted step
+    body, _ = rank.result(1, result())
+    (violation,) = sched.receive(0, frame(body, 1), 2.0)
+    assert isinstance(violation, ProtocolViolation)
