@@ -13,14 +13,17 @@ with left padding, as a user would write it, from the same weights in the same d
 The two loops (`--async-scheduling` on and off) run as two servers started together and measured
 one after the other at each level, in alternating order, so that a drift of the machine's load
 falls on both alike; so do the servers of `--variant NAME=FLAGS` (the first loop's flags and
-FLAGS) and `--baseline DIR` (another checkout's runtime, for before/after in one run). The
+FLAGS) and `--baseline DIR` (another checkout's runtime, for before/after in one run). A shared
+machine's slow spells last tens of seconds, longer than a level at concurrency 1: `--rounds N`
+repeats each level N times, the order alternating every round, and pools each server's rounds
+(every request's TTFT and TPOT, the walls, the counters, the CPU). The
 reference runs after them, never at the same time. Before the servers
 start, scripts/bench_model.py times the model's batch-1 decode step in this same run.
 
 Reported per server and level: output tokens/s, time to first token and time per output token
 (median and p99), from the runtime's /metrics the share of step time that rank 0's model sat idle
-on the control plane and its mean step, and from /proc the CPU time of each of its processes per
-output token. Targets (serving_report.py): >= 3x the reference's throughput at concurrency 32 and
+on the control plane and its mean step, and from each process's CPU clock its CPU time per output
+token. Targets (serving_report.py): >= 3x the reference's throughput at concurrency 32 and
 >= 1.5x at 1; the overlapped TPOT at concurrency 1 within 5% of the model's batch-1 step; the CPU
 of the processes that do not run the model at most 0.3 ms per output token at 1 and 0.05 at 32;
 the control plane's share under 2% at 32.
@@ -39,7 +42,7 @@ import sys
 import time
 from collections.abc import Sequence
 import shlex
-from dataclasses import asdict, replace
+from dataclasses import asdict, astuple, replace
 from pathlib import Path
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -180,22 +183,57 @@ def bench_servers(
     runs: dict[int, list[LoopRun]] = {}
     outputs: dict[int, list[list[int]]] = {}
     first = next(iter(urls))
-    for index, (concurrency, prompts) in enumerate(levels.items()):
-        order = list(urls) if index % 2 == 0 else list(reversed(urls))
-        by_loop: dict[str, LoopRun] = {}
-        for loop in order:
-            url = urls[loop]
-            before = asyncio.run(_metrics(url))
-            cpu_before = _process_cpu(servers.get(loop))
-            results, wall = asyncio.run(run_server_level(url, models[loop], prompts, concurrency, args.output_len, args.request_timeout))
-            cpu = cpu_per_token(cpu_before, _process_cpu(servers.get(loop)), sum(r.output_tokens for r in results))
-            after = asyncio.run(_metrics(url))
-            by_loop[loop] = loop_run(loop, server_side(results, wall, args.output_len), overhead_between(before, after), cpu)
-            if loop == first:
-                outputs[concurrency] = [list(r.token_ids) for r in results]
-            _progress(f"tp-runtime  {loop:8} c={concurrency:<3} {by_loop[loop].side.tokens_per_s:8.1f} tok/s")
-        runs[concurrency] = [by_loop[loop] for loop in urls]
+    turn = 0
+    for concurrency, prompts in levels.items():
+        pooled = {loop: PooledRounds() for loop in urls}
+        # Rounds alternate the servers' order: a shared machine's slow spells (tens of seconds)
+        # then fall on every server alike, and the pooled medians compare them.
+        for round_ in range(args.rounds):
+            order = list(urls) if turn % 2 == 0 else list(reversed(urls))
+            turn += 1
+            for loop in order:
+                url = urls[loop]
+                before = asyncio.run(_metrics(url))
+                cpu_before = _process_cpu(servers.get(loop))
+                results, wall = asyncio.run(run_server_level(url, models[loop], prompts, concurrency, args.output_len, args.request_timeout))
+                pooled[loop].add(results, wall, before, asyncio.run(_metrics(url)), cpu_before, _process_cpu(servers.get(loop)))
+                if loop == first and round_ == 0:
+                    outputs[concurrency] = [list(r.token_ids) for r in results]
+                side = server_side(results, wall, args.output_len)
+                _progress(f"tp-runtime  {loop:8} c={concurrency:<3} {side.tokens_per_s:8.1f} tok/s  TPOT {1e3 * (side.tpot_median_s or 0):6.2f} ms")
+        runs[concurrency] = [pooled[loop].run(loop, args.output_len) for loop in urls]
     return runs, outputs
+
+
+class PooledRounds:
+    """One server's rounds at one level, pooled: every request's TTFT and TPOT, the walls, the
+    step counters' and the processes' CPU growth added up."""
+
+    def __init__(self) -> None:
+        self.results: list[StreamResult] = []
+        self.wall_s = 0.0
+        self.counters: dict[str, float] | None = {}
+        self.cpu_s: dict[str, float] | None = {}
+
+    def add(self, results, wall_s, before, after, cpu_before, cpu_after) -> None:  # noqa: ANN001 (as returned above)
+        self.results += results
+        self.wall_s += wall_s
+        growth = overhead_between(before, after)
+        if growth is None or self.counters is None:
+            self.counters = None
+        else:
+            for name, value in zip(OVERHEAD_METRICS, astuple(growth)):
+                self.counters[name] = self.counters.get(name, 0.0) + value
+        if not cpu_before or self.cpu_s is None:
+            self.cpu_s = None
+        else:
+            for label in cpu_before.keys() & cpu_after.keys():
+                self.cpu_s[label] = self.cpu_s.get(label, 0.0) + cpu_after[label] - cpu_before[label]
+
+    def run(self, loop: str, wanted: int) -> LoopRun:
+        overhead = None if self.counters is None else overhead_between({}, self.counters)
+        cpu = None if self.cpu_s is None else cpu_per_token({k: 0.0 for k in self.cpu_s}, self.cpu_s, sum(r.output_tokens for r in self.results))
+        return loop_run(loop, server_side(self.results, self.wall_s, wanted), overhead, cpu)
 
 
 def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:
@@ -296,6 +334,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--baseline", type=Path, default=None, metavar="DIR",
         help=f"one more server, named {BASELINE}, running another checkout's runtime with the first loop's flags",
     )
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run each level this many times per server, alternating their order, and pool the rounds",
+    )
     p.add_argument("--no-model-step", action="store_true", help="skip bench_model's batch-1 step")
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     p.add_argument("--check-targets", action="store_true", help="exit 1 when a target is missed")
@@ -304,8 +346,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="report directory (default reports/bench-<time>)")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     args = p.parse_args(argv)
-    if min(args.concurrency) < 1 or args.input_len < 8 or args.output_len < 2:
-        p.error("--concurrency must be >= 1, --input-len >= 8 and --output-len >= 2")
+    if min(args.concurrency) < 1 or args.input_len < 8 or args.output_len < 2 or args.rounds < 1:
+        p.error("--concurrency and --rounds must be >= 1, --input-len >= 8 and --output-len >= 2")
     args.loops = [loop.strip() for loop in args.loops.split(",") if loop.strip()]
     if not args.loops or any(loop not in LOOP_FLAGS for loop in args.loops) or len(set(args.loops)) != len(args.loops):
         p.error(f"--loops takes {OVERLAP} and/or {SERIAL}, comma-separated")

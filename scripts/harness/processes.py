@@ -51,7 +51,15 @@ def _stat(pid: int) -> _Stat | None:
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time the process has used so far (all its threads), or None if gone."""
+    """User plus system CPU time the process has used so far (all its threads), or None if gone.
+
+    From the process's CPU clock where Linux gives it (what clock_getcpuclockid would return:
+    CPUCLOCK_SCHED of the pid), exact to the nanosecond; /proc's stat counts 10 ms ticks, each
+    charged to whatever ran at the tick, too coarse for a thread that wakes for 0.1 ms per step."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except (OSError, OverflowError):
+        pass
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

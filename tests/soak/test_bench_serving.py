@@ -145,3 +145,43 @@ def test_plot_is_a_small_png(tmp_path):
     ]
     write_plot(levels, path)
     assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size < 100_000
+
+
+def _stream(tokens, t_first, t_last):
+    from scripts.harness.client import StreamResult
+
+    return StreamResult(token_ids=list(range(tokens)), t_sent=0.0, t_first=t_first, t_last=t_last)
+
+
+def test_rounds_pool_every_request_the_walls_the_counters_and_the_cpu():
+    from scripts.bench_serving import PooledRounds
+
+    pooled = PooledRounds()
+    zero = dict.fromkeys(OVERHEAD_METRICS, 0.0)
+    counters = dict(zip(OVERHEAD_METRICS, (0.1, 0.2, 1.0, 0.9, 0.1, 50.0)))
+    pooled.add([_stream(11, 0.1, 1.1)], 2.0, zero, counters, {"frontend": 1.0, "rank0": 5.0}, {"frontend": 1.2, "rank0": 6.0})
+    pooled.add([_stream(11, 0.3, 3.3)], 3.0, counters, {k: 2 * v for k, v in counters.items()},
+               {"frontend": 1.2, "rank0": 6.0}, {"frontend": 1.5, "rank0": 7.0})  # fmt: skip
+    run = pooled.run(OVERLAP, 11)
+    assert run.side.requests == 2 and run.side.output_tokens == 22 and run.side.tokens_per_s == 4.4  # 22 / 5 s
+    assert run.side.tpot_median_s == pytest.approx(0.2) and run.side.ttft_median_s == pytest.approx(0.2)
+    assert run.model_step_s == pytest.approx(1.8 / 100)  # busy seconds over steps, both rounds
+    assert run.cpu_ms_per_token == {"frontend": pytest.approx(500 / 22, abs=1e-3), "rank0": pytest.approx(2000 / 22, abs=1e-3)}
+    assert run.control_cpu_ms_per_token == pytest.approx(500 / 22, abs=1e-3)
+
+
+def test_a_round_without_counters_or_processes_leaves_them_out_of_the_pool():
+    from scripts.bench_serving import PooledRounds
+
+    pooled = PooledRounds()
+    zero = dict.fromkeys(OVERHEAD_METRICS, 0.0)
+    pooled.add([_stream(5, 0.1, 0.5)], 1.0, zero, zero, {"frontend": 1.0}, {"frontend": 1.1})
+    pooled.add([_stream(5, 0.1, 0.5)], 1.0, None, zero, {}, {})  # a --url server: no /metrics counters, no pids
+    run = pooled.run(OVERLAP, 5)
+    assert run.model_step_s is None and run.cpu_ms_per_token is None and run.side.requests == 2
+
+
+def test_rounds_must_be_at_least_one():
+    assert parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
