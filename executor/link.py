@@ -20,6 +20,7 @@ the model's thread GOed steps and stops through another queue.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -195,7 +196,7 @@ class SchedulerLink:
 
     def _recv(self, timeout_s: float) -> Frame | ProtocolError | None:
         try:
-            return self.endpoint.recv(max(1, int(timeout_s * 1000)))
+            return self.endpoint.recv(max(1, math.ceil(timeout_s * 1000)))  # up: not a wake before it is due
         except ProtocolError as exc:
             return exc
 

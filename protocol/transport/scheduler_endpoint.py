@@ -5,6 +5,7 @@ connections close."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -204,7 +205,10 @@ class SchedulerEndpoint:
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         late = 0
         while late <= _IGNORED_PAST_DEADLINE:
-            left = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            # Rounded up: truncated, the microseconds spent since the deadline was set made a 1 ms
+            # wait a poll that returns at once, and the engine loop spun (dozens of empty polls
+            # before each of its 50 ms liveness duties) until the deadline had passed.
+            left = -1 if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
             if not self._waker.poll(left):
                 return None
             received = self._accept(self._sock.recv_multipart(copy=False))

@@ -216,3 +216,13 @@ def test_a_recv_that_does_not_wait_reads_what_is_queued_and_leaves_a_wake_for_th
     started = time.monotonic()
     assert scheduler.recv(TIMEOUT_MS) is None
     assert time.monotonic() - started < TIMEOUT_MS / 2000
+
+
+def test_a_short_wait_lasts_its_whole_time_and_is_not_cut_to_a_poll(scheduler: SchedulerEndpoint) -> None:
+    """A 1 ms wait truncated to whole milliseconds after a few microseconds became a poll that
+    returns at once, and the engine loop spun until its next duty. Only a lower bound is checked:
+    a loaded machine may make any wait longer, never shorter."""
+    for timeout_ms in (1, 2, 3):
+        started = time.monotonic()
+        assert scheduler.recv(timeout_ms) is None
+        assert time.monotonic() - started >= timeout_ms / 1000
