@@ -1,0 +1,94 @@
+"""The engine thread's own CPU per generated token, with no model beside it.
+
+    python scripts/bench_engine.py                          # concurrency 1 and 8, a 15 ms step
+    python scripts/bench_engine.py --concurrency 1 4 8 --step-ms 5 --tokens 200 --json
+
+The real Engine (scheduler, step loop, conversation, transport, hand-off) serves streams against
+tests/server/fake_rank.py's rank 0, a thread that answers each PREPARE with READY and, after
+--step-ms, a RESULT; so nothing but the control plane runs in this process. Reported per level:
+the engine thread's CPU time (its own CPU clock, exact) per output token and per step, and the
+wall time per step. The fake rank's geometry runs at most 8 sequences per step. On a served model the same code runs with caches that the forward has just
+flushed and costs several times more (docs/control_plane.md); this measures the count of work, the
+served benchmark (scripts/bench_serving.py) its price.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler.request import SamplingParams  # noqa: E402
+from tests.server.fake_rank import GEOMETRY, running_engine  # noqa: E402
+
+
+def _settled_stats(engine: object, generated: int) -> object:
+    """The engine's published stats once they count `generated` tokens: the snapshot is published
+    when the loop goes idle, a moment after the last token reached its stream."""
+    deadline = time.monotonic() + 10
+    while (stats := engine.stats()).tokens_generated_total < generated:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine's stats count {stats.tokens_generated_total} tokens, not {generated}")
+        time.sleep(0.005)
+    return stats
+
+
+def measure(concurrency: int, tokens: int, step_ms: float) -> dict[str, float]:
+    with running_engine(step_delay_s=step_ms / 1000) as engine:
+        warm = sum(len(e.token_ids) for e in engine.submit([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)))
+        clock = time.pthread_getcpuclockid(engine._thread.ident)
+        steps_before = _settled_stats(engine, warm).scheduler.steps_total
+        counts = [0] * concurrency
+
+        def stream(i: int) -> None:
+            for event in engine.submit([5, 6, 8 + i], SamplingParams(max_tokens=tokens, ignore_eos=True)):
+                counts[i] += len(event.token_ids)
+
+        readers = [threading.Thread(target=stream, args=(i,)) for i in range(concurrency)]
+        cpu0, wall0 = time.clock_gettime(clock), time.perf_counter()
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - wall0
+        total = sum(counts)
+        steps = _settled_stats(engine, warm + total).scheduler.steps_total - steps_before
+    return {
+        "concurrency": concurrency,
+        "tokens": total,
+        "steps": steps,
+        "engine_cpu_us_per_token": round(cpu / total * 1e6, 1),
+        "engine_cpu_us_per_step": round(cpu / steps * 1e6, 1),
+        "wall_ms_per_step": round(wall / steps * 1e3, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=(1, GEOMETRY.max_num_seqs))
+    p.add_argument("--tokens", type=int, default=200, help="output tokens per stream")
+    p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per step")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if min(args.concurrency) < 1 or max(args.concurrency) > GEOMETRY.max_num_seqs:
+        p.error(f"--concurrency must be 1 to {GEOMETRY.max_num_seqs}, the fake rank's sequences per step")
+    if not 2 <= args.tokens <= 200:
+        p.error("--tokens must be 2 to 200 (the fake rank's max_model_len is 256)")
+    levels = [measure(c, args.tokens, args.step_ms) for c in args.concurrency]
+    if args.json:
+        print(json.dumps({"step_ms": args.step_ms, "levels": levels}))
+    else:
+        for level in levels:
+            print(
+                f"c={level['concurrency']:<3} {level['engine_cpu_us_per_token']:8.1f} us CPU/token "
+                f"{level['engine_cpu_us_per_step']:8.1f} us CPU/step {level['wall_ms_per_step']:7.2f} ms/step"
+            )
+
+
+if __name__ == "__main__":
+    main()
