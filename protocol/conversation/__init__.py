@@ -23,6 +23,8 @@ The conversation (docs/protocol.md, "The step"):
     RESULT(N) from rank 0, DONE(N) from the others, in step order
     HEARTBEAT either way at any time; SHUTDOWN from the scheduler ends it
 
+A group of one rank is WELCOMEd with ready_is_go: its READY(N) is its GO(N), and no GO travels.
+
 The scheduler's loop (the engine), in outline:
 
     conv = SchedulerConversation(world_size=2, run_id=run_id, planned=scheduler.config, max_inflight=2)
@@ -36,7 +38,8 @@ The scheduler's loop (the engine), in outline:
     ...
     endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
     for event in conv.receive(rank, frame_or_error, now):
-        StepReady(N)     -> endpoint.send_all(conv.ranks, *conv.go(N)); maybe prepare N+1 now
+        StepReady(N)     -> endpoint.send_all(conv.ranks, *conv.go(N)) unless go(N) is None (one
+                            rank, ready_is_go); maybe prepare N+1 now
         StepRefused(N)   -> endpoint.send_all(conv.ranks, *conv.abort(N, reason)); fail event.seq_ids'
                             requests (or the whole step when it is empty) and plan again
         StepDone(N)      -> scheduler.on_result(plan_of[N], event.result)
@@ -58,7 +61,8 @@ Each executor's loop (the worker), in outline:
             Welcomed          -> endpoint.version = event.version
             WelcomeRefused    -> exit: this rank cannot run what the scheduler chose
             PrepareReceived   -> page tables, inputs, clears; endpoint.send(*conv.ready(event.step)),
-                                 or endpoint.send(*conv.reject(event.step, error)) if those fail
+                                 or endpoint.send(*conv.reject(event.step, error)) if those fail;
+                                 with conv.ready_is_go, READY is followed by the forward as on GO
             GoReceived        -> forward; endpoint.send(*conv.result(event.step, result)) on rank 0,
                                  endpoint.send(*conv.done(event.step)) elsewhere
             AbortReceived     -> drop the staged inputs (event.dropped) and the held page tables
