@@ -9,7 +9,9 @@ Liveness, each noticed within seconds and named: a rank's connection closes (its
 a rank falls silent (every executor heartbeats from a thread that runs beside its forward, so
 silence means it stopped, even mid-step); a step outlives its deadline, which is derived from the
 steps measured so far (a deadlocked collective, every rank still heartbeating); a rank says
-SHUTDOWN or breaks the protocol after GO.
+SHUTDOWN or breaks the protocol after GO; under recovery, the launcher reports the group dead
+(`check_deaths`). All but the frames are looked at with the liveness duties, every 50 ms while
+steps run and at every heartbeat otherwise.
 """
 
 from __future__ import annotations
