@@ -215,7 +215,17 @@ class PooledRounds:
         self.counters: dict[str, float] | None = {}
         self.cpu_s: dict[str, float] | None = {}
 
-    def add(self, results, wall_s, before, after, cpu_before, cpu_after) -> None:  # noqa: ANN001 (as returned above)
+    def add(
+        self,
+        results: list[StreamResult],
+        wall_s: float,
+        before: dict[str, float] | None,
+        after: dict[str, float] | None,
+        cpu_before: dict[str, float],
+        cpu_after: dict[str, float],
+    ) -> None:
+        """One round: its streams and wall, /metrics before and after (None: unavailable), and
+        the CPU seconds of the server's processes before and after (empty: not started here)."""
         self.results += results
         self.wall_s += wall_s
         growth = overhead_between(before, after)

@@ -3,9 +3,8 @@ way, the same step order, results, refusals and failures as with GO, and only fo
 
 from __future__ import annotations
 
-import pytest
-
 import msgpack
+import pytest
 
 from protocol.codec import decode_verified, encode, frame_mac, from_message, to_message, verify
 from protocol.conversation import (

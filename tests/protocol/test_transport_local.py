@@ -4,8 +4,8 @@ clean close."""
 from __future__ import annotations
 
 import os
-import time
 import stat
+import time
 from collections.abc import Iterator
 
 import pytest

@@ -1,9 +1,10 @@
 """The real Engine, with one fake rank 0 on its socket: the step protocol without a model.
 
 The rank answers every PREPARE with READY and every GO with a RESULT that samples `token` for each
-sampled row (logprob -1), after `step_delay_s`; it answers heartbeats. As the engine's WELCOME tells a
-group of one rank (ready_is_go), it runs each step right after its READY: no GO comes. It lets the tests drive the
-engine loop, its published stats and its bounds, in one process and in milliseconds.
+sampled row (logprob -1), after `step_delay_s`; it answers heartbeats. As the engine's WELCOME tells
+a group of one rank (ready_is_go), it runs each step right after its READY: no GO comes. It lets
+the tests drive the engine loop, its published stats and its bounds, in one process and in
+milliseconds.
 """
 
 from __future__ import annotations
