@@ -6,6 +6,7 @@ Imports no torch (tests/test_boundaries.py enforces it).
 
 from protocol.auth import ReplayGuard, new_key
 from protocol.codec import DEFAULT_LIMITS, Limits, decode, decode_verified, encode, verify
+from protocol.continuation import expand
 from protocol.conversation import ExecutorConversation, Outgoing, Phase, SchedulerConversation
 from protocol.curve import ClientCurve, LaunchKeys, ServerCurve, load_keys, write_key_directories
 from protocol.errors import KeyFileError, ProtocolError, RejectCode, TPRuntimeError, TransportError, UsageError
@@ -18,6 +19,7 @@ from protocol.frames import (
     Abort,
     Body,
     CacheGeometry,
+    Continue,
     Done,
     Frame,
     FrameType,
@@ -46,6 +48,7 @@ __all__ = [
     "Body",
     "CacheGeometry",
     "ClientCurve",
+    "Continue",
     "Done",
     "ExecutorConversation",
     "ExecutorEndpoint",
@@ -82,6 +85,7 @@ __all__ = [
     "decode",
     "decode_verified",
     "encode",
+    "expand",
     "ipc_address",
     "load_keys",
     "negotiate_version",

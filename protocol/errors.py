@@ -39,6 +39,7 @@ class RejectCode(enum.IntEnum):
     BAD_FEEDBACK = 27  # feedback on a row with query_lens != 1, or a value other than 0 and 1
     FEEDBACK_WITHOUT_SAMPLE = 28  # feedback for a sequence the previous step run did not sample
     SAMPLING_STATE_NOT_HELD = 29  # sampling_state 2 for a sequence whose state the receiver does not hold
+    STEP_NOT_HELD = 30  # CONTINUE, but the receiver did not accept the step before's PREPARE
 
 
 class TPRuntimeError(Exception):

@@ -26,7 +26,9 @@ import numpy as np
 # 5: the envelope, payload and MAC in one ZeroMQ message behind a header of their lengths
 #    (codec.to_message) instead of three parts.
 # 6: WELCOME's ready_is_go: a group of one rank runs each step on its own READY, without a GO.
-PROTOCOL_VERSION = 6
+# 7: CONTINUE, a steady decode step as three arrays: the rows of the step before, one token on each
+#    (protocol/continuation.py).
+PROTOCOL_VERSION = 7
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -45,6 +47,7 @@ class FrameType(enum.IntEnum):
     DONE = 9
     HEARTBEAT = 10
     SHUTDOWN = 11
+    CONTINUE = 12
 
 
 class KVDtype(str, enum.Enum):
@@ -229,6 +232,22 @@ class Prepare:
 
 
 @dataclass(frozen=True)
+class Continue:
+    """Scheduler -> every executor: a step that is the step before's sequences, each one token on.
+
+    It stands for the PREPARE that protocol.continuation.expand builds from the last PREPARE the
+    executor accepted (which must be the step before this one's) and these arrays: every sequence
+    decodes the token sampled for it at that step (feedback), with the same sampling parameters,
+    its sampling state held, and new_pages[i] appended to its page table (-1: none). Steady decode
+    is nearly every step a server runs, and its PREPARE's 36 arrays cost the scheduler more Python
+    to encode than anything else it does per step (docs/control_plane.md)."""
+
+    new_pages: np.ndarray  # int32[n]: the page each sequence's table gains, -1 for none
+    cleared_pages: np.ndarray  # int32[], sorted, unique: as PREPARE's
+    poison_pages: np.ndarray  # int32[]: as PREPARE's
+
+
+@dataclass(frozen=True)
 class Ready:
     rank: int
 
@@ -304,7 +323,7 @@ class Shutdown:
     reason: str
 
 
-Body = Hello | Welcome | Prepare | Ready | Reject | Go | Abort | Result | Done | Heartbeat | Shutdown
+Body = Hello | Welcome | Prepare | Ready | Reject | Go | Abort | Result | Done | Heartbeat | Shutdown | Continue
 
 BODY_TYPES: dict[FrameType, type] = {
     FrameType.HELLO: Hello,
@@ -318,6 +337,7 @@ BODY_TYPES: dict[FrameType, type] = {
     FrameType.DONE: Done,
     FrameType.HEARTBEAT: Heartbeat,
     FrameType.SHUTDOWN: Shutdown,
+    FrameType.CONTINUE: Continue,
 }
 FRAME_TYPE_OF: dict[type, FrameType] = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -406,6 +426,7 @@ def plain_sampling(n: int) -> dict[str, np.ndarray]:
 # The dtype of every array field, by frame class and field name. Anything else is a scalar.
 ARRAY_DTYPES: dict[type, dict[str, np.dtype]] = {
     Prepare: {f.name: f.dtype for f in PREPARE_FIELDS},
+    Continue: {"new_pages": _I32, "cleared_pages": _I32, "poison_pages": _I32},
     Reject: {"seq_ids": np.dtype("<i8")},
     Result: {
         "seq_ids": np.dtype("<i8"),

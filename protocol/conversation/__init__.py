@@ -23,6 +23,10 @@ The conversation (docs/protocol.md, "The step"):
     RESULT(N) from rank 0, DONE(N) from the others, in step order
     HEARTBEAT either way at any time; SHUTDOWN from the scheduler ends it
 
+A PREPARE(N) may travel as CONTINUE(N) when step N is step N-1's sequences one token on: each rank
+answers it as the PREPARE it expands to after the PREPARE(N-1) it accepted (protocol.continuation),
+and refuses it with STEP_NOT_HELD when it accepted none.
+
 A group of one rank is WELCOMEd with ready_is_go: its READY(N) is its GO(N), and no GO travels.
 
 The scheduler's loop (the engine), in outline:
@@ -36,7 +40,7 @@ The scheduler's loop (the engine), in outline:
     endpoint.version = conv.version
     endpoint.send_all(conv.ranks, *conv.welcome())
     ...
-    endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
+    endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare, plan.brief))   # CONTINUE if it can
     for event in conv.receive(rank, frame_or_error, now):
         StepReady(N)     -> endpoint.send_all(conv.ranks, *conv.go(N)) unless go(N) is None (one
                             rank, ready_is_go); maybe prepare N+1 now

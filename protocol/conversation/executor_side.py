@@ -20,6 +20,7 @@ from protocol.frames import (
     SUPPORTED_VERSIONS,
     Abort,
     CacheGeometry,
+    Continue,
     Done,
     Frame,
     Go,
@@ -32,6 +33,7 @@ from protocol.frames import (
     Shutdown,
     Welcome,
 )
+from protocol.continuation import expand
 from protocol.validate import check_envelope, check_geometry, validate_prepare
 
 # ---- an executor's side ---------------------------------------------------------------------
@@ -53,7 +55,8 @@ class WelcomeRefused:
 
 @dataclass(frozen=True)
 class PrepareReceived:
-    """A PREPARE in sequence and valid against the geometry: answer ready(step) or reject(step, ...)."""
+    """A PREPARE in sequence and valid against the geometry: answer ready(step) or reject(step, ...).
+    A CONTINUE arrives as the PREPARE it stands for."""
 
     step: int
     prepare: Prepare
@@ -108,7 +111,9 @@ class ExecutorConversation:
     GO N+1 always follows GO N; ABORT names a step and uses it up (dropping it if staged). RESULT or
     DONE go out in the order the steps were GOed. When the WELCOME says ready_is_go (a group of one
     rank), READY itself GOes the step: nothing is ever staged, and a GO is refused like any other
-    GO with nothing staged.
+    GO with nothing staged. A CONTINUE is answered as the PREPARE it expands to, after the PREPARE
+    this rank accepted for the step before; without one (none yet, or it was refused or aborted)
+    it is refused with STEP_NOT_HELD.
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class ExecutorConversation:
         self._refused: int | None = None  # the last PREPARE this rank refused (its ABORT is expected)
         self._running: deque[int] = deque()  # GOed, RESULT/DONE not sent yet, oldest first
         self.ready_is_go = False  # the WELCOME's: a step runs once READY is sent, no GO comes
+        self._held: tuple[int, Prepare] | None = None  # the last PREPARE accepted: what CONTINUE expands
 
     @property
     def staged(self) -> int | None:
@@ -179,9 +185,9 @@ class ExecutorConversation:
         if not isinstance(error, ProtocolError):
             raise UsageError(f"reject takes a ProtocolError, not {type(error).__name__}")
         if step == self._pending:
-            self._pending, self._refused = None, step
+            self._pending, self._refused, self._held = None, step, None
         elif step == self._staged:
-            self._staged, self._refused = None, step
+            self._staged, self._refused, self._held = None, step, None
         elif step in self._running:
             self._running.remove(step)
         return Outgoing(
@@ -229,7 +235,7 @@ class ExecutorConversation:
         body = frame.body
         if isinstance(body, Heartbeat):
             return []
-        if isinstance(body, Prepare):
+        if isinstance(body, (Prepare, Continue)):
             return [self._on_prepare(frame, body)]
         if isinstance(body, Go):
             return [self._on_go(frame)]
@@ -295,7 +301,7 @@ class ExecutorConversation:
         staged = self.staged
         return staged if staged is not None else self.last_step + 1
 
-    def _on_prepare(self, frame: Frame, prepare: Prepare) -> ExecutorEvent:
+    def _on_prepare(self, frame: Frame, body: Prepare | Continue) -> ExecutorEvent:
         if self.staged is not None:
             return Refused(frame.step, not_valid_now(frame, f"while step {self.staged} is staged (it needs GO or ABORT)"))
         try:
@@ -303,12 +309,15 @@ class ExecutorConversation:
         except ProtocolError as exc:
             return Refused(frame.step, exc)
         self.last_step = frame.step
+        held, self._held = self._held, None
         try:
+            prepare = body if isinstance(body, Prepare) else _expand(frame.step, held, body)
             validate_prepare(prepare, self.geometry)
         except ProtocolError as exc:
             self._refused = frame.step
             return Refused(frame.step, exc)
         self._pending = frame.step
+        self._held = (frame.step, prepare)
         return PrepareReceived(frame.step, prepare)
 
     def _on_go(self, frame: Frame) -> ExecutorEvent:
@@ -322,7 +331,7 @@ class ExecutorConversation:
     def _on_abort(self, frame: Frame, abort: Abort) -> ExecutorEvent:
         step = frame.step
         if step == self.staged:
-            self._pending = self._staged = None
+            self._pending = self._staged = self._held = None
             return AbortReceived(step, abort.reason, dropped=True)
         if step > self.last_step:
             # Its PREPARE never reached this rank intact, or this rank refused it as out of sequence
@@ -334,3 +343,13 @@ class ExecutorConversation:
             return AbortReceived(step, abort.reason, dropped=False)
         when = "which is running" if step in self._running else f"(the last step used up here is {self.last_step})"
         return Refused(step, not_valid_now(frame, when))
+
+
+def _expand(step: int, held: tuple[int, Prepare] | None, c: Continue) -> Prepare:
+    if held is None or held[0] != step - 1:
+        had = "none" if held is None else f"step {held[0]}'s"
+        raise ProtocolError(
+            RejectCode.STEP_NOT_HELD,
+            f"CONTINUE for step {step} needs the PREPARE of step {step - 1}; this rank holds {had}",
+        )
+    return expand(held[1], c)

@@ -27,6 +27,7 @@ from protocol.frames import (
     SUPPORTED_VERSIONS,
     Abort,
     CacheGeometry,
+    Continue,
     Done,
     Frame,
     Go,
@@ -67,6 +68,9 @@ class SchedulerConversation:
     - go(N) only when every rank answered READY for N and none refused it (with ready_is_go, a
       group of one rank, go(N) records that the rank runs N and there is nothing to send);
     - abort(N) only for the step waiting for GO; it uses up N (the next step is N + 1).
+    prepare(N, body, brief) sends the CONTINUE `brief` instead of the PREPARE `body` it stands for
+    when step N - 1 was prepared and not aborted: that PREPARE is the one every rank expands it
+    after (protocol.continuation).
     Rules it enforces on the ranks (ProtocolViolation otherwise): frames stamped with this launch's
     run id, the negotiated version and layout; READY/REJECT only for the step waiting for answers
     (late answers to an aborted step are dropped); RESULT from rank 0 and DONE from the others, each
@@ -109,6 +113,7 @@ class SchedulerConversation:
         self.next_step = 1
         self._steps: deque[_Step] = deque()  # in flight, oldest first; the last may wait for GO
         self._aborted: deque[int] = deque(maxlen=_ABORTED_REMEMBERED)
+        self._held: int | None = None  # the step whose PREPARE every rank holds, unless it refuses it
 
     # -- what the caller reads --
 
@@ -156,7 +161,9 @@ class SchedulerConversation:
         self.phase = Phase.RUNNING
         return Outgoing(Welcome(self.version, self.layout, self.world_size, self.geometry, self.ready_is_go), 0)
 
-    def prepare(self, step: int, body: Prepare) -> Outgoing:
+    def prepare(self, step: int, body: Prepare, brief: Continue | None = None) -> Outgoing:
+        """PREPARE `body` for the step, or `brief`, the CONTINUE that expands to it, when the ranks
+        hold the step before's."""
         self._require_running("PREPARE")
         if step != self.next_step:
             raise UsageError(f"PREPARE for step {step}, but the next step is {self.next_step}")
@@ -168,7 +175,9 @@ class SchedulerConversation:
             )
         self._steps.append(_Step(step))
         self.next_step = step + 1
-        return Outgoing(body, step)
+        continues = brief is not None and self._held == step - 1
+        self._held = step
+        return Outgoing(brief if continues else body, step)
 
     def go(self, step: int) -> Outgoing | None:
         """GO for the staged step; None when the WELCOME said READY is GO (the rank runs it already)."""
@@ -188,6 +197,7 @@ class SchedulerConversation:
             raise UsageError(f"ABORT for step {step}, but the step waiting for GO is {self.staged}: a GOed step cannot be aborted")
         self._steps.pop()
         self._aborted.append(step)
+        self._held = None
         return Outgoing(Abort(reason), step)
 
     def heartbeat(self) -> Outgoing:
