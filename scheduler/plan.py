@@ -3,7 +3,9 @@
 Planning collects, in a StepBuilder, what a step does besides feeding its rows (pages to clear,
 offloads, restores) and which rows are not plain decodes (prefill chunks, admissions); `assemble`
 turns that and the batch's columns into the PREPARE, and advances the rows as planned: computed
-tokens grow at plan time, the tokens a step samples are counted as pending until its RESULT.
+tokens grow at plan time, the tokens a step samples are counted as pending until its RESULT. A step
+that is the step before's rows, one token on, is said as a CONTINUE, and its PREPARE is the one
+protocol.continuation expands that to, as every rank does.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.frames import PREPARE_FIELD, Extent, Prepare
+from protocol.continuation import expand
+from protocol.frames import PREPARE_FIELD, Continue, Extent, Prepare
 from protocol.page_tables import delta_index
 from scheduler.batch import Batch, frozen
 from scheduler.request import HostCopy
@@ -49,6 +52,7 @@ class StepPlan:
     restore_slots: tuple[int, ...]  # host slots this step reads; free again once it has ended
     restored: tuple[tuple[int, HostCopy], ...]  # requests this step restores, and from where
     offloaded: tuple[int, ...]  # request ids whose KV this step copies out to host slots
+    brief: Continue | None = None  # what the ranks are sent instead of `prepare`, if they hold the step before's
 
 
 class StepBuilder:
@@ -216,26 +220,61 @@ def _arrays(batch: Batch, dec_rows: np.ndarray | None, b: StepBuilder, fed: bool
     )
 
 
+def _continued(
+    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, cleared: np.ndarray, poison: np.ndarray,
+    prev: StepPlan | None,
+) -> Continue | None:
+    """The CONTINUE that says this step, when it is the step before's: every row decoding the token
+    that step samples for it, the rows unchanged since (the same snapshot, so the same order),
+    nothing restored or offloaded, no stop token banned, each page table at most one page longer.
+    Anything else (an admission, a row that ended, a step aborted between) is a PREPARE."""
+    if dec_rows is not None or prev is None or prev.step != step - 1 or b.restore_pages or b.offload_pages:
+        return None
+    n = batch.n
+    if prev.prepare.seq_ids is not batch.snapshot().columns["req_id"] or not batch.pending[:n].all():
+        return None
+    if batch.num_processed:
+        min_len = batch.min_len[:n]
+        if ((min_len > 0) & (batch.ntok[:n] + batch.pending[:n] < min_len)).any():
+            return None
+    lens, base = batch.npages[:n], batch.sent[:n]
+    grown = lens - base
+    at = np.flatnonzero(grown)
+    if at.shape[0] != int(grown.sum()):
+        return None
+    new_pages = np.full(n, -1, dtype=_I32)
+    new_pages[at] = batch.pages[at, base[at]]
+    batch.sent[:n] = lens
+    return Continue(new_pages, cleared, poison)
+
+
 def assemble(
-    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, fed: bool
+    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, prev: StepPlan | None
 ) -> StepPlan:
     """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
-    fed: a step is in flight, so rows may feed back its samples. The rows advance by what they
+    prev: the newest step in flight, whose samples rows may feed back. The rows advance by what they
     compute, and count the samples the step will produce."""
-    a = _arrays(batch, dec_rows, b, fed)
-    rows = a.pop("rows")
-    batch.ncomp[rows] = a["context_lens"]
-    batch.pending[rows] += a["sample"]
     cleared = cat(b.cleared)
     if cleared.shape[0] > 1:
         cleared.sort()
-    prepare = Prepare(
-        **a,
-        cleared_pages=cleared,
-        restore_pages=cat(b.restore_pages),
-        restore_slots=np.array(b.restore_slots, dtype=_I32) if b.restore_slots else EMPTY_I32,
-        offload_pages=cat(b.offload_pages),
-        offload_slots=np.array(b.offload_slots, dtype=_I32) if b.offload_slots else EMPTY_I32,
-        poison_pages=poison,
+    brief = _continued(batch, step, dec_rows, b, cleared, poison, prev)
+    if brief is not None:
+        rows = prev.rows
+        prepare = expand(prev.prepare, brief)
+    else:
+        a = _arrays(batch, dec_rows, b, prev is not None)
+        rows = a.pop("rows")
+        prepare = Prepare(
+            **a,
+            cleared_pages=cleared,
+            restore_pages=cat(b.restore_pages),
+            restore_slots=np.array(b.restore_slots, dtype=_I32) if b.restore_slots else EMPTY_I32,
+            offload_pages=cat(b.offload_pages),
+            offload_slots=np.array(b.offload_slots, dtype=_I32) if b.offload_slots else EMPTY_I32,
+            poison_pages=poison,
+        )
+    batch.ncomp[rows] = prepare.context_lens
+    batch.pending[rows] += prepare.sample
+    return StepPlan(
+        step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded), brief
     )
-    return StepPlan(step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded))

@@ -167,7 +167,8 @@ class Scheduler:
                 return None
         kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
-        plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, bool(self._steps.inflight))
+        inflight = self._steps.inflight
+        plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, inflight[-1] if inflight else None)
         self._steps.planned(plan)
         return plan
 

@@ -51,7 +51,7 @@ class Walk:
 
     def plan(self) -> None:
         d = self.d
-        ahead, before = bool(d.inflight), d.s.stats()
+        ahead, before, continued = bool(d.inflight), d.s.stats(), d.continued
         plan = d.plan()
         if not ahead:
             return
@@ -62,6 +62,8 @@ class Walk:
         self.seen["planned ahead"] += 1
         if plan.prepare.feedback.any():
             self.seen["feedback rows"] += 1
+        if d.continued > continued:
+            self.seen["sent as CONTINUE"] += 1
         if after.preemptions_total > before.preemptions_total:
             self.seen["preempted by offload ahead" if plan.offloaded else "preempted by recompute ahead"] += 1
         if after.prefix_hit_pages_total > before.prefix_hit_pages_total:

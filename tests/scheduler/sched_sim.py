@@ -8,7 +8,9 @@ then, when a step runs (steps run in order, an aborted one never), its offloads,
 and clears, its feedback rows resolved to the tokens the step run before sampled, and the forward's
 writes. It checks what attention reads: every slot of every page in a sequence's page table, past
 the sequence's length included. The Driver plays the engine: up to max_inflight_steps planned, the
-oldest completed, the newest aborted before it runs.
+oldest completed, the newest aborted before it runs. It receives each step as the ranks do: a step
+sent as a CONTINUE is the PREPARE the executors expand it to after the one they hold, and that must
+be the PREPARE the scheduler keeps.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol.frames import Prepare, Result
+from protocol.continuation import expand
+from protocol.frames import ARRAY_DTYPES, Prepare, Result
 from protocol.page_tables import HeldPageTables
 from scheduler import RequestState, Scheduler, StepPlan
 
@@ -254,6 +257,8 @@ class Driver:
         self.plans: list[StepPlan] = []
         self.tables: dict[int, list[int]] = {}  # step -> its page tables, whole and concatenated
         self.forced: dict[int, int] = {}  # request id -> the token its next sample will be
+        self.held: StepPlan | None = None  # the step whose PREPARE the executors hold (CONTINUE's base)
+        self.continued = 0  # steps that went out as a CONTINUE
 
     def add(self, rid: int, prompt: list[int], params, **kw) -> None:
         self.s.add_request(rid, prompt, params, **kw)
@@ -282,12 +287,26 @@ class Driver:
         self.take(self.s.drain_outputs())
         if plan is not None:
             self.plans.append(plan)
-            table = self.shadow.receive(plan.prepare)
+            table = self.shadow.receive(self.wire(plan))
             self.tables[plan.step] = table.tolist()
             self.inflight.append(InFlight(plan, table, alone))
             self.check_tables(plan, table)
         self.check()
         return plan
+
+    def wire(self, plan: StepPlan) -> Prepare:
+        """The PREPARE the executors run for the plan: its own, or the expansion of its CONTINUE
+        when they hold the step before's (the engine's conversation sends it only then)."""
+        held, self.held = self.held, plan
+        if plan.brief is None or held is None or held.step != plan.step - 1:
+            return plan.prepare
+        self.continued += 1
+        got = expand(held.prepare, plan.brief)
+        for name in ARRAY_DTYPES[Prepare]:
+            a, b = getattr(got, name), getattr(plan.prepare, name)
+            if a.dtype != b.dtype or not np.array_equal(a, b):
+                raise ShadowViolation(f"step {plan.step}: the CONTINUE expands {name} to {a}, the scheduler's is {b}")
+        return got
 
     def check_tables(self, plan: StepPlan, table: np.ndarray) -> None:
         """The tables the executors rebuild from the deltas are the scheduler's page tables."""
@@ -348,6 +367,7 @@ class Driver:
         assert not f.ran
         self.inflight.pop()
         self.shadow.tables.drop()  # what every executor does at ABORT
+        self.held = None
         outs = self.s.on_abort(f.plan, reason, failed)
         self.take(outs)
         self.check()
