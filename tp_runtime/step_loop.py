@@ -255,7 +255,7 @@ class StepLoop:
                 break
             back_to_back = bool(self._inflight) or self._model_had_work
             self.counters.planned_ahead += bool(self._inflight)
-            self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare))
+            self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare, plan.brief))
             self._flush_outputs()
             self._inflight[plan.step] = _InFlight(plan, time.monotonic(), back_to_back=back_to_back)
             self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))

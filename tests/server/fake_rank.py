@@ -1,6 +1,6 @@
 """The real Engine, with one fake rank 0 on its socket: the step protocol without a model.
 
-The rank answers every PREPARE with READY and every GO with a RESULT that samples `token` for each
+The rank answers every PREPARE (or CONTINUE, expanded after the PREPARE before) with READY and every GO with a RESULT that samples `token` for each
 sampled row (logprob -1), after `step_delay_s`; it answers heartbeats. As the engine's WELCOME tells
 a group of one rank (ready_is_go), it runs each step right after its READY: no GO comes. It lets
 the tests drive the engine loop, its published stats and its bounds, in one process and in
@@ -17,10 +17,13 @@ from contextlib import contextmanager
 import numpy as np
 
 from protocol.auth import new_key
+from protocol.continuation import expand
 from protocol.frames import (
     LAYOUT_VERSION,
     SUPPORTED_VERSIONS,
+    Abort,
     CacheGeometry,
+    Continue,
     Go,
     Heartbeat,
     Hello,
@@ -66,8 +69,10 @@ class FakeRank(threading.Thread):
                     peer.send(Heartbeat(0), 0)
                 elif isinstance(body, Welcome):
                     self._ready_is_go = body.ready_is_go
-                elif isinstance(body, Prepare):
-                    self._prepared = body
+                elif isinstance(body, Abort):
+                    self._prepared = None
+                elif isinstance(body, (Prepare, Continue)):
+                    self._prepared = body if isinstance(body, Prepare) else expand(self._prepared, body)
                     peer.send(Ready(0), frame.step)
                     if self._ready_is_go:
                         self._run(frame.step)
@@ -87,22 +92,25 @@ class FakeRank(threading.Thread):
         self._peer.send(result, step)
 
 
-def fake_scheduler() -> Scheduler:
-    """A scheduler planning for the fake rank's geometry."""
+def fake_scheduler(max_inflight_steps: int = 1) -> Scheduler:
+    """A scheduler planning for the fake rank's geometry (max_inflight_steps 2: as the server plans by default)."""
     return Scheduler(
         SchedulerConfig(
             num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=GEOMETRY.max_num_seqs,
             max_num_batched_tokens=GEOMETRY.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+            max_inflight_steps=max_inflight_steps,
         )
     )
 
 
 @contextmanager
-def running_engine(*, token: int = 7, step_delay_s: float = 0.0, max_num_queued_reqs: int = 0) -> Iterator[Engine]:
+def running_engine(
+    *, token: int = 7, step_delay_s: float = 0.0, max_num_queued_reqs: int = 0, max_inflight_steps: int = 1
+) -> Iterator[Engine]:
     """An Engine whose loop runs against a FakeRank; shut down and joined afterwards."""
     key, run_id = new_key(), "fake-rank-run"
     endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
-    scheduler = fake_scheduler()
+    scheduler = fake_scheduler(max_inflight_steps)
     engine = Engine(
         scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="fake", max_model_len=MAX_MODEL_LEN,
         timeouts=EngineTimeouts(handshake_s=20), max_num_queued_reqs=max_num_queued_reqs,

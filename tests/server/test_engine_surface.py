@@ -10,6 +10,8 @@ import time
 import pytest
 from server.fake_rank import running_engine
 
+from protocol.conversation import SchedulerConversation
+from protocol.frames import Continue, Prepare
 from scheduler.request import SamplingParams
 from scheduler.scheduler import Scheduler
 from tp_runtime.engine import EngineOverloaded, EngineStats
@@ -127,3 +129,22 @@ def test_a_stream_the_runtime_ends_gets_its_last_event(tokenizer, path):
         error = json.loads(events[-2][len("data: ") :])
     assert "shutting down" in error["error"]["message"]
     assert error["error"]["code"] == "engine_unavailable"
+
+
+def test_a_steady_stream_is_sent_as_continues_and_loses_no_token(monkeypatch):
+    sent: list[type] = []
+    real_prepare = SchedulerConversation.prepare
+
+    def recording_prepare(self, step, body, brief=None):
+        out = real_prepare(self, step, body, brief)
+        sent.append(type(out.body))
+        return out
+
+    monkeypatch.setattr(SchedulerConversation, "prepare", recording_prepare)
+    with running_engine(token=9, step_delay_s=0.002, max_inflight_steps=2) as engine:
+        events = list(engine.submit([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
+    tokens = [t for e in events for t in e.token_ids]
+    assert tokens == [9] * 30 and events[-1].finish_reason == "length"
+    # The prefill and the first decode (nothing held yet to continue, or no sample to feed back)
+    # go whole; the steady decode after them as CONTINUE.
+    assert sent[0] is Prepare and sent.count(Continue) >= 25, sent
