@@ -12,7 +12,9 @@
    thread, waiting with the GIL released) or of tiny torch ops (`--forward gil`: a CPU model's many
    small ops, which hold the GIL between kernels), and fixed peaked logits on rank 0, so what is
    measured is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
-   steady decode steps of --rows rows (feedback tokens, page tables held). Per run: the step
+   steady decode steps of --rows rows (feedback tokens, page tables held), sent as the engine sends
+   them (--steady continue: CONTINUE, and a PREPARE every PAGE_SIZE steps, when the rows' pages are
+   full and their context starts again) or each as a whole PREPARE (--steady prepare). Per run: the step
    (median, p90), and the gap between two forwards (median, p90): from the end of forward N on the
    last rank to finish it to the start of forward N+1 on the last rank to start it, which each
    rank's model stamps itself; and rank 0's model thread idle between two steps (RESULT.gap_us:
@@ -50,7 +52,17 @@ from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
 from protocol.codec import encode, to_message  # noqa: E402
-from protocol.frames import LAYOUT_VERSION, PROTOCOL_VERSION, CacheGeometry, Frame, Prepare, Ready, plain_sampling  # noqa: E402
+from protocol.continuation import expand  # noqa: E402
+from protocol.frames import (  # noqa: E402
+    LAYOUT_VERSION,
+    PROTOCOL_VERSION,
+    CacheGeometry,
+    Continue,
+    Frame,
+    Prepare,
+    Ready,
+    plain_sampling,
+)
 from protocol.validate import validate_prepare  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
@@ -116,6 +128,7 @@ def clear_cost(num_kv_pages: int = 512, repeats: int = 7) -> dict[str, float]:
 
 
 PAGES_PER_SEQ = 8
+STEADY_KINDS = ("continue", "prepare")
 
 
 def bench_geometry(rows: int = DECODE_SEQS) -> CacheGeometry:
@@ -135,12 +148,17 @@ def bench_geometry(rows: int = DECODE_SEQS) -> CacheGeometry:
     )
 
 
+# A decode step's context: its last page's first slot, so that PAGE_SIZE - 1 CONTINUEs fit in the
+# pages before the context starts again.
+START_CONTEXT = (PAGES_PER_SEQ - 1) * PAGE_SIZE + 1
+
+
 def decode_prepare(step: int, seqs: int = DECODE_SEQS, steady: bool = False) -> Prepare:
     """A decode step of `seqs` sequences, PAGES_PER_SEQ pages each, one freshly cleared page per step.
     `steady`: as a server's steps after the first: every row's token is the one its sequence sampled
     at the step before (feedback) and the ranks hold the page tables already (an empty delta)."""
     i32 = np.int32
-    context = np.full(seqs, PAGES_PER_SEQ * PAGE_SIZE - 3, dtype=i32)
+    context = np.full(seqs, START_CONTEXT, dtype=i32)
     base = PAGES_PER_SEQ if steady else 0
     table = np.zeros(0, dtype=i32) if steady else np.arange(seqs * PAGES_PER_SEQ, dtype=i32)
     return Prepare(
@@ -386,7 +404,7 @@ def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
 @dataclass(frozen=True)
 class LoopSpec:
     """One run of the step loop: world size, steps, rows per decode step, the fake forward, and
-    serial (max_inflight 1) or overlapped (2) planning."""
+    serial (max_inflight 1) or overlapped (2) planning, and how steady steps travel (STEADY_KINDS)."""
 
     world_size: int = 1
     steps: int = 100
@@ -394,6 +412,7 @@ class LoopSpec:
     forward_ms: float = 5.0
     forward: str = "sleep"
     max_inflight: int = 2
+    steady: str = "continue"
 
 
 def loop_options(rows: int = DECODE_SEQS) -> ExecutorOptions:
@@ -415,7 +434,7 @@ class _LoopDriver:
     """The scheduler's side of the step loop, driven as the engine drives it through the
     protocol's conversation, with the time of each phase of every step."""
 
-    def __init__(self, endpoint: object, world_size: int, max_inflight: int, rows: int) -> None:
+    def __init__(self, endpoint: object, world_size: int, max_inflight: int, rows: int, steady: str) -> None:
         from protocol.conversation import SchedulerConversation
 
         self.endpoint = endpoint
@@ -425,11 +444,27 @@ class _LoopDriver:
         )
         self.max_inflight = max_inflight
         self.rows = rows
+        self.steady = steady
+        self.held: Prepare | None = None  # the step before's PREPARE, as the ranks expand a CONTINUE after it
         self.sent: dict[int, float] = {}
         self.ready_at: dict[int, float] = {}
         self.go_at: dict[int, float] = {}
         self.phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
         self.model_gaps_us: list[int] = []  # rank 0's RESULT.gap_us: its model thread idle between steps
+
+    def next_step(self, step: int) -> tuple[Prepare, Continue | None]:
+        """The step's PREPARE, and the CONTINUE that says it when --steady continue and the rows'
+        pages have room for one more token each (their context starts again in a PREPARE after)."""
+        held = self.held
+        if self.steady == "continue" and held is not None and int(held.context_lens[0]) < PAGES_PER_SEQ * PAGE_SIZE:
+            i32 = np.int32
+            cleared = np.array([self.rows * PAGES_PER_SEQ + step % 64], dtype=i32)
+            brief = Continue(np.full(self.rows, -1, dtype=i32), cleared, np.zeros(0, dtype=i32))
+            body = expand(held, brief)
+        else:
+            brief, body = None, decode_prepare(step, self.rows, steady=step > 1)
+        self.held = body
+        return body, brief
 
     def events(self, timeout_ms: int = 100) -> list[object]:
         got = self.endpoint.recv(timeout_ms)
@@ -457,7 +492,7 @@ class _LoopDriver:
         while finished < steps:
             while conv.next_step <= steps and conv.staged is None and len(conv.in_flight) < self.max_inflight:
                 step = conv.next_step
-                endpoint.send_all(conv.ranks, *conv.prepare(step, decode_prepare(step, self.rows, steady=step > 1)))
+                endpoint.send_all(conv.ranks, *conv.prepare(step, *self.next_step(step)))
                 self.sent[step] = time.perf_counter()
             for event in self.events():
                 now = time.perf_counter()
@@ -497,7 +532,7 @@ def measure_loop(
 
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
-    driver = _LoopDriver(endpoint, spec.world_size, spec.max_inflight, spec.rows)
+    driver = _LoopDriver(endpoint, spec.world_size, spec.max_inflight, spec.rows, spec.steady)
     try:
         with tempfile.TemporaryDirectory(prefix="bench-step-") as times_dir:
             cluster = ExecutorCluster(
@@ -573,6 +608,10 @@ def main() -> None:
     parser.add_argument(
         "--forward", default="sleep", help=f"the fake forward: {' or '.join(FORWARD_KINDS)} (comma-separated: several runs)"
     )
+    parser.add_argument(
+        "--steady", default="continue",
+        help=f"how steady decode steps travel: {' or '.join(STEADY_KINDS)} (comma-separated: several runs)",
+    )
     args = parser.parse_args()
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     torch.set_num_threads(1)
@@ -588,14 +627,18 @@ def main() -> None:
     if not args.loop_only:
         report |= {"bandwidth": bandwidth(), "clear_pages_bf16_smollm2_pages": clear_cost(), "step_pieces": step_pieces()}
     inflight = {"serial": 1, "overlap": 2}
+    steadies = args.steady.split(",")
+    if set(steadies) - set(STEADY_KINDS):
+        parser.error(f"--steady takes {' or '.join(STEADY_KINDS)}")
     report["loop"] = {
-        f"{mode}/{w}/rows={rows}/{forward}": measure_loop(
-            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode])
+        f"{mode}/{w}/rows={rows}/{forward}" + (f"/{steady}" if len(steadies) > 1 else ""): measure_loop(
+            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode], steady)
         )
         for w in args.ranks.split(",")
         for rows in args.rows.split(",")
         for forward in args.forward.split(",")
         for mode in args.modes.split(",")
+        for steady in steadies
     }
     if args.json:
         print(json.dumps(report, indent=2))

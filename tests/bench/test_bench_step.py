@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_step import DECODE_SEQS, LoopSpec, bench_geometry, decode_prepare, measure_loop, message_costs
+from scripts.bench_step import (
+    DECODE_SEQS,
+    PAGE_SIZE,
+    LoopSpec,
+    _LoopDriver,
+    bench_geometry,
+    decode_prepare,
+    measure_loop,
+    message_costs,
+)
 from protocol.validate import validate_prepare
 
 
-@pytest.mark.parametrize("forward", ["sleep", "gil"])
-def test_the_loop_measurement_reports_every_phase(forward: str) -> None:
+@pytest.mark.parametrize(("forward", "steady"), [("sleep", "continue"), ("gil", "continue"), ("sleep", "prepare")])
+def test_the_loop_measurement_reports_every_phase(forward: str, steady: str) -> None:
     steps = 12
-    report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=4, forward_ms=2.0, forward=forward))
+    report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=4, forward_ms=2.0, forward=forward, steady=steady))
     assert report["steps"] == steps - min(10, steps // 4)
     for phase in ("forward_gap_us", "model_idle_us", "prepare_to_all_ready_us", "go_to_all_done_us"):
         assert 0 <= report[phase]["median"] <= report[phase]["p90"], phase
@@ -37,3 +46,19 @@ def test_the_message_costs_compare_both_layouts_of_both_frames_in_both_settings(
                 for stat in ("mean", "median"):
                     assert report.pop(f"{frame}_{layout}_{beside}_{stat}_us") > 0
     assert report == {}
+
+
+@pytest.mark.parametrize("rows", [DECODE_SEQS, 256])
+def test_steady_steps_go_as_continues_until_the_pages_are_full(rows: int) -> None:
+    g = bench_geometry(rows)
+    driver = _LoopDriver(endpoint=None, world_size=1, max_inflight=2, rows=rows, steady="continue")
+    briefs = []
+    for step in range(1, 2 + 3 * PAGE_SIZE):
+        body, brief = driver.next_step(step)
+        validate_prepare(body, g)
+        briefs.append(brief is not None)
+        assert bool(body.feedback.all()) is (step > 1)
+    # The first step and every PAGE_SIZE-th after it go whole: the context starts again.
+    assert briefs == [False] + ([True] * (PAGE_SIZE - 1) + [False]) * 3
+    whole = _LoopDriver(endpoint=None, world_size=1, max_inflight=2, rows=rows, steady="prepare")
+    assert not any(whole.next_step(step)[1] is not None for step in range(1, 20))
