@@ -34,7 +34,7 @@ from protocol.frames import (
     Welcome,
 )
 from protocol.continuation import expand
-from protocol.validate import check_envelope, check_geometry, validate_prepare
+from protocol.validate import check_envelope, check_geometry, validate_continued, validate_prepare
 
 # ---- an executor's side ---------------------------------------------------------------------
 
@@ -311,8 +311,12 @@ class ExecutorConversation:
         self.last_step = frame.step
         held, self._held = self._held, None
         try:
-            prepare = body if isinstance(body, Prepare) else _expand(frame.step, held, body)
-            validate_prepare(prepare, self.geometry)
+            if isinstance(body, Prepare):
+                prepare = body
+                validate_prepare(prepare, self.geometry)
+            else:
+                prepare = _expand(frame.step, held, body)
+                validate_continued(prepare, self.geometry)
         except ProtocolError as exc:
             self._refused = frame.step
             return Refused(frame.step, exc)

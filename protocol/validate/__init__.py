@@ -11,11 +11,11 @@ on an otherwise sound frame, and name every offending sequence in ProtocolError.
 their requests fail. Everything else (lengths, limits, page ids, ordering) refuses the whole frame.
 
 One module a concept: `envelope` (the envelope and the handshake's agreements), `prepare` (PREPARE's
-lengths, limits, page ids and positions), `own_fields` (the rules a sequence's own fields can break)
+lengths, limits, page ids and positions, and the part of them a CONTINUE's expansion can break), `own_fields` (the rules a sequence's own fields can break)
 and `array_checks` (the vectorized checks those two are built from).
 """
 
 from protocol.validate.envelope import check_envelope, check_geometry, negotiate_version
-from protocol.validate.prepare import validate_prepare
+from protocol.validate.prepare import validate_continued, validate_prepare
 
-__all__ = ["check_envelope", "check_geometry", "negotiate_version", "validate_prepare"]
+__all__ = ["check_envelope", "check_geometry", "negotiate_version", "validate_continued", "validate_prepare"]

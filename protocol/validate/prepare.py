@@ -48,6 +48,18 @@ def validate_prepare(p: Prepare, g: CacheGeometry) -> None:
         check_own_fields(p, g)
 
 
+def validate_continued(p: Prepare, g: CacheGeometry) -> None:
+    """validate_prepare for `p` = protocol.continuation.expand(held, c), where `held` passed it:
+    only the rules that what a CONTINUE changes can break. The new context (held + 1) against
+    max_model_len and its page table, the tables' lengths with the pages appended, every page id
+    and the clears' order; lengths, positions, sequence ids and the sequences' own fields are
+    held's or constants by construction. A test holds the two to the same verdict."""
+    if len(p.seq_ids):
+        _check_table_lens(p, g)
+        _check_sequences(p, g)
+    _check_pages(p, g)
+
+
 def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
     n = len(p.seq_ids)
     for name in _PER_SEQUENCE:
@@ -77,6 +89,15 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
             RejectCode.LIMIT_EXCEEDED,
             f"{total_tokens} new tokens exceed max_num_batched_tokens {g.max_num_batched_tokens}",
         )
+    _check_table_lens(p, g)
+    page_table_lens, base = p.page_table_lens, p.page_table_base
+    delta_pages = int(page_table_lens.sum(dtype=np.int64) - base.sum(dtype=np.int64))
+    check_length("page_table", p.page_table, delta_pages, "sum(page_table_lens - page_table_base)")
+    return total_tokens
+
+
+def _check_table_lens(p: Prepare, g: CacheGeometry) -> None:
+    """Each page table within max_pages_per_seq, and its base within it."""
     page_table_lens = p.page_table_lens
     if page_table_lens.view(np.uint32).max() > g.max_pages_per_seq:
         i = first_bad((page_table_lens < 0) | (page_table_lens > g.max_pages_per_seq))
@@ -93,9 +114,6 @@ def _check_shapes(p: Prepare, g: CacheGeometry) -> int:
             RejectCode.LENGTH_MISMATCH,
             f"page_table_base[{i}] = {base[i]} is outside [0, page_table_lens[{i}] = {page_table_lens[i]}]",
         )
-    delta_pages = int(page_table_lens.sum(dtype=np.int64) - base.sum(dtype=np.int64))
-    check_length("page_table", p.page_table, delta_pages, "sum(page_table_lens - page_table_base)")
-    return total_tokens
 
 
 def _check_flat_lengths(p: Prepare, g: CacheGeometry) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol.codec import decode, encode
 from protocol.continuation import CARRIED, KEPT, UNUSED, WORKED_OUT, expand
@@ -12,7 +14,7 @@ from protocol.conversation import PrepareReceived, Refused
 from protocol.errors import ProtocolError, RejectCode
 from protocol.frames import ARRAY_DTYPES, PREPARE_FIELDS, Abort, Continue, Extent, Go, Prepare, Ready
 from protocol.page_tables import HeldPageTables
-from protocol.validate import validate_prepare
+from protocol.validate import validate_continued, validate_prepare
 from tests.protocol.conversation_helpers import frame, result, running_scheduler, welcomed_executor
 from tests.protocol.wire_samples import GEOMETRY, KEY, valid_prepare, with_arrays
 
@@ -185,3 +187,57 @@ def test_the_scheduler_sends_a_continue_only_after_the_step_before_went_out() ->
     conv.go(3)
     conv.receive(0, frame(result((1000, 1001, 1002, 1003)), 1), 0.0)
     assert conv.prepare(4, held).body is held  # no CONTINUE offered
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+pages = st.integers(-1, GEOMETRY.num_kv_pages + 2)
+
+
+@st.composite
+def held_and_continue(draw: st.DrawFn) -> tuple[Prepare, Continue]:
+    """A valid PREPARE of 1-6 decode sequences anywhere up to max_model_len, and a CONTINUE after it
+    that may break any rule a CONTINUE can: a context past max_model_len, a table too short or past
+    max_pages_per_seq, page ids out of range, clears out of order."""
+    n = draw(st.integers(1, 6))
+    max_len, size = GEOMETRY.max_model_len, GEOMETRY.page_size
+    contexts = draw(st.lists(st.sampled_from([1, size - 1, size, size + 1, max_len - size, max_len - 1, max_len]), min_size=n, max_size=n))
+    held = valid_prepare((1,) * n, tuple(contexts), cleared_pages=(), restore=(), offload=(), poison_pages=())
+    held = with_arrays(held, sampling_state=draw(st.lists(st.sampled_from([0, 1, 2]), min_size=n, max_size=n)))
+    validate_prepare(held, GEOMETRY)
+    new_pages = draw(st.lists(st.one_of(st.just(-1), st.just(-1), pages), min_size=n, max_size=n))
+    cleared = draw(st.lists(pages, max_size=4).map(lambda c: c if draw(st.booleans()) else sorted(set(c))))
+    poison = draw(st.lists(pages, max_size=2))
+    return held, brief(new_pages, cleared, poison)
+
+
+def verdict(check, p: Prepare) -> RejectCode | None:
+    try:
+        check(p, GEOMETRY)
+    except ProtocolError as exc:
+        return exc.code
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(held_and_continue())
+def test_a_continues_short_validation_gives_the_whole_validations_verdict(case: tuple[Prepare, Continue]) -> None:
+    held, c = case
+    p = expand(held, c)
+    assert verdict(validate_continued, p) == verdict(validate_prepare, p)
+
+
+def test_the_short_validation_refuses_what_a_continue_can_break() -> None:
+    # Each rule the property above must have seen fail, by hand.
+    at_limit = valid_prepare((1,), (GEOMETRY.max_model_len,), cleared_pages=(), restore=(), offload=(), poison_pages=())
+    full_table = valid_prepare((1,), (GEOMETRY.max_model_len - 1,), cleared_pages=(), restore=(), offload=(), poison_pages=())
+    fits = valid_prepare((1,), (20,), cleared_pages=(), restore=(), offload=(), poison_pages=())
+    cases = [
+        (expand(at_limit, brief((-1,), (), ())), RejectCode.BAD_CONTEXT_LEN),
+        (expand(full_table, brief((5,), (), ())), RejectCode.LIMIT_EXCEEDED),
+        (expand(fits, brief((GEOMETRY.num_kv_pages,), (), ())), RejectCode.PAGE_OUT_OF_RANGE),
+        (expand(fits, brief((-1,), (9, 8), ())), RejectCode.CLEARED_NOT_SORTED_UNIQUE),
+        (expand(fits, brief((-1,), (), (GEOMETRY.num_kv_pages,))), RejectCode.PAGE_OUT_OF_RANGE),
+    ]
+    for p, code in cases:
+        assert verdict(validate_continued, p) is code == verdict(validate_prepare, p)
