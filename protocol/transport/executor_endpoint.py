@@ -11,7 +11,7 @@ from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, from_message
 from protocol.curve import ClientCurve
 from protocol.errors import TransportError
 from protocol.frames import SUPPORTED_VERSIONS, Body, Frame
-from protocol.transport.sockets import HANDSHAKE_FAILED, new_socket
+from protocol.transport.sockets import HANDSHAKE_FAILED, POLLIN, new_socket
 from protocol.transport.stamp import Stamp
 from protocol.transport.waker import Waker
 
@@ -93,7 +93,7 @@ class ExecutorEndpoint:
         return frame
 
     def _check_handshake(self) -> None:
-        if self._monitor is None or not self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        if self._monitor is None or not self._monitor.get(zmq.EVENTS) & POLLIN:
             return
         event = recv_monitor_message(self._monitor)
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

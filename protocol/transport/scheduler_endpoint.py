@@ -19,7 +19,7 @@ from protocol.curve import ZAP_DOMAIN, ServerCurve
 from protocol.errors import ProtocolError, TransportError
 from protocol.frames import SUPPORTED_VERSIONS, Body, Frame, Hello
 from protocol.transport.ipc import remove_private_dir
-from protocol.transport.sockets import HANDSHAKE_FAILED, new_socket
+from protocol.transport.sockets import HANDSHAKE_FAILED, POLLIN, new_socket
 from protocol.transport.stamp import Stamp
 from protocol.transport.waker import Waker
 
@@ -265,7 +265,7 @@ class SchedulerEndpoint:
         return Received(body.rank, frame, None)
 
     def _watch_connections(self) -> None:
-        while self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        while self._monitor.get(zmq.EVENTS) & POLLIN:
             event = recv_monitor_message(self._monitor)
             kind, fd = event["event"], int(event["value"])
             if kind == zmq.EVENT_ACCEPTED:

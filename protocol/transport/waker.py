@@ -6,6 +6,8 @@ import os
 
 import zmq
 
+from protocol.transport.sockets import POLLIN
+
 
 class Waker:
     """A pipe that a socket's poller watches beside the socket: a socket belongs to the one thread
@@ -32,7 +34,7 @@ class Waker:
             # Asked between frames, several times per step: the socket's own flags answer without
             # the poller, which gives up the GIL and may wait to take it back. A wake-up left in the
             # pipe ends the next wait instead, as wake() promises.
-            return bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+            return bool(self._sock.get(zmq.EVENTS) & POLLIN)
         ready = dict(self._poller.poll(None if timeout_ms < 0 else timeout_ms))
         if self._read in ready:
             try:
