@@ -1,7 +1,8 @@
 """Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
 
     python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only] [--forward-ms 10]
-                                 [--rows 16,256] [--forward sleep,gil]
+                                 [--rows 16,256] [--forward sleep,gil] [--steady continue,prepare]
+    python scripts/bench_step.py --frames --rows 16,256    # a steady step's frame both ways, in-process
 
 1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
    byte fill (bytes written per second), measured here, side by side with
@@ -22,7 +23,8 @@
    Each world size runs serially (the next PREPARE after the RESULT) and overlapped (the next
    PREPARE as soon as GO is out, as --async-scheduling does): the gap is what overlapping saves.
    The executors are started and stopped by scripts/harness/executors.py.
-Also the in-process pieces of one step (validate_prepare, StepInputs.from_prepare, sample).
+Also the in-process pieces of one step (validate_prepare, StepInputs.from_prepare, sample), and
+(--frames) a steady step's encode, decode and validation as a PREPARE and as a CONTINUE.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
-from protocol.codec import encode, to_message  # noqa: E402
+from protocol.codec import decode, encode, to_message  # noqa: E402
 from protocol.continuation import expand  # noqa: E402
 from protocol.frames import (  # noqa: E402
     LAYOUT_VERSION,
@@ -63,7 +65,7 @@ from protocol.frames import (  # noqa: E402
     Ready,
     plain_sampling,
 )
-from protocol.validate import validate_prepare  # noqa: E402
+from protocol.validate import validate_continued, validate_prepare  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
@@ -210,6 +212,33 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
         "argmax_16x49152_sampler_us": median_us(lambda: argmax_rows(peaked), 20),
         "sample_16x49152_top_p_peaked_us": median_us(lambda: sample(peaked, params), 20),
         "sample_16x49152_top_p_flat_us": median_us(lambda: sample(flat, params), 20),
+    }
+
+
+def steady_frame_costs(rows: int, repeats: int = 300) -> dict[str, float]:
+    """One steady decode step of `rows` sequences on the wire both ways, in this process (warm
+    caches): the scheduler's encode, a rank's decode and validation, for the whole PREPARE and for
+    the CONTINUE that says it (with its expansion after the step before's PREPARE)."""
+    g = bench_geometry(rows)
+    driver = _LoopDriver(None, 1, 2, rows, "continue")
+    held, _ = driver.next_step(1)
+    whole, brief = driver.next_step(2)
+
+    def frame(body: object) -> Frame:
+        return Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "bench", 2, 1, body)
+
+    wire_whole, wire_brief = encode(frame(whole), BENCH_KEY), encode(frame(brief), BENCH_KEY)
+    got_held = decode(encode(frame(held), BENCH_KEY), BENCH_KEY).body
+    got_whole, got_brief = decode(wire_whole, BENCH_KEY).body, decode(wire_brief, BENCH_KEY).body
+    expanded = expand(got_held, got_brief)
+    return {
+        "prepare_encode_us": median_us(lambda: encode(frame(whole), BENCH_KEY), repeats),
+        "continue_encode_us": median_us(lambda: encode(frame(brief), BENCH_KEY), repeats),
+        "prepare_decode_us": median_us(lambda: decode(wire_whole, BENCH_KEY), repeats),
+        "continue_decode_us": median_us(lambda: decode(wire_brief, BENCH_KEY), repeats),
+        "continue_expand_us": median_us(lambda: expand(got_held, got_brief), repeats),
+        "prepare_validate_us": median_us(lambda: validate_prepare(got_whole, g), repeats),
+        "continue_validate_us": median_us(lambda: validate_continued(expanded, g), repeats),
     }
 
 
@@ -597,6 +626,9 @@ def main() -> None:
     parser.add_argument("--loop-only", action="store_true", help="only the step loop (for before/after runs)")
     parser.add_argument("--messages", action="store_true", help="only a frame's send + receive, three parts against one message")
     parser.add_argument(
+        "--frames", action="store_true", help="only a steady step's encode, decode and validation, as PREPARE and CONTINUE"
+    )
+    parser.add_argument(
         "--forward-ms", type=float, default=10.0,
         help="each forward's length besides its all_reduce (default 10: a small model's decode step on a CPU)",
     )
@@ -616,13 +648,17 @@ def main() -> None:
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     torch.set_num_threads(1)
     report: dict[str, object] = {}
-    if args.messages:
-        report["messages"] = message_costs()
+    if args.messages or args.frames:
+        if args.messages:
+            report["messages"] = message_costs()
+        if args.frames:
+            report["steady_frames"] = {f"rows={rows}": steady_frame_costs(int(rows)) for rows in args.rows.split(",")}
         if args.json:
             print(json.dumps(report, indent=2))
         else:
-            for name, value in report["messages"].items():
-                print(f"{name}: {value:.1f}")
+            for part in report.values():
+                for name, value in part.items():
+                    print(f"{name}: {value}" if isinstance(value, dict) else f"{name}: {value:.1f}")
         return
     if not args.loop_only:
         report |= {"bandwidth": bandwidth(), "clear_pages_bf16_smollm2_pages": clear_cost(), "step_pieces": step_pieces()}

@@ -14,6 +14,7 @@ from scripts.bench_step import (
     decode_prepare,
     measure_loop,
     message_costs,
+    steady_frame_costs,
 )
 from protocol.validate import validate_prepare
 
@@ -62,3 +63,11 @@ def test_steady_steps_go_as_continues_until_the_pages_are_full(rows: int) -> Non
     assert briefs == [False] + ([True] * (PAGE_SIZE - 1) + [False]) * 3
     whole = _LoopDriver(endpoint=None, world_size=1, max_inflight=2, rows=rows, steady="prepare")
     assert not any(whole.next_step(step)[1] is not None for step in range(1, 20))
+
+
+def test_the_frame_costs_time_both_ways_of_sending_a_steady_step() -> None:
+    report = steady_frame_costs(rows=4, repeats=3)
+    assert set(report) == {
+        f"{kind}_{what}_us" for kind in ("prepare", "continue") for what in ("encode", "decode", "validate")
+    } | {"continue_expand_us"}
+    assert all(value > 0 for value in report.values())
