@@ -17,7 +17,8 @@ to the interpreter's switch interval, so every part is a chance to wait (docs/co
 
 Decoding is two stages, after `from_message` has cut a message into its sections. `verify` checks
 the section count and total size (both cheap, and they bound the hashing work), then the MAC: a
-frame that fails here cannot be attributed to a holder of the key.
+frame that fails here cannot be attributed to a holder of the key. `open_message` is both for a
+received message.
 `decode_verified` checks everything else on a verified frame. `decode` runs both; every failure is a
 ProtocolError. Encoding a body the codec cannot carry, or with a key that is not one, is the
 caller's bug: a UsageError.
@@ -375,12 +376,22 @@ def verify(parts: Sequence[bytes | memoryview], key: bytes, limits: Limits = DEF
         count = len(parts)
     except TypeError as exc:
         raise ProtocolError(RejectCode.MALFORMED, "a frame must be a sequence of sections") from exc
-    if count < 3:
-        raise ProtocolError(RejectCode.MALFORMED, f"a frame has 3 sections (envelope, payload, MAC), got {count}")
     if count > limits.max_parts:
         raise ProtocolError(RejectCode.TOO_LARGE, f"{count} sections exceed the limit of {limits.max_parts}")
-    views = _byte_views(parts)
-    total = sum(v.nbytes for v in views)
+    return _verified(_byte_views(parts), key, limits)
+
+
+def open_message(parts: Sequence[object], key: bytes, limits: Limits = DEFAULT_LIMITS) -> list[memoryview]:
+    """verify(from_message(parts)): a received message's sections, authenticated. from_message's
+    views are read-only byte views already, so they are not viewed again (a dozen calls a frame on
+    every rank's and the scheduler's receive path)."""
+    return _verified(from_message(parts, limits), key, limits)
+
+
+def _verified(views: list[memoryview], key: bytes, limits: Limits) -> list[memoryview]:
+    if len(views) < 3:
+        raise ProtocolError(RejectCode.MALFORMED, f"a frame has 3 sections (envelope, payload, MAC), got {len(views)}")
+    total = sum([v.nbytes for v in views])
     if total > limits.max_frame_bytes:
         raise ProtocolError(
             RejectCode.TOO_LARGE, f"{total} bytes exceed the frame limit of {limits.max_frame_bytes}"

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, from_message, verify
+from protocol.codec import DEFAULT_LIMITS, Limits, decode_verified, open_message
 from protocol.curve import ClientCurve
 from protocol.errors import TransportError
 from protocol.frames import SUPPORTED_VERSIONS, Body, Frame
@@ -87,8 +87,7 @@ class ExecutorEndpoint:
             self._check_handshake()
             return None
         limits = self._stamp.limits
-        sections = from_message(self._sock.recv_multipart(copy=False), limits)
-        frame = decode_verified(verify(sections, self._stamp.key, limits), limits)
+        frame = decode_verified(open_message(self._sock.recv_multipart(copy=False), self._stamp.key, limits), limits)
         self._stamp.replay.check(_SCHEDULER, frame.seq)
         return frame
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import DEFAULT_LIMITS, decode, encode, frame_mac, from_message, to_message
+from protocol.codec import DEFAULT_LIMITS, decode, encode, frame_mac, from_message, open_message, to_message, verify
 from protocol.errors import ProtocolError, RejectCode, UsageError
 from protocol.frames import Frame, FrameType, Go, Ready, Result, Welcome
 from tests.protocol.wire_samples import GEOMETRY, KEY, valid_prepare
@@ -155,6 +155,25 @@ def test_a_header_that_does_not_fit_its_message_is_refused() -> None:
     assert message_code([many]) == RejectCode.TOO_LARGE
     huge = (1 << 62).to_bytes(8, "little") + message[8:]
     assert message_code([huge]) == RejectCode.TOO_LARGE
+
+
+def open_code(message: bytes, key: bytes = KEY, limits=DEFAULT_LIMITS) -> RejectCode:
+    with pytest.raises(ProtocolError) as info:
+        open_message([message], key, limits)
+    return info.value.code
+
+
+def test_open_message_is_verify_of_from_message() -> None:
+    message = to_message(prepare_parts())
+    assert [bytes(v) for v in open_message([message], KEY)] == [bytes(v) for v in verify(from_message([message]), KEY)]
+    assert open_code(message, bytes(32)) == RejectCode.BAD_MAC
+    tampered = bytearray(message)
+    tampered[40] ^= 1  # inside the envelope
+    assert open_code(bytes(tampered)) == RejectCode.BAD_MAC
+    two = to_message(prepare_parts()[:2])  # a MAC-less frame: two sections
+    assert open_code(two) == RejectCode.MALFORMED
+    assert open_code(message, limits=dataclasses.replace(DEFAULT_LIMITS, max_frame_bytes=200)) == RejectCode.TOO_LARGE
+    assert open_code(message[:-8]) == RejectCode.MALFORMED  # from_message's own checks come first
 
 
 @FUZZ
