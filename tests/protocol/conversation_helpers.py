@@ -32,16 +32,22 @@ def result(step_seq_ids: tuple[int, ...] = (1000,)) -> Result:
 PREPARE = valid_prepare()
 
 
-def running_scheduler(world: int = 2, max_inflight: int = 1) -> SchedulerConversation:
-    conv = SchedulerConversation(world_size=world, run_id=RUN_ID, max_inflight=max_inflight)
+def agreed_scheduler(world: int = 2, max_inflight: int = 1, ready_is_go: bool = False) -> SchedulerConversation:
+    """Every rank's HELLO received; the WELCOME not sent yet."""
+    conv = SchedulerConversation(world_size=world, run_id=RUN_ID, max_inflight=max_inflight, ready_is_go=ready_is_go)
     for rank in range(world):
         conv.receive(rank, frame(hello(rank, world)), 0.0)
+    return conv
+
+
+def running_scheduler(world: int = 2, max_inflight: int = 1, ready_is_go: bool = False) -> SchedulerConversation:
+    conv = agreed_scheduler(world, max_inflight, ready_is_go)
     conv.welcome()
     return conv
 
 
-def welcomed_executor(rank: int = 0, world: int = 2) -> ExecutorConversation:
+def welcomed_executor(rank: int = 0, world: int = 2, ready_is_go: bool = False) -> ExecutorConversation:
     conv = ExecutorConversation(rank=rank, world_size=world, run_id=RUN_ID, geometry=GEOMETRY, model_fingerprint="w")
     conv.hello()
-    conv.receive(frame(Welcome(V, LAYOUT_VERSION, world, GEOMETRY)))
+    conv.receive(frame(Welcome(V, LAYOUT_VERSION, world, GEOMETRY, ready_is_go)))
     return conv

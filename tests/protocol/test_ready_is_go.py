@@ -21,27 +21,27 @@ from protocol.conversation import (
 )
 from protocol.errors import ProtocolError, RejectCode, UsageError
 from protocol.frames import LAYOUT_VERSION, Go, Welcome
-from tests.protocol.conversation_helpers import PREPARE, V, frame, hello, result
+from tests.protocol.conversation_helpers import (
+    PREPARE,
+    V,
+    agreed_scheduler,
+    frame,
+    result,
+    running_scheduler,
+    welcomed_executor,
+)
 from tests.protocol.wire_samples import GEOMETRY, RUN_ID
 
 KEY = b"k" * 32
 
 
-def one_rank_scheduler(max_inflight: int = 2) -> SchedulerConversation:
-    conv = SchedulerConversation(world_size=1, run_id=RUN_ID, max_inflight=max_inflight, ready_is_go=True)
-    conv.receive(0, frame(hello(0, 1)), 0.0)
-    return conv
-
-
-def one_rank_executor(ready_is_go: bool = True) -> ExecutorConversation:
-    conv = ExecutorConversation(rank=0, world_size=1, run_id=RUN_ID, geometry=GEOMETRY, model_fingerprint="w")
-    conv.hello()
-    conv.receive(frame(Welcome(V, LAYOUT_VERSION, 1, GEOMETRY, ready_is_go)))
-    return conv
+def one_rank() -> tuple[SchedulerConversation, ExecutorConversation]:
+    """Both halves of a group of one rank, WELCOMEd with ready_is_go."""
+    return running_scheduler(world=1, max_inflight=2, ready_is_go=True), welcomed_executor(0, 1, ready_is_go=True)
 
 
 def test_the_welcome_carries_ready_is_go_and_the_codec_keeps_it() -> None:
-    conv = one_rank_scheduler()
+    conv = agreed_scheduler(world=1, max_inflight=2, ready_is_go=True)
     welcome, _ = conv.welcome()
     assert welcome == Welcome(V, LAYOUT_VERSION, 1, GEOMETRY, True)
     for flag in (True, False):
@@ -73,8 +73,7 @@ def test_only_a_group_of_one_rank_may_run_on_ready() -> None:
 
 
 def test_steps_run_on_ready_with_no_go_frame_and_finish_in_order() -> None:
-    sched, rank = one_rank_scheduler(), one_rank_executor()
-    sched.welcome()
+    sched, rank = one_rank()
     for step in (1, 2):
         sched.prepare(step, PREPARE)
         (got,) = rank.receive(frame(PREPARE, step))
@@ -93,8 +92,7 @@ def test_steps_run_on_ready_with_no_go_frame_and_finish_in_order() -> None:
 
 
 def test_a_go_sent_anyway_is_refused_and_a_failed_forward_is_a_failed_step() -> None:
-    sched, rank = one_rank_scheduler(), one_rank_executor()
-    sched.welcome()
+    sched, rank = one_rank()
     sched.prepare(1, PREPARE)
     rank.receive(frame(PREPARE, 1))
     ready, _ = rank.ready(1)
@@ -108,8 +106,7 @@ def test_a_go_sent_anyway_is_refused_and_a_failed_forward_is_a_failed_step() -> 
 
 
 def test_a_refused_step_is_aborted_as_with_go() -> None:
-    sched, rank = one_rank_scheduler(), one_rank_executor()
-    sched.welcome()
+    sched, rank = one_rank()
     sched.prepare(1, PREPARE)
     rank.receive(frame(PREPARE, 1))
     reject, _ = rank.reject(1, ProtocolError(RejectCode.PAGE_OUT_OF_RANGE, "page 9999"))
@@ -122,7 +119,7 @@ def test_a_refused_step_is_aborted_as_with_go() -> None:
 
 
 def test_without_the_flag_a_lone_rank_still_waits_for_go() -> None:
-    rank = one_rank_executor(ready_is_go=False)
+    rank = welcomed_executor(0, 1)
     rank.receive(frame(PREPARE, 1))
     rank.ready(1)
     assert rank.staged == 1 and rank.running == ()
@@ -133,8 +130,7 @@ def test_a_result_for_a_step_aborted_while_its_ready_crossed_the_abort_breaks_th
     """The one race READY-is-GO opens: the scheduler gave up waiting for READY (ready_s) just as the
     rank sent it and started the step. The step's RESULT then names a step the scheduler dropped: a
     violation (the engine ends the group, recovery replaces it), never a silently accepted result."""
-    sched, rank = one_rank_scheduler(), one_rank_executor()
-    sched.welcome()
+    sched, rank = one_rank()
     sched.prepare(1, PREPARE)
     rank.receive(frame(PREPARE, 1))
     ready, _ = rank.ready(1)
