@@ -93,7 +93,8 @@ class FakeRank(threading.Thread):
 
 
 def fake_scheduler(max_inflight_steps: int = 1) -> Scheduler:
-    """A scheduler planning for the fake rank's geometry (max_inflight_steps 2: as the server plans by default)."""
+    """A scheduler planning for the fake rank's geometry; max_inflight_steps 2 plans each step while
+    the one before runs, as the server does by default."""
     return Scheduler(
         SchedulerConfig(
             num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=GEOMETRY.max_num_seqs,
