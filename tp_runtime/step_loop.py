@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from protocol.conversation import (
     HandshakeComplete,
     HandshakeRefused,
+    Outgoing,
     Phase,
     ProtocolViolation,
     RankShutdown,
@@ -35,7 +36,7 @@ from protocol.conversation import (
     StepReady,
     StepRefused,
 )
-from protocol.errors import TPRuntimeError
+from protocol.errors import TPRuntimeError, TransportError
 from protocol.transport import SchedulerEndpoint
 from scheduler.scheduler import RequestOutput, Scheduler, StepPlan
 from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter
@@ -255,7 +256,7 @@ class StepLoop:
                 break
             back_to_back = bool(self._inflight) or self._model_had_work
             self.counters.planned_ahead += bool(self._inflight)
-            self.endpoint.send_all(conv.ranks, *conv.prepare(plan.step, plan.prepare, plan.brief))
+            self._send_all(conv.prepare(plan.step, plan.prepare, plan.brief))
             self._flush_outputs()
             self._inflight[plan.step] = _InFlight(plan, time.monotonic(), back_to_back=back_to_back)
             self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))
@@ -274,7 +275,7 @@ class StepLoop:
         if isinstance(event, StepReady):
             go = conv.go(event.step)
             if go is not None:
-                self.endpoint.send_all(conv.ranks, *go)
+                self._send_all(go)
             entry = self._inflight[event.step]
             entry.go_at = time.monotonic()
             self.counters.protocol_s += entry.go_at - entry.sent_at
@@ -300,7 +301,7 @@ class StepLoop:
         """ABORT the step waiting for GO. Only the sequences the ranks named fail when they named
         some; the others are planned again at once. Steps before it are untouched."""
         log.warning("%s", reason)
-        self.endpoint.send_all(self.conversation.ranks, *self.conversation.abort(step, reason))
+        self._send_all(self.conversation.abort(step, reason))
         self.counters.rejects += 1
         self.counters.aborts += 1
         entry = self._inflight.pop(step)
@@ -358,6 +359,17 @@ class StepLoop:
             after = f" (then {', '.join(then)} too)" if then else ""
             raise RankFailure(f"the connection of {first} closed: its process ended{after}")
 
+    def _send_all(self, outgoing: Outgoing) -> None:
+        """A frame to every rank while steps run. A rank the socket can no longer reach has died
+        before the monitor reported its closed connection (a SIGKILL, then a send in the same
+        millisecond): that is the rank's failure, as the closed connection would have been, not the
+        engine's."""
+        try:
+            self.endpoint.send_all(self.ranks, *outgoing)
+        except TransportError as exc:
+            self.check_closed()  # the monitor's report, when it has arrived meanwhile, names the cause
+            raise RankFailure(f"{exc}: the rank cannot be reached, its process has ended") from exc
+
     def _duties(self, now: float) -> None:
         self._duties_at = now
         # The socket sees a death before the launcher's report (it polls every 0.2 s): a closed
@@ -375,7 +387,7 @@ class StepLoop:
         self._check_deadlines(now)
         if now - self._last_heartbeat >= self.timeouts.heartbeat_s:
             self._last_heartbeat = now
-            self.endpoint.send_all(self.ranks, *self.conversation.heartbeat())
+            self._send_all(self.conversation.heartbeat())
 
     def _check_deadlines(self, now: float) -> None:
         conv = self.conversation

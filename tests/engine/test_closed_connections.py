@@ -1,6 +1,7 @@
 """When a killed rank takes its peer down with it (the peer's collective fails and it exits), both
 connections close within a millisecond and one liveness check sees both: the rank whose close was
-seen first is named as the cause, the other follows it."""
+seen first is named as the cause, the other follows it. A frame sent to a rank that died before the
+monitor reported its connection closed fails that rank, not the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 
 import pytest
 
+from protocol.errors import TransportError
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.protocol.conversation_helpers import running_scheduler
 from tp_runtime.step_loop import EngineTimeouts, RankFailure, StepLoop
 
 
@@ -45,3 +48,31 @@ def test_the_first_connection_seen_closing_is_named_as_the_cause(closed: list[in
 def test_one_closed_connection_is_named_alone() -> None:
     with pytest.raises(RankFailure, match=r"^the connection of rank 1\b[^(]*closed: its process ended$"):
         loop_over(ClosedInOrder([1]))._duties(time.monotonic())
+
+
+class Unreachable(ClosedInOrder):
+    """A socket that can no longer reach rank 1 (ROUTER_MANDATORY's EHOSTUNREACH); its monitor
+    reports the closed connection only after the first liveness check, or never."""
+
+    def __init__(self, closed_later: list[int]) -> None:
+        super().__init__([])
+        self._later = closed_later
+
+    def send_all(self, ranks: tuple[int, ...], body: object, step: int) -> None:
+        self._closed, self._later = self._later, []
+        raise TransportError(f"rank 1 is not connected to ipc://{self.run_id}")
+
+
+@pytest.mark.parametrize(
+    ("closed_later", "said"),
+    [([1], r"^the connection of rank 1\b.*closed: its process ended$"), ([], r"^rank 1 is not connected .*its process has ended$")],
+)
+def test_a_send_to_a_rank_that_died_unseen_is_that_ranks_failure(closed_later: list[int], said: str) -> None:
+    # The heartbeat is the duties' send; before this, its TransportError ended the engine, not the
+    # group, and recovery never ran (tests/e2e/test_recovery.py met it once in a CI run).
+    loop = loop_over(Unreachable(closed_later))
+    loop.conversation = running_scheduler(world=3)  # every rank heard at 0.0
+    heartbeat_due = loop.timeouts.heartbeat_s  # and no rank silent yet
+    assert heartbeat_due < loop.timeouts.peer_silence_s
+    with pytest.raises(RankFailure, match=said):
+        loop._duties(heartbeat_due)
