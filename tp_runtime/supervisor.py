@@ -180,10 +180,12 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None) -> 
             self._running = spec.max_restarts - self._remaining_restarts
             super()._restart_workers(worker_group)
 
-        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):  # noqa: ANN001, ANN202
+        # Whatever torch's run() passes goes on as it came: torch 2.11's _shutdown takes no timeout
+        # (2.13's does), and a fixed signature here crashed the agent's stop on the older one.
+        def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             if self._pcontext is not None:
                 kill_stopped(self._pcontext.pids().values())
-            super()._shutdown(death_sig, timeout)
+            super()._shutdown(death_sig, *args, **kwargs)
             stop_heartbeats(self._worker_group.spec.rdzv_handler)
 
     return ObservedAgent

@@ -3,6 +3,7 @@ stop adds to torch's."""
 
 from __future__ import annotations
 
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +28,7 @@ def test_the_agents_stop_stops_the_rendezvous_heartbeats(monkeypatch: pytest.Mon
     # own thread when the handler was freed there ("cannot join current thread" in a host's log at
     # the end of a drain across hosts, tests/e2e/test_multinode.py).
     stopped: list[object] = []
-    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, death_sig, timeout: stopped.append(death_sig))
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, death_sig, timeout=30: stopped.append(death_sig))
     agent_class = observed_agent(None)
     agent = agent_class.__new__(agent_class)
     handler = Handler()
@@ -36,3 +37,32 @@ def test_the_agents_stop_stops_the_rendezvous_heartbeats(monkeypatch: pytest.Mon
     agent._shutdown()
     assert len(stopped) == 1 and handler.heartbeats_stopped == 1
 
+
+
+@pytest.mark.parametrize("torch_version", ["2.11", "2.13"])
+def test_the_agents_stop_calls_torchs_stop_as_its_run_does(monkeypatch: pytest.MonkeyPatch, torch_version: str) -> None:
+    # torch 2.11's run() calls _shutdown(sig) and _shutdown(), and its _shutdown takes no timeout;
+    # 2.13's passes timeout= and takes it. The device check's server crashed at its stop on 2.11
+    # ("takes from 1 to 2 positional arguments but 3 were given") while the override passed both.
+    received: list[tuple[object, ...]] = []
+    if torch_version == "2.11":
+
+        def base(self, death_sig=signal.SIGTERM):  # noqa: ANN001, ANN202
+            received.append((death_sig,))
+
+        calls = [((signal.SIGTERM,), {}), ((), {})]
+    else:
+
+        def base(self, death_sig=signal.SIGTERM, timeout=30):  # noqa: ANN001, ANN202
+            received.append((death_sig, timeout))
+
+        calls = [((signal.SIGINT,), {"timeout": 7}), ((), {"timeout": 9})]
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", base)
+    agent_class = observed_agent(None)
+    agent = agent_class.__new__(agent_class)
+    agent._pcontext = None
+    agent._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=Handler()))
+    for args, kwargs in calls:
+        agent._shutdown(*args, **kwargs)
+    expected = [(signal.SIGTERM,), (signal.SIGTERM,)] if torch_version == "2.11" else [(signal.SIGINT, 7), (signal.SIGTERM, 9)]
+    assert received == expected
