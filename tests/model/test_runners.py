@@ -270,7 +270,8 @@ def test_smollm2_compiled_is_as_close_to_fp32_as_eager_and_answers_alike():
         batch = {seq: prompts[seq] for seq in range(rows)}
         eager_logits, tokens = Driver(eager, num_kv_pages=200, page_size=16, kv_dtype="bf16").greedy(batch, 16)
         _, compiled_tokens = Driver(built, num_kv_pages=200, page_size=16, kv_dtype="bf16").greedy(batch, 16)
-        probe = Driver(built, num_kv_pages=8, page_size=16, kv_dtype="bf16")
+        # One page per sequence: the probe's one-token step needs `rows` pages.
+        probe = Driver(built, num_kv_pages=max(8, rows), page_size=16, kv_dtype="bf16")
         probe.step([(seq, [1], True) for seq in range(rows)])
         assert probe.runner.last_runner == "compiled"
         # The canonical answers (FACTS.md) come out the same; a prompt whose eager choice is a near
