@@ -212,7 +212,7 @@ def load_executor(
     model = _load_shard(options, load, rank=rank, world_size=world_size, device=device)
     geometry = build_geometry(options, model.config)
     cache = _allocate_cache(options, model, world_size=world_size, device=device)
-    step_model = _step_model(options, model, cache, geometry)
+    step_model = _step_model(options, model, cache, geometry, world_size=world_size)
     if options.seed is not None:
         torch.manual_seed(options.seed)
     return LoadedExecutor(options, rank, world_size, cache, step_model, geometry)
@@ -291,7 +291,19 @@ def _allocate_cache(options: ExecutorOptions, model: Any, *, world_size: int, de
     )
 
 
-def _step_model(options: ExecutorOptions, model: Any, cache: KVCache, geometry: CacheGeometry) -> StepModel:
+def check_graph_collectives(world_size: int, backend: str | None) -> None:
+    """CUDA graphs capture the model's all_reduce only where it is a CUDA kernel, as NCCL's is.
+    gloo's runs on the host through pinned copies and a stream sync: its capture fails (on the GPU
+    check: both ranks of a TP=2 group on one GPU over gloo died before HELLO), and a replay would
+    skip it anyway. So such a group is refused at start, in a sentence, rather than hanging."""
+    if world_size > 1 and backend != "nccl":
+        raise ExecutorStartError(
+            f"CUDA graphs need NCCL between the ranks; this group of {world_size} runs over {backend}, "
+            "whose collectives cannot be captured: start with --enforce-eager"
+        )
+
+
+def _step_model(options: ExecutorOptions, model: Any, cache: KVCache, geometry: CacheGeometry, *, world_size: int) -> StepModel:
     """The model as a step runs it: executor.model.runner picks eager, compiled layers or, on CUDA
     with graphs asked for, a captured decode graph. A stand-in model (the loop tests') runs as it is."""
     from executor.model import LlamaModel
@@ -303,6 +315,8 @@ def _step_model(options: ExecutorOptions, model: Any, cache: KVCache, geometry: 
     graphs = None
     if cache.device.type == "cuda" and options.cuda_graphs:
         from executor.cuda_graphs import DecodeGraphRunner
+
+        check_graph_collectives(world_size, torch.distributed.get_backend() if world_size > 1 else None)
 
         graphs = DecodeGraphRunner(model, cache, geometry=geometry, batch_sizes=options.cuda_graph_batch_sizes)
     return ModelRunner(model, graphs=graphs)

@@ -235,3 +235,29 @@ def test_the_runner_without_capture_agrees_with_eager_and_a_padding_mistake_is_c
     monkeypatch.setattr(StaticDecodeBatch, "fills", lambda b: {**real_fills(b), Pad.PAD_PAGE: 0})  # page 0 is live
     expected, padded = run()
     assert not torch.allclose(padded, expected, rtol=1e-5, atol=1e-5), "a stray padding write went unnoticed"
+
+
+def test_graphs_over_a_collective_that_cannot_be_captured_are_refused_at_start(monkeypatch):
+    # On the GPU check, TP=2 over gloo with graphs died in capture on both ranks before HELLO, and
+    # the engine waited out its handshake. The worker refuses it in a sentence, before any capture.
+    from types import SimpleNamespace
+
+    from executor.model import LlamaModel
+    from executor.options import ExecutorOptions
+    from executor.worker import ExecutorStartError, _step_model, check_graph_collectives
+
+    check_graph_collectives(1, None)
+    check_graph_collectives(2, "nccl")
+    with pytest.raises(ExecutorStartError, match="NCCL.*gloo.*--enforce-eager"):
+        check_graph_collectives(2, "gloo")
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    captured = []
+    monkeypatch.setattr("executor.cuda_graphs.DecodeGraphRunner", lambda *a, **k: captured.append(a))
+    monkeypatch.setattr("executor.model.runner.ModelRunner", lambda model, graphs: model)
+    cuda_cache = SimpleNamespace(device=torch.device("cuda", 0))
+    options = ExecutorOptions(model="unused", num_kv_pages=8, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, cuda_graphs=True)
+    with pytest.raises(ExecutorStartError, match="gloo"):
+        _step_model(options, LlamaModel.__new__(LlamaModel), cuda_cache, geometry(), world_size=2)
+    assert captured == []
+    _step_model(options, LlamaModel.__new__(LlamaModel), cuda_cache, geometry(), world_size=1)
+    assert len(captured) == 1
