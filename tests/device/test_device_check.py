@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -172,6 +173,10 @@ def test_decode_on_the_cpu_runs_the_same_code_and_its_failures_are_real(
     decode = [r for r in rows if r["section"] == "decode"]
     assert [r["batch"] for r in decode] == [1, 3] and [r["graph"] for r in decode] == [[1, 32], [4, 32]]
     assert all(r["bytes_per_step"] > 0 and r["eager_tok_s"] > 0 and r["argmax_agreement"] == 1.0 for r in decode)
+    kernels = [r for r in rows if r["section"] == "decode_kernels"]
+    assert [r["batch"] for r in kernels] == [1, 3]
+    assert all(0 < len(r["top"]) <= device_decode.TOP_KERNELS and r["total_us"] >= sum(k["us"] for k in r["top"]) for r in kernels)
+    assert any("mm" in k["name"] for k in kernels[0]["top"])  # the matmuls are among a step's largest
     cost = next(r for r in rows if r["section"] == "clears_cost")
     assert cost["clear_4_pages_us"] > 0 and "4_pages_batch_3" in cost["fraction_of_step"]
     # Negative control: a graph that replays with the previous step's token ids (their rule's fill
@@ -248,6 +253,72 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
 
     monkeypatch.setattr(device_serving, "STREAM_TOKENS", 12)
     model = write_checkpoint(tmp_path / "tiny", TINY, export(Path(default_model_path()), tmp_path / "tok"), device=torch.device("cpu"))
-    gaps = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)))
-    assert device_serving.FAILURES == []
+    done = threading.Event()  # the server's stream waits on it: one process's forwards at a time
+    trace = tmp_path / "trace.json"
+    gaps = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), done, trace)
+    assert device_serving.FAILURES == [] and done.is_set()
+    assert any(e.get("name", "").startswith("aten::") for e in json.loads(trace.read_text())["traceEvents"])
     assert gaps.forwards == 12 and gaps.step_ms > 0 and 0 < gaps.gap_us["median"] <= gaps.gap_us["p90"]
+
+
+def test_the_serving_parts_gpu_stamps_bracket_each_graph_replay_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU half of the stamping, with CUDA's events and graphs stood in: a decode's step is its
+    replay (the inputs' copies before it count in the gap), a forward without a graph is stamped
+    whole, and every stamp reaches bench_step's times in order."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from scripts import device_serving
+
+    log: list[tuple[str, object]] = []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.at = None
+
+        def record(self) -> None:
+            Event.clock += 1.0
+            self.at = Event.clock
+            log.append(("record", self))
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other: "Event") -> float:
+            return (other.at - self.at) * 1e3  # ms, as CUDA's
+
+    class Graph:
+        def replay(self) -> None:
+            log.append(("replay", None))
+
+    class Runner:
+        def __init__(self, model, cache, **_):  # noqa: ANN001
+            self.graphs = {(1, 16): SimpleNamespace(graph=Graph())}
+
+        def graph_for(self, inputs):  # noqa: ANN001, ANN201
+            return self.graphs[(1, 16)] if inputs == "decode" else None
+
+        def forward(self, inputs, cache):  # noqa: ANN001, ANN201
+            log.append(("load", inputs))
+            if inputs == "decode":
+                self.graphs[(1, 16)].graph.replay()
+            else:
+                log.append(("eager", None))
+            return "logits"
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr("executor.cuda_graphs.DecodeGraphRunner", Runner)
+    times = np.full((4, 2), np.nan)
+    model = SimpleNamespace(fingerprint="f", config=None)
+    timed = device_serving.TimedForward(model, times, geometry=None, graphs=True)
+    cache = SimpleNamespace(device=torch.device("cuda", 0))
+    for inputs in ("prefill", "decode", "decode"):
+        assert timed.forward(inputs, cache) == "logits"
+    kinds = [kind for kind, _ in log]
+    assert kinds == ["record", "load", "eager", "record"] + ["load", "record", "replay", "record"] * 2
+    assert timed.written == 3 and np.allclose(times[:3], [[0, 1], [2, 3], [4, 5]]) and np.isnan(times[3]).all()
