@@ -65,6 +65,7 @@ class StepInputs:
     # or None when no row wants any).
     num_logprobs_host: np.ndarray = _pad(Pad.SAMPLER)
     num_logprobs: torch.Tensor | None = _pad(Pad.SAMPLER)
+    greedy_host: np.ndarray = _pad(Pad.SAMPLER)  # bool[m]: temperature 0, for the sampler's host-side branches
     is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
     num_seqs: int = _pad(Pad.CHECKED)
     num_tokens: int = _pad(Pad.CHECKED)
@@ -122,6 +123,7 @@ class StepInputs:
             top_p=floats[m:],
             num_logprobs_host=num_logprobs,
             num_logprobs=torch.from_numpy(num_logprobs.astype(np.int64)).to(device) if num_logprobs.any() else None,
+            greedy_host=p.temperature[sampled] <= 0,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,

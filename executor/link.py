@@ -70,10 +70,13 @@ class StagedStep:
     step: int
     prepare: Prepare  # the cache operations run from it on the model's thread
     inputs: StepInputs
-    # Token indices of this step's feedback rows and, for each, the index of its sequence among
-    # the sampled rows of the step run before this one.
-    feedback_tokens: np.ndarray
+    # For each feedback row, the index of its sequence among the sampled rows of the step run
+    # before this one (the host's copy, for the sampling states).
     feedback_sources: np.ndarray
+    # The feedback rows' token indices over their sources (long[2, f]) on the model's device,
+    # copied here rather than between two forwards, where on a GPU each copy waits for the
+    # device; None without feedback rows.
+    feedback_on_device: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,10 @@ class SchedulerLink:
             )
         except StepInputsError as exc:
             raise ProtocolError(RejectCode.LENGTH_MISMATCH, str(exc)) from exc
-        return StagedStep(step, prepare, inputs, feedback_tokens, feedback_sources)
+        on_device = None
+        if feedback_tokens.shape[0]:
+            on_device = torch.from_numpy(np.stack((feedback_tokens, feedback_sources))).to(self._device, non_blocking=True)
+        return StagedStep(step, prepare, inputs, feedback_sources, on_device)
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.errors import TPRuntimeError
@@ -80,6 +81,10 @@ class SamplingBatch:
     positions: torch.Tensor  # int[m]; position of the token whose logits this row holds
     processing: LogitsProcessing | None = None  # None: no row asks for any
     num_logprobs: torch.Tensor | None = None  # long[m]: alternatives each row wants; None: none
+    # bool[m] on the host: the rows whose temperature is 0, as the PREPARE said. The sampler's
+    # branches on them then never wait for the device (on a GPU each such wait stalls the host
+    # between two forwards); None: read from temperature, a device sync on a GPU.
+    greedy_host: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +111,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     if logits.dim() != 2:
         raise SamplingError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     rows = logits.shape[0]
-    for name in ("temperature", "top_p", "top_k", "seeds", "positions"):
-        got = getattr(params, name).shape
+    for name in ("temperature", "top_p", "top_k", "seeds", "positions", "greedy_host"):
+        got = getattr(params, name).shape if getattr(params, name) is not None else (rows,)
         if got != (rows,):
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
     logits = logits.float()
@@ -118,23 +123,26 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
         # to sample: such a row is not sampled either.
         finite &= torch.isfinite(logits.amax(dim=-1))
     # A non-finite row is flagged, not sampled; zeroing it keeps NaN out of every reduction below.
-    safe = logits if bool(finite.all()) else torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
-    greedy = params.temperature <= 0
-    if bool(greedy.all()):
+    # On a GPU the zeroing pass costs less than the sync that asking whether it is needed would.
+    on_host = logits.device.type == "cpu"
+    safe = logits if on_host and bool(finite.all()) else torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
+    greedy_host = params.greedy_host if params.greedy_host is not None else (params.temperature <= 0).cpu().numpy()
+    if greedy_host.all():
         scaled = safe  # greedy rows report the unscaled log-softmax
     else:
+        greedy = params.temperature <= 0
         temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
         scaled = safe / temperature.float().unsqueeze(1)
     # Whole-vocabulary passes are most of a step's sampling cost: one fused log_softmax gives every
     # row's logprob and the random rows' probabilities.
     log_probs = torch.log_softmax(scaled, dim=-1)
 
-    if bool(greedy.any()):
+    if greedy_host.any():
         tokens = argmax_rows(safe)
     else:
         tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
-    random_rows = torch.nonzero(~greedy).squeeze(1)
-    if random_rows.numel():
+    if not greedy_host.all():
+        random_rows = torch.from_numpy(np.flatnonzero(~greedy_host)).to(logits.device)
         uniforms = _uniforms(params.seeds, params.positions).to(logits.device)
         drawn = _draw(
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
@@ -227,11 +235,14 @@ def argmax_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """torch.isfinite(logits).all(dim=-1), without its cost on the common all-finite batch.
+    """torch.isfinite(logits).all(dim=-1), on the CPU without its cost on the common all-finite batch.
 
     A row whose sum is finite holds no NaN and no inf (either would make the sum NaN or inf); only
     rows whose sum is not finite (a NaN, an inf, or a finite overflow) are checked element-wise.
+    On a GPU the whole check is one cheap pass, and the branch would cost a sync.
     """
+    if logits.device.type != "cpu":
+        return torch.isfinite(logits).all(dim=-1)
     finite = torch.isfinite(logits.sum(dim=-1))
     if bool(finite.all()):
         return finite

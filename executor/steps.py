@@ -81,17 +81,17 @@ class StepRunner:
         return result
 
     def _feed(self, staged: StagedStep) -> None:
-        rows = staged.feedback_tokens
-        if not rows.shape[0]:
+        on_device = staged.feedback_on_device
+        if on_device is None:
             return
-        device = self.cache.device
+        rows, sources = on_device[0], on_device[1]
         if self.rank == 0:
-            tokens = self._samples.tokens[torch.from_numpy(staged.feedback_sources).to(device)]
+            tokens = self._samples.tokens[sources]
         else:
-            tokens = torch.empty(rows.shape[0], dtype=torch.long, device=device)
+            tokens = torch.empty(rows.shape[0], dtype=torch.long, device=self.cache.device)
         if self.world_size > 1:
             dist.broadcast(tokens, src=0)
-        staged.inputs.token_ids[torch.from_numpy(rows).to(device)] = tokens
+        staged.inputs.token_ids[rows] = tokens
 
     def _cache_operations(self, staged: StagedStep) -> None:
         prepare, cache, options = staged.prepare, self.cache, self.options
@@ -130,23 +130,38 @@ class StepRunner:
                 positions=inputs.sample_positions,
                 processing=states.processing(prepare, logits.device),
                 num_logprobs=inputs.num_logprobs,
+                greedy_host=inputs.greedy_host,
             ),
         )
-        tokens = out.token_ids.to("cpu", torch.int32).numpy()
-        finite = out.finite.to("cpu", torch.uint8).numpy()
+        tokens, finite, logprobs = sampled_to_host(out)
         self._samples = _Samples(out.token_ids, tokens)
         states.append(inputs.sample_seq_ids, tokens, finite)
         top_ids, top_logprobs = _alternatives(out, inputs.num_logprobs_host)
         return Result(
             seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
             token_ids=tokens,
-            logprobs=out.logprobs.to("cpu", torch.float32).numpy(),
+            logprobs=logprobs,
             finite=finite,
             step_time_us=int((time.perf_counter() - started) * 1e6),
             gap_us=gap_us,
             top_token_ids=top_ids,
             top_logprobs=top_logprobs,
         )
+
+
+def sampled_to_host(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sampled tokens (int32), finite flags (uint8) and logprobs (float32) on the host. From a
+    GPU in one copy: each copy waits for the device, and three waits between two forwards showed
+    in the GPU check's trace. float64 holds every token id exactly (ids < 2**53)."""
+    if out.token_ids.device.type == "cpu":
+        return out.token_ids.to(torch.int32).numpy(), out.finite.to(torch.uint8).numpy(), out.logprobs.to(torch.float32).numpy()
+    return unpack_sampled(torch.stack((out.token_ids.double(), out.finite.double(), out.logprobs.double())).cpu())
+
+
+def unpack_sampled(packed: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """sampled_to_host's three arrays from its one float64 [3, m] host copy."""
+    rows = packed.numpy()
+    return rows[0].astype(np.int32), rows[1].astype(np.uint8), rows[2].astype(np.float32)
 
 
 def _alternatives(out: SampleOutput, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -196,9 +196,18 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     # (std 1 over 49152 tokens) need the 4096-wide fallback.
     peaked = torch.randn(DECODE_SEQS, 49152, generator=torch.Generator().manual_seed(0)) * 4
     flat = peaked / 4
-    params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
-    greedy = SamplingBatch(torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions)
-    lone = SamplingBatch(torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long))
+    # As the runtime samples: the PREPARE tells which rows are greedy.
+    params = SamplingBatch(
+        inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions, greedy_host=inputs.greedy_host
+    )
+    greedy = SamplingBatch(
+        torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions,
+        greedy_host=np.ones(inputs.temperature.shape[0], dtype=bool),
+    )  # fmt: skip
+    lone = SamplingBatch(
+        torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long),
+        greedy_host=np.ones(1, dtype=bool),
+    )  # fmt: skip
     return {
         "validate_prepare_us": median_us(lambda: validate_prepare(prepare, g), repeats),
         "inputs_from_prepare_us": median_us(

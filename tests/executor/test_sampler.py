@@ -1,5 +1,7 @@
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,3 +172,50 @@ def test_candidates_pick_exactly_what_a_full_sort_picks():
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
     expected = _pick_sorted(sorted_probs, sorted_ids, k, top_p, uniforms)
     assert torch.equal(_draw_filtered(probs, top_k, top_p, uniforms), expected)
+
+
+def test_rows_known_greedy_on_the_host_sample_as_rows_read_from_temperature():
+    logits = random_logits(6)
+    logits[2, 5] = float("nan")
+    mixed = batch(6, temperature=[0.0, 0.8, 0.0, 1.0, 0.0, 0.5], seeds=[1, 2, 3, 4, 5, 6])
+    for params in (batch(6), mixed):
+        told = replace(params, greedy_host=(params.temperature <= 0).numpy())
+        a, b = sample(logits, params), sample(logits, told)
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.finite, b.finite)
+        torch.testing.assert_close(a.logprobs, b.logprobs, equal_nan=True)
+    with pytest.raises(SamplingError, match="greedy_host"):
+        sample(logits, replace(mixed, greedy_host=np.ones(5, dtype=bool)))
+
+
+def test_on_a_device_the_sampler_never_waits_for_it_when_the_greedy_rows_are_known():
+    # A GPU's host stalls at every read of a device value (bool(), .item(), nonzero, a copy): the
+    # GPU check's trace showed eight between two forwards. "meta" tensors hold no data, so any
+    # such read raises: a greedy batch told which rows are greedy reads nothing back, and the
+    # same batch without greedy_host must read (the test's negative control).
+    rows, vocab = 4, 50
+    on = dict(device="meta")
+    params = SamplingBatch(
+        temperature=torch.zeros(rows, **on), top_p=torch.ones(rows, **on), top_k=torch.zeros(rows, dtype=torch.long, **on),
+        seeds=torch.full((rows,), -1, dtype=torch.long, **on), positions=torch.zeros(rows, dtype=torch.long, **on),
+        greedy_host=np.ones(rows, dtype=bool),
+    )
+    out = sample(torch.empty(rows, vocab, **on), params)
+    assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
+    with pytest.raises(NotImplementedError):
+        sample(torch.empty(rows, vocab, **on), replace(params, greedy_host=None))
+
+
+def test_a_devices_sampled_rows_come_to_the_host_in_one_copy_unchanged():
+    from executor.sampler import SampleOutput
+    from executor.steps import sampled_to_host, unpack_sampled
+
+    out = SampleOutput(
+        token_ids=torch.tensor([0, 49151, 2**31 - 1, 7]), logprobs=torch.tensor([-0.5, -12.25, float("nan"), -1e-7]),
+        finite=torch.tensor([True, True, False, True]), top_ids=None, top_logprobs=None,
+    )
+    direct = sampled_to_host(out)  # the CPU's own path
+    packed = unpack_sampled(torch.stack((out.token_ids.double(), out.finite.double(), out.logprobs.double())))
+    for a, b in zip(direct, packed):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    assert [a.dtype for a in direct] == [np.int32, np.uint8, np.float32]
