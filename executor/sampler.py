@@ -72,7 +72,7 @@ class LogitsProcessing:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row parameters, one entry per logits row, all on the logits' device."""
+    """Per-row parameters, one entry per logits row, on the logits' device but for greedy_host."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
@@ -111,10 +111,14 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     if logits.dim() != 2:
         raise SamplingError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     rows = logits.shape[0]
-    for name in ("temperature", "top_p", "top_k", "seeds", "positions", "greedy_host"):
-        got = getattr(params, name).shape if getattr(params, name) is not None else (rows,)
+    for name in ("temperature", "top_p", "top_k", "seeds", "positions"):
+        got = getattr(params, name).shape
         if got != (rows,):
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
+    told = params.greedy_host
+    if told is not None and (not isinstance(told, np.ndarray) or told.dtype != np.bool_ or told.shape != (rows,)):
+        # An int array would pass the shape and then `~` would select every row as random.
+        raise SamplingError(f"greedy_host must be a numpy bool array of ({rows},), got {type(told).__name__} {getattr(told, 'dtype', '')}")
     logits = logits.float()
     finite = _finite_rows(logits)
     if params.processing is not None:

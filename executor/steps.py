@@ -155,11 +155,16 @@ def sampled_to_host(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarr
     in the GPU check's trace. float64 holds every token id exactly (ids < 2**53)."""
     if out.token_ids.device.type == "cpu":
         return out.token_ids.to(torch.int32).numpy(), out.finite.to(torch.uint8).numpy(), out.logprobs.to(torch.float32).numpy()
-    return unpack_sampled(torch.stack((out.token_ids.double(), out.finite.double(), out.logprobs.double())).cpu())
+    return unpack_sampled(pack_sampled(out).cpu())
+
+
+def pack_sampled(out: SampleOutput) -> torch.Tensor:
+    """The three as one float64 [3, m] tensor on their device, for one copy."""
+    return torch.stack((out.token_ids.double(), out.finite.double(), out.logprobs.double()))
 
 
 def unpack_sampled(packed: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """sampled_to_host's three arrays from its one float64 [3, m] host copy."""
+    """sampled_to_host's three arrays from pack_sampled's tensor, copied to the host."""
     rows = packed.numpy()
     return rows[0].astype(np.int32), rows[1].astype(np.uint8), rows[2].astype(np.float32)
 

@@ -185,6 +185,8 @@ def test_rows_known_greedy_on_the_host_sample_as_rows_read_from_temperature():
         torch.testing.assert_close(a.logprobs, b.logprobs, equal_nan=True)
     with pytest.raises(SamplingError, match="greedy_host"):
         sample(logits, replace(mixed, greedy_host=np.ones(5, dtype=bool)))
+    with pytest.raises(SamplingError, match="greedy_host"):  # ~ of ints would make every row random
+        sample(logits, replace(mixed, greedy_host=np.ones(6, dtype=np.int64)))
 
 
 def test_on_a_device_the_sampler_never_waits_for_it_when_the_greedy_rows_are_known():
@@ -207,14 +209,14 @@ def test_on_a_device_the_sampler_never_waits_for_it_when_the_greedy_rows_are_kno
 
 def test_a_devices_sampled_rows_come_to_the_host_in_one_copy_unchanged():
     from executor.sampler import SampleOutput
-    from executor.steps import sampled_to_host, unpack_sampled
+    from executor.steps import pack_sampled, sampled_to_host, unpack_sampled
 
     out = SampleOutput(
         token_ids=torch.tensor([0, 49151, 2**31 - 1, 7]), logprobs=torch.tensor([-0.5, -12.25, float("nan"), -1e-7]),
         finite=torch.tensor([True, True, False, True]), top_ids=None, top_logprobs=None,
     )
     direct = sampled_to_host(out)  # the CPU's own path
-    packed = unpack_sampled(torch.stack((out.token_ids.double(), out.finite.double(), out.logprobs.double())))
+    packed = unpack_sampled(pack_sampled(out))  # a GPU's path, but for the copy
     for a, b in zip(direct, packed):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
