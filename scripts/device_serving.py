@@ -12,8 +12,9 @@ weights written here, scripts/device_models.py) at batch 1, with CUDA graphs.
    tokens after the first) against the loop's median forward (the step). Not the median gap between
    chunks: random weights draw many tokens that the tokenizer cannot print alone, and those come in
    one chunk with the next (on the GPU the median gap between chunks was 0).
-Both load the checkpoint at once, but the server streams only after the loop's stream has ended:
-two processes running forwards on one GPU would slow each other's steps.
+Both load the checkpoint at once, then take turns (Turns): the loop streams once the server is up,
+the server once the loop's stream has ended; two processes running forwards, or one capturing
+graphs, on one GPU would slow each other's steps.
 
 Fails when a stream fails, when a forward was not recorded, or when a token came faster than the step
 (a measurement that cannot be right). The targets (issue 22: a gap of at most 150 us median, a
@@ -185,7 +186,16 @@ class Gaps:
     forwards: int
 
 
-def measure_gaps(model: Path, device: str, work: Path, prompt: list[int], done: threading.Event, trace: Path | None = None) -> Gaps:
+@dataclass(frozen=True)
+class Turns:
+    """The loop and the server load at once but take turns on the GPU: the loop streams once the
+    server is up (its start captures graphs), the server once the loop's stream has ended."""
+
+    server_up: threading.Event
+    loop_done: threading.Event
+
+
+def measure_gaps(model: Path, device: str, work: Path, prompt: list[int], turns: Turns, trace: Path | None = None) -> Gaps:
     times_dir = work / "forward-times"
     times_dir.mkdir(parents=True, exist_ok=True)
     capacity = STREAM_TOKENS + 8
@@ -207,13 +217,14 @@ def measure_gaps(model: Path, device: str, work: Path, prompt: list[int], done: 
     try:
         with Loop(spec, work / "loop-logs", run_id="device-serving") as loop:
             loop.wait_ready(START_TIMEOUT_S)
+            turns.server_up.wait(START_TIMEOUT_S)
             generated = loop.generate(prompt, STREAM_TOKENS)
-            done.set()
+            turns.loop_done.set()
             check(generated.error is None and len(generated.tokens) == STREAM_TOKENS, f"the loop's stream: {generated.error}")
             codes = loop.close(grace_s=30.0)
             check(codes == {0: 0}, f"the loop's executor exited with {codes}")
     finally:
-        done.set()
+        turns.loop_done.set()
     times = np.load(forward_times_path(times_dir, 0))
     recorded = int((~np.isnan(times[:, 1])).sum())
     # The first forward is the prompt's prefill; the rest are decodes at batch 1.
@@ -232,15 +243,18 @@ async def one_stream(url: str, prompt: list[int]):  # noqa: ANN201
         return await stream_completion(client, url, served_model(url), request, timeout_s=120.0)
 
 
-def measure_served(model: Path, device: str, work: Path, prompt: list[int], gaps_done: threading.Event) -> dict[str, float]:
+def measure_served(model: Path, device: str, work: Path, prompt: list[int], turns: Turns) -> dict[str, float]:
     options = ServerOptions(model=str(model), dtype="bf16", kv_cache_dtype="bf16", extra_args=("--device", device.split(":")[0]), **{
         "num_kv_pages": POOL["num_kv_pages"], "page_size": POOL["page_size"], "max_num_seqs": POOL["max_num_seqs"],
         "max_model_len": POOL["max_model_len"],
     })  # fmt: skip
     server = RuntimeServer(options, work / "server.log")
     try:
-        server.start(START_TIMEOUT_S)
-        gaps_done.wait()
+        try:
+            server.start(START_TIMEOUT_S)
+        finally:
+            turns.server_up.set()
+        turns.loop_done.wait()
         asyncio.run(one_stream(server.url, prompt))  # warm: the first stream's graphs and allocations
         result = asyncio.run(one_stream(server.url, prompt))
     finally:
@@ -267,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     report("checkpoint", shape=args.shape, parameters=parameters(SHAPES[args.shape]), seconds=round(time.perf_counter() - started, 1))
     prompt = [(7 * i) % 1000 + 100 for i in range(PROMPT_TOKENS)]
     # Both load the checkpoint at once (the GPU holds two copies of 16 GB with room to spare).
-    gaps_done = threading.Event()
+    turns = Turns(threading.Event(), threading.Event())
     with ThreadPoolExecutor(2) as pool:
-        gaps_future = pool.submit(measure_gaps, model, device, args.work, prompt, gaps_done, args.trace)
-        served_future = pool.submit(measure_served, model, device, args.work, prompt, gaps_done)
+        gaps_future = pool.submit(measure_gaps, model, device, args.work, prompt, turns, args.trace)
+        served_future = pool.submit(measure_served, model, device, args.work, prompt, turns)
         gaps, served = gaps_future.result(), served_future.result()
     values: dict[str, object] = {"forwards": gaps.forwards, "step_ms": round(gaps.step_ms, 3)}
     if gaps.gap_us:

@@ -253,10 +253,23 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
 
     monkeypatch.setattr(device_serving, "STREAM_TOKENS", 12)
     model = write_checkpoint(tmp_path / "tiny", TINY, export(Path(default_model_path()), tmp_path / "tok"), device=torch.device("cpu"))
-    done = threading.Event()  # the server's stream waits on it: one process's forwards at a time
+    class Stamped(threading.Event):
+        def set(self) -> None:
+            self.at = time.perf_counter()  # the executor stamps its CPU forwards on the same clock
+            super().set()
+
+    # The server is up already; its stream waits on loop_done: one process's forwards at a time.
+    turns = device_serving.Turns(server_up=threading.Event(), loop_done=Stamped())
+    turns.server_up.set()
     trace = tmp_path / "trace.json"
-    gaps = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), done, trace)
-    assert device_serving.FAILURES == [] and done.is_set()
+    gaps = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), turns, trace)
+    assert device_serving.FAILURES == []
+    import numpy as np
+
+    from scripts.bench_step import forward_times_path
+
+    ends = np.load(forward_times_path(tmp_path / "forward-times", 0))[:, 1]
+    assert np.nanmax(ends) <= turns.loop_done.at  # every forward of the loop before the server's turn
     assert any(e.get("name", "").startswith("aten::") for e in json.loads(trace.read_text())["traceEvents"])
     assert gaps.forwards == 12 and gaps.step_ms > 0 and 0 < gaps.gap_us["median"] <= gaps.gap_us["p90"]
 
