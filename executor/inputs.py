@@ -61,10 +61,8 @@ class StepInputs:
     top_k: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]
     seeds: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]; -1 means unseeded
     sample_positions: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]: position of the token whose logits are sampled
-    # Alternatives each sampled row wants returned (uint8[m] on the host; on the device as long[m],
-    # or None when no row wants any).
+    # Alternatives each sampled row wants returned (uint8[m]; the sampler reads it on the host).
     num_logprobs_host: np.ndarray = _pad(Pad.SAMPLER)
-    num_logprobs: torch.Tensor | None = _pad(Pad.SAMPLER)
     greedy_host: np.ndarray = _pad(Pad.SAMPLER)  # bool[m]: temperature 0, for the sampler's host-side branches
     is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
     num_seqs: int = _pad(Pad.CHECKED)
@@ -122,7 +120,6 @@ class StepInputs:
             temperature=floats[:m],
             top_p=floats[m:],
             num_logprobs_host=num_logprobs,
-            num_logprobs=torch.from_numpy(num_logprobs.astype(np.int64)).to(device) if num_logprobs.any() else None,
             greedy_host=p.temperature[sampled] <= 0,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,

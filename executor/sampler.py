@@ -80,7 +80,9 @@ class SamplingBatch:
     seeds: torch.Tensor  # int64[m]; -1 means unseeded
     positions: torch.Tensor  # int[m]; position of the token whose logits this row holds
     processing: LogitsProcessing | None = None  # None: no row asks for any
-    num_logprobs: torch.Tensor | None = None  # long[m]: alternatives each row wants; None: none
+    # uint8[m] on the host: alternatives each row wants; None: none. On the host, so that how many
+    # and which rows never wait for the device.
+    num_logprobs: np.ndarray | None = None
     # bool[m] on the host: the rows whose temperature is 0, as the PREPARE said. The sampler's
     # branches on them then never wait for the device (on a GPU each such wait stalls the host
     # between two forwards); None: read from temperature, a device sync on a GPU.
@@ -119,6 +121,9 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     if told is not None and (not isinstance(told, np.ndarray) or told.dtype != np.bool_ or told.shape != (rows,)):
         # An int array would pass the shape and then `~` would select every row as random.
         raise SamplingError(f"greedy_host must be a numpy bool array of ({rows},), got {type(told).__name__} {getattr(told, 'dtype', '')}")
+    wanted = params.num_logprobs
+    if wanted is not None and (not isinstance(wanted, np.ndarray) or wanted.dtype.kind not in "iu" or wanted.shape != (rows,)):
+        raise SamplingError(f"num_logprobs must be a numpy integer array of ({rows},), got {type(wanted).__name__} {getattr(wanted, 'dtype', '')}")
     logits = logits.float()
     finite = _finite_rows(logits)
     if params.processing is not None:
@@ -146,7 +151,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     else:
         tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
     if not greedy_host.all():
-        random_rows = torch.from_numpy(np.flatnonzero(~greedy_host)).to(logits.device)
+        random_rows = torch.from_numpy(np.flatnonzero(~greedy_host)).to(logits.device, non_blocking=True)
         uniforms = _uniforms(params.seeds, params.positions).to(logits.device)
         drawn = _draw(
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
@@ -204,16 +209,16 @@ def _min_p_filtered(log_probs: torch.Tensor, p: LogitsProcessing | None) -> torc
 
 
 def _alternatives(
-    log_probs: torch.Tensor, wanted: torch.Tensor | None, finite: torch.Tensor
+    log_probs: torch.Tensor, wanted: np.ndarray | None, finite: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The most likely tokens of each row that wants alternatives, and their logprobs, as many as
     the greediest row wants (a row that wants fewer reads a prefix; one that wants none, zeros)."""
-    if wanted is None or not wanted.numel():
+    if wanted is None or not wanted.size:
         return None, None
     k = int(wanted.max())
     if k == 0:
         return None, None
-    rows = torch.nonzero(wanted > 0).squeeze(1)
+    rows = torch.from_numpy(np.flatnonzero(wanted)).to(log_probs.device, non_blocking=True)
     values, ids = _rows(log_probs, rows).topk(k, dim=-1)
     keep = finite[rows].unsqueeze(1)
     top_ids = torch.zeros(log_probs.shape[0], k, dtype=torch.long, device=log_probs.device)

@@ -129,19 +129,19 @@ class StepRunner:
                 seeds=inputs.seeds,
                 positions=inputs.sample_positions,
                 processing=states.processing(prepare, logits.device),
-                num_logprobs=inputs.num_logprobs,
+                num_logprobs=inputs.num_logprobs_host,
                 greedy_host=inputs.greedy_host,
             ),
         )
-        tokens, finite, logprobs = sampled_to_host(out)
-        self._samples = _Samples(out.token_ids, tokens)
-        states.append(inputs.sample_seq_ids, tokens, finite)
-        top_ids, top_logprobs = _alternatives(out, inputs.num_logprobs_host)
+        host = sampled_to_host(out)
+        self._samples = _Samples(out.token_ids, host.tokens)
+        states.append(inputs.sample_seq_ids, host.tokens, host.finite)
+        top_ids, top_logprobs = _alternatives(host, inputs.num_logprobs_host)
         return Result(
             seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
-            token_ids=tokens,
-            logprobs=logprobs,
-            finite=finite,
+            token_ids=host.tokens,
+            logprobs=host.logprobs,
+            finite=host.finite,
             step_time_us=int((time.perf_counter() - started) * 1e6),
             gap_us=gap_us,
             top_token_ids=top_ids,
@@ -149,30 +149,56 @@ class StepRunner:
         )
 
 
-def sampled_to_host(out: SampleOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The sampled tokens (int32), finite flags (uint8) and logprobs (float32) on the host. From a
-    GPU in one copy: each copy waits for the device, and three waits between two forwards showed
-    in the GPU check's trace. float64 holds every token id exactly (ids < 2**53)."""
-    if out.token_ids.device.type == "cpu":
-        return out.token_ids.to(torch.int32).numpy(), out.finite.to(torch.uint8).numpy(), out.logprobs.to(torch.float32).numpy()
-    return unpack_sampled(pack_sampled(out).cpu())
+@dataclass(frozen=True)
+class HostSample:
+    """A step's SampleOutput on the host, as RESULT carries it."""
+
+    tokens: np.ndarray  # int32[m]
+    finite: np.ndarray  # uint8[m]
+    logprobs: np.ndarray  # float32[m]
+    top_ids: np.ndarray | None  # int32[m, k], None when no row asked for alternatives
+    top_logprobs: np.ndarray | None  # float32[m, k]
+
+
+def sampled_to_host(out: SampleOutput) -> HostSample:
+    """The sample on the host. From a GPU in one copy: each copy waits for the device, and three
+    waits between two forwards showed in the GPU check's trace. float64 holds every token id
+    exactly (ids < 2**53)."""
+    if out.token_ids.device.type != "cpu":
+        return unpack_sampled(pack_sampled(out).cpu(), out.token_ids.shape[0])
+    alternatives = out.top_ids is not None
+    return HostSample(
+        out.token_ids.to(torch.int32).numpy(), out.finite.to(torch.uint8).numpy(), out.logprobs.to(torch.float32).numpy(),
+        out.top_ids.to(torch.int32).numpy() if alternatives else None,
+        out.top_logprobs.to(torch.float32).numpy() if alternatives else None,
+    )  # fmt: skip
 
 
 def pack_sampled(out: SampleOutput) -> torch.Tensor:
-    """The three as one float64 [3, m] tensor on their device, for one copy."""
-    return torch.stack((out.token_ids.double(), out.finite.double(), out.logprobs.double()))
+    """Everything of the sample as one flat float64 tensor on its device, for one copy: tokens,
+    finite flags, logprobs, then the alternatives' ids and logprobs row by row, if any."""
+    parts = [out.token_ids, out.finite, out.logprobs]
+    if out.top_ids is not None:
+        parts += [out.top_ids.flatten(), out.top_logprobs.flatten()]
+    return torch.cat([p.double() for p in parts])
 
 
-def unpack_sampled(packed: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """sampled_to_host's three arrays from pack_sampled's tensor, copied to the host."""
-    rows = packed.numpy()
-    return rows[0].astype(np.int32), rows[1].astype(np.uint8), rows[2].astype(np.float32)
+def unpack_sampled(packed: torch.Tensor, rows: int) -> HostSample:
+    """pack_sampled's tensor of a `rows`-row sample, copied to the host, as a HostSample."""
+    flat = packed.numpy()
+    k = (flat.shape[0] - 3 * rows) // (2 * rows) if rows else 0
+    tokens, finite, logprobs = (flat[i * rows : (i + 1) * rows] for i in range(3))
+    alternatives = flat[3 * rows :]
+    return HostSample(
+        tokens.astype(np.int32), finite.astype(np.uint8), logprobs.astype(np.float32),
+        alternatives[: rows * k].reshape(rows, k).astype(np.int32) if k else None,
+        alternatives[rows * k :].reshape(rows, k).astype(np.float32) if k else None,
+    )  # fmt: skip
 
 
-def _alternatives(out: SampleOutput, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _alternatives(host: HostSample, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """RESULT's flat alternatives: each sampled row's first wanted[j] entries, row by row."""
-    if out.top_ids is None:
+    if host.top_ids is None:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)
-    take = np.arange(out.top_ids.shape[1])[None, :] < wanted[:, None]
-    ids = out.top_ids.to("cpu", torch.int32).numpy()[take]
-    return ids, out.top_logprobs.to("cpu", torch.float32).numpy()[take]
+    take = np.arange(host.top_ids.shape[1])[None, :] < wanted[:, None]
+    return host.top_ids[take], host.top_logprobs[take]

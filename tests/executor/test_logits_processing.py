@@ -141,7 +141,7 @@ def test_the_sample_its_logprob_and_alternatives_come_from_the_processed_row():
         2: {"banned": [int(logits[2].argmax())]},
     }
     proc = processing(rows, [1])
-    k = torch.tensor([3, 0, 5])
+    k = np.array([3, 0, 5], dtype=np.uint8)
     temperature = torch.tensor([0.0, 0.0, 0.5])
     out = sample(logits, SamplingBatch(
         temperature=temperature, top_p=torch.ones(3), top_k=torch.tensor([0, 0, 1], dtype=torch.int32),

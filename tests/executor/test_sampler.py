@@ -187,6 +187,8 @@ def test_rows_known_greedy_on_the_host_sample_as_rows_read_from_temperature():
         sample(logits, replace(mixed, greedy_host=np.ones(5, dtype=bool)))
     with pytest.raises(SamplingError, match="greedy_host"):  # ~ of ints would make every row random
         sample(logits, replace(mixed, greedy_host=np.ones(6, dtype=np.int64)))
+    with pytest.raises(SamplingError, match="num_logprobs"):
+        sample(logits, replace(mixed, num_logprobs=np.ones(5, dtype=np.uint8)))
 
 
 def test_on_a_device_the_sampler_never_waits_for_it_when_the_greedy_rows_are_known():
@@ -203,21 +205,34 @@ def test_on_a_device_the_sampler_never_waits_for_it_when_the_greedy_rows_are_kno
     )
     out = sample(torch.empty(rows, vocab, **on), params)
     assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
+    # Alternatives: how many and for which rows is the host's to say, too.
+    out = sample(torch.empty(rows, vocab, **on), replace(params, num_logprobs=np.array([2, 0, 1, 0], dtype=np.uint8)))
+    assert out.top_ids.shape == (rows, 2) and out.top_ids.device.type == "meta"
     with pytest.raises(NotImplementedError):
         sample(torch.empty(rows, vocab, **on), replace(params, greedy_host=None))
 
 
-def test_a_devices_sampled_rows_come_to_the_host_in_one_copy_unchanged():
+def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
     from executor.sampler import SampleOutput
     from executor.steps import pack_sampled, sampled_to_host, unpack_sampled
 
-    out = SampleOutput(
-        token_ids=torch.tensor([0, 49151, 2**31 - 1, 7]), logprobs=torch.tensor([-0.5, -12.25, float("nan"), -1e-7]),
-        finite=torch.tensor([True, True, False, True]), top_ids=None, top_logprobs=None,
-    )
-    direct = sampled_to_host(out)  # the CPU's own path
-    packed = unpack_sampled(pack_sampled(out))  # a GPU's path, but for the copy
-    for a, b in zip(direct, packed):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b)
-    assert [a.dtype for a in direct] == [np.int32, np.uint8, np.float32]
+    tokens = torch.tensor([0, 49151, 2**31 - 1, 7])
+    logprobs = torch.tensor([-0.5, -12.25, float("nan"), -1e-7])
+    finite = torch.tensor([True, True, False, True])
+    top_ids = torch.tensor([[0, 5], [49151, 3], [0, 0], [7, 2**31 - 1]])
+    top_logprobs = torch.tensor([[-0.5, -1.0], [-12.25, -13.0], [float("nan")] * 2, [-1e-7, -30.5]])
+    for alternatives in (False, True):
+        out = SampleOutput(
+            token_ids=tokens, logprobs=logprobs, finite=finite,
+            top_ids=top_ids if alternatives else None, top_logprobs=top_logprobs if alternatives else None,
+        )  # fmt: skip
+        direct = sampled_to_host(out)  # the CPU's own path
+        packed = unpack_sampled(pack_sampled(out), 4)  # a GPU's path, but for the copy
+        for name in ("tokens", "finite", "logprobs", "top_ids", "top_logprobs"):
+            a, b = getattr(direct, name), getattr(packed, name)
+            if not alternatives and name.startswith("top"):
+                assert a is None and b is None
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a, b)
+        assert [direct.tokens.dtype, direct.finite.dtype, direct.logprobs.dtype] == [np.int32, np.uint8, np.float32]
