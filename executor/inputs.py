@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from executor.sampler import HostRows
 from protocol.errors import TPRuntimeError
 from protocol.frames import Prepare
 
@@ -63,7 +64,7 @@ class StepInputs:
     sample_positions: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]: position of the token whose logits are sampled
     # Alternatives each sampled row wants returned (uint8[m]; the sampler reads it on the host).
     num_logprobs_host: np.ndarray = _pad(Pad.SAMPLER)
-    greedy_host: np.ndarray = _pad(Pad.SAMPLER)  # bool[m]: temperature 0, for the sampler's host-side branches
+    host_rows: HostRows = _pad(Pad.SAMPLER)  # the sampled rows' parameters on the host, for the sampler
     is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
     num_seqs: int = _pad(Pad.CHECKED)
     num_tokens: int = _pad(Pad.CHECKED)
@@ -120,7 +121,7 @@ class StepInputs:
             temperature=floats[:m],
             top_p=floats[m:],
             num_logprobs_host=num_logprobs,
-            greedy_host=p.temperature[sampled] <= 0,
+            host_rows=HostRows.of(p.temperature[sampled], p.top_p[sampled], p.top_k[sampled], p.seeds[sampled], positions[sample_rows]),
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,

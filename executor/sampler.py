@@ -71,8 +71,32 @@ class LogitsProcessing:
 
 
 @dataclass(frozen=True)
+class HostRows:
+    """What the PREPARE says of each row, on the host: the sampler branches on these and draws the
+    seeded uniforms from them without reading a device value (on a GPU each such read stalls the
+    host between two forwards). Only the filtered draw (top-k, top-p) still reads the device."""
+
+    greedy: np.ndarray  # bool[m]: temperature 0
+    filtered: np.ndarray  # bool[m]: top-k or top-p cuts the vocabulary
+    seeds: np.ndarray  # int64[m]; -1 means unseeded
+    positions: np.ndarray  # int64[m]: the position of the token whose logits the row holds
+
+    @classmethod
+    def of(cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, positions: np.ndarray) -> HostRows:
+        return cls(temperature <= 0, (top_k > 0) | (top_p < 1), seeds.astype(np.int64), positions.astype(np.int64))
+
+    def check(self, rows: int) -> None:
+        for name in ("greedy", "filtered", "seeds", "positions"):
+            value = getattr(self, name)
+            kind = "b" if name in ("greedy", "filtered") else "iu"
+            # An int array for a mask would pass the shape, and then `~` would select every row.
+            if not isinstance(value, np.ndarray) or value.dtype.kind not in kind or value.shape != (rows,):
+                raise SamplingError(f"host rows: {name} must be a numpy {'bool' if kind == 'b' else 'integer'} array of ({rows},)")
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row parameters, one entry per logits row, on the logits' device but for greedy_host."""
+    """Per-row parameters, one entry per logits row: tensors on the logits' device, arrays on the host."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
@@ -83,10 +107,9 @@ class SamplingBatch:
     # uint8[m] on the host: alternatives each row wants; None: none. On the host, so that how many
     # and which rows never wait for the device.
     num_logprobs: np.ndarray | None = None
-    # bool[m] on the host: the rows whose temperature is 0, as the PREPARE said. The sampler's
-    # branches on them then never wait for the device (on a GPU each such wait stalls the host
-    # between two forwards); None: read from temperature, a device sync on a GPU.
-    greedy_host: np.ndarray | None = None
+    # The same rows as the PREPARE said them, on the host; None: read from the tensors above, a
+    # wait for the device each on a GPU.
+    host: HostRows | None = None
 
 
 @dataclass(frozen=True)
@@ -117,10 +140,10 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
         got = getattr(params, name).shape
         if got != (rows,):
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
-    told = params.greedy_host
-    if told is not None and (not isinstance(told, np.ndarray) or told.dtype != np.bool_ or told.shape != (rows,)):
-        # An int array would pass the shape and then `~` would select every row as random.
-        raise SamplingError(f"greedy_host must be a numpy bool array of ({rows},), got {type(told).__name__} {getattr(told, 'dtype', '')}")
+    host = params.host
+    if host is None:
+        host = HostRows.of(*(t.cpu().numpy() for t in (params.temperature, params.top_p, params.top_k, params.seeds, params.positions)))
+    host.check(rows)
     wanted = params.num_logprobs
     if wanted is not None and (not isinstance(wanted, np.ndarray) or wanted.dtype.kind not in "iu" or wanted.shape != (rows,)):
         raise SamplingError(f"num_logprobs must be a numpy integer array of ({rows},), got {type(wanted).__name__} {getattr(wanted, 'dtype', '')}")
@@ -135,8 +158,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     # On a GPU the zeroing pass costs less than the sync that asking whether it is needed would.
     on_host = logits.device.type == "cpu"
     safe = logits if on_host and bool(finite.all()) else torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
-    greedy_host = params.greedy_host if params.greedy_host is not None else (params.temperature <= 0).cpu().numpy()
-    if greedy_host.all():
+    if host.greedy.all():
         scaled = safe  # greedy rows report the unscaled log-softmax
     else:
         greedy = params.temperature <= 0
@@ -146,18 +168,19 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     # row's logprob and the random rows' probabilities.
     log_probs = torch.log_softmax(scaled, dim=-1)
 
-    if greedy_host.any():
+    if host.greedy.any():
         tokens = argmax_rows(safe)
     else:
         tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
-    if not greedy_host.all():
-        random_rows = torch.from_numpy(np.flatnonzero(~greedy_host)).to(logits.device, non_blocking=True)
-        uniforms = _uniforms(params.seeds, params.positions).to(logits.device)
+    if not host.greedy.all():
+        random = np.flatnonzero(~host.greedy)
+        random_rows = _on(logits.device, random)
         drawn = _draw(
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
             params.top_k[random_rows],
             params.top_p[random_rows],
-            uniforms[random_rows],
+            _uniforms(host.seeds[random], host.positions[random]).to(logits.device, non_blocking=True),
+            host.filtered[random],
         )
         tokens = tokens.index_put((random_rows,), drawn)
     tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
@@ -218,7 +241,7 @@ def _alternatives(
     k = int(wanted.max())
     if k == 0:
         return None, None
-    rows = torch.from_numpy(np.flatnonzero(wanted)).to(log_probs.device, non_blocking=True)
+    rows = _on(log_probs.device, np.flatnonzero(wanted))
     values, ids = _rows(log_probs, rows).topk(k, dim=-1)
     keep = finite[rows].unsqueeze(1)
     top_ids = torch.zeros(log_probs.shape[0], k, dtype=torch.long, device=log_probs.device)
@@ -259,7 +282,12 @@ def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return finite.index_put((suspect,), torch.isfinite(logits[suspect]).all(dim=-1))
 
 
-def _uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _on(device: torch.device, index: np.ndarray) -> torch.Tensor:
+    """Host row indices on the device, copied without waiting for it."""
+    return torch.from_numpy(index).to(device, non_blocking=True)
+
+
+def _uniforms(seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
     """One uniform in [0, 1) per row, on the CPU: seeded rows from their own generator."""
     uniforms = torch.rand(seeds.shape[0])
     seed_list = seeds.tolist()
@@ -281,14 +309,15 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return picked.clamp_(max=weights.shape[1] - 1)
 
 
-def _draw(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    filtered = (top_k > 0) | (top_p < 1)
+def _draw(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor, filtered: np.ndarray
+) -> torch.Tensor:
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    plain = torch.nonzero(~filtered).squeeze(1)
-    if plain.numel():
+    if not filtered.all():
+        plain = _on(probs.device, np.flatnonzero(~filtered))
         out[plain] = _inverse_cdf(_rows(probs, plain), uniforms[plain])
-    rows = torch.nonzero(filtered).squeeze(1)
-    if rows.numel():
+    if filtered.any():
+        rows = _on(probs.device, np.flatnonzero(filtered))
         out[rows] = _draw_filtered(_rows(probs, rows), top_k[rows], top_p[rows], uniforms[rows])
     return out
 

@@ -130,7 +130,7 @@ class StepRunner:
                 positions=inputs.sample_positions,
                 processing=states.processing(prepare, logits.device),
                 num_logprobs=inputs.num_logprobs_host,
-                greedy_host=inputs.greedy_host,
+                host=inputs.host_rows,
             ),
         )
         host = sampled_to_host(out)

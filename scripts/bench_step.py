@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
-from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
+from executor.sampler import HostRows, SamplingBatch, argmax_rows, sample  # noqa: E402
 from protocol.codec import decode, encode, to_message  # noqa: E402
 from protocol.continuation import expand  # noqa: E402
 from protocol.frames import (  # noqa: E402
@@ -198,15 +198,15 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     flat = peaked / 4
     # As the runtime samples: the PREPARE tells which rows are greedy.
     params = SamplingBatch(
-        inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions, greedy_host=inputs.greedy_host
+        inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions, host=inputs.host_rows
     )
     greedy = SamplingBatch(
         torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions,
-        greedy_host=np.ones(inputs.temperature.shape[0], dtype=bool),
+        host=replace(inputs.host_rows, greedy=np.ones(inputs.temperature.shape[0], dtype=bool)),
     )  # fmt: skip
     lone = SamplingBatch(
         torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long),
-        greedy_host=np.ones(1, dtype=bool),
+        host=HostRows.of(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64), np.full(1, -1), np.zeros(1, dtype=np.int64)),
     )  # fmt: skip
     return {
         "validate_prepare_us": median_us(lambda: validate_prepare(prepare, g), repeats),

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.sampler import SamplingBatch, SamplingError, argmax_rows, row_seed, sample
+from executor.sampler import HostRows, SamplingBatch, SamplingError, argmax_rows, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
@@ -174,42 +174,46 @@ def test_candidates_pick_exactly_what_a_full_sort_picks():
     assert torch.equal(_draw_filtered(probs, top_k, top_p, uniforms), expected)
 
 
-def test_rows_known_greedy_on_the_host_sample_as_rows_read_from_temperature():
+def test_rows_the_host_describes_sample_as_rows_read_from_the_tensors():
     logits = random_logits(6)
     logits[2, 5] = float("nan")
-    mixed = batch(6, temperature=[0.0, 0.8, 0.0, 1.0, 0.0, 0.5], seeds=[1, 2, 3, 4, 5, 6])
+    mixed = batch(6, temperature=[0.0, 0.8, 0.0, 1.0, 0.0, 0.5], seeds=[1, 2, 3, 4, -1, 6], top_p=[1, 1, 1, 0.9, 1, 1], top_k=[0, 3, 0, 0, 0, 0])
     for params in (batch(6), mixed):
-        told = replace(params, greedy_host=(params.temperature <= 0).numpy())
+        told = replace(params, host=HostRows.of(*(t.numpy() for t in (params.temperature, params.top_p, params.top_k, params.seeds, params.positions))))
         a, b = sample(logits, params), sample(logits, told)
-        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.finite, b.finite)
-        torch.testing.assert_close(a.logprobs, b.logprobs, equal_nan=True)
-    with pytest.raises(SamplingError, match="greedy_host"):
-        sample(logits, replace(mixed, greedy_host=np.ones(5, dtype=bool)))
-    with pytest.raises(SamplingError, match="greedy_host"):  # ~ of ints would make every row random
-        sample(logits, replace(mixed, greedy_host=np.ones(6, dtype=np.int64)))
+        seeded = (params.seeds >= 0) | (params.temperature <= 0)  # unseeded random rows draw afresh
+        assert torch.equal(a.token_ids[seeded], b.token_ids[seeded]) and torch.equal(a.finite, b.finite)
+        torch.testing.assert_close(a.logprobs[seeded], b.logprobs[seeded], equal_nan=True)
+    host = HostRows.of(*(t.numpy() for t in (mixed.temperature, mixed.top_p, mixed.top_k, mixed.seeds, mixed.positions)))
+    with pytest.raises(SamplingError, match="greedy"):
+        sample(logits, replace(mixed, host=replace(host, greedy=np.ones(5, dtype=bool))))
+    with pytest.raises(SamplingError, match="filtered"):  # ~ of ints would make every row filtered
+        sample(logits, replace(mixed, host=replace(host, filtered=np.zeros(6, dtype=np.int64))))
     with pytest.raises(SamplingError, match="num_logprobs"):
         sample(logits, replace(mixed, num_logprobs=np.ones(5, dtype=np.uint8)))
 
 
-def test_on_a_device_the_sampler_never_waits_for_it_when_the_greedy_rows_are_known():
+def test_on_a_device_the_sampler_never_waits_for_it_when_the_host_describes_the_rows():
     # A GPU's host stalls at every read of a device value (bool(), .item(), nonzero, a copy): the
     # GPU check's trace showed eight between two forwards. "meta" tensors hold no data, so any
-    # such read raises: a greedy batch told which rows are greedy reads nothing back, and the
-    # same batch without greedy_host must read (the test's negative control).
+    # such read raises: greedy rows, rows drawn with a temperature (seeded or not) and logprob
+    # alternatives read nothing back when the host says which is which, and the same batch
+    # without host rows must read (the test's negative control). The filtered draw (top-k, top-p)
+    # still reads.
     rows, vocab = 4, 50
     on = dict(device="meta")
+    temperature = np.array([0.0, 0.7, 1.0, 0.0], dtype=np.float32)
     params = SamplingBatch(
-        temperature=torch.zeros(rows, **on), top_p=torch.ones(rows, **on), top_k=torch.zeros(rows, dtype=torch.long, **on),
+        temperature=torch.empty(rows, **on), top_p=torch.ones(rows, **on), top_k=torch.zeros(rows, dtype=torch.long, **on),
         seeds=torch.full((rows,), -1, dtype=torch.long, **on), positions=torch.zeros(rows, dtype=torch.long, **on),
-        greedy_host=np.ones(rows, dtype=bool),
+        host=HostRows.of(temperature, np.ones(rows), np.zeros(rows, dtype=np.int64), np.array([-1, 5, -1, -1]), np.arange(rows)),
+        num_logprobs=np.array([2, 0, 1, 0], dtype=np.uint8),
     )
     out = sample(torch.empty(rows, vocab, **on), params)
     assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
-    # Alternatives: how many and for which rows is the host's to say, too.
-    out = sample(torch.empty(rows, vocab, **on), replace(params, num_logprobs=np.array([2, 0, 1, 0], dtype=np.uint8)))
     assert out.top_ids.shape == (rows, 2) and out.top_ids.device.type == "meta"
     with pytest.raises(NotImplementedError):
-        sample(torch.empty(rows, vocab, **on), replace(params, greedy_host=None))
+        sample(torch.empty(rows, vocab, **on), replace(params, host=None))
 
 
 def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
