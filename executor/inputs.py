@@ -60,11 +60,10 @@ class StepInputs:
     temperature: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
     top_p: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
     top_k: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]
-    seeds: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]; -1 means unseeded
-    sample_positions: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]: position of the token whose logits are sampled
     # Alternatives each sampled row wants returned (uint8[m]; the sampler reads it on the host).
     num_logprobs_host: np.ndarray = _pad(Pad.SAMPLER)
-    host_rows: HostRows = _pad(Pad.SAMPLER)  # the sampled rows' parameters on the host, for the sampler
+    # The sampled rows' parameters on the host (seeds and positions only there), for the sampler.
+    host_rows: HostRows = _pad(Pad.SAMPLER)
     is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
     num_seqs: int = _pad(Pad.CHECKED)
     num_tokens: int = _pad(Pad.CHECKED)
@@ -106,13 +105,10 @@ class StepInputs:
             write_offsets=positions % page_size,
             sample_rows=sample_rows,
             top_k=p.top_k[sampled].astype(np.int64),
-            seeds=p.seeds[sampled].astype(np.int64),
-            sample_positions=positions[sample_rows],
         )
-        floats = torch.from_numpy(
-            np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
-        ).to(device, non_blocking=True)
         m = int(sampled.shape[0])
+        host_floats = np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
+        floats = torch.from_numpy(host_floats).to(device, non_blocking=True)
         num_logprobs = p.num_logprobs[sampled]
         ints["page_table"] = ints["page_table"].view(n, width)
         return cls(
@@ -121,7 +117,8 @@ class StepInputs:
             temperature=floats[:m],
             top_p=floats[m:],
             num_logprobs_host=num_logprobs,
-            host_rows=HostRows.of(p.temperature[sampled], p.top_p[sampled], p.top_k[sampled], p.seeds[sampled], positions[sample_rows]),
+            # From the same float32 values as the tensors, so that the two agree on every row.
+            host_rows=HostRows.of(host_floats[:m], host_floats[m:], p.top_k[sampled], p.seeds[sampled], positions[sample_rows]),
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,

@@ -96,20 +96,27 @@ class HostRows:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row parameters, one entry per logits row: tensors on the logits' device, arrays on the host."""
+    """Per-row parameters, one entry per logits row: what the arithmetic reads on the logits'
+    device, what the branches and the seeded draws read on the host."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
     top_k: torch.Tensor  # int[m]; 0 means off
-    seeds: torch.Tensor  # int64[m]; -1 means unseeded
-    positions: torch.Tensor  # int[m]; position of the token whose logits this row holds
+    host: HostRows  # the same rows, with their seeds and positions
     processing: LogitsProcessing | None = None  # None: no row asks for any
     # uint8[m] on the host: alternatives each row wants; None: none. On the host, so that how many
     # and which rows never wait for the device.
     num_logprobs: np.ndarray | None = None
-    # The same rows as the PREPARE said them, on the host; None: read from the tensors above, a
-    # wait for the device each on a GPU.
-    host: HostRows | None = None
+
+    @classmethod
+    def of(
+        cls, temperature: object, top_p: object, top_k: object, seeds: object, positions: object, *, device: torch.device | str = "cpu",
+        processing: LogitsProcessing | None = None, num_logprobs: np.ndarray | None = None,
+    ) -> SamplingBatch:  # fmt: skip
+        """From host values (sequences, arrays, CPU tensors): the tensors on `device`, the host rows."""
+        t, p, k = np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(top_k, np.int64)
+        tensors = (torch.from_numpy(a).to(device) for a in (t, p, k))
+        return cls(*tensors, HostRows.of(t, p, k, np.asarray(seeds), np.asarray(positions)), processing, num_logprobs)
 
 
 @dataclass(frozen=True)
@@ -136,13 +143,11 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     if logits.dim() != 2:
         raise SamplingError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     rows = logits.shape[0]
-    for name in ("temperature", "top_p", "top_k", "seeds", "positions"):
+    for name in ("temperature", "top_p", "top_k"):
         got = getattr(params, name).shape
         if got != (rows,):
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
     host = params.host
-    if host is None:
-        host = HostRows.of(*(t.cpu().numpy() for t in (params.temperature, params.top_p, params.top_k, params.seeds, params.positions)))
     host.check(rows)
     wanted = params.num_logprobs
     if wanted is not None and (not isinstance(wanted, np.ndarray) or wanted.dtype.kind not in "iu" or wanted.shape != (rows,)):
@@ -252,7 +257,7 @@ def _alternatives(
 
 
 def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t's rows at `index` (ascending, unique: from nonzero), without a copy when that is all of
+    """t's rows at `index` (ascending, unique: from flatnonzero), without a copy when that is all of
     them: a copy of [rows, vocab] costs as much as a pass of arithmetic over it."""
     return t if index.shape[0] == t.shape[0] else t.index_select(0, index)
 
@@ -283,7 +288,8 @@ def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _on(device: torch.device, index: np.ndarray) -> torch.Tensor:
-    """Host row indices on the device, copied without waiting for it."""
+    """Host row indices on the device. non_blocking: torch then adds no stream synchronisation
+    after the copy, as it does after a blocking one (the GPU trace showed one after each)."""
     return torch.from_numpy(index).to(device, non_blocking=True)
 
 

@@ -126,11 +126,9 @@ class StepRunner:
                 temperature=inputs.temperature,
                 top_p=inputs.top_p,
                 top_k=inputs.top_k,
-                seeds=inputs.seeds,
-                positions=inputs.sample_positions,
+                host=inputs.host_rows,
                 processing=states.processing(prepare, logits.device),
                 num_logprobs=inputs.num_logprobs_host,
-                host=inputs.host_rows,
             ),
         )
         host = sampled_to_host(out)

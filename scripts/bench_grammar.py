@@ -169,9 +169,8 @@ def run_sampler_overhead(tokenizer, rows: int, steps: int = 40) -> dict:
             started = time.thread_time()  # CPU time of this thread: the neighbours' load is not counted
             if step:
                 states.begin(held, {})
-            result = sample(logits, SamplingBatch(
-                temperature=torch.zeros(rows), top_p=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int32),
-                seeds=torch.full((rows,), -1), positions=torch.zeros(rows, dtype=torch.long),
+            result = sample(logits, SamplingBatch.of(
+                np.zeros(rows), np.ones(rows), np.zeros(rows), np.full(rows, -1), np.zeros(rows),
                 processing=states.processing(held if step else first, "cpu"),
             ))
             states.append(np.arange(rows, dtype=np.int64), result.token_ids.numpy(), result.finite.numpy())

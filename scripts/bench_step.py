@@ -52,7 +52,7 @@ from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
-from executor.sampler import HostRows, SamplingBatch, argmax_rows, sample  # noqa: E402
+from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
 from protocol.codec import decode, encode, to_message  # noqa: E402
 from protocol.continuation import expand  # noqa: E402
 from protocol.frames import (  # noqa: E402
@@ -196,18 +196,13 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     # (std 1 over 49152 tokens) need the 4096-wide fallback.
     peaked = torch.randn(DECODE_SEQS, 49152, generator=torch.Generator().manual_seed(0)) * 4
     flat = peaked / 4
-    # As the runtime samples: the PREPARE tells which rows are greedy.
-    params = SamplingBatch(
-        inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions, host=inputs.host_rows
-    )
+    # As the runtime samples: the PREPARE's rows on the host beside the tensors.
+    params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows)
     greedy = SamplingBatch(
-        torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions,
-        host=replace(inputs.host_rows, greedy=np.ones(inputs.temperature.shape[0], dtype=bool)),
+        torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k,
+        replace(inputs.host_rows, greedy=np.ones(inputs.temperature.shape[0], dtype=bool)),
     )  # fmt: skip
-    lone = SamplingBatch(
-        torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long),
-        host=HostRows.of(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64), np.full(1, -1), np.zeros(1, dtype=np.int64)),
-    )  # fmt: skip
+    lone = SamplingBatch.of([0.0], [1.0], [0], [-1], [0])
     return {
         "validate_prepare_us": median_us(lambda: validate_prepare(prepare, g), repeats),
         "inputs_from_prepare_us": median_us(

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         graphed = step_ms(lambda: runner.forward(inputs, cache), device)
         graph_step_ms[batch] = graphed
         params = SamplingBatch(
-            inputs.temperature, inputs.top_p, inputs.top_k, inputs.seeds, inputs.sample_positions, host=inputs.host_rows
+            inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows
         )
         sampling = step_ms(lambda: sample(graph_logits, params), device)
         step_bytes = weight_bytes(model, rows=batch, sampled=batch) + batch * context * kv_bytes_per_token

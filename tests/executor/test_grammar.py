@@ -134,17 +134,11 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
         bias_values=torch.zeros(0), presence=torch.zeros(0), frequency=torch.zeros(0), repetition=torch.zeros(0),
         min_p_rows=torch.arange(100), min_p=torch.full((100,), 0.5),
     )
-    out = sample(logits, SamplingBatch(
-        temperature=torch.ones(200), top_p=torch.ones(200), top_k=torch.zeros(200, dtype=torch.int32),
-        seeds=torch.arange(200), positions=torch.zeros(200, dtype=torch.long), processing=proc,
-    ))
+    out = sample(logits, SamplingBatch.of(np.ones(200), np.ones(200), np.zeros(200), np.arange(200), np.zeros(200), processing=proc))
     drawn = out.token_ids.tolist()
     assert set(drawn[:100]) <= {0, 1}  # 0.15 and 0.05 are under half of 0.5
     assert {2, 3} & set(drawn[100:])  # the rows without min_p still reach them
 
 
 def _greedy(rows: int, processing) -> SamplingBatch:
-    return SamplingBatch(
-        temperature=torch.zeros(rows), top_p=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int32),
-        seeds=torch.full((rows,), -1), positions=torch.zeros(rows, dtype=torch.long), processing=processing,
-    )
+    return SamplingBatch.of(np.zeros(rows), np.ones(rows), np.zeros(rows), np.full(rows, -1), np.zeros(rows), processing=processing)

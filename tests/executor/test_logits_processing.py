@@ -73,10 +73,7 @@ def crafted(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def plain_batch(rows: int, **extra) -> SamplingBatch:
-    return SamplingBatch(
-        temperature=torch.zeros(rows), top_p=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int32),
-        seeds=torch.full((rows,), -1, dtype=LONG), positions=torch.arange(rows), **extra,
-    )
+    return SamplingBatch.of(np.zeros(rows), np.ones(rows), np.zeros(rows), np.full(rows, -1), np.arange(rows), **extra)
 
 
 def test_every_processing_matches_the_reference_row_by_row():
@@ -143,10 +140,7 @@ def test_the_sample_its_logprob_and_alternatives_come_from_the_processed_row():
     proc = processing(rows, [1])
     k = np.array([3, 0, 5], dtype=np.uint8)
     temperature = torch.tensor([0.0, 0.0, 0.5])
-    out = sample(logits, SamplingBatch(
-        temperature=temperature, top_p=torch.ones(3), top_k=torch.tensor([0, 0, 1], dtype=torch.int32),
-        seeds=torch.tensor([-1, -1, 11]), positions=torch.arange(3), processing=proc, num_logprobs=k,
-    ))
+    out = sample(logits, SamplingBatch.of(temperature, np.ones(3), [0, 0, 1], [-1, -1, 11], range(3), processing=proc, num_logprobs=k))
     for r in range(3):
         want = torch.tensor(reference(logits[r].tolist(), **rows[r]))
         scaled = want / (temperature[r] if temperature[r] > 0 else 1.0)
@@ -164,10 +158,9 @@ def test_the_sample_its_logprob_and_alternatives_come_from_the_processed_row():
 
 def test_rows_without_processing_sample_exactly_as_before():
     logits = crafted(4, seed=3)
-    batch = dict(temperature=torch.tensor([0.0, 0.9, 0.0, 1.2]), top_p=torch.tensor([1.0, 0.8, 1.0, 1.0]),
-                 top_k=torch.zeros(4, dtype=torch.int32), seeds=torch.tensor([-1, 5, -1, 9]), positions=torch.arange(4))
-    plain = sample(logits, SamplingBatch(**batch))
-    processed = sample(logits, SamplingBatch(**batch, processing=processing({2: {"bias": [(0, 50.0)]}}, [])))
+    batch = dict(temperature=[0.0, 0.9, 0.0, 1.2], top_p=[1.0, 0.8, 1.0, 1.0], top_k=[0, 0, 0, 0], seeds=[-1, 5, -1, 9], positions=range(4))
+    plain = sample(logits, SamplingBatch.of(**batch))
+    processed = sample(logits, SamplingBatch.of(**batch, processing=processing({2: {"bias": [(0, 50.0)]}}, [])))
     for r in (0, 1, 3):
         assert processed.token_ids[r] == plain.token_ids[r]
         assert processed.logprobs[r].item() == plain.logprobs[r].item()
@@ -187,10 +180,7 @@ def test_banned_tokens_are_never_drawn_at_any_temperature():
     logits = torch.zeros(64, VOCAB)
     logits[:, :4] = 10.0  # nearly all the mass on 0..3
     proc = processing({r: {"banned": [0, 1, 2, 3]} for r in range(64)}, [])
-    out = sample(logits, SamplingBatch(
-        temperature=torch.full((64,), 1.5), top_p=torch.ones(64), top_k=torch.zeros(64, dtype=torch.int32),
-        seeds=torch.arange(64), positions=torch.zeros(64, dtype=LONG), processing=proc,
-    ))
+    out = sample(logits, SamplingBatch.of(np.full(64, 1.5), np.ones(64), np.zeros(64), np.arange(64), np.zeros(64), processing=proc))
     assert bool(out.finite.all()) and int(out.token_ids.min()) >= 4
 
 

@@ -5,22 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from executor.sampler import HostRows, SamplingBatch, SamplingError, argmax_rows, row_seed, sample
+from executor.sampler import SamplingBatch, SamplingError, argmax_rows, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
-    def col(value, dtype):
-        if isinstance(value, (list, tuple)):
-            return torch.tensor(value, dtype=dtype)
-        return torch.full((rows,), value, dtype=dtype)
+    def col(value):
+        return list(value) if isinstance(value, (list, tuple)) else [value] * rows
 
-    return SamplingBatch(
-        temperature=col(temperature, torch.float32),
-        top_p=col(top_p, torch.float32),
-        top_k=col(top_k, torch.int32),
-        seeds=col(seeds, torch.int64),
-        positions=col(list(range(rows)) if positions is None else positions, torch.int64),
-    )
+    positions = list(range(rows)) if positions is None else positions
+    return SamplingBatch.of(col(temperature), col(top_p), col(top_k), col(seeds), col(positions))
 
 
 def random_logits(rows, vocab=64, seed=0):
@@ -174,46 +167,37 @@ def test_candidates_pick_exactly_what_a_full_sort_picks():
     assert torch.equal(_draw_filtered(probs, top_k, top_p, uniforms), expected)
 
 
-def test_rows_the_host_describes_sample_as_rows_read_from_the_tensors():
+def test_host_rows_that_do_not_describe_the_batch_are_refused():
     logits = random_logits(6)
-    logits[2, 5] = float("nan")
     mixed = batch(6, temperature=[0.0, 0.8, 0.0, 1.0, 0.0, 0.5], seeds=[1, 2, 3, 4, -1, 6], top_p=[1, 1, 1, 0.9, 1, 1], top_k=[0, 3, 0, 0, 0, 0])
-    for params in (batch(6), mixed):
-        told = replace(params, host=HostRows.of(*(t.numpy() for t in (params.temperature, params.top_p, params.top_k, params.seeds, params.positions))))
-        a, b = sample(logits, params), sample(logits, told)
-        seeded = (params.seeds >= 0) | (params.temperature <= 0)  # unseeded random rows draw afresh
-        assert torch.equal(a.token_ids[seeded], b.token_ids[seeded]) and torch.equal(a.finite, b.finite)
-        torch.testing.assert_close(a.logprobs[seeded], b.logprobs[seeded], equal_nan=True)
-    host = HostRows.of(*(t.numpy() for t in (mixed.temperature, mixed.top_p, mixed.top_k, mixed.seeds, mixed.positions)))
+    assert mixed.host.greedy.tolist() == [True, False, True, False, True, False]
+    assert mixed.host.filtered.tolist() == [False, True, False, True, False, False]
     with pytest.raises(SamplingError, match="greedy"):
-        sample(logits, replace(mixed, host=replace(host, greedy=np.ones(5, dtype=bool))))
+        sample(logits, replace(mixed, host=replace(mixed.host, greedy=np.ones(5, dtype=bool))))
     with pytest.raises(SamplingError, match="filtered"):  # ~ of ints would make every row filtered
-        sample(logits, replace(mixed, host=replace(host, filtered=np.zeros(6, dtype=np.int64))))
+        sample(logits, replace(mixed, host=replace(mixed.host, filtered=np.zeros(6, dtype=np.int64))))
+    with pytest.raises(SamplingError, match="seeds"):
+        sample(logits, replace(mixed, host=replace(mixed.host, seeds=np.zeros(6))))
     with pytest.raises(SamplingError, match="num_logprobs"):
         sample(logits, replace(mixed, num_logprobs=np.ones(5, dtype=np.uint8)))
 
 
-def test_on_a_device_the_sampler_never_waits_for_it_when_the_host_describes_the_rows():
+def test_on_a_device_the_sampler_reads_nothing_back_but_for_a_filtered_draw():
     # A GPU's host stalls at every read of a device value (bool(), .item(), nonzero, a copy): the
     # GPU check's trace showed eight between two forwards. "meta" tensors hold no data, so any
     # such read raises: greedy rows, rows drawn with a temperature (seeded or not) and logprob
-    # alternatives read nothing back when the host says which is which, and the same batch
-    # without host rows must read (the test's negative control). The filtered draw (top-k, top-p)
-    # still reads.
+    # alternatives read nothing back. A top-p row's filtered draw does read (its candidate rounds
+    # branch on the device's values): the test's negative control.
     rows, vocab = 4, 50
-    on = dict(device="meta")
-    temperature = np.array([0.0, 0.7, 1.0, 0.0], dtype=np.float32)
-    params = SamplingBatch(
-        temperature=torch.empty(rows, **on), top_p=torch.ones(rows, **on), top_k=torch.zeros(rows, dtype=torch.long, **on),
-        seeds=torch.full((rows,), -1, dtype=torch.long, **on), positions=torch.zeros(rows, dtype=torch.long, **on),
-        host=HostRows.of(temperature, np.ones(rows), np.zeros(rows, dtype=np.int64), np.array([-1, 5, -1, -1]), np.arange(rows)),
-        num_logprobs=np.array([2, 0, 1, 0], dtype=np.uint8),
-    )
-    out = sample(torch.empty(rows, vocab, **on), params)
+    temperature = [0.0, 0.7, 1.0, 0.0]
+    params = SamplingBatch.of(temperature, [1.0] * rows, [0] * rows, [-1, 5, -1, -1], range(rows), device="meta",
+                              num_logprobs=np.array([2, 0, 1, 0], dtype=np.uint8))  # fmt: skip
+    out = sample(torch.empty(rows, vocab, device="meta"), params)
     assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
     assert out.top_ids.shape == (rows, 2) and out.top_ids.device.type == "meta"
+    filtered = SamplingBatch.of(temperature, [1.0, 0.9, 1.0, 1.0], [0] * rows, [-1] * rows, range(rows), device="meta")
     with pytest.raises(NotImplementedError):
-        sample(torch.empty(rows, vocab, **on), replace(params, host=None))
+        sample(torch.empty(rows, vocab, device="meta"), filtered)
 
 
 def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():

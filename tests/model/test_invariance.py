@@ -165,12 +165,9 @@ class Engine:
 
 def sampling_batch(requests: list[Request], positions: list[int]) -> SamplingBatch:
     seeded = [r.temperature > 0 for r in requests]
-    return SamplingBatch(
-        temperature=torch.tensor([r.temperature for r in requests], dtype=torch.float32),
-        top_p=torch.tensor([0.9 if s else 1.0 for s in seeded], dtype=torch.float32),
-        top_k=torch.tensor([20 if s else 0 for s in seeded], dtype=torch.long),
-        seeds=torch.tensor([r.seed if s else -1 for r, s in zip(requests, seeded)], dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
+    return SamplingBatch.of(
+        [r.temperature for r in requests], [0.9 if s else 1.0 for s in seeded], [20 if s else 0 for s in seeded],
+        [r.seed if s else -1 for r, s in zip(requests, seeded)], positions,
     )
 
 
