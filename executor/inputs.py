@@ -60,9 +60,8 @@ class StepInputs:
     temperature: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
     top_p: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
     top_k: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]
-    # Alternatives each sampled row wants returned (uint8[m]; the sampler reads it on the host).
-    num_logprobs_host: np.ndarray = _pad(Pad.SAMPLER)
-    # The sampled rows' parameters on the host (seeds and positions only there), for the sampler.
+    # The sampled rows' parameters on the host (seeds, positions and the alternatives each wants
+    # only there), for the sampler.
     host_rows: HostRows = _pad(Pad.SAMPLER)
     is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
     num_seqs: int = _pad(Pad.CHECKED)
@@ -109,16 +108,16 @@ class StepInputs:
         m = int(sampled.shape[0])
         host_floats = np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
         floats = torch.from_numpy(host_floats).to(device, non_blocking=True)
-        num_logprobs = p.num_logprobs[sampled]
         ints["page_table"] = ints["page_table"].view(n, width)
         return cls(
             **ints,
             sample_seq_ids=p.seq_ids[sampled].astype(np.int64),
             temperature=floats[:m],
             top_p=floats[m:],
-            num_logprobs_host=num_logprobs,
             # From the same float32 values as the tensors, so that the two agree on every row.
-            host_rows=HostRows.of(host_floats[:m], host_floats[m:], p.top_k[sampled], p.seeds[sampled], positions[sample_rows]),
+            host_rows=HostRows.of(
+                host_floats[:m], host_floats[m:], p.top_k[sampled], p.seeds[sampled], positions[sample_rows], p.num_logprobs[sampled]
+            ),
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,

@@ -80,18 +80,25 @@ class HostRows:
     filtered: np.ndarray  # bool[m]: top-k or top-p cuts the vocabulary
     seeds: np.ndarray  # int64[m]; -1 means unseeded
     positions: np.ndarray  # int64[m]: the position of the token whose logits the row holds
+    num_logprobs: np.ndarray  # integer[m]: the logprob alternatives the row wants returned, 0 for none
+
+    def __post_init__(self) -> None:
+        # Checked where the rows are built (a rank's link thread), not in every sample() between
+        # two forwards. An int array for a mask would pass a shape check, and then `~` would
+        # select every row.
+        rows = self.greedy.shape if isinstance(self.greedy, np.ndarray) else None
+        for name, kind in (("greedy", "b"), ("filtered", "b"), ("seeds", "iu"), ("positions", "iu"), ("num_logprobs", "iu")):
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray) or value.dtype.kind not in kind or value.ndim != 1 or value.shape != rows:
+                raise SamplingError(f"host rows: {name} must be a one-dimensional numpy {'bool' if kind == 'b' else 'integer'} array, as long as greedy")
 
     @classmethod
-    def of(cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, positions: np.ndarray) -> HostRows:
-        return cls(temperature <= 0, (top_k > 0) | (top_p < 1), seeds.astype(np.int64), positions.astype(np.int64))
-
-    def check(self, rows: int) -> None:
-        for name in ("greedy", "filtered", "seeds", "positions"):
-            value = getattr(self, name)
-            kind = "b" if name in ("greedy", "filtered") else "iu"
-            # An int array for a mask would pass the shape, and then `~` would select every row.
-            if not isinstance(value, np.ndarray) or value.dtype.kind not in kind or value.shape != (rows,):
-                raise SamplingError(f"host rows: {name} must be a numpy {'bool' if kind == 'b' else 'integer'} array of ({rows},)")
+    def of(
+        cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seeds: np.ndarray, positions: np.ndarray,
+        num_logprobs: np.ndarray | None = None,
+    ) -> HostRows:  # fmt: skip
+        wanted = np.zeros(temperature.shape[0], dtype=np.uint8) if num_logprobs is None else num_logprobs
+        return cls(temperature <= 0, (top_k > 0) | (top_p < 1), seeds.astype(np.int64), positions.astype(np.int64), wanted)
 
 
 @dataclass(frozen=True)
@@ -102,11 +109,8 @@ class SamplingBatch:
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
     top_k: torch.Tensor  # int[m]; 0 means off
-    host: HostRows  # the same rows, with their seeds and positions
+    host: HostRows  # the same rows, with their seeds, positions and alternatives wanted
     processing: LogitsProcessing | None = None  # None: no row asks for any
-    # uint8[m] on the host: alternatives each row wants; None: none. On the host, so that how many
-    # and which rows never wait for the device.
-    num_logprobs: np.ndarray | None = None
 
     @classmethod
     def of(
@@ -116,7 +120,7 @@ class SamplingBatch:
         """From host values (sequences, arrays, CPU tensors): the tensors on `device`, the host rows."""
         t, p, k = np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(top_k, np.int64)
         tensors = (torch.from_numpy(a).to(device) for a in (t, p, k))
-        return cls(*tensors, HostRows.of(t, p, k, np.asarray(seeds), np.asarray(positions)), processing, num_logprobs)
+        return cls(*tensors, HostRows.of(t, p, k, np.asarray(seeds), np.asarray(positions), num_logprobs), processing)
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
         if got != (rows,):
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
     host = params.host
-    host.check(rows)
-    wanted = params.num_logprobs
-    if wanted is not None and (not isinstance(wanted, np.ndarray) or wanted.dtype.kind not in "iu" or wanted.shape != (rows,)):
-        raise SamplingError(f"num_logprobs must be a numpy integer array of ({rows},), got {type(wanted).__name__} {getattr(wanted, 'dtype', '')}")
+    if host.greedy.shape != (rows,):
+        raise SamplingError(f"the host rows describe {host.greedy.shape[0]} rows, expected {rows}")
     logits = logits.float()
     finite = _finite_rows(logits)
     if params.processing is not None:
@@ -191,7 +193,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
     logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     logprobs = torch.where(finite, logprobs, torch.full_like(logprobs, float("nan")))
-    top_ids, top_logprobs = _alternatives(log_probs, params.num_logprobs, finite)
+    top_ids, top_logprobs = _alternatives(log_probs, host.num_logprobs, finite)
     return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
@@ -237,11 +239,11 @@ def _min_p_filtered(log_probs: torch.Tensor, p: LogitsProcessing | None) -> torc
 
 
 def _alternatives(
-    log_probs: torch.Tensor, wanted: np.ndarray | None, finite: torch.Tensor
+    log_probs: torch.Tensor, wanted: np.ndarray, finite: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The most likely tokens of each row that wants alternatives, and their logprobs, as many as
     the greediest row wants (a row that wants fewer reads a prefix; one that wants none, zeros)."""
-    if wanted is None or not wanted.size:
+    if not wanted.size:
         return None, None
     k = int(wanted.max())
     if k == 0:

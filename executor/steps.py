@@ -128,13 +128,12 @@ class StepRunner:
                 top_k=inputs.top_k,
                 host=inputs.host_rows,
                 processing=states.processing(prepare, logits.device),
-                num_logprobs=inputs.num_logprobs_host,
             ),
         )
         host = sampled_to_host(out)
         self._samples = _Samples(out.token_ids, host.tokens)
         states.append(inputs.sample_seq_ids, host.tokens, host.finite)
-        top_ids, top_logprobs = _alternatives(host, inputs.num_logprobs_host)
+        top_ids, top_logprobs = _alternatives(host, inputs.host_rows.num_logprobs)
         return Result(
             seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
             token_ids=host.tokens,

@@ -172,14 +172,18 @@ def test_host_rows_that_do_not_describe_the_batch_are_refused():
     mixed = batch(6, temperature=[0.0, 0.8, 0.0, 1.0, 0.0, 0.5], seeds=[1, 2, 3, 4, -1, 6], top_p=[1, 1, 1, 0.9, 1, 1], top_k=[0, 3, 0, 0, 0, 0])
     assert mixed.host.greedy.tolist() == [True, False, True, False, True, False]
     assert mixed.host.filtered.tolist() == [False, True, False, True, False, False]
+    short = SamplingBatch.of([0.0] * 5, [1.0] * 5, [0] * 5, [-1] * 5, range(5))
+    with pytest.raises(SamplingError, match="5 rows, expected 6"):
+        sample(logits, replace(mixed, host=short.host))
+    # Refused where they are built (a rank's link thread), not in every sample() call.
     with pytest.raises(SamplingError, match="greedy"):
-        sample(logits, replace(mixed, host=replace(mixed.host, greedy=np.ones(5, dtype=bool))))
+        replace(mixed.host, filtered=np.ones(5, dtype=bool))
     with pytest.raises(SamplingError, match="filtered"):  # ~ of ints would make every row filtered
-        sample(logits, replace(mixed, host=replace(mixed.host, filtered=np.zeros(6, dtype=np.int64))))
+        replace(mixed.host, filtered=np.zeros(6, dtype=np.int64))
     with pytest.raises(SamplingError, match="seeds"):
-        sample(logits, replace(mixed, host=replace(mixed.host, seeds=np.zeros(6))))
+        replace(mixed.host, seeds=np.zeros(6))
     with pytest.raises(SamplingError, match="num_logprobs"):
-        sample(logits, replace(mixed, num_logprobs=np.ones(5, dtype=np.uint8)))
+        replace(mixed.host, num_logprobs=np.ones(5, dtype=np.uint8))
 
 
 def test_on_a_device_the_sampler_reads_nothing_back_but_for_a_filtered_draw():
