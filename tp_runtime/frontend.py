@@ -218,7 +218,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
 
     from tp_runtime.cli import API_KEY_ENV
     from tp_runtime.http import ServerSettings, create_app
-    from tp_runtime.http.header_deadline import protocol_with_header_timeout
+    from tp_runtime.http.server import uvicorn_config
 
     settings = ServerSettings(
         served_model_names(config),
@@ -233,15 +233,9 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
     )
     app = create_app(engine, tokenizer, settings)
     server = uvicorn.Server(
-        uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=config.uvicorn_log_level or config.log_level, lifespan="off",
-            timeout_keep_alive=config.timeout_keep_alive,
-            http=protocol_with_header_timeout(config.request_header_timeout),
-            # uvloop, not asyncio's own loop: the engine thread hands each step's tokens over with
-            # call_soon_threadsafe, and every streamed token is a transport write; both run in C
-            # there (served at concurrency 1, this process's CPU per token 1.60 against 1.70 ms,
-            # the HTTP thread's ~370 against ~500 us: docs/control_plane.md).
-            loop="uvloop",
+        uvicorn_config(
+            app, config.host, config.port, config.uvicorn_log_level or config.log_level, config.timeout_keep_alive,
+            config.request_header_timeout,
         )
     )
     # uvicorn in a non-main thread installs no signal handlers: this process's SignalWatch owns
