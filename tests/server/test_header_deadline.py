@@ -94,6 +94,21 @@ def test_prompt_requests_and_keep_alive_are_served(port: int) -> None:
         assert response(sock).startswith(b"HTTP/1.1 200")
 
 
+def test_pipelined_requests_are_served_and_the_idle_deadline_follows(port: int) -> None:
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(request * 2)  # the second head arrives while the first is answered
+        data = b""
+        while data.count(b"\r\n\r\nok") < 2:
+            chunk = sock.recv(4096)
+            assert chunk, f"closed after {data!r}"
+            data += chunk
+        assert data.count(b"HTTP/1.1 200") == 2
+        took = closed_within(sock, 5 * DEADLINE_S)  # no third head: the deadline is armed again
+        assert took is not None and took < 2 * DEADLINE_S
+
+
 def test_the_deadline_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         protocol_with_header_timeout(0)

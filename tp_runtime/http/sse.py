@@ -17,6 +17,8 @@ def sse(data: str, event: str | None = None) -> str:
     """One server-sent event; a multi-line payload becomes several data lines, as SSE requires
     (a reader joins them with "\\n", so a bare "\\r" in the text arrives as "\\n")."""
     head = f"event: {event}\n" if event else ""
+    if "\n" not in data and "\r" not in data:  # every JSON payload: a JSON text escapes its line breaks
+        return f"{head}data: {data}\n\n"
     return head + "".join(f"data: {line}\n" for line in _LINE_BREAK.split(data)) + "\n"
 
 

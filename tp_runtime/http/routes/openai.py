@@ -9,6 +9,7 @@ with its index, and the usage counts the prompt once and every choice's tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -43,6 +44,7 @@ from tp_runtime.http.generation import Generation, Piece, SampledToken
 from tp_runtime.http.routes.generate import CLIENT_CLOSED
 from tp_runtime.http.service import Collected, GenerationService, arrival_time, pieces_of
 from tp_runtime.http.sse import DONE, sse
+from tp_runtime.http.text_chunks import TextChunk
 from tp_runtime.http.tool_calls import FINISH_TOOL_CALLS, ToolCallStream, ToolPlan
 
 Body = TypeVar("Body", bound=OpenAISampling)
@@ -59,6 +61,7 @@ class Reply:
     generations: tuple[Generation, ...]  # one per choice, in index order
     tools: ToolPlan | None = None  # chat: what the request's tools ask of its output
     tool_streams: tuple[ToolCallStream, ...] = ()  # a stream's, one per choice
+    text_chunks: tuple[TextChunk, ...] = ()  # a stream's plain text chunk, one per choice
 
     @property
     def usage(self) -> Usage:
@@ -97,7 +100,10 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         reply = Reply(
             request_id, int(time.time()), self.served[0], want_logprobs, tuple(generations), tools, streams
         )
-        if not body.stream:
+        if body.stream:
+            texts = (TextChunk.of(functools.partial(self.text_chunk, body, reply, i)) for i in range(len(generations)))
+            reply = dataclasses.replace(reply, text_chunks=tuple(texts))
+        else:
             collected = await service.collect(request, generations)
             if collected is None:
                 return Response(status_code=CLIENT_CLOSED)
@@ -159,6 +165,11 @@ class OpenAIEndpoint(ABC, Generic[Body]):
 
     @abstractmethod
     def usage_chunk(self, reply: Reply, usage: Usage) -> str: ...
+
+    @abstractmethod
+    def text_chunk(self, body: Body, reply: Reply, index: int, text: str) -> str:
+        """The chunk of choice `index` that carries `text` and nothing else (no logprobs, no end):
+        the one the stream's TextChunk renders by concatenation."""
 
 
 def _grammar(body: OpenAISampling, tools: ToolPlan | None) -> structured_output.Asked | None:
@@ -224,6 +235,8 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         return answer.model_dump(exclude=self._hidden(body))
 
     def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
+        if piece.finish_reason is None and not reply.logprobs and not body.return_token_ids:
+            return [reply.text_chunks[index].render(piece.text)]
         choice = CompletionChoice(
             index=index,
             text=piece.text,
@@ -233,6 +246,11 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         )
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
         return [chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})]
+
+    def text_chunk(self, body: CompletionRequest, reply: Reply, index: int, text: str) -> str:
+        choice = CompletionChoice(index=index, text=text, finish_reason=None)
+        chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
+        return chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage)
@@ -308,7 +326,9 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                 text += rest
                 reason = FINISH_TOOL_CALLS if calls and reason == "stop" else reason
         out = []
-        if text:
+        if text and logprobs_ is None:
+            out.append(reply.text_chunks[index].render(text))
+        elif text:
             choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs_, finish_reason=None)
             out.append(self._chunk(reply, choice))
             logprobs_ = None
@@ -319,6 +339,9 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             choice = ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=logprobs_, finish_reason=reason)
             out.append(self._chunk(reply, choice))
         return out
+
+    def text_chunk(self, body: ChatCompletionRequest, reply: Reply, index: int, text: str) -> str:
+        return self._chunk(reply, ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=None))
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
         chunk = ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage)

@@ -1,0 +1,51 @@
+"""A stream's plain text chunk by concatenation is byte for byte the endpoint model's own dump, and
+an SSE event takes the short path only where the general one gives the same bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tp_runtime.http.api_models import ChatCompletionRequest, CompletionRequest
+from tp_runtime.http.routes.openai import ChatCompletions, Completions, Reply
+from tp_runtime.http.sse import _LINE_BREAK, sse
+from tp_runtime.http.text_chunks import TextChunk
+
+REPLY = Reply("chatcmpl-0123", 1_765_000_000, 'a "quoted" model\\name', False, ())
+TEXTS = st.text(st.characters(codec="utf-8"), max_size=40) | st.sampled_from(
+    ["", '"', "\\", "\n", "\r\n", "\x00\x1f\x7f", "é漢字🙂", "\u2028\u2029", "</script>"]
+)
+
+
+def endpoints() -> list[tuple[object, object]]:
+    chat = ChatCompletions(service=None, served_model_names=("m",))
+    completions = Completions(service=None, served_model_names=("m",))
+    return [
+        (chat, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)),
+        (completions, CompletionRequest(model="m", prompt="hi", stream=True)),
+        (completions, CompletionRequest(model="m", prompt="hi", stream=True, return_token_ids=True)),
+    ]
+
+
+@pytest.mark.parametrize("endpoint, body", endpoints())
+@given(text=TEXTS, index=st.integers(0, 3))
+def test_a_rendered_chunk_is_the_models_dump(endpoint, body, text: str, index: int) -> None:
+    chunk = TextChunk.of(lambda t: endpoint.text_chunk(body, REPLY, index, t))
+    rendered = chunk.render(text)
+    assert rendered == endpoint.text_chunk(body, REPLY, index, text)
+    choice = json.loads(rendered)["choices"][0]
+    assert choice["index"] == index and (choice.get("text") == text or choice.get("delta") == {"content": text})
+
+
+def test_a_chunk_that_holds_its_text_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="exactly once"):
+        TextChunk.of(lambda t: json.dumps([t, t]))
+
+
+@given(data=TEXTS, event=st.sampled_from([None, "error"]))
+def test_the_short_sse_path_gives_the_general_bytes(data: str, event: str | None) -> None:
+    general = (f"event: {event}\n" if event else "") + "".join(f"data: {line}\n" for line in _LINE_BREAK.split(data))
+    assert sse(data, event) == general + "\n"
