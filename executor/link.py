@@ -265,7 +265,9 @@ class SchedulerLink:
                 logger.error("[rank %d] reject step %d: %s", self.rank, event.step, exc)
                 self._send(conv.reject(event.step, exc))
                 return
-            self._send(conv.ready(event.step))
+            ready = conv.ready_or_ride(event.step)
+            if ready is not None:
+                self._send(ready)
             if conv.ready_is_go:
                 self._run_staged(event.step)
         elif isinstance(event, GoReceived):

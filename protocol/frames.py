@@ -28,7 +28,9 @@ import numpy as np
 # 6: WELCOME's ready_is_go: a group of one rank runs each step on its own READY, without a GO.
 # 7: CONTINUE, a steady decode step as three arrays: the rows of the step before, one token on each
 #    (protocol/continuation.py).
-PROTOCOL_VERSION = 7
+# 8: RESULT's ready_next: a lone rank that receives step N+1 while N runs answers READY for N+1 in
+#    N's RESULT instead of a frame of its own.
+PROTOCOL_VERSION = 8
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -304,6 +306,9 @@ class Result:
     gap_us: int = 0
     top_token_ids: np.ndarray = field(default_factory=_no_token_ids)  # int32[sum(num_logprobs of sampled rows)]
     top_logprobs: np.ndarray = field(default_factory=_no_logprobs)  # float32[same]
+    # READY for step + 1, from a lone rank (WELCOME's ready_is_go) that received that step while
+    # this one ran: it rides here instead of costing a frame each way per step.
+    ready_next: bool = False
 
 
 @dataclass(frozen=True)

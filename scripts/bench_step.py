@@ -484,6 +484,7 @@ class _LoopDriver:
         self.go_at: dict[int, float] = {}
         self.phases: dict[str, list[float]] = {"step": [], "prepare_to_all_ready": [], "go_to_all_done": []}
         self.model_gaps_us: list[int] = []  # rank 0's RESULT.gap_us: its model thread idle between steps
+        self.rode: set[int] = set()  # steps whose READY came in the RESULT of the step before
 
     def next_step(self, step: int) -> tuple[Prepare, Continue | None]:
         """The step's PREPARE, and the CONTINUE that says it when --steady continue and the rows'
@@ -539,9 +540,15 @@ class _LoopDriver:
                     finished += 1
                     n = event.step
                     self.phases["step"].append(now - self.sent[n])
-                    self.phases["prepare_to_all_ready"].append(self.ready_at[n] - self.sent[n])
+                    if n not in self.rode:
+                        self.phases["prepare_to_all_ready"].append(self.ready_at[n] - self.sent[n])
                     self.phases["go_to_all_done"].append(now - self.go_at[n])
                     self.model_gaps_us.append(event.result.gap_us)
+                    if event.next_ready:  # a lone rank's READY for n + 1 rode in this RESULT
+                        self.rode.add(n + 1)
+                        self.ready_at[n + 1] = now
+                        conv.go(n + 1)
+                        self.go_at[n + 1] = time.perf_counter()
                 else:
                     raise RuntimeError(f"the step loop broke: {event}")
         endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
@@ -610,7 +617,10 @@ def measure_loop(
         # Rank 0's model thread from the end of a step (its samples drawn) to the start of the
         # next one (its feedback tokens): the forward gap less the sampling and the cache work.
         "model_idle_us": quantiles_us(np.asarray(driver.model_gaps_us[warmup + 1 :]) / 1e6),
-        "prepare_to_all_ready_us": quantiles_us(warm["prepare_to_all_ready"]),
+        # Over the steps whose READY came in a frame of its own: a lone rank's READY for a step it
+        # receives while the one before runs rides in that step's RESULT (protocol version 8).
+        "prepare_to_all_ready_us": quantiles_us(warm["prepare_to_all_ready"]) if warm["prepare_to_all_ready"] else None,
+        "ready_in_result_share": len([n for n in driver.rode if n > warmup]) / max(1, len(warm["step"])),
         "go_to_all_done_us": quantiles_us(warm["go_to_all_done"]),
         # CPU time (all threads) per step: the driver is the scheduler's side of the protocol (no
         # planning); a rank's includes its forward when that is `gil`. Unlike the times above, it
@@ -688,11 +698,13 @@ def main() -> None:
     for run, loop in report["loop"].items():
         gap, idle = loop["forward_gap_us"], loop["model_idle_us"]
         ready, done = loop["prepare_to_all_ready_us"], loop["go_to_all_done_us"]
+        ready_alone = "-" if ready is None else f"{ready['median']:.0f} us"
         print(
             f"loop {run}: median {loop['median_step_us']:.0f} us/step, p90 {loop['p90_step_us']:.0f}; "
             f"gap between two forwards median {gap['median']:.0f} us, p90 {gap['p90']:.0f}; "
             f"model thread idle median {idle['median']:.0f} us, p90 {idle['p90']:.0f} "
-            f"(PREPARE to every READY {ready['median']:.0f} us, GO to every RESULT/DONE {done['median']:.0f} us)"
+            f"(PREPARE to every READY {ready_alone}, READY in the RESULT before "
+            f"{loop['ready_in_result_share']:.0%} of steps, GO to every RESULT/DONE {done['median']:.0f} us)"
         )
 
 

@@ -176,6 +176,7 @@ class StepLoop:
         # others (still loading their weights) without a word, for as long as they take.
         self._welcomed_at = 0.0
         self._model_had_work = False  # the last RESULT left work behind: the next step follows at once
+        self._finished_at = 0.0  # when the last step's RESULT came
         self._undelivered: list[RequestOutput] = []  # a RESULT's outputs, held until the next PREPARE is out
 
     @property
@@ -273,15 +274,7 @@ class StepLoop:
     def _on_event(self, event: object) -> None:
         conv = self.conversation
         if isinstance(event, StepReady):
-            go = conv.go(event.step)
-            if go is not None:
-                self._send_all(go)
-            entry = self._inflight[event.step]
-            entry.go_at = time.monotonic()
-            self.counters.protocol_s += entry.go_at - entry.sent_at
-            older = [s for s in self._inflight if s < event.step]
-            if not older:
-                entry.started_at = entry.go_at
+            self._go(event.step)
             self._plan()  # with overlap, the next step goes out while this one runs
         elif isinstance(event, StepRefused):
             self._abort(event.step, f"step {event.step} was refused: {event.message}", event.seq_ids)
@@ -296,6 +289,22 @@ class StepLoop:
                 self._abort(staged, f"{conv.who(event.rank)} broke the protocol: {event.message}", ())
             else:
                 raise RankFailure(f"{conv.who(event.rank)} broke the protocol after GO: {event.message}")
+
+    def _go(self, step: int) -> None:
+        """Every rank is READY for `step`: GO, and it runs once the steps before it have ended."""
+        go = self.conversation.go(step)
+        if go is not None:
+            self._send_all(go)
+        entry = self._inflight[step]
+        entry.go_at = time.monotonic()
+        self.counters.protocol_s += entry.go_at - self._answer_due_from(entry)
+        if not any(s < step for s in self._inflight):
+            entry.started_at = entry.go_at
+
+    def _answer_due_from(self, entry: _InFlight) -> float:
+        """When the ranks' answer to a PREPARE was due from: its sending, or for a lone rank, whose
+        READY rides in the RESULT of the step running before it, that step's end if later."""
+        return max(entry.sent_at, self._finished_at) if self.conversation.ready_is_go else entry.sent_at
 
     def _abort(self, step: int, reason: str, seq_ids: tuple[int, ...]) -> None:
         """ABORT the step waiting for GO. Only the sequences the ranks named fail when they named
@@ -312,7 +321,7 @@ class StepLoop:
 
     def _finish(self, event: StepDone) -> None:
         entry = self._inflight.pop(event.step)
-        now = time.monotonic()
+        now = self._finished_at = time.monotonic()
         result = event.result
         if entry.started_at is not None:
             self._deadlines.observe(entry.tokens, now - entry.started_at, entry.decode)
@@ -321,6 +330,8 @@ class StepLoop:
         if entry.back_to_back:
             self.counters.model_idle_s += result.gap_us / 1e6
             self.counters.model_busy_s += result.step_time_us / 1e6
+        if event.next_ready:
+            self._go(event.step + 1)
         nxt = self._inflight.get(event.step + 1)
         if nxt is not None and nxt.go_at is not None:
             nxt.started_at = now
@@ -395,7 +406,8 @@ class StepLoop:
         if staged is not None:
             entry = self._inflight[staged]
             late = conv.unanswered(staged)
-            if late and now - entry.sent_at > self.timeouts.ready_s:
+            riding = conv.ready_is_go and any(s < staged for s in self._inflight)
+            if late and not riding and now - self._answer_due_from(entry) > self.timeouts.ready_s:
                 names = ", ".join(conv.who(r) for r in sorted(late))
                 self._abort(staged, f"{names} did not answer READY for step {staged} within {self.timeouts.ready_s:.0f} s", ())
         for step, entry in self._inflight.items():

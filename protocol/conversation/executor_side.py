@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -150,6 +152,7 @@ class ExecutorConversation:
         self._running: deque[int] = deque()  # GOed, RESULT/DONE not sent yet, oldest first
         self.ready_is_go = False  # the WELCOME's: a step runs once READY is sent, no GO comes
         self._held: tuple[int, Prepare] | None = None  # the last PREPARE accepted: what CONTINUE expands
+        self._riding: int | None = None  # a step whose READY goes out in the RESULT of the one before
 
     @property
     def staged(self) -> int | None:
@@ -179,6 +182,18 @@ class ExecutorConversation:
             self._staged = step
         return Outgoing(Ready(self.rank), step)
 
+    def ready_or_ride(self, step: int) -> Outgoing | None:
+        """`ready(step)`, or None where the READY can ride in the RESULT of the step running here:
+        on a lone rank (ready_is_go) whose step before this one has not finished. Its RESULT then
+        says ready_next: the scheduler (at most two steps in flight) plans the step after this one
+        only once it has both, and hears them in one frame."""
+        riding = self.ready_is_go and self.rank == 0 and bool(self._running)
+        ready = self.ready(step)
+        if not riding:
+            return ready
+        self._riding = step
+        return None
+
     def reject(self, step: int, error: ProtocolError) -> Outgoing:
         """The REJECT for a Refused event, for a received PREPARE this rank cannot stage (it is
         dropped), or for a running step whose forward failed (it is dropped from the running ones)."""
@@ -198,6 +213,9 @@ class ExecutorConversation:
         if self.rank != 0:
             raise UsageError(f"rank {self.rank} sends DONE, not RESULT")
         self._finish(step, "RESULT")
+        if self._riding == step + 1:
+            self._riding = None
+            result = dataclasses.replace(result, ready_next=True)
         return Outgoing(result, step)
 
     def done(self, step: int) -> Outgoing:

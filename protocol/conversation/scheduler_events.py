@@ -73,6 +73,7 @@ class StepDone:
 
     step: int
     result: Result
+    next_ready: bool = False  # the RESULT also said READY for step + 1 (Result.ready_next)
 
 
 @dataclass(frozen=True)

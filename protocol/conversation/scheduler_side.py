@@ -73,8 +73,9 @@ class SchedulerConversation:
     after (protocol.continuation).
     Rules it enforces on the ranks (ProtocolViolation otherwise): frames stamped with this launch's
     run id, the negotiated version and layout; READY/REJECT only for the step waiting for answers
-    (late answers to an aborted step are dropped); RESULT from rank 0 and DONE from the others, each
-    rank finishing its GOed steps in order.
+    (late answers to an aborted step are dropped), or a lone rank's READY for the step waiting for
+    it in the RESULT of the step before (ready_next; StepDone.next_ready says it came); RESULT from
+    rank 0 and DONE from the others, each rank finishing its GOed steps in order.
     """
 
     def __init__(
@@ -324,7 +325,16 @@ class SchedulerConversation:
         if len(pending.finished) < self.world_size:
             return []
         self._steps.remove(pending)
-        return [StepDone(pending.step, pending.result)]
+        if not (is_result and frame.body.ready_next):
+            return [StepDone(pending.step, pending.result)]
+        nxt = self._find(pending.step + 1)
+        if not self.ready_is_go or nxt is None or nxt.go_sent or nxt.ready or nxt.rejections:
+            why = "without ready_is_go" if not self.ready_is_go else f"but step {pending.step + 1} does not wait for it"
+            error = not_valid_now(frame, f"saying READY for the next step {why}")
+            return [StepDone(pending.step, pending.result), self._violation(rank, pending.step + 1, error)]
+        nxt.ready.add(rank)
+        nxt.answered = True
+        return [StepDone(pending.step, pending.result, next_ready=True)]
 
     def _find(self, step: int) -> _Step | None:
         return next((s for s in self._steps if s.step == step), None)

@@ -3,6 +3,8 @@ way, the same step order, results, refusals and failures as with GO, and only fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
@@ -20,7 +22,7 @@ from protocol.conversation import (
     WelcomeRefused,
 )
 from protocol.errors import ProtocolError, RejectCode, UsageError
-from protocol.frames import LAYOUT_VERSION, Go, Welcome
+from protocol.frames import LAYOUT_VERSION, Go, Ready, Welcome
 from tests.protocol.conversation_helpers import (
     PREPARE,
     V,
@@ -141,3 +143,47 @@ def test_a_result_for_a_step_aborted_while_its_ready_crossed_the_abort_breaks_th
     body, _ = rank.result(1, result())
     (violation,) = sched.receive(0, frame(body, 1), 2.0)
     assert isinstance(violation, ProtocolViolation)
+
+
+# ---- READY in the RESULT before (protocol 8) --------------------------------------------------------
+
+
+def test_a_step_received_while_one_runs_is_answered_in_that_ones_result() -> None:
+    sched, rank = one_rank()
+    sched.prepare(1, PREPARE)
+    rank.receive(frame(PREPARE, 1))
+    ready = rank.ready_or_ride(1)  # nothing runs here yet: a READY of its own
+    assert ready is not None and sched.receive(0, frame(ready[0], 1), 1.0) == [StepReady(1)]
+    sched.go(1)
+    sched.prepare(2, PREPARE)
+    rank.receive(frame(PREPARE, 2))
+    assert rank.ready_or_ride(2) is None and rank.running == (1, 2)
+    assert sched.unanswered(2) == frozenset({0})
+    body, _ = rank.result(1, result())
+    assert body.ready_next
+    (done,) = sched.receive(0, frame(encoded_and_back(body), 1), 2.0)
+    assert isinstance(done, StepDone) and done.step == 1 and done.next_ready
+    assert sched.unanswered(2) == frozenset() and sched.go(2) is None and sched.staged is None
+    body, _ = rank.result(2, result())  # nothing rides on the last one
+    assert not body.ready_next
+    assert sched.receive(0, frame(body, 2), 3.0) == [StepDone(2, body)]
+
+
+def encoded_and_back(body):
+    """The body through the codec: ready_next is a field of the wire, not only of the dataclass."""
+    return decoded(encode(frame(body, 1), KEY)).body
+
+
+@pytest.mark.parametrize("ready_is_go", [True, False])
+def test_a_result_may_say_ready_only_for_a_lone_rank_and_the_step_waiting_for_it(ready_is_go: bool) -> None:
+    sched = running_scheduler(world=1, max_inflight=2, ready_is_go=ready_is_go)
+    sched.prepare(1, PREPARE)
+    sched.receive(0, frame(Ready(0), 1), 1.0)
+    sched.go(1)
+    if not ready_is_go:  # the GO went out; step 2 is prepared and waits for READY
+        sched.prepare(2, PREPARE)
+    body = dataclasses.replace(result(), ready_next=True)
+    done, violation = sched.receive(0, frame(body, 1), 2.0)
+    assert isinstance(done, StepDone) and not done.next_ready
+    assert isinstance(violation, ProtocolViolation) and violation.step == 2
+    assert "saying READY for the next step" in violation.message
