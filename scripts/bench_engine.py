@@ -6,8 +6,9 @@
     python scripts/bench_engine.py --calls                   # and the engine thread's calls per step
 
 The real Engine (scheduler, step loop, conversation, transport, hand-off) serves streams against
-tests/server/fake_rank.py's rank 0, a thread that answers each PREPARE with READY and, after
---step-ms, a RESULT; so nothing but the control plane runs in this process. Reported per level:
+tests/server/fake_rank.py's rank 0, a thread that answers each PREPARE as a real lone rank does
+(READY, or READY in the RESULT of the step it runs) and each step --step-ms after it starts with a
+RESULT; so nothing but the control plane runs in this process. Reported per level:
 the engine thread's CPU time (its own CPU clock, exact) per output token and per step, and the
 wall time per step. The fake rank's geometry runs at most 8 sequences per step. On a served model
 the same code runs with caches that the forward has just flushed and costs several times more

@@ -1,16 +1,19 @@
 """The real Engine, with one fake rank 0 on its socket: the step protocol without a model.
 
-The rank answers every PREPARE (or CONTINUE, expanded after the PREPARE before) with READY and every GO with a RESULT that samples `token` for each
-sampled row (logprob -1), after `step_delay_s`; it answers heartbeats. As the engine's WELCOME tells
-a group of one rank (ready_is_go), it runs each step right after its READY: no GO comes. It lets
-the tests drive the engine loop, its published stats and its bounds, in one process and in
-milliseconds.
+The rank answers every PREPARE (or CONTINUE, expanded after the PREPARE before) with READY and
+every GO with a RESULT that samples `token` for each sampled row (logprob -1), `step_delay_s` after
+the step starts (or after the step before it ends); it answers heartbeats, also while a step runs.
+As the engine's WELCOME tells a group of one rank (ready_is_go), it runs each step right after its
+READY: no GO comes, and the READY for a step that arrives while another runs rides in that one's
+RESULT. It lets the tests drive the engine loop, its published stats and its bounds, in one process
+and in milliseconds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -52,6 +55,12 @@ class FakeRank(threading.Thread):
         self._delay = step_delay_s
         self._prepared: Prepare | None = None
         self._ready_is_go = False
+        # Steps GOed here, oldest first, each finishing step_delay_s after the one before: as a real
+        # rank, this one reads frames while a step runs, and a lone rank's READY for a step that
+        # arrives meanwhile rides in the running step's RESULT (Result.ready_next).
+        self._running: deque[tuple[int, Prepare]] = deque()
+        self._due: float | None = None  # when the oldest running step finishes
+        self._riding: int | None = None
         self.steps = 0
         self.vanish = threading.Event()  # set: the rank closes its socket at its next frame, as a killed process would
 
@@ -59,7 +68,21 @@ class FakeRank(threading.Thread):
         peer = self._peer
         try:
             peer.send(Hello(0, 1, SUPPORTED_VERSIONS, LAYOUT_VERSION, "fake", GEOMETRY), 0)
-            while (frame := peer.recv(20_000)) is not None:
+            while True:
+                now = time.monotonic()
+                if self._due is not None and now >= self._due:
+                    self._finish(*self._running.popleft())
+                    self._due = time.monotonic() + self._delay if self._running else None
+                    continue
+                wait_ms = 20_000 if self._due is None else int((self._due - now) * 1000)
+                if wait_ms == 0:  # the poll's whole milliseconds would overshoot the step's end
+                    time.sleep(self._due - now)
+                    continue
+                frame = peer.recv(wait_ms)
+                if frame is None:
+                    if self._due is None:
+                        return
+                    continue
                 if self.vanish.is_set():
                     return
                 body = frame.body
@@ -73,20 +96,31 @@ class FakeRank(threading.Thread):
                     self._prepared = None
                 elif isinstance(body, (Prepare, Continue)):
                     self._prepared = body if isinstance(body, Prepare) else expand(self._prepared, body)
-                    peer.send(Ready(0), frame.step)
+                    if self._ready_is_go and self._running:
+                        self._riding = frame.step
+                    else:
+                        peer.send(Ready(0), frame.step)
                     if self._ready_is_go:
-                        self._run(frame.step)
+                        self._start(frame.step)
                 elif isinstance(body, Go) and self._prepared is not None:
-                    self._run(frame.step)
+                    self._start(frame.step)
         finally:
             peer.close()
 
-    def _run(self, step: int) -> None:
-        time.sleep(self._delay)
-        rows = self._prepared.seq_ids[self._prepared.sample.astype(bool)]
+    def _start(self, step: int) -> None:
+        self._running.append((step, self._prepared))
+        if self._due is None:
+            self._due = time.monotonic() + self._delay
+
+    def _finish(self, step: int, prepared: Prepare) -> None:
+        rows = prepared.seq_ids[prepared.sample.astype(bool)]
         n = len(rows)
+        rides = self._riding == step + 1
+        if rides:
+            self._riding = None
         result = Result(
-            rows.astype(np.int64), np.full(n, self._token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8)
+            rows.astype(np.int64), np.full(n, self._token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8),
+            ready_next=rides,
         )
         self.steps += 1
         self._peer.send(result, step)
