@@ -90,7 +90,7 @@ class StepInputs:
         flat_table = page_table.astype(np.int64)
         width = int(needed.max()) if n else 0
         positions = p.positions.astype(np.int64)
-        sampled = np.flatnonzero(p.sample)
+        sampled = p.sample.nonzero()[0]
         sample_rows = query_start[sampled + 1] - 1
         ints = _int64_on_device(
             device,
@@ -149,7 +149,7 @@ def _pages_needed(
         )
     needed = -(-context_lens // page_size)
     if np.any(needed > table_lens):
-        bad = int(np.flatnonzero(needed > table_lens)[0])
+        bad = int((needed > table_lens).nonzero()[0][0])
         raise StepInputsError(
             f"sequence {int(p.seq_ids[bad])} has {int(context_lens[bad])} tokens of context "
             f"but only {int(table_lens[bad])} pages of {page_size} slots"
@@ -160,7 +160,7 @@ def _pages_needed(
 def _starts(lens: np.ndarray) -> np.ndarray:
     """[0, cumulative sums]: where each sequence's run begins, and the total at the end."""
     starts = np.zeros(lens.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lens, out=starts[1:])
+    lens.cumsum(out=starts[1:])
     return starts
 
 
@@ -184,7 +184,7 @@ def _write_pages(
     """The page each new token's K and V go to."""
     if not positions.shape[0]:
         return np.zeros(0, dtype=np.int64)
-    seq_of_token = np.repeat(np.arange(query_lens.shape[0], dtype=np.int64), query_lens)
+    seq_of_token = np.arange(query_lens.shape[0], dtype=np.int64).repeat(query_lens)
     return flat_table[table_start[seq_of_token] + positions // page_size]
 
 

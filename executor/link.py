@@ -316,13 +316,13 @@ class SchedulerLink:
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed
         before this one. A sequence that step did not sample is refused by its id alone."""
-        rows = np.flatnonzero(prepare.feedback)
+        rows = prepare.feedback.nonzero()[0]
         if not rows.shape[0]:
             return rows, rows
         wanted = prepare.seq_ids[rows]
         order = np.argsort(self._last_sampled, kind="stable")
         sampled = self._last_sampled[order]
-        at = np.searchsorted(sampled, wanted)
+        at = sampled.searchsorted(wanted)
         hit = at < sampled.shape[0]
         hit[hit] = sampled[at[hit]] == wanted[hit]
         if not hit.all():
@@ -332,7 +332,7 @@ class SchedulerLink:
                 f"feedback for sequences {missing.tolist()[:8]} that the step run before this one did not sample",
                 seq_ids=tuple(int(s) for s in missing),
             )
-        query_start = np.cumsum(prepare.query_lens, dtype=np.int64) - prepare.query_lens
+        query_start = prepare.query_lens.cumsum(dtype=np.int64) - prepare.query_lens
         return query_start[rows], order[at].astype(np.int64)
 
     def _stop(self, code: int, reason: str) -> None:

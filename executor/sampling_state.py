@@ -57,7 +57,7 @@ class StatefulSequences:
         kept = p.seq_ids[states == 2]
         held = self._ids
         if held.shape[0]:
-            at = np.minimum(np.searchsorted(held, kept), held.shape[0] - 1)
+            at = np.minimum(held.searchsorted(kept), held.shape[0] - 1)
             missing = kept[held[at] != kept]
         else:
             missing = kept
@@ -128,9 +128,9 @@ class SamplingStates:
         if not p.grammar.shape[0]:
             return
         engine = self._grammar_engine()
-        grammar_ends = np.cumsum(lens, dtype=np.int64)
-        history_ends = np.cumsum(p.history_lens, dtype=np.int64)
-        for i in np.flatnonzero(lens).tolist():
+        grammar_ends = lens.cumsum(dtype=np.int64)
+        history_ends = p.history_lens.cumsum(dtype=np.int64)
+        for i in lens.nonzero()[0].tolist():
             output = p.history[history_ends[i] - p.history_lens[i] + p.history_prompt_lens[i] : history_ends[i]]
             engine.prefetch(int(p.seq_ids[i]), p.grammar[grammar_ends[i] - lens[i] : grammar_ends[i]], output)
 
@@ -142,10 +142,10 @@ class SamplingStates:
         if not self._held and not states.any():
             return
         held, new = self._held, {}
-        history_ends = np.cumsum(p.history_lens, dtype=np.int64)
-        bias_ends = np.cumsum(p.logit_bias_lens, dtype=np.int64)
-        grammar_ends = np.cumsum(p.grammar_lens, dtype=np.int64)
-        for i in np.flatnonzero(states).tolist():
+        history_ends = p.history_lens.cumsum(dtype=np.int64)
+        bias_ends = p.logit_bias_lens.cumsum(dtype=np.int64)
+        grammar_ends = p.grammar_lens.cumsum(dtype=np.int64)
+        for i in states.nonzero()[0].tolist():
             seq_id = int(p.seq_ids[i])
             if states[i] == 2:
                 new[seq_id] = held[seq_id]
@@ -187,11 +187,11 @@ class SamplingStates:
         banned_lens = p.banned_lens
         if not self._held and not banned_lens.any() and not p.min_p.any():
             return None
-        sampled = np.flatnonzero(p.sample)
+        sampled = p.sample.nonzero()[0]
         row_of = np.full(p.seq_ids.shape[0], -1, dtype=np.int64)
         row_of[sampled] = np.arange(sampled.shape[0])
 
-        banned_owner = np.repeat(np.arange(banned_lens.shape[0]), banned_lens)
+        banned_owner = np.arange(banned_lens.shape[0]).repeat(banned_lens)
         banned_rows = row_of[banned_owner]
         keep = banned_rows >= 0
         banned_rows, banned_ids = banned_rows[keep], p.banned_ids[keep].astype(np.int64)
@@ -220,7 +220,7 @@ class SamplingStates:
                     output_rows.append(np.full(state.length, k, dtype=np.int64))
                     output_ids.append(state.output)
         min_p = p.min_p[sampled]
-        min_p_rows = np.flatnonzero(min_p)
+        min_p_rows = min_p.nonzero()[0]
         if not (banned_rows.shape[0] or bias_rows or penalty_seqs or matchers or min_p_rows.shape[0]):
             return None
         seqs = np.asarray(penalty_seqs, dtype=np.int64)

@@ -108,7 +108,7 @@ class StepRunner:
 
     def _fed_tokens(self, staged: StagedStep) -> dict[int, int]:
         """The token each feedback row of the step receives, by sequence index (host side)."""
-        rows = np.flatnonzero(staged.prepare.feedback)
+        rows = staged.prepare.feedback.nonzero()[0]
         return dict(zip(rows.tolist(), self._samples.host[staged.feedback_sources].tolist()))
 
     def _sample(self, staged: StagedStep, logits: torch.Tensor | None, started: float, gap_us: int) -> Result:

@@ -68,7 +68,7 @@ def expand(held: Prepare, c: Continue) -> Prepare:
     if n and int(new_pages.min()) < -1:
         raise ProtocolError(RejectCode.PAGE_OUT_OF_RANGE, "CONTINUE's new_pages hold a negative id other than -1")
     if not held.sample.all():
-        i = int(np.flatnonzero(held.sample == 0)[0])
+        i = int((held.sample == 0).nonzero()[0][0])
         raise ProtocolError(
             RejectCode.FEEDBACK_WITHOUT_SAMPLE,
             f"CONTINUE after a step that did not sample sequence {int(held.seq_ids[i])} (index {i})",

@@ -30,9 +30,9 @@ def delta_index(base: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndar
     row i, in order. Returns (rows, columns), one entry per page, for fancy indexing."""
     counts = lens - base
     total = int(counts.sum())
-    ends = np.cumsum(counts)
-    rows = np.repeat(np.arange(lens.shape[0]), counts)
-    return rows, np.arange(total) - np.repeat(ends - lens, counts)
+    ends = counts.cumsum()
+    rows = np.arange(lens.shape[0]).repeat(counts)
+    return rows, np.arange(total) - (ends - lens).repeat(counts)
 
 
 class HeldPageTables:
@@ -60,7 +60,7 @@ class HeldPageTables:
             return None, self._lens
         if not self._ids.shape[0]:
             return np.zeros(seq_ids.shape[0], dtype=np.int64), np.zeros(seq_ids.shape[0], dtype=np.int32)
-        at = np.minimum(np.searchsorted(self._sorted, seq_ids), self._sorted.shape[0] - 1)
+        at = np.minimum(self._sorted.searchsorted(seq_ids), self._sorted.shape[0] - 1)
         found = self._sorted[at] == seq_ids
         rows = self._order[at]
         return rows, np.where(found, self._lens[rows], 0).astype(np.int32)
@@ -73,7 +73,7 @@ class HeldPageTables:
         rows, held = self._held(seq_ids)
         wrong = (base != 0) & (base != held)
         if wrong.any():
-            i = int(np.flatnonzero(wrong)[0])
+            i = int(wrong.nonzero()[0][0])
             raise ProtocolError(
                 RejectCode.PAGE_TABLE_BASE_MISMATCH,
                 f"sequence {int(seq_ids[i])} (index {i}) has page_table_base {int(base[i])} but this "

@@ -87,7 +87,7 @@ def cat(arrays: list[np.ndarray]) -> np.ndarray:
 def _new_pages(batch: Batch, rows: np.ndarray, base: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """The pages of each row's table from base to lens, concatenated: the PREPARE's page_table."""
     grown = lens - base
-    at = np.flatnonzero(grown)
+    at = grown.nonzero()[0]
     if at.shape[0] == int(grown.sum()):  # a decode step: each table grew by one page at most
         return batch.pages[rows[at], base[at]]
     at, cols = delta_index(base, lens)
@@ -124,7 +124,7 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
     grammar_lens = np.zeros(n, dtype=_I32)
     history, bias_ids, bias, banned, grammars = [], [], [], [], []
     reqs = batch.reqs
-    for i in np.flatnonzero(state == 1).tolist():
+    for i in (state == 1).nonzero()[0].tolist():
         r = int(rows[i])
         req = reqs[r]
         params = req.params
@@ -146,7 +146,7 @@ def _processed(batch: Batch, rows: np.ndarray, base: np.ndarray, sample: np.ndar
             bias_lens[i] = ids.shape[0]
     min_len = batch.min_len[rows]
     early = (sample != 0) & (batch.ntok[rows] + batch.pending[rows] < min_len)
-    for i in np.flatnonzero(early).tolist():
+    for i in early.nonzero()[0].tolist():
         stops = reqs[int(rows[i])].stop_array
         banned.append(stops)
         banned_lens[i] = stops.shape[0]
@@ -180,8 +180,8 @@ def _arrays(batch: Batch, dec_rows: np.ndarray | None, b: StepBuilder, fed: bool
         columns = {column: getattr(batch, column)[rows] for column in ROW_COLUMNS.values()}
         start = batch.ncomp[rows]
         # Each row's positions run from its start: one arange for the step, shifted per row.
-        ends = np.cumsum(qlens)
-        positions = (np.arange(int(ends[-1]), dtype=_I32) + np.repeat(start - (ends - qlens), qlens)).astype(_I32, copy=False)
+        ends = qlens.cumsum()
+        positions = (np.arange(int(ends[-1]), dtype=_I32) + (start - (ends - qlens)).repeat(qlens)).astype(_I32, copy=False)
         reqs = batch.reqs
         chunk_tokens = [reqs[r].tokens[s0 : s0 + c] for s0, r, c in zip(start[n_dec:].tolist(), b.rows, b.chunks)]
     decoding = rows[:n_dec]
@@ -239,7 +239,7 @@ def _continued(
             return None
     lens, base = batch.npages[:n], batch.sent[:n]
     grown = lens - base
-    at = np.flatnonzero(grown)
+    at = grown.nonzero()[0]
     if at.shape[0] != int(grown.sum()):
         return None
     new_pages = np.full(n, -1, dtype=_I32)

@@ -34,7 +34,7 @@ class RowsPlan(NamedTuple):
 
 def _pick(sel: slice | np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The rows of sel where mask (over sel) holds."""
-    return np.flatnonzero(mask) if isinstance(sel, slice) else sel[mask]
+    return mask.nonzero()[0] if isinstance(sel, slice) else sel[mask]
 
 
 class RunningRows:
@@ -68,7 +68,7 @@ class RunningRows:
         every = isinstance(sel, slice) and bool(dec_mask.all())
         if every:
             dec_rows = EMPTY_I32
-            need = np.flatnonzero(opens)
+            need = opens.nonzero()[0]
             budget = self.config.max_num_batched_tokens - batch.n
         else:
             dec_rows = _pick(sel, dec_mask)
@@ -89,7 +89,7 @@ class RunningRows:
             return slice(0, n)
         work = batch.live[:n] & (batch.ntok[:n] + batch.pending[:n] < batch.limit[:n])
         work[deferred] = False
-        return slice(0, n) if work.all() else np.flatnonzero(work)
+        return slice(0, n) if work.all() else work.nonzero()[0]
 
     def _relieve_pressure(self, b: StepBuilder) -> np.ndarray | None:
         """Make sure every row this step plans can get the page its next token needs: take back
@@ -156,7 +156,7 @@ class RunningRows:
         rows = rows[np.argsort(batch.arrival[rows], kind="stable")]
         held = batch.npages[rows] + batch.nres[rows]
         first_page = (batch.ncomp[rows] >= held * ps).astype(np.int64)
-        later_need = (np.cumsum(first_page[::-1])[::-1] - first_page).tolist()
+        later_need = (first_page[::-1].cumsum()[::-1] - first_page).tolist()
         count = rows.shape[0]
         for i, r in enumerate(rows.tolist()):
             chunk = self.kv.grow(r, budget - (count - i - 1), later_need[i], b.cleared)

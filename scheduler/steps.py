@@ -151,7 +151,7 @@ class Steps:
             raise SchedulerStateError(f"step {plan.step} is not the step in flight")
         self.inflight.popleft()
         prep = plan.prepare
-        sampled = np.flatnonzero(prep.sample)
+        sampled = prep.sample.nonzero()[0]
         lengths = {len(result.token_ids), len(result.logprobs), len(result.finite)}
         if lengths != {sampled.shape[0]} or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled]):
             return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")
@@ -185,7 +185,7 @@ class Steps:
         crossed = after // ps > (prep.context_lens - prep.query_lens) // ps
         if not finite.all():
             crossed[sampled[~finite]] = False
-        at = np.flatnonzero(crossed)
+        at = crossed.nonzero()[0]
         if at.shape[0] and self.batch.num_live != self.batch.n:
             # A row held for a request that failed on non-finite logits wrote from a NaN context.
             reqs = self.batch.reqs

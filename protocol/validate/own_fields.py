@@ -125,7 +125,7 @@ def plainly_valid(p: Prepare, g: CacheGeometry) -> bool:
 def _owners(counts: np.ndarray, flat_mask: np.ndarray) -> np.ndarray:
     """Per sequence: whether any of its entries of a flat array (counts[i] of them, in order) is
     set in flat_mask."""
-    owner = np.repeat(np.arange(counts.shape[0]), counts)
+    owner = np.arange(counts.shape[0]).repeat(counts)
     return np.bincount(owner[flat_mask], minlength=counts.shape[0]) > 0
 
 
@@ -182,7 +182,7 @@ def _logit_bias_rules(p: Prepare) -> list[Rule]:
     # Within a sequence each id follows a smaller one: the first entry of each sequence is
     # exempt, being compared with the previous sequence's last.
     starts = np.zeros(ids.shape[0], dtype=bool)
-    starts[(np.cumsum(counts, dtype=np.int64) - counts)[counts > 0]] = True
+    starts[(counts.cumsum(dtype=np.int64) - counts)[counts > 0]] = True
     repeated = np.zeros(ids.shape[0], dtype=bool)
     repeated[1:] = ids[1:] <= ids[:-1]
     return [
@@ -206,11 +206,11 @@ def _grammar_rules(p: Prepare) -> list[Rule]:
     counts = p.grammar_lens
     if not p.grammar.shape[0]:
         return []
-    starts = (np.cumsum(counts, dtype=np.int64) - counts)[counts > 0]
+    starts = (counts.cumsum(dtype=np.int64) - counts)[counts > 0]
     kinds = p.grammar[starts]
     known = np.isin(kinds, [int(k) for k in GrammarKind])
     bad = np.zeros(counts.shape[0], dtype=bool)
-    bad[np.flatnonzero(counts > 0)[~known]] = True
+    bad[(counts > 0).nonzero()[0][~known]] = True
     return [(RejectCode.BAD_SAMPLING, "grammar", f"one of the kinds {[int(k) for k in GrammarKind]}", bad)]
 
 

@@ -190,7 +190,7 @@ def _check_pages(p: Prepare, g: CacheGeometry) -> None:
                 f"{cleared[i - 1]}",
             )
     if cleared.size and p.restore_pages.size:
-        at = np.minimum(np.searchsorted(cleared, p.restore_pages), cleared.size - 1)
+        at = np.minimum(cleared.searchsorted(p.restore_pages), cleared.size - 1)
         both = cleared[at] == p.restore_pages
         if both.any():
             page = p.restore_pages[first_bad(both)]
@@ -209,8 +209,8 @@ def _check_positions(p: Prepare, g: CacheGeometry, total_tokens: int) -> None:
         expected = context_lens - 1
     else:
         query_lens = p.query_lens.astype(np.int64)
-        starts = np.cumsum(query_lens) - query_lens
-        expected = np.repeat(context_lens - query_lens - starts, query_lens) + np.arange(total_tokens)
+        starts = query_lens.cumsum() - query_lens
+        expected = (context_lens - query_lens - starts).repeat(query_lens) + np.arange(total_tokens)
     wrong = p.positions != expected
     if wrong.any():
         check_range("positions", p.positions, g.max_model_len, RejectCode.POSITION_OUT_OF_RANGE)
