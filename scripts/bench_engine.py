@@ -116,11 +116,23 @@ def measure(
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_fake_rank_options(p: argparse.ArgumentParser) -> None:
+    """The workload options of a benchmark against the fake rank (this one and bench_http.py)."""
     p.add_argument("--concurrency", type=int, nargs="+", default=(1, GEOMETRY.max_num_seqs))
     p.add_argument("--tokens", type=int, default=200, help="output tokens per stream")
     p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per step")
+
+
+def check_fake_rank_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.concurrency) < 1 or max(args.concurrency) > GEOMETRY.max_num_seqs:
+        p.error(f"--concurrency must be 1 to {GEOMETRY.max_num_seqs}, the fake rank's sequences per step")
+    if not 2 <= args.tokens <= 200:
+        p.error("--tokens must be 2 to 200 (the fake rank's max_model_len is 256)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_fake_rank_options(p)
     p.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="plan each step while the one before runs, as the server does by default (off: in series)",
@@ -128,10 +140,7 @@ def main() -> None:
     p.add_argument("--calls", action="store_true", help="also count the engine thread's calls per step")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if min(args.concurrency) < 1 or max(args.concurrency) > GEOMETRY.max_num_seqs:
-        p.error(f"--concurrency must be 1 to {GEOMETRY.max_num_seqs}, the fake rank's sequences per step")
-    if not 2 <= args.tokens <= 200:
-        p.error("--tokens must be 2 to 200 (the fake rank's max_model_len is 256)")
+    check_fake_rank_options(p, args)
     inflight = 2 if args.async_scheduling else 1
     levels = [measure(c, args.tokens, args.step_ms, inflight) for c in args.concurrency]
     if args.calls:

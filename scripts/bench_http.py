@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench_engine import CallCounter  # noqa: E402
-from tests.server.fake_rank import GEOMETRY, running_engine  # noqa: E402
+from scripts.bench_engine import CallCounter, add_fake_rank_options, check_fake_rank_options  # noqa: E402
+from tests.server.fake_rank import running_engine  # noqa: E402
 from tp_runtime.http import ServerSettings, create_app  # noqa: E402
 from tp_runtime.http.server import uvicorn_config  # noqa: E402
 from executor.default_model import default_model_path  # noqa: E402
@@ -129,17 +129,12 @@ def measure(concurrency: int, tokens: int, step_ms: float, route: str, count_cal
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", type=int, nargs="+", default=(1, GEOMETRY.max_num_seqs))
-    p.add_argument("--tokens", type=int, default=200, help="output tokens per stream")
-    p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per step")
+    add_fake_rank_options(p)
     p.add_argument("--route", choices=sorted(ROUTES), default="chat")
     p.add_argument("--calls", action="store_true", help="also count the HTTP thread's calls per token")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if min(args.concurrency) < 1 or max(args.concurrency) > GEOMETRY.max_num_seqs:
-        p.error(f"--concurrency must be 1 to {GEOMETRY.max_num_seqs}, the fake rank's sequences per step")
-    if not 2 <= args.tokens <= 200:
-        p.error("--tokens must be 2 to 200 (the fake rank's max_model_len is 256)")
+    check_fake_rank_options(p, args)
     levels = [measure(c, args.tokens, args.step_ms, args.route, False) for c in args.concurrency]
     if args.calls:
         for level in levels:

@@ -35,19 +35,18 @@ def client(engine: FakeEngine, tokenizer: Tokenizer):
 
 @pytest.fixture
 def live_server(tokenizer: Tokenizer) -> Iterator[LiveServer]:
-    """The app under a real uvicorn on a free loopback port, in a thread that is stopped after."""
+    """The app under a real uvicorn on a free loopback port, configured as the frontend runs it
+    (tp_runtime/http/server.py: httptools with the head deadline, uvloop), in a thread that is
+    stopped after."""
     import uvicorn
 
     from tp_runtime.http import ServerSettings, create_app
+    from tp_runtime.http.server import uvicorn_config
 
     engine = FakeEngine(token_delay_s=0.01)
     port = free_port()
-    config = uvicorn.Config(
-        create_app(engine, tokenizer, ServerSettings((MODEL_NAME,), bind_host="127.0.0.1")),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-    )
+    app = create_app(engine, tokenizer, ServerSettings((MODEL_NAME,), bind_host="127.0.0.1"))
+    config = uvicorn_config(app, "127.0.0.1", port, "warning", timeout_keep_alive=5, request_header_timeout=10.0)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
