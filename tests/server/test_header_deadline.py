@@ -1,9 +1,10 @@
-"""The HTTP server's deadline on request heads: a slowloris client is cut off, a prompt one and a
-keep-alive connection's next request are not."""
+"""The HTTP server's bounds on request heads: a slowloris client is cut off, a prompt one and a
+keep-alive connection's next request are not; a head over MAX_HEAD_BYTES is refused with 431."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from tp_runtime.http.header_deadline import protocol_with_header_timeout
+from tp_runtime.http.header_deadline import MAX_HEAD_BYTES, protocol_with_header_timeout
 
 DEADLINE_S = 0.6
 
@@ -20,6 +21,8 @@ DEADLINE_S = 0.6
 async def app(scope, receive, send) -> None:  # noqa: ANN001 - the smallest ASGI app
     if scope["type"] != "http":
         return
+    if scope["path"] == "/slow":  # answered after longer than the head deadline
+        await asyncio.sleep(1.5 * DEADLINE_S)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
@@ -98,7 +101,9 @@ def test_pipelined_requests_are_served_and_the_idle_deadline_follows(port: int) 
     request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(5)
-        sock.sendall(request * 2)  # the second head arrives while the first is answered
+        # The second head arrives while the first is answered, and its answer takes longer than
+        # the deadline: no deadline runs while a request is served.
+        sock.sendall(request + request.replace(b"GET / ", b"GET /slow "))
         data = b""
         while data.count(b"\r\n\r\nok") < 2:
             chunk = sock.recv(4096)
@@ -113,3 +118,25 @@ def test_the_deadline_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         protocol_with_header_timeout(0)
     assert asyncio.iscoroutinefunction(app)
+
+
+def test_a_head_over_the_bound_is_refused_with_431_and_one_under_it_is_served(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Fill: " + b"a" * (MAX_HEAD_BYTES // 2) + b"\r\n\r\n")
+        assert response(sock).startswith(b"HTTP/1.1 200")
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Fill: ")
+        answer = b""
+        try:
+            for _ in range(16):  # a header line that never ends, MAX_HEAD_BYTES at a time
+                time.sleep(0.01)
+                sock.sendall(b"a" * MAX_HEAD_BYTES)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"

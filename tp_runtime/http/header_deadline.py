@@ -8,6 +8,11 @@ keep-alive timer. Here each request's head (request line and headers) must be co
 else the connection is closed. Nothing can be answered first: HTTP gives a server no response
 before it has a request. The body has its own deadline (middleware.BodyLimits).
 
+A head is also bounded in size: h11 refused one over 16 KiB, and neither llhttp nor uvicorn's
+httptools protocol has any bound (a client could buffer gigabytes in one header line within the
+deadline, or without one while a response streams on its connection). A head that passes
+`max_head_bytes` is answered 431 and the connection closed.
+
 httptools (llhttp, in C) rather than uvicorn's h11 protocol, as vLLM's server runs: h11's state
 machine was ~20 Python calls of every streamed chunk (scripts/bench_http.py: 131 against 108 calls
 per token, docs/control_plane.md).
@@ -16,29 +21,68 @@ per token, docs/control_plane.md).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from tp_runtime.http.errors import ApiError
+
 log = logging.getLogger("tp_runtime.http")
+
+MAX_HEAD_BYTES = 16 * 1024  # h11's bound, which uvicorn's h11 protocol applied
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
+    max_head_bytes = MAX_HEAD_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_deadline: asyncio.TimerHandle | None = None
-        self._head_begun = False
+        self._in_head = False  # a request head has begun and is not complete
+        self._head_bytes = 0
+        self._head_restarted = False  # a head began during the chunk being parsed
         self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        whole_chunk_in_head = self._in_head
+        super().data_received(data)
+        # Counted only for a chunk that a head held from its start to its end: a head that begins
+        # inside a chunk (after a body, say) goes uncounted for that one chunk, never overcounted.
+        if whole_chunk_in_head and self._in_head and not self._head_restarted:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+                self._refuse_head()
+        self._head_restarted = False
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_begun = True
+        self._in_head, self._head_bytes, self._head_restarted = True, 0, True
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._cancel_head_deadline()
         super().on_headers_complete()
+
+    def _refuse_head(self) -> None:
+        log.info("closed %s: its request head passed %d bytes", self.client, self.max_head_bytes)
+        error = ApiError(
+            431,
+            f"the request line and headers are over {self.max_head_bytes} bytes, the most this server reads",
+            type="invalid_request_error",
+            code="request_header_fields_too_large",
+        )
+        # A pipelined head can pass the bound while the response before it streams: that response
+        # must not be cut by another's bytes, so the connection only closes.
+        if self.cycle is None or self.cycle.response_complete:
+            body = json.dumps(error.body()).encode()
+            head = (
+                "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode() + body)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -52,7 +96,6 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def _arm_head_deadline(self) -> None:
         self._cancel_head_deadline()
-        self._head_begun = False
         self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_too_slow)
 
     def _cancel_head_deadline(self) -> None:
@@ -63,7 +106,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     def _head_too_slow(self) -> None:
         self._head_deadline = None
         if not self.transport.is_closing():
-            if self._head_begun:  # part of a head: a slow or hostile client, not an idle one
+            if self._in_head:  # part of a head: a slow or hostile client, not an idle one
                 log.info("closed %s: its request head did not arrive within %g s", self.client, self.header_timeout_s)
             self.transport.close()
 
