@@ -285,10 +285,11 @@ class StepLoop:
             raise RankFailure(self._root_cause(event.rank, said))
         elif isinstance(event, ProtocolViolation):
             staged = conv.staged
-            if staged is not None and event.rank in conv.unanswered(staged):
+            # A step whose READY may ride cannot be aborted: the lone rank may be running it.
+            if staged is not None and event.rank in conv.unanswered(staged) and not self._may_ride(staged):
                 self._abort(staged, f"{conv.who(event.rank)} broke the protocol: {event.message}", ())
             else:
-                raise RankFailure(f"{conv.who(event.rank)} broke the protocol after GO: {event.message}")
+                raise RankFailure(f"{conv.who(event.rank)} broke the protocol with steps running: {event.message}")
 
     def _go(self, step: int) -> None:
         """Every rank is READY for `step`: GO, and it runs once the steps before it have ended."""
@@ -300,6 +301,11 @@ class StepLoop:
         self.counters.protocol_s += entry.go_at - self._answer_due_from(entry)
         if not any(s < step for s in self._inflight):
             entry.started_at = entry.go_at
+
+    def _may_ride(self, step: int) -> bool:
+        """Whether the ranks' READY for `step` may ride in the RESULT of the step before it: a lone
+        rank's, while that step runs (protocol 8)."""
+        return self.conversation.ready_is_go and step - 1 in self._inflight
 
     def _answer_due_from(self, entry: _InFlight) -> float:
         """When the ranks' answer to a PREPARE was due from: its sending, or for a lone rank, whose
@@ -406,8 +412,7 @@ class StepLoop:
         if staged is not None:
             entry = self._inflight[staged]
             late = conv.unanswered(staged)
-            riding = conv.ready_is_go and any(s < staged for s in self._inflight)
-            if late and not riding and now - self._answer_due_from(entry) > self.timeouts.ready_s:
+            if late and not self._may_ride(staged) and now - self._answer_due_from(entry) > self.timeouts.ready_s:
                 names = ", ".join(conv.who(r) for r in sorted(late))
                 self._abort(staged, f"{names} did not answer READY for step {staged} within {self.timeouts.ready_s:.0f} s", ())
         for step, entry in self._inflight.items():

@@ -184,10 +184,11 @@ class ExecutorConversation:
 
     def ready_or_ride(self, step: int) -> Outgoing | None:
         """`ready(step)`, or None where the READY can ride in the RESULT of the step running here:
-        on a lone rank (ready_is_go) whose step before this one has not finished. Its RESULT then
-        says ready_next: the scheduler (at most two steps in flight) plans the step after this one
-        only once it has both, and hears them in one frame."""
-        riding = self.ready_is_go and self.rank == 0 and bool(self._running)
+        on a lone rank (ready_is_go) whose step just before this one (step - 1, not one before a
+        refused step) has not finished. Its RESULT then says ready_next: the scheduler (at most
+        two steps in flight) plans the step after this one only once it has both, and hears them
+        in one frame."""
+        riding = self.ready_is_go and self.rank == 0 and bool(self._running) and self._running[-1] == step - 1
         ready = self.ready(step)
         if not riding:
             return ready
@@ -205,6 +206,8 @@ class ExecutorConversation:
             self._staged, self._refused, self._held = None, step, None
         elif step in self._running:
             self._running.remove(step)
+        if step == self._riding:
+            self._riding = None
         return Outgoing(
             Reject(self.rank, int(error.code), error.message, np.asarray(error.seq_ids, dtype=np.int64)), step
         )

@@ -10,6 +10,7 @@ import time
 from collections import deque
 
 import numpy as np
+import pytest
 
 from protocol.conversation import ExecutorConversation, PrepareReceived
 from protocol.frames import Abort, Frame, Result
@@ -132,3 +133,20 @@ def test_a_ready_that_never_comes_is_caught_ready_s_after_the_result_before() ->
     assert loop.counters.aborts == 1 and conv.in_flight == ()
     body, step = wire.sent[-1]
     assert isinstance(body, Abort) and step == 2 and "did not answer READY" in body.reason
+
+
+def test_a_protocol_violation_while_a_ready_may_ride_fails_the_group_instead_of_aborting() -> None:
+    """The lone rank may be running the step whose READY rides: an ABORT could not stop it."""
+    from protocol.conversation import ProtocolViolation
+    from protocol.errors import RejectCode
+    from tp_runtime.step_loop import RankFailure
+
+    loop, wire, rank = lone_rank_loop()
+    loop.iterate(0)
+    rank.take_frames()
+    loop.iterate(0)
+    rank.take_frames()  # step 2's READY rides on step 1's RESULT
+    violation = ProtocolViolation(0, "host-0", None, RejectCode.MALFORMED, "a frame that broke the rules")
+    with pytest.raises(RankFailure, match="broke the protocol with steps running"):
+        loop._on_event(violation)
+    assert loop.counters.aborts == 0

@@ -187,3 +187,26 @@ def test_a_result_may_say_ready_only_for_a_lone_rank_and_the_step_waiting_for_it
     assert isinstance(done, StepDone) and not done.next_ready
     assert isinstance(violation, ProtocolViolation) and violation.step == 2
     assert "saying READY for the next step" in violation.message
+
+
+def test_after_a_refused_step_the_next_one_is_answered_at_once_not_in_the_running_steps_result() -> None:
+    """Step 2 is refused while step 1 runs and aborted; step 3 arrives while step 1 still runs. Its
+    READY cannot ride in RESULT 1 (which says READY for step 2 or nothing), so it goes at once."""
+    sched, rank = one_rank()
+    sched.prepare(1, PREPARE)
+    rank.receive(frame(PREPARE, 1))
+    sched.receive(0, frame(rank.ready_or_ride(1)[0], 1), 1.0)
+    sched.go(1)
+    sched.prepare(2, PREPARE)
+    rank.receive(frame(PREPARE, 2))
+    reject, _ = rank.reject(2, ProtocolError(RejectCode.PAGE_OUT_OF_RANGE, "page 9999"))
+    sched.receive(0, frame(reject, 2), 1.5)
+    abort, _ = sched.abort(2, "refused")
+    rank.receive(frame(abort, 2))
+    sched.prepare(3, PREPARE)
+    rank.receive(frame(PREPARE, 3))
+    ready = rank.ready_or_ride(3)
+    assert ready is not None and rank.running == (1, 3)
+    assert sched.receive(0, frame(ready[0], 3), 2.0) == [StepReady(3)]
+    body, _ = rank.result(1, result())
+    assert not body.ready_next

@@ -96,7 +96,7 @@ class FakeRank(threading.Thread):
                     self._prepared = None
                 elif isinstance(body, (Prepare, Continue)):
                     self._prepared = body if isinstance(body, Prepare) else expand(self._prepared, body)
-                    if self._ready_is_go and self._running:
+                    if self._ready_is_go and self._running and self._running[-1][0] == frame.step - 1:
                         self._riding = frame.step
                     else:
                         peer.send(Ready(0), frame.step)
