@@ -140,3 +140,16 @@ def test_a_head_over_the_bound_is_refused_with_431_and_one_under_it_is_served(po
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431"), answer[:200]
     assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+
+
+def test_a_malformed_request_is_answered_400_in_the_apis_json_shape(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost x\r\n\r\n")  # a header line without its colon
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request") and b"content-type: application/json" in head
+    error = json.loads(body)["error"]
+    assert error["code"] == "malformed_http" and "not well-formed HTTP/1.1" in error["message"]

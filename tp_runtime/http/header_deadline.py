@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -67,18 +68,26 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def _refuse_head(self) -> None:
         log.info("closed %s: its request head passed %d bytes", self.client, self.max_head_bytes)
-        error = ApiError(
+        self._answer_and_close(ApiError(
             431,
             f"the request line and headers are over {self.max_head_bytes} bytes, the most this server reads",
             type="invalid_request_error",
             code="request_header_fields_too_large",
-        )
-        # A pipelined head can pass the bound while the response before it streams: that response
-        # must not be cut by another's bytes, so the connection only closes.
+        ))  # fmt: skip
+
+    def send_400_response(self, msg: str) -> None:
+        """What the parser refused (a malformed request line or header), in the API's JSON error
+        shape like every other refusal, rather than uvicorn's plain text."""
+        message = f"the request is not well-formed HTTP/1.1 ({msg.rstrip('.')})"
+        self._answer_and_close(ApiError(400, message, type="invalid_request_error", code="malformed_http"))
+
+    def _answer_and_close(self, error: ApiError) -> None:
+        # A pipelined head can be refused while the response before it streams: that response must
+        # not be cut by another's bytes, so the connection only closes.
         if self.cycle is None or self.cycle.response_complete:
             body = json.dumps(error.body()).encode()
             head = (
-                "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
             )
             self.transport.write(head.encode() + body)
