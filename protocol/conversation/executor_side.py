@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
