@@ -311,7 +311,8 @@ class CollectiveShard:
 
 
 # Where each rank's model writes when each forward started and ended (perf_counter: CLOCK_MONOTONIC,
-# one clock for every process of the machine), and for how many forwards.
+# one clock for every process of the machine), and at its end the CPU time so far of the rank's
+# model thread and of its link thread (STAMP_COLUMNS), and for how many forwards.
 TIMES_DIR_ENV = "BENCH_STEP_FORWARD_TIMES"
 TIMES_CAPACITY_ENV = "BENCH_STEP_FORWARD_CAPACITY"
 # How long each forward takes besides its all_reduce: a real model's step, during which a planned
@@ -328,6 +329,9 @@ FORWARD_KINDS = ("sleep", "gil")
 INNER_LOAD_ENV = "BENCH_STEP_INNER_LOAD"
 
 
+STAMP_COLUMNS = ("start", "end", "model_thread_cpu", "link_thread_cpu")
+
+
 def forward_times_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.npy"
 
@@ -335,8 +339,9 @@ def forward_times_path(directory: str | Path, rank: int) -> Path:
 def _stamps(rank: int) -> np.ndarray:
     capacity = int(os.environ[TIMES_CAPACITY_ENV])
     times = np.lib.format.open_memmap(
-        forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64, shape=(capacity, 2)
-    )
+        forward_times_path(os.environ[TIMES_DIR_ENV], rank), mode="w+", dtype=np.float64,
+        shape=(capacity, len(STAMP_COLUMNS)),
+    )  # fmt: skip
     times[:] = np.nan
     return times
 
@@ -379,17 +384,19 @@ class CollectiveOnlyModel:
 
 
 class StampedModel:
-    """Any step model, with the start and end of each forward written into a memory-mapped file
-    (two floats per forward), which the benchmark reads once the ranks have exited: no frame
-    carries them."""
+    """Any step model, with the start and end of each forward and the CPU clocks of the rank's model
+    and link threads (STAMP_COLUMNS) written into a memory-mapped file, which the benchmark reads
+    once the ranks have exited: no frame carries them."""
 
-    def __init__(self, inner: object, times: np.ndarray) -> None:
+    def __init__(self, inner: object, times: np.ndarray, rank: int) -> None:
         self.inner = inner
         self.fingerprint = inner.fingerprint
         self.config = inner.config
         self.shard = inner.shard
         self.times = times
         self.forwards = 0
+        self._link_thread = f"link-rank-{rank}"  # executor/link.py names its thread so
+        self._link_clock: int | None = None
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -398,16 +405,22 @@ class StampedModel:
         started = time.perf_counter()
         logits = self.inner.forward(inputs, cache)
         if self.forwards < len(self.times):
-            self.times[self.forwards] = (started, time.perf_counter())
+            self.times[self.forwards] = (started, time.perf_counter(), time.thread_time(), self._link_cpu())
         self.forwards += 1
         return logits
+
+    def _link_cpu(self) -> float:
+        if self._link_clock is None:
+            link = next(t for t in threading.enumerate() if t.name == self._link_thread)
+            self._link_clock = time.pthread_getcpuclockid(link.ident)
+        return time.clock_gettime(self._link_clock)
 
 
 def load_collective_only(path, *, rank, world_size, dtype, device, weight_format, progress, deterministic=False) -> StampedModel:
     # No kernels to make deterministic: the forward is a collective and a wait.
     forward_s = float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000
     inner = CollectiveOnlyModel(rank, world_size, forward_s, os.environ.get(FORWARD_KIND_ENV, "sleep"))
-    return StampedModel(inner, _stamps(rank))
+    return StampedModel(inner, _stamps(rank), rank)
 
 
 def load_stamped(path, **kwargs: object) -> StampedModel:
@@ -416,7 +429,8 @@ def load_stamped(path, **kwargs: object) -> StampedModel:
 
     module, _, function = os.environ[INNER_LOAD_ENV].partition(":")
     inner = getattr(importlib.import_module(module), function)(path, **kwargs)
-    return StampedModel(inner, _stamps(int(kwargs["rank"])))
+    rank = int(kwargs["rank"])
+    return StampedModel(inner, _stamps(rank), rank)
 
 
 def forward_gaps(times_by_rank: list[np.ndarray], steps: int) -> np.ndarray:
@@ -628,6 +642,15 @@ def measure_loop(
         "cpu_us_per_step": {
             "driver": driver_cpu / spec.steps * 1e6,
             **{name: seconds / spec.steps * 1e6 for name, seconds in cpu.items()},
+            # From the stamps, over the warm steps: the model thread (sampling and the cache work
+            # between forwards, and the forward when it is `gil`) and the link thread (receiving,
+            # checking and staging each step, sending its answers), apart.
+            **{
+                f"rank{rank}_{thread}": float(np.diff(stamps[[warmup, spec.steps - 1], STAMP_COLUMNS.index(f"{thread}_cpu")])[0])
+                / (spec.steps - 1 - warmup) * 1e6
+                for rank, stamps in enumerate(times)
+                for thread in ("model_thread", "link_thread")
+            },
         },
     }
 

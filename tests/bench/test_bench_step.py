@@ -33,6 +33,9 @@ def test_the_loop_measurement_reports_every_phase(forward: str, steady: str) -> 
     assert alone is None or 0 <= alone["median"] <= alone["p90"]
     # A step holds its forward (2 ms) and then some: the stamps are the forwards' own.
     assert report["median_step_us"] >= 2000
+    # Rank 0's two threads apart, each of them a share of the rank's whole CPU.
+    cpu = report["cpu_us_per_step"]
+    assert 0 < cpu["rank0_link_thread"] < cpu["rank0"] and 0 < cpu["rank0_model_thread"] < cpu["rank0"]
 
 
 @pytest.mark.parametrize("rows", [DECODE_SEQS, 256])
