@@ -165,7 +165,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     # On a GPU the zeroing pass costs less than the sync that asking whether it is needed would.
     on_host = logits.device.type == "cpu"
     safe = logits if on_host and bool(finite.all()) else torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
-    if host.greedy.all():
+    random = (~host.greedy).nonzero()[0]  # the rows drawn at a temperature
+    if not random.shape[0]:
         scaled = safe  # greedy rows report the unscaled log-softmax
     else:
         greedy = params.temperature <= 0
@@ -175,12 +176,11 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     # row's logprob and the random rows' probabilities.
     log_probs = torch.log_softmax(scaled, dim=-1)
 
-    if host.greedy.any():
+    if random.shape[0] < rows:
         tokens = argmax_rows(safe)
     else:
         tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
-    if not host.greedy.all():
-        random = np.flatnonzero(~host.greedy)
+    if random.shape[0]:
         random_rows = _on(logits.device, random)
         drawn = _draw(
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
@@ -248,7 +248,7 @@ def _alternatives(
     k = int(wanted.max())
     if k == 0:
         return None, None
-    rows = _on(log_probs.device, np.flatnonzero(wanted))
+    rows = _on(log_probs.device, wanted.nonzero()[0])
     values, ids = _rows(log_probs, rows).topk(k, dim=-1)
     keep = finite[rows].unsqueeze(1)
     top_ids = torch.zeros(log_probs.shape[0], k, dtype=torch.long, device=log_probs.device)
@@ -259,7 +259,7 @@ def _alternatives(
 
 
 def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t's rows at `index` (ascending, unique: from flatnonzero), without a copy when that is all of
+    """t's rows at `index` (ascending, unique: from nonzero), without a copy when that is all of
     them: a copy of [rows, vocab] costs as much as a pass of arithmetic over it."""
     return t if index.shape[0] == t.shape[0] else t.index_select(0, index)
 
@@ -322,10 +322,10 @@ def _draw(
 ) -> torch.Tensor:
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     if not filtered.all():
-        plain = _on(probs.device, np.flatnonzero(~filtered))
+        plain = _on(probs.device, (~filtered).nonzero()[0])
         out[plain] = _inverse_cdf(_rows(probs, plain), uniforms[plain])
     if filtered.any():
-        rows = _on(probs.device, np.flatnonzero(filtered))
+        rows = _on(probs.device, filtered.nonzero()[0])
         out[rows] = _draw_filtered(_rows(probs, rows), top_k[rows], top_p[rows], uniforms[rows])
     return out
 

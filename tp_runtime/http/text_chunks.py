@@ -34,4 +34,3 @@ class TextChunk:
 
     def render(self, text: str) -> str:
         return self.head + to_json(text).decode() + self.tail
-
