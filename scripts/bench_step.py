@@ -51,6 +51,7 @@ if str(REPO) not in sys.path:
 from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
+from executor.link import link_thread_name  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
 from protocol.codec import decode, encode, to_message  # noqa: E402
@@ -395,7 +396,7 @@ class StampedModel:
         self.shard = inner.shard
         self.times = times
         self.forwards = 0
-        self._link_thread = f"link-rank-{rank}"  # executor/link.py names its thread so
+        self._link_thread = link_thread_name(rank)
         self._link_clock: int | None = None
 
     def __getattr__(self, name: str) -> object:

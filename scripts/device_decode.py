@@ -228,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = step_ms(lambda: model.forward(inputs, cache), device)
         graphed = step_ms(lambda: runner.forward(inputs, cache), device)
         graph_step_ms[batch] = graphed
-        params = SamplingBatch(
-            inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows
-        )
+        params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows)
         sampling = step_ms(lambda: sample(graph_logits, params), device)
         step_bytes = weight_bytes(model, rows=batch, sampled=batch) + batch * context * kv_bytes_per_token
         graph_fraction = hbm_fraction(step_bytes, graphed, bandwidth) if graphs else None

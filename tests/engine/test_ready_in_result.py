@@ -9,16 +9,16 @@ import dataclasses
 import time
 from collections import deque
 
-import numpy as np
 import pytest
 
 from protocol.conversation import ExecutorConversation, PrepareReceived
-from protocol.frames import Abort, Frame, Result
+from protocol.frames import Abort, Frame
 from protocol.transport.scheduler_endpoint import Received
 from scheduler.request import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.protocol.conversation_helpers import RUN_ID, V, frame, running_scheduler, welcomed_executor
 from tests.protocol.wire_samples import GEOMETRY
+from tests.server.fake_rank import fake_result
 from tp_runtime.step_loop import EngineTimeouts, StepLoop
 
 READY_S = 0.5
@@ -68,11 +68,7 @@ class LoneRank:
         return steps
 
     def result(self, step: int, drop_ready: bool = False) -> None:
-        prepare = self.held.pop(step)
-        rows = prepare.seq_ids[prepare.sample.astype(bool)]
-        n = len(rows)
-        body = Result(rows.astype(np.int64), np.full(n, 7, np.int32), np.zeros(n, np.float32), np.ones(n, np.uint8))
-        body, _ = self.conv.result(step, body)
+        body, _ = self.conv.result(step, fake_result(self.held.pop(step), 7))
         if drop_ready:  # the READY that rode is lost: the RESULT goes without it
             body = dataclasses.replace(body, ready_next=False)
         self.send(body, step)

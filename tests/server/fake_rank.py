@@ -113,17 +113,21 @@ class FakeRank(threading.Thread):
             self._due = time.monotonic() + self._delay
 
     def _finish(self, step: int, prepared: Prepare) -> None:
-        rows = prepared.seq_ids[prepared.sample.astype(bool)]
-        n = len(rows)
         rides = self._riding == step + 1
         if rides:
             self._riding = None
-        result = Result(
-            rows.astype(np.int64), np.full(n, self._token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8),
-            ready_next=rides,
-        )
         self.steps += 1
-        self._peer.send(result, step)
+        self._peer.send(fake_result(prepared, self._token, ready_next=rides), step)
+
+
+def fake_result(prepared: Prepare, token: int, ready_next: bool = False) -> Result:
+    """The RESULT of a step: `token` for each sampled row, logprob -1."""
+    rows = prepared.seq_ids[prepared.sample.astype(bool)]
+    n = len(rows)
+    return Result(
+        rows.astype(np.int64), np.full(n, token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8),
+        ready_next=ready_next,
+    )
 
 
 def fake_scheduler(max_inflight_steps: int = 1) -> Scheduler:
