@@ -74,16 +74,18 @@ def expand(held: Prepare, c: Continue) -> Prepare:
             f"CONTINUE after a step that did not sample sequence {int(held.seq_ids[i])} (index {i})",
         )
     state = held.sampling_state
+    # The step before ran decode_steps forwards: this one's first forward is one past its last.
+    positions = held.context_lens if held.decode_steps == 1 else held.context_lens + np.int32(held.decode_steps - 1)
     arrays = dict(_constants(n))
     arrays.update(
         {name: getattr(held, name) for name in KEPT},
         cleared_pages=c.cleared_pages,
         poison_pages=c.poison_pages,
-        context_lens=held.context_lens + 1,
-        positions=held.context_lens,
+        context_lens=positions + 1,
+        positions=positions,
         page_table_lens=held.page_table_lens + grows.astype(np.int32),
         page_table_base=held.page_table_lens,
         page_table=new_pages[grows],
         sampling_state=np.where(state != 0, 2, 0).astype(np.uint8) if state.any() else state,
     )
-    return Prepare(**arrays)
+    return Prepare(**arrays, decode_steps=c.decode_steps)

@@ -40,6 +40,7 @@ class RejectCode(enum.IntEnum):
     FEEDBACK_WITHOUT_SAMPLE = 28  # feedback for a sequence the previous step run did not sample
     SAMPLING_STATE_NOT_HELD = 29  # sampling_state 2 for a sequence whose state the receiver does not hold
     STEP_NOT_HELD = 30  # CONTINUE, but the receiver did not accept the step before's PREPARE
+    BAD_DECODE_STEPS = 31  # decode_steps out of [1, min(page_size, MAX_DECODE_STEPS)], or not a plain decode step
 
 
 class TPRuntimeError(Exception):

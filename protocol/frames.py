@@ -30,7 +30,13 @@ import numpy as np
 #    (protocol/continuation.py).
 # 8: RESULT's ready_next: a lone rank that receives step N+1 while N runs answers READY for N+1 in
 #    N's RESULT instead of a frame of its own.
-PROTOCOL_VERSION = 8
+# 9: PREPARE's and CONTINUE's decode_steps: a steady decode step runs several forwards on one frame,
+#    each sequence decoding its own sample of the forward before (docs/control_plane.md), and its
+#    RESULT carries every forward's samples.
+PROTOCOL_VERSION = 9
+# The most forwards one frame may ask for. A CONTINUE grows each table by one page at most, so a
+# frame's forwards may not span more than one page boundary: decode_steps <= page_size as well.
+MAX_DECODE_STEPS = 32
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -144,6 +150,13 @@ class Prepare:
     one (0: off). A sequence whose output follows a grammar has a sampling state: its grammar
     (grammar_lens[i] bytes of `grammar`, protocol/grammar.py's encoding) travels with it, whole, and
     rank 0 masks the sampled row with the tokens the grammar allows after the output so far.
+
+    decode_steps > 1 runs the step as that many forwards, back to back on the ranks, with no frame
+    between them: the one the arrays describe, then decode_steps - 1 more in which every sequence
+    decodes the token it sampled in the forward before, one position on. Only a plain decode step
+    may ask for it (one new token per sequence, every sequence sampled, no token banned), and each
+    page table must hold the context after the last forward (final_context_lens): its pages are
+    in this step's cleared_pages when they are new, zeroed before the first forward.
     """
 
     seq_ids: np.ndarray  # int64[n]
@@ -182,6 +195,12 @@ class Prepare:
     min_p: np.ndarray  # float32[n]; 0 means off
     grammar_lens: np.ndarray  # int32[n]: bytes of the grammar sent here (state 1 only)
     grammar: np.ndarray  # uint8[sum(grammar_lens)]
+    decode_steps: int = 1
+
+    @property
+    def final_context_lens(self) -> np.ndarray:
+        """Each sequence's context after the step's last forward (int64)."""
+        return self.context_lens.astype(np.int64) + (self.decode_steps - 1)
 
     @classmethod
     def greedy(
@@ -240,13 +259,15 @@ class Continue:
     It stands for the PREPARE that protocol.continuation.expand builds from the last PREPARE the
     executor accepted (which must be the step before this one's) and these arrays: every sequence
     decodes the token sampled for it at that step (feedback), with the same sampling parameters,
-    its sampling state held, and new_pages[i] appended to its page table (-1: none). Steady decode
+    its sampling state held, and new_pages[i] appended to its page table (-1: none); decode_steps as
+    PREPARE's (its forwards continue from the last forward of the step before). Steady decode
     is nearly every step a server runs, and its PREPARE's 36 arrays cost the scheduler more Python
     to encode than anything else it does per step (docs/control_plane.md)."""
 
     new_pages: np.ndarray  # int32[n]: the page each sequence's table gains, -1 for none
     cleared_pages: np.ndarray  # int32[], sorted, unique: as PREPARE's
     poison_pages: np.ndarray  # int32[]: as PREPARE's
+    decode_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -290,16 +311,18 @@ class Abort:
 
 @dataclass(frozen=True)
 class Result:
-    """Rank 0 -> scheduler after the forward: one row per sequence with sample[i] set.
+    """Rank 0 -> scheduler after the forward: one row per sequence with sample[i] set, in seq_ids;
+    token_ids, logprobs and finite hold one entry per row and forward, forward by forward (a step of
+    decode_steps d has d * m of each: the first forward's m rows, then the second's).
 
     top_token_ids/top_logprobs: the num_logprobs[i] most likely tokens of each sampled row (in the
-    PREPARE's num_logprobs, row by row, most likely first) and their log-probabilities, from the
-    distribution the token was drawn from."""
+    PREPARE's num_logprobs, row by row, most likely first, forward by forward) and their
+    log-probabilities, from the distribution the token was drawn from."""
 
     seq_ids: np.ndarray  # int64[m]
-    token_ids: np.ndarray  # int32[m]
-    logprobs: np.ndarray  # float32[m]
-    finite: np.ndarray  # uint8[m]; 0: the logits row had a NaN or inf, token_ids[i] is meaningless
+    token_ids: np.ndarray  # int32[d * m]
+    logprobs: np.ndarray  # float32[d * m]
+    finite: np.ndarray  # uint8[d * m]; 0: the logits row had a NaN or inf, token_ids[i] is meaningless
     step_time_us: int = 0
     # How long rank 0's model sat idle between the end of its previous step and this one's GO: the
     # share of the control plane (planning, PREPARE, READY, GO) that the model waited for.

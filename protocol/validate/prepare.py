@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
-from protocol.frames import PREPARE_FIELDS, CacheGeometry, Extent, Prepare
+from protocol.frames import MAX_DECODE_STEPS, PREPARE_FIELDS, CacheGeometry, Extent, Prepare
 from protocol.grammar import GRAMMAR_MAX_BYTES
 from protocol.sampling_limits import LOGIT_BIAS_MAX_ENTRIES
 from protocol.validate.array_checks import check_length, check_range, first_bad
@@ -40,6 +40,7 @@ def validate_prepare(p: Prepare, g: CacheGeometry) -> None:
     them), for a Prepare with the wire's dtypes (as decoded). Each rule costs one or two numpy
     reductions; the precise message is worked out only once a rule has failed."""
     total_tokens = _check_shapes(p, g)
+    _check_decode_steps(p, g)
     if len(p.seq_ids):
         _check_sequences(p, g)
     _check_pages(p, g)
@@ -54,6 +55,7 @@ def validate_continued(p: Prepare, g: CacheGeometry) -> None:
     max_model_len and its page table, the tables' lengths with the pages appended, every page id
     and the clears' order; lengths, positions, sequence ids and the sequences' own fields are
     held's or constants by construction. A test holds the two to the same verdict."""
+    _check_decode_steps(p, g)
     if len(p.seq_ids):
         _check_table_lens(p, g)
         _check_sequences(p, g)
@@ -145,23 +147,43 @@ def _check_flat_lengths(p: Prepare, g: CacheGeometry) -> None:
         )
 
 
+def _check_decode_steps(p: Prepare, g: CacheGeometry) -> None:
+    """Several forwards on one frame only for a plain decode step (each sequence one new token,
+    sampled, nothing banned: what its forwards after the first feed themselves), within one page
+    boundary per table (so a CONTINUE after it still grows each table by one page at most)."""
+    steps = p.decode_steps
+    most = min(g.page_size, MAX_DECODE_STEPS)
+    if not 1 <= steps <= most:
+        raise ProtocolError(RejectCode.BAD_DECODE_STEPS, f"decode_steps = {steps} is outside [1, {most}]")
+    if steps == 1:
+        return
+    n = len(p.seq_ids)
+    if not n or p.token_ids.shape[0] != n or not p.sample.all() or p.banned_lens.any():
+        raise ProtocolError(
+            RejectCode.BAD_DECODE_STEPS,
+            f"decode_steps = {steps} in a step that is not a plain decode (one new token per sequence, every "
+            "sequence sampled, no token banned)",
+        )
+
+
 def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
     query_lens, context_lens = p.query_lens, p.context_lens
-    if (context_lens < query_lens).any() or context_lens.max() > g.max_model_len:
-        i = first_bad((context_lens < query_lens) | (context_lens > g.max_model_len))
+    final = p.final_context_lens if p.decode_steps > 1 else context_lens
+    if (context_lens < query_lens).any() or final.max() > g.max_model_len:
+        i = first_bad((context_lens < query_lens) | (final > g.max_model_len))
         raise ProtocolError(
             RejectCode.BAD_CONTEXT_LEN,
             f"context_lens[{i}] = {context_lens[i]} must be in [query_lens[{i}] = {query_lens[i]}, "
-            f"max_model_len {g.max_model_len}]",
+            f"max_model_len {g.max_model_len}]" + (f" after {p.decode_steps} forwards" if p.decode_steps > 1 else ""),
         )
     # page_table_lens <= max_pages_per_seq holds, so the int64 product is exact.
     slots = p.page_table_lens.astype(np.int64) * g.page_size
-    if (slots < context_lens).any():
-        i = first_bad(slots < context_lens)
+    if (slots < final).any():
+        i = first_bad(slots < final)
         raise ProtocolError(
             RejectCode.PAGE_TABLE_TOO_SHORT,
             f"sequence {i} has {p.page_table_lens[i]} pages of {g.page_size} slots for a context of "
-            f"{context_lens[i]} tokens",
+            f"{final[i]} tokens",
         )
     if len(p.seq_ids) > 1:
         ids = np.sort(p.seq_ids)

@@ -16,7 +16,9 @@ from protocol.validate.prepare import validate_prepare
 
 
 def test_the_declarations_are_prepares_fields_in_order_and_give_the_codecs_dtypes():
-    assert [f.name for f in PREPARE_FIELDS] == [f.name for f in fields(Prepare)]
+    names = [f.name for f in fields(Prepare)]
+    assert [f.name for f in PREPARE_FIELDS] == names[: len(PREPARE_FIELDS)]
+    assert names[len(PREPARE_FIELDS) :] == ["decode_steps"]  # the one scalar, after the arrays
     assert ARRAY_DTYPES[Prepare] == {f.name: f.dtype for f in PREPARE_FIELDS}
     for f in PREPARE_FIELDS:
         if f.extent is Extent.COUNTED:

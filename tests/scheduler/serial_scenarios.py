@@ -50,10 +50,14 @@ def config_for(rng: np.random.Generator, big: bool) -> SchedulerConfig:
 def digest(plan) -> str:
     """The PREPARE's fields as afdec79 had them. The logits-processing fields came later; no scenario
     uses them, so each must hold its plain value (frames.plain_sampling, absent at afdec79) and stays
-    out of the digest, which keeps the recording's anchor."""
+    out of the digest, which keeps the recording's anchor. So does decode_steps, 1 in every scenario
+    (one forward per step, as then)."""
     plain = getattr(frames, "plain_sampling", lambda n: {})(plan.prepare.seq_ids.shape[0])
     h = hashlib.sha256(str(plan.step).encode())
     for f in dataclasses.fields(plan.prepare):
+        if f.name == "decode_steps":
+            assert plan.prepare.decode_steps == 1, "a serial scenario ran several forwards on one frame"
+            continue
         a = np.ascontiguousarray(getattr(plan.prepare, f.name))
         if f.name in plain:
             assert a.dtype == plain[f.name].dtype and np.array_equal(a, plain[f.name]), f"{f.name} is not plain"
