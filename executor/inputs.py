@@ -11,7 +11,7 @@ B sequences replays a step of n <= B with rows n.. padded so that they touch onl
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -85,7 +85,10 @@ class StepInputs:
         query_lens = p.query_lens.astype(np.int64)
         context_lens = p.context_lens.astype(np.int64)
         table_lens = p.page_table_lens.astype(np.int64)
-        needed = _pages_needed(p, page_table, query_lens, context_lens, table_lens, page_size)
+        # A step of several forwards reads, from its first, the pages its last one needs: they are
+        # all cleared before the first (Prepare.decode_steps), and the tables keep one width.
+        final = context_lens if p.decode_steps == 1 else p.final_context_lens
+        needed = _pages_needed(p, page_table, query_lens, final, table_lens, page_size)
         query_start, table_start = _starts(query_lens), _starts(table_lens)
         flat_table = page_table.astype(np.int64)
         width = int(needed.max()) if n else 0
@@ -123,6 +126,25 @@ class StepInputs:
             num_tokens=num_tokens,
             query_lens_host=query_lens,
             context_lens_host=context_lens,
+        )
+
+
+    def next_forward(self, token_ids: torch.Tensor, page_size: int) -> StepInputs:
+        """The inputs of the forward after this one in a step of several (Prepare.decode_steps):
+        every sequence decodes `token_ids` (what this forward sampled for it, on the device), one
+        position on, in the same page table. Device arithmetic only: nothing waits for the device."""
+        positions = self.positions + 1
+        rows = torch.arange(self.num_seqs, device=positions.device)
+        host = self.host_rows
+        return replace(
+            self,
+            token_ids=token_ids,
+            positions=positions,
+            context_lens=self.context_lens + 1,
+            write_pages=self.page_table[rows, positions // page_size],
+            write_offsets=positions % page_size,
+            host_rows=replace(host, positions=host.positions + 1),
+            context_lens_host=self.context_lens_host + 1,
         )
 
 

@@ -67,7 +67,11 @@ class StepRunner:
         self._last_end: float | None = None
 
     def run(self, staged: StagedStep) -> Result | None:
-        """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises."""
+        """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises.
+
+        A step of several forwards (Prepare.decode_steps) runs them back to back: each one's
+        sequences decode the tokens rank 0 sampled in the forward before, broadcast to every rank
+        as a step's feedback is, so that every rank runs the same collectives in the same order."""
         started = time.perf_counter()
         gap_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
         inputs = staged.inputs
@@ -75,10 +79,26 @@ class StepRunner:
             self.sampling_states.prefetch(staged.prepare)
         self._feed(staged)
         self._cache_operations(staged)
-        logits = self.model.forward(inputs, self.cache)
-        result = self._sample(staged, logits, started, gap_us) if self.rank == 0 else None
+        samples: list[HostSample] = []
+        for forward in range(staged.prepare.decode_steps):
+            if forward:
+                inputs = inputs.next_forward(self._last_samples(inputs.num_seqs), self.cache.page_size)
+            logits = self.model.forward(inputs, self.cache)
+            if self.rank == 0:
+                samples.append(self._sample(staged, inputs, logits, first=forward == 0))
+        result = self._result(inputs, samples, started, gap_us) if self.rank == 0 else None
         self._last_end = time.perf_counter()
         return result
+
+    def _last_samples(self, rows: int) -> torch.Tensor:
+        """Every rank's copy of the tokens rank 0 sampled in the forward just run (all rows sampled)."""
+        if self.rank == 0:
+            tokens = self._samples.tokens
+        else:
+            tokens = torch.empty(rows, dtype=torch.long, device=self.cache.device)
+        if self.world_size > 1:
+            dist.broadcast(tokens, src=0)
+        return tokens
 
     def _feed(self, staged: StagedStep) -> None:
         on_device = staged.feedback_on_device
@@ -111,15 +131,19 @@ class StepRunner:
         rows = staged.prepare.feedback.nonzero()[0]
         return dict(zip(rows.tolist(), self._samples.host[staged.feedback_sources].tolist()))
 
-    def _sample(self, staged: StagedStep, logits: torch.Tensor | None, started: float, gap_us: int) -> Result:
+    def _sample(self, staged: StagedStep, inputs: StepInputs, logits: torch.Tensor | None, *, first: bool) -> HostSample:
+        """One forward's sample on the host. The step's sampling states are taken at its first
+        forward and extended with every forward's tokens, so a later forward's penalties and
+        grammar masks count the ones before it."""
         if logits is None:
             raise RuntimeError("the model returned no logits on rank 0")
-        inputs, prepare, states = staged.inputs, staged.prepare, self.sampling_states
+        prepare, states = staged.prepare, self.sampling_states
         rows = inputs.sample_rows.shape[0]
         if logits.shape[0] != rows:
             raise RuntimeError(f"the model returned {logits.shape[0]} logits rows for {rows} sampled rows")
-        fed = self._fed_tokens(staged) if prepare.sampling_state.any() and prepare.feedback.any() else {}
-        states.begin(prepare, fed)
+        if first:
+            fed = self._fed_tokens(staged) if prepare.sampling_state.any() and prepare.feedback.any() else {}
+            states.begin(prepare, fed)
         out = sample(
             logits,
             SamplingBatch(
@@ -133,12 +157,26 @@ class StepRunner:
         host = sampled_to_host(out)
         self._samples = _Samples(out.token_ids, host.tokens)
         states.append(inputs.sample_seq_ids, host.tokens, host.finite)
-        top_ids, top_logprobs = _alternatives(host, inputs.host_rows.num_logprobs)
+        return host
+
+    def _result(self, inputs: StepInputs, samples: list[HostSample], started: float, gap_us: int) -> Result:
+        """The RESULT of the step's forwards, forward by forward (protocol.frames.Result)."""
+        wanted = inputs.host_rows.num_logprobs
+        tops = [_alternatives(host, wanted) for host in samples]
+        if len(samples) == 1:
+            host, (top_ids, top_logprobs) = samples[0], tops[0]
+            tokens, logprobs, finite = host.tokens, host.logprobs, host.finite
+        else:
+            tokens = np.concatenate([host.tokens for host in samples])
+            logprobs = np.concatenate([host.logprobs for host in samples])
+            finite = np.concatenate([host.finite for host in samples])
+            top_ids = np.concatenate([ids for ids, _ in tops])
+            top_logprobs = np.concatenate([lps for _, lps in tops])
         return Result(
             seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
-            token_ids=host.tokens,
-            logprobs=host.logprobs,
-            finite=host.finite,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finite=finite,
             step_time_us=int((time.perf_counter() - started) * 1e6),
             gap_us=gap_us,
             top_token_ids=top_ids,

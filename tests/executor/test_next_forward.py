@@ -1,0 +1,74 @@
+"""The inputs of a step's later forwards (Prepare.decode_steps, StepInputs.next_forward), against
+the inputs the same forward gets as a step of its own, and through a CUDA graph's static buffers,
+whose padding rules must take them as they take any decode step (checked on the CPU)."""
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from executor.cuda_graphs import StaticDecodeBatch
+from executor.inputs import StepInputs
+from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
+
+G = geometry()  # 4-slot pages
+PAGES = {1: (0, 1, 2), 2: (3,), 3: (5, 6)}
+STARTS = {1: 6, 2: 0, 3: 3}  # sequence 1 crosses into its third page at its third forward, 3 at its second
+FORWARDS = 3
+
+
+def inputs_of(prepare) -> StepInputs:
+    return StepInputs.from_prepare(prepare, pad_page=G.num_kv_pages, page_size=G.page_size, device="cpu")
+
+
+def step(forward: int, tokens: dict[int, int], forwards: int = 1):
+    """Forward `forward` of the step, said as a step of its own (with the tables the whole step holds)."""
+    seqs = [Seq(s, (tokens[s],), STARTS[s] + forward, PAGES[s]) for s in PAGES]
+    return replace(make_prepare(seqs), decode_steps=forwards)
+
+
+def test_each_later_forward_gets_the_inputs_of_a_step_of_its_own() -> None:
+    first = {1: 11, 2: 12, 3: 13}
+    inputs = inputs_of(step(0, first, FORWARDS))
+    for forward in range(1, FORWARDS):
+        sampled = {1: 20 + forward, 2: 30 + forward, 3: 40 + forward}
+        inputs = inputs.next_forward(torch.tensor(list(sampled.values())), G.page_size)
+        alone = inputs_of(step(forward, sampled))
+        for name in ("token_ids", "positions", "context_lens", "write_pages", "write_offsets", "sample_rows"):
+            assert torch.equal(getattr(inputs, name), getattr(alone, name)), (forward, name)
+        assert np.array_equal(inputs.context_lens_host, alone.context_lens_host)
+        assert np.array_equal(inputs.host_rows.positions, alone.host_rows.positions)  # seeded draws are keyed by it
+        # The whole step's tables from its first forward: its own pages cover the step's last one.
+        width = alone.page_table.shape[1]
+        assert torch.equal(inputs.page_table[:, :width], alone.page_table)
+
+
+def test_the_first_forward_reads_the_pages_of_the_last() -> None:
+    """Pages the later forwards open are in the table from the first (cleared before it: they read
+    as zeros past the context, which the attention masks)."""
+    inputs = inputs_of(step(0, {1: 1, 2: 2, 3: 3}, FORWARDS))
+    assert inputs.page_table[0].tolist() == [0, 1, 2]
+    assert inputs.context_lens.tolist() == [7, 1, 4]  # the first forward's
+
+
+def test_later_forwards_replay_through_a_graphs_static_buffers() -> None:
+    """A CUDA graph copies each forward's inputs into its static buffers by their padding rules:
+    the padded forwards give the eager ones' logits and write the same pages."""
+    model = StandInModel(0, 1)
+    caches = [make_cache(G, KV_HEADS, poison=False) for _ in range(2)]
+    for cache in caches:
+        cache.data.zero_()
+    batch = StaticDecodeBatch(4, 4, G, caches[1])
+    eager = inputs_of(step(0, {1: 5, 2: 6, 3: 7}, FORWARDS))
+    static = eager
+    for forward in range(FORWARDS):
+        if forward:
+            tokens = torch.tensor([9 + forward, 10, 11 + forward])
+            eager, static = eager.next_forward(tokens, G.page_size), static.next_forward(tokens, G.page_size)
+        assert batch.fits(static)
+        batch.load(static)
+        want = model.forward(eager, caches[0])
+        got = model.forward(batch.inputs, caches[1])
+        assert torch.equal(got[: eager.num_seqs], want)
+    real = slice(0, caches[0].pad_page)
+    assert torch.equal(caches[1].data[real], caches[0].data[real])
