@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.frames import MAX_DECODE_STEPS
 from scheduler.errors import SchedulerConfigError
 
 
@@ -22,6 +23,11 @@ class SchedulerConfig:
     # Steps planned before the oldest one's RESULT is in: 1 is serial, 2 plans step N+1 while step
     # N runs (its continuing rows feed back the token N samples).
     max_inflight_steps: int = 1
+    # Forwards a steady decode step may run on one frame (vLLM's --num-scheduler-steps): while
+    # every running request decodes and none waits, the ranks run up to this many forwards per
+    # PREPARE, feeding each one's samples to the next, and the control plane's work per step is
+    # paid once per frame (docs/control_plane.md). 1: every forward is a frame of its own.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_kv_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -34,6 +40,11 @@ class SchedulerConfig:
             )
         if self.num_host_pages < 0 or self.decode_lookahead < 0:
             raise SchedulerConfigError("num_host_pages and decode_lookahead must be >= 0")
+        if not 1 <= self.num_scheduler_steps <= min(self.page_size, MAX_DECODE_STEPS):
+            raise SchedulerConfigError(
+                f"num_scheduler_steps must be 1 to {min(self.page_size, MAX_DECODE_STEPS)} (at most page_size "
+                f"{self.page_size} and {MAX_DECODE_STEPS}), got {self.num_scheduler_steps}"
+            )
         if self.max_inflight_steps not in (1, 2):
             raise SchedulerConfigError(f"max_inflight_steps must be 1 or 2, got {self.max_inflight_steps}")
 

@@ -222,7 +222,7 @@ def _arrays(batch: Batch, dec_rows: np.ndarray | None, b: StepBuilder, fed: bool
 
 def _continued(
     batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, cleared: np.ndarray, poison: np.ndarray,
-    prev: StepPlan | None,
+    prev: StepPlan | None, forwards: int,
 ) -> Continue | None:
     """The CONTINUE that says this step, when it is the step before's: every row decoding the token
     that step samples for it, the rows unchanged since (the same snapshot, so the same order),
@@ -245,19 +245,20 @@ def _continued(
     new_pages = np.full(n, -1, dtype=_I32)
     new_pages[at] = batch.pages[at, base[at]]
     batch.sent[:n] = lens
-    return Continue(new_pages, cleared, poison)
+    return Continue(new_pages, cleared, poison, forwards)
 
 
 def assemble(
-    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, prev: StepPlan | None
+    batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, prev: StepPlan | None,
+    forwards: int = 1,
 ) -> StepPlan:
     """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
-    prev: the newest step in flight, whose samples rows may feed back. The rows advance by what they
-    compute, and count the samples the step will produce."""
+    prev: the newest step in flight, whose samples rows may feed back; forwards: its decode_steps.
+    The rows advance by what they compute, and count the samples the step will produce."""
     cleared = cat(b.cleared)
     if cleared.shape[0] > 1:
         cleared.sort()
-    brief = _continued(batch, step, dec_rows, b, cleared, poison, prev)
+    brief = _continued(batch, step, dec_rows, b, cleared, poison, prev, forwards)
     if brief is not None:
         rows = prev.rows
         prepare = expand(prev.prepare, brief)
@@ -272,9 +273,14 @@ def assemble(
             offload_pages=cat(b.offload_pages),
             offload_slots=np.array(b.offload_slots, dtype=_I32) if b.offload_slots else EMPTY_I32,
             poison_pages=poison,
+            decode_steps=forwards,
         )
-    batch.ncomp[rows] = prepare.context_lens
-    batch.pending[rows] += prepare.sample
+    if forwards == 1:
+        batch.ncomp[rows] = prepare.context_lens
+        batch.pending[rows] += prepare.sample
+    else:
+        batch.ncomp[rows] = prepare.final_context_lens
+        batch.pending[rows] += forwards
     return StepPlan(
         step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded), brief
     )

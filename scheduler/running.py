@@ -26,6 +26,7 @@ from scheduler.steps import Steps
 
 class RowsPlan(NamedTuple):
     every_row_decodes: bool  # every row of the batch decodes one token (the fast PREPARE)
+    forwards: int  # the step's decode_steps: more than 1 only when every row decodes
     dec_rows: np.ndarray  # the decoding rows, in row order (unless every row decodes)
     opened: np.ndarray  # decoding rows whose token opened a page
     budget: int  # tokens left for admissions
@@ -54,15 +55,17 @@ class RunningRows:
         None when no row can run before the step in flight ends."""
         batch, kv, ps = self.batch, self.kv, self.config.page_size
         sel = self.candidates()
-        # Rows whose next position starts a page commit one: from the reservation, else fresh.
-        opens = batch.ncomp[sel] >= batch.npages[sel] * ps
+        forwards = self._steady_forwards(sel) if self.config.num_scheduler_steps > 1 else 1
+        # Rows whose next position (the last of the step's forwards) starts a page commit one: from
+        # the reservation, else fresh.
+        opens = batch.ncomp[sel] + (forwards - 1) >= batch.npages[sel] * ps
         deferred = EMPTY_I32
         if self.config.decode_lookahead or int(np.count_nonzero(opens)) > kv.available():
             deferred = self._relieve_pressure(b)
             if deferred is None:
                 return None
             sel = self.candidates(deferred)
-            opens = batch.ncomp[sel] >= batch.npages[sel] * ps
+            opens = batch.ncomp[sel] + (forwards - 1) >= batch.npages[sel] * ps
         known = batch.ntok[sel] + batch.pending[sel] if self.steps.inflight else batch.ntok[sel]
         dec_mask = batch.ncomp[sel] == known - 1
         every = isinstance(sel, slice) and bool(dec_mask.all())
@@ -78,7 +81,32 @@ class RunningRows:
             b.cleared.append(kv.open_pages(need))
         if not every:
             budget = self._plan_prefills(_pick(sel, ~dec_mask), budget, b)
-        return RowsPlan(every, dec_rows, need, budget, bool(deferred.shape[0]))
+        return RowsPlan(every, forwards if every else 1, dec_rows, need, budget, bool(deferred.shape[0]))
+
+    def _steady_forwards(self, sel: slice | np.ndarray) -> int:
+        """How many forwards the step may run on one frame: up to num_scheduler_steps while every
+        running row decodes, no request waits (an arrival would wait for the whole frame), no stop
+        token is still banned, and the page each row's last forward may open can be had without
+        taking anything back. No forward writes past max_model_len, and none samples past the
+        longest row's last token; a row that ends sooner wastes the forwards after its end, and
+        their tokens are dropped."""
+        batch, cfg = self.batch, self.config
+        if self.waiting or not isinstance(sel, slice) or batch.num_live != batch.n or not batch.n:
+            return 1
+        n = batch.n
+        ncomp = batch.ncomp[:n]
+        known = batch.ntok[:n] + batch.pending[:n]
+        if not (ncomp == known - 1).all():
+            return 1
+        if batch.num_processed and (known < batch.min_len[:n]).any():
+            return 1
+        forwards = min(
+            cfg.num_scheduler_steps, cfg.page_size, int((cfg.max_model_len - ncomp).min()),
+            int((batch.limit[:n] - known).max()),
+        )
+        if forwards > 1 and int(np.count_nonzero(ncomp + (forwards - 1) >= batch.npages[:n] * cfg.page_size)) > self.kv.available():
+            return 1
+        return max(forwards, 1)
 
     def candidates(self, deferred: np.ndarray = EMPTY_I32) -> slice | np.ndarray:
         """The rows this step may plan: live, with a token to compute (a row whose last sample is

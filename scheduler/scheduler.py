@@ -168,7 +168,9 @@ class Scheduler:
         kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
         inflight = self._steps.inflight
-        plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, inflight[-1] if inflight else None)
+        plan = assemble(
+            self.batch, self._steps.next_step(), dec_rows, b, poison, inflight[-1] if inflight else None, rows.forwards
+        )
         self._steps.planned(plan)
         return plan
 

@@ -13,8 +13,6 @@ rows, a late token be dropped, and an aborted step be rolled back.
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
-
 import numpy as np
 
 from protocol.frames import Prepare, Result
@@ -151,21 +149,23 @@ class Steps:
             raise SchedulerStateError(f"step {plan.step} is not the step in flight")
         self.inflight.popleft()
         prep = plan.prepare
+        forwards = prep.decode_steps
         sampled = prep.sample.nonzero()[0]
         lengths = {len(result.token_ids), len(result.logprobs), len(result.finite)}
-        if lengths != {sampled.shape[0]} or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled]):
+        if lengths != {forwards * sampled.shape[0]} or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled]):
             return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")
         wanted = prep.num_logprobs[sampled]
-        alternatives = int(wanted.sum(dtype=np.int64))
+        alternatives = forwards * int(wanted.sum(dtype=np.int64))
         if {len(result.top_token_ids), len(result.top_logprobs)} != {alternatives}:
             return self._fail_step(plan, "its RESULT does not carry the alternatives its sequences asked for")
         rows = self._rows_of(plan)
-        finite = np.asarray(result.finite).astype(bool)
+        # finite[j, i]: forward j's logits of sampled row i.
+        finite = np.asarray(result.finite).astype(bool).reshape(forwards, -1)
         if self.config.enable_prefix_cache:
-            self._register(prep, rows, sampled, finite)
+            self._register(prep, rows, sampled, finite.all(axis=0))
         self.kv.free_slots(plan.restore_slots)
         outputs: list[RequestOutput] = []
-        tops = _alternatives(wanted, result) if alternatives else None
+        tops = _alternatives(wanted, result, forwards) if alternatives else None
         done = self._take_tokens(plan, rows[sampled], result, finite, outputs, tops)
         for req, error in done:
             if error is None:
@@ -180,8 +180,9 @@ class Steps:
         have written NaN into its KV: none of it is shared."""
         ps = self.config.page_size
         # A row held for a finished request may have written a token it never learned (the sample
-        # of a step whose RESULT it no longer took): only pages of tokens it knows are keyed.
-        after = np.minimum(prep.context_lens, self.batch.ntok[rows])
+        # of a step whose RESULT it no longer took), as may a row that stopped before the last of a
+        # step's forwards: only pages of tokens it knows are keyed.
+        after = np.minimum(prep.final_context_lens, self.batch.ntok[rows])
         crossed = after // ps > (prep.context_lens - prep.query_lens) // ps
         if not finite.all():
             crossed[sampled[~finite]] = False
@@ -194,42 +195,55 @@ class Steps:
             self.kv.register(rows[at].tolist(), (after[at] // ps).tolist())
 
     def _take_tokens(
-        self, plan: StepPlan, srows: np.ndarray, result: Result, good: np.ndarray, outputs: list[RequestOutput],
+        self, plan: StepPlan, srows: np.ndarray, result: Result, finite: np.ndarray, outputs: list[RequestOutput],
         tops: list[tuple[Alternatives, ...]] | None,
     ) -> list[tuple[Request, str | None]]:
-        """Append each sampled token to its request and emit it; returns the requests that end."""
+        """Append each sampled row's tokens, forward by forward, to its request and emit them as
+        one output; returns the requests that end. A row that ends (a stop token, its length, a
+        non-finite row) keeps none of the tokens its later forwards sampled; a row held for a
+        request that ended before the step keeps none at all."""
         batch = self.batch
         reqs = batch.reqs
-        batch.pending[srows] -= 1
-        if batch.num_live != batch.n:
-            # Rows held for a finished request: the token of a step planned before it ended is dropped.
-            good = good & np.array([reqs[r].state is not RequestState.FINISHED for r in srows.tolist()], dtype=bool)
-        tok = np.asarray(result.token_ids, dtype=_I32)
-        kept = srows if good.all() else srows[good]
-        batch.ntok[kept] += 1
-        batch.last[kept] = tok if kept is srows else tok[good]
+        forwards = finite.shape[0]
+        batch.pending[srows] -= forwards
+        tok = np.asarray(result.token_ids, dtype=_I32).reshape(forwards, -1)
+        lps = np.asarray(result.logprobs).reshape(forwards, -1)
         done: list[tuple[Request, str | None]] = []
         emit = outputs.append
-        lps = np.asarray(result.logprobs).tolist()
-        for r, n, t, lp, ok, top in zip(
-            srows.tolist(), batch.ntok[srows].tolist(), tok.tolist(), lps, good.tolist(), tops or repeat(())
-        ):
+        all_finite = bool(finite.all())
+        for i, (r, n) in enumerate(zip(srows.tolist(), batch.ntok[srows].tolist())):
             req = reqs[r]
-            if not ok:
-                if req.state is not RequestState.FINISHED:
-                    req.kv_suspect = True
-                    rid = req.request_id
-                    done.append((req, f"step {plan.step}: the logits of request {rid} were not finite (NaN or inf)"))
-                continue
-            req.tokens[n - 1] = t
-            if t in req.stop_ids:
-                emit(RequestOutput(req.request_id, (t,), (lp,), True, "stop", None, top))
+            if req.state is RequestState.FINISHED:
+                continue  # the sample of a step planned before it ended
+            row_tokens = tok[:, i].tolist()
+            row_logprobs = lps[:, i].tolist()
+            row_tops = tops[i] if tops else ()
+            bad = -1 if all_finite or finite[:, i].all() else int((~finite[:, i]).nonzero()[0][0])
+            reason = None
+            kept = 0
+            for t in row_tokens if bad < 0 else row_tokens[:bad]:
+                req.tokens[n] = t
+                n += 1
+                kept += 1
+                if t in req.stop_ids:
+                    reason = "stop"
+                    break
+                if n >= req.limit:
+                    reason = "length"
+                    break
+            batch.ntok[r] = n
+            if kept:
+                batch.last[r] = row_tokens[kept - 1]
+                emit(RequestOutput(
+                    req.request_id, tuple(row_tokens[:kept]), tuple(row_logprobs[:kept]), reason is not None, reason,
+                    None, row_tops[:kept],
+                ))  # fmt: skip
+            if reason is not None:
                 done.append((req, None))
-            elif n >= req.limit:
-                emit(RequestOutput(req.request_id, (t,), (lp,), True, "length", None, top))
-                done.append((req, None))
-            else:
-                emit(RequestOutput(req.request_id, (t,), (lp,), False, None, None, top))
+            elif bad >= 0:
+                req.kv_suspect = True
+                rid = req.request_id
+                done.append((req, f"step {plan.step}: the logits of request {rid} were not finite (NaN or inf)"))
         return done
 
     # ----------------------------------------------------------------------------------- aborts
@@ -287,7 +301,7 @@ class Steps:
         and the pages the step committed back in its reservation (re-marked by the caller)."""
         p, r = plan.prepare, req.row
         self.kv.uncommit(r, int(p.context_lens[i] - p.query_lens[i]))
-        self.batch.pending[r] -= int(p.sample[i])
+        self.batch.pending[r] -= int(p.sample[i]) * p.decode_steps
 
     def _requeue(self, back: list[Request], hosts: dict) -> None:
         """Requests an aborted step restored go back to the head of the queue with their host copy
@@ -308,13 +322,15 @@ class Steps:
                 return
 
 
-def _alternatives(wanted: np.ndarray, result: Result) -> list[tuple[Alternatives, ...]]:
-    """Per sampled row, its alternatives as a one-token tuple (wanted[j] of them, or none)."""
+def _alternatives(wanted: np.ndarray, result: Result, forwards: int) -> list[tuple[Alternatives, ...]]:
+    """Per sampled row, its alternatives for each forward's token (wanted[j] of them each), or none."""
     ids = np.asarray(result.top_token_ids).tolist()
     lps = np.asarray(result.top_logprobs).tolist()
-    out: list[tuple[Alternatives, ...]] = []
+    out: list[list[Alternatives]] = [[] for _ in range(wanted.shape[0])]
     at = 0
-    for k in wanted.tolist():
-        out.append((tuple(zip(ids[at : at + k], lps[at : at + k])),) if k else ())
-        at += k
-    return out
+    for _ in range(forwards):
+        for row, k in zip(out, wanted.tolist()):
+            if k:
+                row.append(tuple(zip(ids[at : at + k], lps[at : at + k])))
+                at += k
+    return [tuple(row) for row in out]

@@ -52,11 +52,15 @@ class StateDriver(Driver):
         fed_rows = np.flatnonzero(p.feedback).tolist()
         fed = {i: self.shadow.last_samples[int(p.seq_ids[i])] for i in fed_rows}
         self.states.begin(p, fed)
+        super().run_next()
+
+    def run_forward(self, p, table, forward):
+        """Each forward of a step samples against the states the forwards before it extended."""
         self._check(p)
         self._avoid_banned(p)
-        super().run_next()
-        result = f.result
+        result = super().run_forward(p, table, forward)
         self.states.append(result.seq_ids, result.token_ids, result.finite)
+        return result
 
     def _check(self, p) -> None:
         sampled = np.flatnonzero(p.sample).tolist()

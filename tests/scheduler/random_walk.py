@@ -16,12 +16,14 @@ VOCAB = 40
 
 def config(rng: np.random.Generator) -> SchedulerConfig:
     seqs = int(rng.integers(1, 5))
+    page_size = int(rng.choice([2, 4]))
     return SchedulerConfig(
-        num_kv_pages=int(rng.integers(8, 17)), page_size=int(rng.choice([2, 4])), max_num_seqs=seqs,
+        num_kv_pages=int(rng.integers(8, 17)), page_size=page_size, max_num_seqs=seqs,
         max_num_batched_tokens=seqs + int(rng.integers(0, 13)), max_model_len=32, eos_token_ids=(2,),
         num_host_pages=int(rng.choice([0, 8, 16, 32])), enable_prefix_cache=bool(rng.integers(0, 4)),
         poison_freed_pages=bool(rng.integers(0, 2)), decode_lookahead=int(rng.integers(0, 3)),
         max_inflight_steps=int(rng.choice([1, 2, 2])),
+        num_scheduler_steps=int(rng.choice([1, 1, 2, page_size])),
     )
 
 
@@ -64,6 +66,8 @@ class Walk:
             self.seen["feedback rows"] += 1
         if d.continued > continued:
             self.seen["sent as CONTINUE"] += 1
+        if plan.prepare.decode_steps > 1:
+            self.seen["several forwards ahead"] += 1
         if after.preemptions_total > before.preemptions_total:
             self.seen["preempted by offload ahead" if plan.offloaded else "preempted by recompute ahead"] += 1
         if after.prefix_hit_pages_total > before.prefix_hit_pages_total:

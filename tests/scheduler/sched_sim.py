@@ -73,8 +73,11 @@ class Shadow:
         for page in p.cleared_pages.tolist():
             self.pages[page] = [ZERO] * self.page_size
 
-    def feed(self, p: Prepare) -> np.ndarray:
-        """The step's token ids with feedback rows resolved to the previous run's samples."""
+    def feed(self, p: Prepare, forward: int) -> np.ndarray:
+        """The step's token ids with feedback rows resolved to the previous run's samples; in a
+        forward after a step's first, every row's sample of the forward before."""
+        if forward:
+            return np.array([self.last_samples[rid] for rid in p.seq_ids.tolist()], dtype=np.int32)
         tokens = p.token_ids.copy()
         starts = np.cumsum(p.query_lens) - p.query_lens
         for i in np.flatnonzero(p.feedback).tolist():
@@ -86,8 +89,9 @@ class Shadow:
             tokens[starts[i]] = self.last_samples[rid]
         return tokens
 
-    def forward(self, p: Prepare, table: np.ndarray) -> None:
-        """Check the frame's shape, write each new token's KV, then check every read."""
+    def forward(self, p: Prepare, table: np.ndarray, forward: int = 0) -> None:
+        """Check the frame's shape, write each new token's KV, then check every read. `forward`:
+        which of the step's decode_steps forwards runs (each one position on, the table the same)."""
         ps = self.page_size
         cleared = p.cleared_pages.tolist()
         if cleared != sorted(set(cleared)):
@@ -97,22 +101,23 @@ class Shadow:
         n = p.seq_ids.shape[0]
         if len(set(p.seq_ids.tolist())) != n:
             raise ShadowViolation("a sequence appears twice in one step")
-        token_ids = self.feed(p)
+        token_ids = self.feed(p, forward)
+        final = p.final_context_lens
         q0 = t0 = 0
         tables = []
         for i in range(n):
             rid = int(p.seq_ids[i])
-            q, ctx, ptl = int(p.query_lens[i]), int(p.context_lens[i]), int(p.page_table_lens[i])
+            q, ctx, ptl = int(p.query_lens[i]), int(p.context_lens[i]) + forward, int(p.page_table_lens[i])
             pages = table[t0 : t0 + ptl].tolist()
             t0 += ptl
             tables.append((rid, ctx, pages))
-            if ptl != -(-ctx // ps):
-                raise ShadowViolation(f"request {rid}: {ptl} pages for {ctx} tokens")
+            if ptl != -(-int(final[i]) // ps):
+                raise ShadowViolation(f"request {rid}: {ptl} pages for {int(final[i])} tokens")
             if q < 1:
                 raise ShadowViolation(f"request {rid} scheduled with {q} tokens")
             toks = self.tokens[rid]
             for j in range(q):
-                pos = int(p.positions[q0 + j])
+                pos = int(p.positions[q0 + j]) + forward
                 if pos != ctx - q + j:
                     raise ShadowViolation(f"request {rid}: position {pos}, expected {ctx - q + j}")
                 if int(token_ids[q0 + j]) != toks[pos]:
@@ -340,9 +345,16 @@ class Driver:
         f = next(f for f in self.inflight if not f.ran)
         p = f.plan.prepare
         self.shadow.prepare_effects(p)
-        self.shadow.forward(p, f.table)
+        results = [self.run_forward(p, f.table, forward) for forward in range(p.decode_steps)]
         f.ran = True
-        f.result = self.shadow.sample(p, None if self.seeded_model else self.rng, self.vocab, self.forced)
+        f.result = results[0] if len(results) == 1 else Result(
+            results[0].seq_ids, *(np.concatenate([getattr(r, name) for r in results]) for name in ("token_ids", "logprobs", "finite"))
+        )  # fmt: skip
+
+    def run_forward(self, p: Prepare, table: np.ndarray, forward: int) -> Result:
+        """One of the step's forwards (Prepare.decode_steps) and its sample."""
+        self.shadow.forward(p, table, forward)
+        return self.shadow.sample(p, None if self.seeded_model else self.rng, self.vocab, self.forced)
 
     def complete(self, bad_rows: frozenset[int] = frozenset()) -> list:
         """The oldest step in flight runs (if it has not yet) and its RESULT comes back; bad_rows

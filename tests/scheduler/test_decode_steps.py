@@ -1,0 +1,97 @@
+"""Several forwards on one frame (SchedulerConfig.num_scheduler_steps): when the scheduler asks for
+them, and that they change nothing a request sees. The shadow executors (sched_sim.py) run each
+forward, check every slot it reads and writes, and sample as a seeded model would: a token is a
+function of the request's seed and context, so the same workload must stream the same tokens
+whether its steps run one forward per frame or several."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import SamplingParams, Scheduler, SchedulerConfig, SchedulerConfigError
+from tests.scheduler.sched_sim import Driver
+
+STOP = 5
+
+
+def config(steps: int, inflight: int = 2, **changes: object) -> SchedulerConfig:
+    base = dict(
+        num_kv_pages=48, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=40,
+        max_inflight_steps=inflight, num_scheduler_steps=steps,
+    )
+    return SchedulerConfig(**{**base, **changes})
+
+
+def workload(steps: int, inflight: int) -> Driver:
+    """Requests that arrive while others decode, stop on a token mid-frame or end by length, one
+    with a penalty and min_tokens, and n = 2 samples of one prompt."""
+    d = Driver(Scheduler(config(steps, inflight)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9, 10, 11], SamplingParams(max_tokens=17, temperature=0.8, seed=1, stop_token_ids=(STOP,)))
+    d.add(1, [7, 8, 12], SamplingParams(max_tokens=9, seed=2))
+    for _ in range(10):
+        if d.can_plan and d.plan() is not None and d.can_plan:
+            continue
+        if d.inflight:
+            d.complete()
+    d.add(2, [13, 14, 15], SamplingParams(max_tokens=23, seed=3, stop_token_ids=(STOP, 6)))
+    d.add(3, [20, 21], SamplingParams(max_tokens=12, seed=4, presence_penalty=0.5, min_tokens=5, stop_token_ids=(STOP,)))
+    d.add(4, [9, 9, 9], SamplingParams(max_tokens=14, seed=5), prompt_leader=None)
+    d.add(5, [9, 9, 9], SamplingParams(max_tokens=14, seed=6), prompt_leader=4)
+    d.run_to_end()
+    d.check_outputs()
+    return d
+
+
+@pytest.mark.parametrize("inflight", [1, 2])
+@pytest.mark.parametrize("steps", [2, 3, 4])
+def test_several_forwards_stream_what_one_forward_per_frame_streams(steps: int, inflight: int) -> None:
+    one, several = workload(1, inflight), workload(steps, inflight)
+    assert several.emitted == one.emitted
+    assert several.finished == one.finished
+    forwards = [p.prepare.decode_steps for p in several.plans]
+    assert max(forwards) == steps
+    assert len(several.plans) < len(one.plans)
+    assert all(p.prepare.decode_steps == 1 for p in one.plans)
+    if inflight == 2:  # planned while the frame before runs, as a CONTINUE the Driver expands and checks
+        assert any(p.brief is not None and p.prepare.decode_steps > 1 for p in several.plans)
+
+
+def test_a_waiting_request_gets_one_forward_per_frame() -> None:
+    """An arrival waits for the whole frame in flight: while one waits, frames are one forward."""
+    d = Driver(Scheduler(config(4, max_num_seqs=1, max_num_batched_tokens=8)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=10, seed=1))
+    d.add(1, [7, 8, 10], SamplingParams(max_tokens=10, seed=2))
+    d.run_to_end()
+    d.check_outputs()
+    last_of_first = max(p.step for p in d.plans if 0 in p.prepare.seq_ids.tolist())
+    assert all(p.prepare.decode_steps == 1 for p in d.plans if p.step <= last_of_first)
+    assert any(p.prepare.decode_steps == 4 for p in d.plans if p.step > last_of_first)
+
+
+def test_no_forward_past_the_longest_request_nor_before_min_tokens() -> None:
+    d = Driver(Scheduler(config(4, inflight=1)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=6, seed=1, min_tokens=3))
+    d.run_to_end()
+    d.check_outputs()
+    # Prefill samples token 1; tokens 2 and 3 come one per frame (stop tokens are banned until 3
+    # are out); then the three left, on one frame.
+    assert [p.prepare.decode_steps for p in d.plans] == [1, 1, 1, 3]
+    assert len(d.emitted[0]) == 6 and d.finished[0] == "length"
+
+
+def test_a_non_finite_forward_fails_its_request_after_the_tokens_before_it() -> None:
+    d = Driver(Scheduler(config(4, inflight=1)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=20, seed=1))
+    d.step()
+    assert d.plan().prepare.decode_steps == 4
+    outs = d.complete(frozenset({1}))  # the second forward's row 0
+    assert [o.token_ids for o in outs] == [(d.shadow.tokens[0][4],), ()]
+    assert outs[-1].finish_reason == "error" and "not finite" in outs[-1].error
+    d.run_to_end()
+    assert d.s.stats().running == 0
+
+
+@pytest.mark.parametrize("steps", [0, 5, 33])
+def test_the_count_is_one_to_the_page_size(steps: int) -> None:
+    with pytest.raises(SchedulerConfigError, match="num_scheduler_steps"):
+        config(steps)
