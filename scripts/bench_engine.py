@@ -79,11 +79,12 @@ def _settled_stats(engine: object, generated: int) -> object:
 
 
 def measure(
-    concurrency: int, tokens: int, step_ms: float, inflight: int = 2, counter: CallCounter | None = None
+    concurrency: int, tokens: int, step_ms: float, inflight: int = 2, counter: CallCounter | None = None,
+    forwards: int = 1,
 ) -> dict[str, float]:
     """One level. With `counter` (counting_engine_calls'), the calls of the same window instead of
-    its times, which the counting slows."""
-    with running_engine(step_delay_s=step_ms / 1000, max_inflight_steps=inflight) as engine:
+    its times, which the counting slows. forwards: --num-scheduler-steps (step_ms is per forward)."""
+    with running_engine(step_delay_s=step_ms / 1000, max_inflight_steps=inflight, num_scheduler_steps=forwards) as engine:
         warm = sum(len(e.token_ids) for e in engine.submit([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)))
         clock = time.pthread_getcpuclockid(engine._thread.ident)
         steps_before = _settled_stats(engine, warm).scheduler.steps_total
@@ -105,7 +106,10 @@ def measure(
         steps = _settled_stats(engine, warm + total).scheduler.steps_total - steps_before
         calls = counter.calls - calls0 if counter else 0
     if counter:
-        return {"concurrency": concurrency, "steps": steps, "engine_calls_per_step": round(calls / steps)}
+        return {
+            "concurrency": concurrency, "steps": steps, "engine_calls_per_step": round(calls / steps),
+            "engine_calls_per_token": round(calls / total, 1),
+        }
     return {
         "concurrency": concurrency,
         "tokens": total,
@@ -120,12 +124,18 @@ def add_fake_rank_options(p: argparse.ArgumentParser) -> None:
     """The workload options of a benchmark against the fake rank (this one and bench_http.py)."""
     p.add_argument("--concurrency", type=int, nargs="+", default=(1, GEOMETRY.max_num_seqs))
     p.add_argument("--tokens", type=int, default=200, help="output tokens per stream")
-    p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per step")
+    p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per forward")
+    p.add_argument(
+        "--num-scheduler-steps", type=int, default=1,
+        help="the server's: forwards a steady decode step runs on one frame (1 to the fake rank's page size)",
+    )
 
 
 def check_fake_rank_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.concurrency) < 1 or max(args.concurrency) > GEOMETRY.max_num_seqs:
         p.error(f"--concurrency must be 1 to {GEOMETRY.max_num_seqs}, the fake rank's sequences per step")
+    if not 1 <= args.num_scheduler_steps <= GEOMETRY.page_size:
+        p.error(f"--num-scheduler-steps must be 1 to {GEOMETRY.page_size}, the fake rank's page size")
     if not 2 <= args.tokens <= 200:
         p.error("--tokens must be 2 to 200 (the fake rank's max_model_len is 256)")
 
@@ -142,20 +152,26 @@ def main() -> None:
     args = p.parse_args()
     check_fake_rank_options(p, args)
     inflight = 2 if args.async_scheduling else 1
-    levels = [measure(c, args.tokens, args.step_ms, inflight) for c in args.concurrency]
+    forwards = args.num_scheduler_steps
+    levels = [measure(c, args.tokens, args.step_ms, inflight, forwards=forwards) for c in args.concurrency]
     if args.calls:
         with counting_engine_calls() as counter:
             for level in levels:
-                counted = measure(level["concurrency"], args.tokens, args.step_ms, inflight, counter)
+                counted = measure(level["concurrency"], args.tokens, args.step_ms, inflight, counter, forwards)
                 level["engine_calls_per_step"] = counted["engine_calls_per_step"]
+                level["engine_calls_per_token"] = counted["engine_calls_per_token"]
     if args.json:
-        print(json.dumps({"step_ms": args.step_ms, "async_scheduling": args.async_scheduling, "levels": levels}))
+        report = {"step_ms": args.step_ms, "async_scheduling": args.async_scheduling, "num_scheduler_steps": forwards}
+        print(json.dumps({**report, "levels": levels}))
     else:
         for level in levels:
             print(
                 f"c={level['concurrency']:<3} {level['engine_cpu_us_per_token']:8.1f} us CPU/token "
                 f"{level['engine_cpu_us_per_step']:8.1f} us CPU/step {level['wall_ms_per_step']:7.2f} ms/step"
-                + (f" {level['engine_calls_per_step']:6d} calls/step" if "engine_calls_per_step" in level else "")
+                + (
+                    f" {level['engine_calls_per_step']:6d} calls/step {level['engine_calls_per_token']:6.1f} calls/token"
+                    if "engine_calls_per_step" in level else ""
+                )
             )
 
 

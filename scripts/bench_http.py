@@ -67,13 +67,17 @@ def _stream(port: int, path: str, body: dict) -> int:
         connection.close()
 
 
-def measure(concurrency: int, tokens: int, step_ms: float, route: str, count_calls: bool) -> dict[str, float]:
+def measure(
+    concurrency: int, tokens: int, step_ms: float, route: str, count_calls: bool, forwards: int = 1
+) -> dict[str, float]:
     tokenizer = Tokenizer.from_model_path(default_model_path())
     word = tokenizer.encode(" word")[0]
     path, make_body = ROUTES[route]
     body = {**make_body(tokens), "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     counter = CallCounter()
-    with running_engine(token=word, step_delay_s=step_ms / 1000, max_inflight_steps=2) as engine:
+    with running_engine(
+        token=word, step_delay_s=step_ms / 1000, max_inflight_steps=2, num_scheduler_steps=forwards
+    ) as engine:
         import uvicorn
 
         app = create_app(engine, tokenizer, ServerSettings(("fake",)))
@@ -135,11 +139,15 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     check_fake_rank_options(p, args)
-    levels = [measure(c, args.tokens, args.step_ms, args.route, False) for c in args.concurrency]
+    forwards = args.num_scheduler_steps
+    levels = [measure(c, args.tokens, args.step_ms, args.route, False, forwards) for c in args.concurrency]
     if args.calls:
         for level in levels:
-            level.update(measure(level["concurrency"], args.tokens, args.step_ms, args.route, True))
-    report = {"route": args.route, "step_ms": args.step_ms, "tokens_per_stream": args.tokens, "levels": levels}
+            level.update(measure(level["concurrency"], args.tokens, args.step_ms, args.route, True, forwards))
+    report = {
+        "route": args.route, "step_ms": args.step_ms, "tokens_per_stream": args.tokens, "num_scheduler_steps": forwards,
+        "levels": levels,
+    }
     if args.json:
         print(json.dumps(report))
         return

@@ -46,6 +46,8 @@ class RuntimeConfig:
     enable_prefix_caching: bool = True
     # Plan step N+1 while step N runs (vLLM's --async-scheduling); off runs every step in series.
     async_scheduling: bool = True
+    # Forwards a steady decode step runs on one frame (vLLM's --num-scheduler-steps; scheduler.config).
+    num_scheduler_steps: int = 1
     # The frontend's nice value; None: 10 on the CPU, 0 on CUDA (tp_runtime.bootstrap.frontend_nice).
     frontend_nice: int | None = None
     device: str = "auto"

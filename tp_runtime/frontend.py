@@ -75,6 +75,7 @@ def build_engine(
             num_host_pages=config.num_host_pages,
             enable_prefix_cache=config.enable_prefix_caching,
             max_inflight_steps=2 if config.async_scheduling else 1,
+            num_scheduler_steps=config.num_scheduler_steps,
             poison_freed_pages=config.debug_poison_freed_pages,
         )
     )

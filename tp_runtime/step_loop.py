@@ -112,6 +112,7 @@ class LoopCounters:
     rejects: int = 0
     aborts: int = 0
     planned_ahead: int = 0  # steps planned while the step before them was still in flight
+    forwards: int = 0  # forwards of the steps that ended (Prepare.decode_steps each)
     plan_s: float = 0.0  # scheduler work: planning and taking results
     protocol_s: float = 0.0  # PREPARE sent -> GO sent
     step_s: float = 0.0  # PREPARE sent -> RESULT in
@@ -132,12 +133,15 @@ class _InFlight:
 
     @property
     def tokens(self) -> int:
-        return int(self.plan.prepare.token_ids.shape[0])
+        """Tokens computed, over all of the step's forwards: what its deadline scales with."""
+        prepare = self.plan.prepare
+        return int(prepare.token_ids.shape[0]) * prepare.decode_steps
 
     @property
     def decode(self) -> bool:
-        """One new token per sequence."""
-        return self.tokens == self.plan.prepare.seq_ids.shape[0]
+        """One new token per sequence (in each forward)."""
+        prepare = self.plan.prepare
+        return prepare.token_ids.shape[0] == prepare.seq_ids.shape[0]
 
 
 class StepLoop:
@@ -332,6 +336,7 @@ class StepLoop:
         if entry.started_at is not None:
             self._deadlines.observe(entry.tokens, now - entry.started_at, entry.decode)
         self.step_latency.observe(now - entry.sent_at)
+        self.counters.forwards += entry.plan.prepare.decode_steps
         self.counters.step_s += now - entry.sent_at
         if entry.back_to_back:
             self.counters.model_idle_s += result.gap_us / 1e6

@@ -251,6 +251,19 @@ class RuntimeServer:
     def metrics(self) -> dict[str, float] | None:
         return read_metrics(self.url)
 
+    def settled_metrics(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """The metrics once they count every request that ended: the engine publishes its counters
+        when its last step in flight has ended, a moment after the client got its last token, so
+        a scrape right after a response may not count it yet. Settled: nothing running or waiting."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            values = read_metrics(self.url)
+            if values is not None and not values.get("vllm:num_requests_running") and not values.get("vllm:num_requests_waiting"):
+                return values
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server's metrics did not settle within {timeout_s:g} s: {values}")
+            time.sleep(0.01)
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         """SIGTERM to the launcher (torchrun passes it to the ranks; the frontend drains), then
         SIGKILL, by pid, to every process of the server still alive after grace_s. Returns the

@@ -4,6 +4,10 @@ The cache is poisoned with 0xFF bytes (NaN in every float format) at allocation 
 that returns to the free pool is poisoned again. With clears on, greedy output is token-identical
 to a server without poison; with clears skipped, the damage is detected: the requests fail with a
 non-finite-logits error and no text. Both directions are asserted, so the proof can fail.
+
+The poisoned server runs steady decode steps of several forwards on one frame (--num-scheduler-steps):
+the pages its later forwards open are cleared before its first, and each forward's tokens reach
+the other rank as feedback does, so its text is still the clean one-forward-per-frame server's.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.harness.metrics import parse_metrics
 from tests.e2e.serving import SERVER_OPTIONS, Server
 
 POISON = ("--debug-poison-kv-cache", "--debug-poison-freed-pages")
@@ -29,7 +34,7 @@ def greedy(server: Server, prompt: str) -> httpx.Response:
 @pytest.fixture(scope="module")
 def poisoned(tiny_model: Path) -> Iterator[Server]:
     # A small pool so pages are freed, poisoned and handed out again within the test.
-    options = (*SERVER_OPTIONS[:2], "--num-kv-pages", "24", *SERVER_OPTIONS[4:])
+    options = (*SERVER_OPTIONS[:2], "--num-kv-pages", "24", *SERVER_OPTIONS[4:], "--num-scheduler-steps", "4")
     server = Server(tiny_model, tp=2, extra=(*options, *POISON))
     try:
         yield server
@@ -43,10 +48,13 @@ def test_poisoned_cache_with_clears_matches_an_unpoisoned_server(server_tp2: Ser
             clean, dirty = greedy(server_tp2, prompt), greedy(poisoned, prompt)
             assert clean.status_code == dirty.status_code == 200, dirty.text
             assert dirty.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"], prompt
-    metrics = httpx.get(f"{poisoned.url}/metrics", timeout=10).text
-    assert "tp_runtime_kv_pages_cleared_total 0.0" not in metrics
+    text = httpx.get(f"{poisoned.url}/metrics", timeout=10).text
+    assert "tp_runtime_kv_pages_cleared_total 0.0" not in text
     # The proof holds with steps planned ahead (the default): their pages are cleared all the same.
-    assert "tp_runtime_steps_planned_ahead_total 0.0" not in metrics
+    assert "tp_runtime_steps_planned_ahead_total 0.0" not in text
+    # ... and with several forwards on one frame.
+    metrics = parse_metrics(text)
+    assert metrics["tp_runtime_model_forwards_total"] > metrics["tp_runtime_steps_total"]
 
 
 def test_skipped_clears_are_detected_and_no_text_is_sent(tiny_model: Path) -> None:

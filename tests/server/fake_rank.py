@@ -1,8 +1,9 @@
 """The real Engine, with one fake rank 0 on its socket: the step protocol without a model.
 
 The rank answers every PREPARE (or CONTINUE, expanded after the PREPARE before) with READY and
-every GO with a RESULT that samples `token` for each sampled row (logprob -1), `step_delay_s` after
-the step starts (or after the step before it ends); it answers heartbeats, also while a step runs.
+every GO with a RESULT that samples `token` for each sampled row in each of the step's forwards
+(logprob -1), `step_delay_s` per forward after the step starts (or after the step before it ends);
+it answers heartbeats, also while a step runs.
 As the engine's WELCOME tells a group of one rank (ready_is_go), it runs each step right after its
 READY: no GO comes, and the READY for a step that arrives while another runs rides in that one's
 RESULT. It lets the tests drive the engine loop, its published stats and its bounds, in one process
@@ -72,7 +73,7 @@ class FakeRank(threading.Thread):
                 now = time.monotonic()
                 if self._due is not None and now >= self._due:
                     self._finish(*self._running.popleft())
-                    self._due = time.monotonic() + self._delay if self._running else None
+                    self._due = time.monotonic() + self._duration(self._running[0][1]) if self._running else None
                     continue
                 wait_ms = 20_000 if self._due is None else int((self._due - now) * 1000)
                 if wait_ms == 0:  # the poll's whole milliseconds would overshoot the step's end
@@ -110,7 +111,10 @@ class FakeRank(threading.Thread):
     def _start(self, step: int) -> None:
         self._running.append((step, self._prepared))
         if self._due is None:
-            self._due = time.monotonic() + self._delay
+            self._due = time.monotonic() + self._duration(self._prepared)
+
+    def _duration(self, prepared: Prepare) -> float:
+        return self._delay * prepared.decode_steps
 
     def _finish(self, step: int, prepared: Prepare) -> None:
         rides = self._riding == step + 1
@@ -121,35 +125,36 @@ class FakeRank(threading.Thread):
 
 
 def fake_result(prepared: Prepare, token: int, ready_next: bool = False) -> Result:
-    """The RESULT of a step: `token` for each sampled row, logprob -1."""
+    """The RESULT of a step: `token` for each sampled row in each of its forwards, logprob -1."""
     rows = prepared.seq_ids[prepared.sample.astype(bool)]
-    n = len(rows)
+    n = len(rows) * prepared.decode_steps
     return Result(
         rows.astype(np.int64), np.full(n, token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8),
         ready_next=ready_next,
     )
 
 
-def fake_scheduler(max_inflight_steps: int = 1) -> Scheduler:
+def fake_scheduler(max_inflight_steps: int = 1, num_scheduler_steps: int = 1) -> Scheduler:
     """A scheduler planning for the fake rank's geometry; max_inflight_steps 2 plans each step while
-    the one before runs, as the server does by default."""
+    the one before runs, as the server does by default; num_scheduler_steps as --num-scheduler-steps."""
     return Scheduler(
         SchedulerConfig(
             num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=GEOMETRY.max_num_seqs,
             max_num_batched_tokens=GEOMETRY.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-            max_inflight_steps=max_inflight_steps,
+            max_inflight_steps=max_inflight_steps, num_scheduler_steps=num_scheduler_steps,
         )
     )
 
 
 @contextmanager
 def running_engine(
-    *, token: int = 7, step_delay_s: float = 0.0, max_num_queued_reqs: int = 0, max_inflight_steps: int = 1
+    *, token: int = 7, step_delay_s: float = 0.0, max_num_queued_reqs: int = 0, max_inflight_steps: int = 1,
+    num_scheduler_steps: int = 1,
 ) -> Iterator[Engine]:
     """An Engine whose loop runs against a FakeRank; shut down and joined afterwards."""
     key, run_id = new_key(), "fake-rank-run"
     endpoint = SchedulerEndpoint(ipc_address(), key, run_id)
-    scheduler = fake_scheduler(max_inflight_steps)
+    scheduler = fake_scheduler(max_inflight_steps, num_scheduler_steps)
     engine = Engine(
         scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="fake", max_model_len=MAX_MODEL_LEN,
         timeouts=EngineTimeouts(handshake_s=20), max_num_queued_reqs=max_num_queued_reqs,

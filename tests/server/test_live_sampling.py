@@ -153,7 +153,7 @@ def test_a_choice_ended_by_a_stop_string_leaves_its_siblings_running(server_tp1:
 
 
 def test_metrics_count_a_known_workload(server_tp1: Server) -> None:
-    before = server_tp1.metrics()
+    before = server_tp1.settled_metrics()
     prompt = "A prompt long enough to fill two pages of sixteen tokens each, and then some more."
     usages = [
         api(server_tp1).completions.create(
@@ -161,7 +161,7 @@ def test_metrics_count_a_known_workload(server_tp1: Server) -> None:
         ).usage
         for _ in range(2)
     ]
-    after = server_tp1.metrics()
+    after = server_tp1.settled_metrics()
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 
+from protocol.frames import MAX_DECODE_STEPS
 from protocol.sampling_limits import TOP_LOGPROBS_MAX
 from tp_runtime.config import ConfigError, RuntimeConfig
 
@@ -29,6 +30,12 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         raise ConfigError("--tensor-parallel-size must be at least 1")
     if config.page_size < 1 or config.page_size & (config.page_size - 1):
         raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
+    most_steps = min(config.page_size, MAX_DECODE_STEPS)
+    if not 1 <= config.num_scheduler_steps <= most_steps:
+        raise ConfigError(
+            f"--num-scheduler-steps must be 1 to {most_steps} (at most --page-size and {MAX_DECODE_STEPS}), "
+            f"got {config.num_scheduler_steps}"
+        )
     if not os.path.exists(config.model):
         raise ConfigError(f"the model path {config.model} does not exist")
     _check_hosts(config)

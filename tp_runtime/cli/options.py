@@ -90,6 +90,12 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
         help="plan and stage step N+1 while step N runs (default on; --no-async-scheduling runs steps in series)",
     )
     g.add_argument(
+        "--num-scheduler-steps", type=int, default=1, metavar="N",
+        help="vLLM's: forwards a steady decode step runs on one frame, up to the page size and 32; while every "
+        "request decodes and none waits, the control plane's work is paid once per N tokens, streams get up to N "
+        "tokens per chunk, and an arrival waits for the frame in flight (default 1)",
+    )
+    g.add_argument(
         "--frontend-nice", type=int, default=None, metavar="N",
         help="nice value of the frontend process (scheduler, HTTP); default 10 on the CPU, where it shares "
         "the cores with the forward, 0 on CUDA",
@@ -231,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
+        num_scheduler_steps=args.num_scheduler_steps,
         frontend_nice=getattr(args, "frontend_nice", None),
         device=args.device,
         enforce_eager=args.enforce_eager,

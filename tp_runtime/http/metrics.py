@@ -150,6 +150,12 @@ class EngineCollector(Collector):
             stats.steps_planned_ahead_total,
         )
         yield _counter(
+            f"{PREFIX}_model_forwards",
+            "Forwards the finished steps ran: more than the steps where a steady decode step ran several on one frame "
+            "(--num-scheduler-steps).",
+            stats.forwards_total,
+        )
+        yield _counter(
             f"{PREFIX}_model_idle_seconds",
             "Time rank 0's model sat idle between those steps, waiting for the control plane (results, planning, "
             "PREPARE, READY, GO): what planning ahead hides.",
