@@ -6,7 +6,8 @@ It runs beside the model, so that three things never wait for a forward:
 - the next step's PREPARE is decoded, validated, its page tables resolved and its inputs staged
   while the current step runs, and READY goes out at once: with the scheduler planning ahead, the
   GO for step N+1 is already here when step N ends;
-- SHUTDOWN is heard even when the model is stuck in a collective whose peer is gone.
+- SHUTDOWN is heard even when the model is stuck in a collective whose peer is gone;
+- a CUT for the step of several forwards that runs reaches the model's thread before its next one.
 
 The link never touches the cache: offload, poison, restore and clears run on the model's thread,
 right before the forward of their step (executor.steps), so that they are ordered after the step
@@ -36,6 +37,7 @@ from executor.inputs import StepInputs, StepInputsError
 from executor.sampling_state import StatefulSequences
 from protocol.conversation import (
     AbortReceived,
+    CutReceived,
     ExecutorConversation,
     GoReceived,
     Ignored,
@@ -142,6 +144,7 @@ class SchedulerLink:
         # next step read their tokens from that step's samples.
         self._last_sampled = np.zeros(0, dtype=np.int64)
         self._busy_since: float | None = None  # a step handed to the model's thread and not back
+        self._cut: int | None = None  # the last step a CUT named (one int: read by the model's thread)
         self._stopping = threading.Event()
         self._stopped_at: float | None = None
         self._thread = threading.Thread(target=self._run, name=link_thread_name(self.rank), daemon=True)
@@ -174,6 +177,10 @@ class SchedulerLink:
 
     def mark_busy(self) -> None:
         self._busy_since = time.monotonic()
+
+    def is_cut(self, step: int) -> bool:
+        """Whether a CUT came for `step`, which runs on the model's thread."""
+        return self._cut == step
 
     # -- this thread ----------------------------------------------------------------------------
 
@@ -277,6 +284,8 @@ class SchedulerLink:
                 self._run_staged(event.step)
         elif isinstance(event, GoReceived):
             self._run_staged(event.step)
+        elif isinstance(event, CutReceived):
+            self._cut = event.step
         elif isinstance(event, AbortReceived):
             if event.dropped:
                 logger.info("[rank %d] abort step %d: %s", self.rank, event.step, event.reason)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,7 +56,7 @@ class _Samples:
 class StepRunner:
     def __init__(
         self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions,
-        grammars: GrammarEngine | None = None,
+        grammars: GrammarEngine | None = None, is_cut: Callable[[int], bool] = lambda step: False,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -65,13 +66,16 @@ class StepRunner:
         self._samples = _Samples(torch.zeros(0, dtype=torch.long, device=cache.device), np.zeros(0, dtype=np.int32))
         self.sampling_states = SamplingStates(grammars)  # rank 0's
         self._last_end: float | None = None
+        self._is_cut = is_cut  # rank 0's: whether a CUT came for a step (SchedulerLink.is_cut)
 
     def run(self, staged: StagedStep) -> Result | None:
         """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises.
 
         A step of several forwards (Prepare.decode_steps) runs them back to back: each one's
         sequences decode the tokens rank 0 sampled in the forward before, broadcast to every rank
-        as a step's feedback is, so that every rank runs the same collectives in the same order."""
+        as a step's feedback is, so that every rank runs the same collectives in the same order.
+        A CUT for the step ends it after the forward running: rank 0 looks before each forward and
+        sends its answer with the tokens, so that every rank stops at the same one."""
         started = time.perf_counter()
         gap_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
         inputs = staged.inputs
@@ -82,7 +86,10 @@ class StepRunner:
         samples: list[HostSample] = []
         for forward in range(staged.prepare.decode_steps):
             if forward:
-                inputs = inputs.next_forward(self._last_samples(inputs.num_seqs), self.cache.page_size)
+                tokens = self._next_tokens(staged.step, inputs.num_seqs)
+                if tokens is None:
+                    break
+                inputs = inputs.next_forward(tokens, self.cache.page_size)
             logits = self.model.forward(inputs, self.cache)
             if self.rank == 0:
                 samples.append(self._sample(staged, inputs, logits, first=forward == 0))
@@ -90,15 +97,20 @@ class StepRunner:
         self._last_end = time.perf_counter()
         return result
 
-    def _last_samples(self, rows: int) -> torch.Tensor:
-        """Every rank's copy of the tokens rank 0 sampled in the forward just run (all rows sampled)."""
+    def _next_tokens(self, step: int, rows: int) -> torch.Tensor | None:
+        """Every rank's copy of the tokens rank 0 sampled in the forward just run (all rows
+        sampled), for the next forward; None on every rank when rank 0 was told to cut the step."""
         if self.rank == 0:
-            tokens = self._samples.tokens
-        else:
-            tokens = torch.empty(rows, dtype=torch.long, device=self.cache.device)
-        if self.world_size > 1:
-            dist.broadcast(tokens, src=0)
-        return tokens
+            cut, tokens = self._is_cut(step), self._samples.tokens
+            if self.world_size > 1:
+                flag = torch.tensor([int(cut)], dtype=torch.long, device=self.cache.device)
+                dist.broadcast(torch.cat((tokens, flag)), src=0)
+            return None if cut else tokens
+        message = torch.empty(rows + 1, dtype=torch.long, device=self.cache.device)
+        dist.broadcast(message, src=0)
+        # The other ranks read the decision off the device: they cannot launch the next forward
+        # before they know whether there is one.
+        return None if int(message[rows]) else message[:rows]
 
     def _feed(self, staged: StagedStep) -> None:
         on_device = staged.feedback_on_device

@@ -88,7 +88,8 @@ class Worker:
             force_exit=force_exit,
         )
         self.runner = StepRunner(
-            rank=rank, world_size=world_size, model=model, cache=cache, options=options, grammars=grammars
+            rank=rank, world_size=world_size, model=model, cache=cache, options=options, grammars=grammars,
+            is_cut=self.link.is_cut,
         )
 
     def run(self) -> int:

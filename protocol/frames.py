@@ -32,7 +32,7 @@ import numpy as np
 #    N's RESULT instead of a frame of its own.
 # 9: PREPARE's and CONTINUE's decode_steps: a steady decode step runs several forwards on one frame,
 #    each sequence decoding its own sample of the forward before (docs/control_plane.md), and its
-#    RESULT carries every forward's samples.
+#    RESULT carries every forward's samples; CUT ends such a step after the forward running.
 PROTOCOL_VERSION = 9
 # The most forwards one frame may ask for. A CONTINUE grows each table by one page at most, so a
 # frame's forwards may not span more than one page boundary: decode_steps <= page_size as well.
@@ -56,6 +56,7 @@ class FrameType(enum.IntEnum):
     HEARTBEAT = 10
     SHUTDOWN = 11
     CONTINUE = 12
+    CUT = 13
 
 
 class KVDtype(str, enum.Enum):
@@ -310,6 +311,16 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Cut:
+    """Scheduler -> every executor: the step in the envelope, a step of several forwards that runs,
+    ends after the forward running now (a request arrived, which would otherwise wait for all of
+    them). Rank 0 decides where, and tells the other ranks with the tokens it feeds the next
+    forward, so that every rank runs the same collectives; its RESULT carries the forwards that
+    ran. A CUT for a step not running, or on its last forward, changes nothing: it may cross the
+    step's RESULT on the wire."""
+
+
+@dataclass(frozen=True)
 class Result:
     """Rank 0 -> scheduler after the forward: one row per sequence with sample[i] set, in seq_ids;
     token_ids, logprobs and finite hold one entry per row and forward, forward by forward (a step of
@@ -351,7 +362,7 @@ class Shutdown:
     reason: str
 
 
-Body = Hello | Welcome | Prepare | Ready | Reject | Go | Abort | Result | Done | Heartbeat | Shutdown | Continue
+Body = Hello | Welcome | Prepare | Ready | Reject | Go | Abort | Result | Done | Heartbeat | Shutdown | Continue | Cut
 
 BODY_TYPES: dict[FrameType, type] = {
     FrameType.HELLO: Hello,
@@ -366,6 +377,7 @@ BODY_TYPES: dict[FrameType, type] = {
     FrameType.HEARTBEAT: Heartbeat,
     FrameType.SHUTDOWN: Shutdown,
     FrameType.CONTINUE: Continue,
+    FrameType.CUT: Cut,
 }
 FRAME_TYPE_OF: dict[type, FrameType] = {cls: t for t, cls in BODY_TYPES.items()}
 

@@ -47,6 +47,7 @@ The scheduler's loop (the engine), in outline:
         StepRefused(N)   -> endpoint.send_all(conv.ranks, *conv.abort(N, reason)); fail event.seq_ids'
                             requests (or the whole step when it is empty) and plan again
         StepDone(N)      -> scheduler.on_result(plan_of[N], event.result)
+    a request waits while a GOed step of several forwards runs: endpoint.send_all(conv.ranks, *conv.cut(N))
         StepFailed, RankShutdown -> the group cannot go on
         ProtocolViolation -> abort the step waiting for answers, if any; after GO, fail
     deadline passed while conv.unanswered(N): abort(N) naming those ranks (conv.who(rank))
@@ -69,6 +70,7 @@ Each executor's loop (the worker), in outline:
                                  with conv.ready_is_go, READY is followed by the forward as on GO
             GoReceived        -> forward; endpoint.send(*conv.result(event.step, result)) on rank 0,
                                  endpoint.send(*conv.done(event.step)) elsewhere
+            CutReceived       -> rank 0 ends the running step after the forward running now
             AbortReceived     -> drop the staged inputs (event.dropped) and the held page tables
             Refused           -> endpoint.send(*conv.reject(event.step, event.error))
             ShutdownReceived  -> exit
@@ -78,6 +80,7 @@ Each executor's loop (the worker), in outline:
 from protocol.conversation.common import Outgoing, Phase
 from protocol.conversation.executor_side import (
     AbortReceived,
+    CutReceived,
     ExecutorConversation,
     ExecutorEvent,
     GoReceived,
@@ -104,7 +107,7 @@ from protocol.conversation.scheduler_handshake import PLANNED_FIELDS, PlannedGeo
 from protocol.conversation.scheduler_side import SchedulerConversation
 
 __all__ = [
-    "PLANNED_FIELDS", "AbortReceived", "ExecutorConversation", "ExecutorEvent", "GoReceived", "HandshakeComplete",
+    "PLANNED_FIELDS", "AbortReceived", "CutReceived", "ExecutorConversation", "ExecutorEvent", "GoReceived", "HandshakeComplete",
     "HandshakeRefused", "Ignored", "Outgoing", "Phase", "PlannedGeometry", "PrepareReceived", "ProtocolViolation",
     "RankShutdown", "Refused", "Rejection", "SchedulerConversation", "SchedulerEvent", "ShutdownReceived", "StepDone",
     "StepFailed", "StepReady", "StepRefused", "WelcomeRefused", "Welcomed",

@@ -22,6 +22,7 @@ from protocol.frames import (
     Abort,
     CacheGeometry,
     Continue,
+    Cut,
     Done,
     Frame,
     Go,
@@ -71,6 +72,13 @@ class GoReceived:
 
 
 @dataclass(frozen=True)
+class CutReceived:
+    """The running step of several forwards ends after the forward running now (rank 0 decides)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class AbortReceived:
     """`step` is used up. `dropped`: it was staged here (READY sent or due) and is dropped. Either
     way the scheduler sends whole page tables next: forget the held ones."""
@@ -101,7 +109,10 @@ class Ignored:
     reason: str
 
 
-ExecutorEvent = Welcomed | WelcomeRefused | PrepareReceived | GoReceived | AbortReceived | ShutdownReceived | Refused | Ignored
+ExecutorEvent = (
+    Welcomed | WelcomeRefused | PrepareReceived | GoReceived | CutReceived | AbortReceived | ShutdownReceived | Refused
+    | Ignored
+)
 
 
 class ExecutorConversation:
@@ -114,7 +125,7 @@ class ExecutorConversation:
     rank), READY itself GOes the step: nothing is ever staged, and a GO is refused like any other
     GO with nothing staged. A CONTINUE is answered as the PREPARE it expands to, after the PREPARE
     this rank accepted for the step before; without one (none yet, or it was refused or aborted)
-    it is refused with STEP_NOT_HELD.
+    it is refused with STEP_NOT_HELD. A CUT is for a running step; any other changes nothing.
     """
 
     def __init__(
@@ -259,6 +270,9 @@ class ExecutorConversation:
             return [self._on_prepare(frame, body)]
         if isinstance(body, Go):
             return [self._on_go(frame)]
+        if isinstance(body, Cut):
+            # Late (the step's RESULT crossed it) or early (not GOed here yet): nothing to cut.
+            return [CutReceived(frame.step)] if frame.step in self._running else []
         if isinstance(body, Abort):
             return [self._on_abort(frame, body)]
         if isinstance(body, Shutdown):

@@ -28,6 +28,7 @@ from protocol.frames import (
     Abort,
     CacheGeometry,
     Continue,
+    Cut,
     Done,
     Frame,
     Go,
@@ -67,7 +68,8 @@ class SchedulerConversation:
       the previous step's end, with 2 it may go out as soon as GO for the previous step is out;
     - go(N) only when every rank answered READY for N and none refused it (with ready_is_go, a
       group of one rank, go(N) records that the rank runs N and there is nothing to send);
-    - abort(N) only for the step waiting for GO; it uses up N (the next step is N + 1).
+    - abort(N) only for the step waiting for GO; it uses up N (the next step is N + 1);
+    - cut(N) only for a GOed step in flight.
     prepare(N, body, brief) sends the CONTINUE `brief` instead of the PREPARE `body` it stands for
     when step N - 1 was prepared and not aborted: that PREPARE is the one every rank expands it
     after (protocol.continuation).
@@ -191,6 +193,14 @@ class SchedulerConversation:
                              f"refused by {sorted(s.rejections)})")
         s.go_sent = True
         return None if self.ready_is_go else Outgoing(Go(), step)
+
+    def cut(self, step: int) -> Outgoing:
+        """CUT for a GOed step still in flight: a step of several forwards ends after the one running."""
+        self._require_running("CUT")
+        s = self._find(step)
+        if s is None or not s.go_sent:
+            raise UsageError(f"CUT for step {step}, which is not a GOed step in flight (in flight: {list(self.in_flight)})")
+        return Outgoing(Cut(), step)
 
     def abort(self, step: int, reason: str) -> Outgoing:
         self._require_running("ABORT")

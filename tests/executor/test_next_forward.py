@@ -1,6 +1,7 @@
 """The inputs of a step's later forwards (Prepare.decode_steps, StepInputs.next_forward), against
 the inputs the same forward gets as a step of its own, and through a CUDA graph's static buffers,
-whose padding rules must take them as they take any decode step (checked on the CPU)."""
+whose padding rules must take them as they take any decode step (checked on the CPU); and the
+model's thread ending such a step where a CUT says."""
 
 from dataclasses import replace
 
@@ -9,6 +10,10 @@ import torch
 
 from executor.cuda_graphs import StaticDecodeBatch
 from executor.inputs import StepInputs
+from executor.link import StagedStep
+from executor.options import ExecutorOptions
+from executor.steps import StepRunner
+from protocol.frames import Result
 from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
 
 G = geometry()  # 4-slot pages
@@ -72,3 +77,39 @@ def test_later_forwards_replay_through_a_graphs_static_buffers() -> None:
         assert torch.equal(got[: eager.num_seqs], want)
     real = slice(0, caches[0].pad_page)
     assert torch.equal(caches[1].data[real], caches[0].data[real])
+
+
+def options() -> ExecutorOptions:
+    return ExecutorOptions(
+        model="stand-in", num_kv_pages=G.num_kv_pages, page_size=G.page_size, max_num_seqs=G.max_num_seqs,
+        max_num_batched_tokens=G.max_num_batched_tokens, max_model_len=G.max_model_len, kv_cache_dtype=G.kv_dtype,
+        num_host_pages=G.num_host_pages, device="cpu",
+    )
+
+
+def run_forwards(cut_after: int | None) -> tuple[Result, int]:
+    """A step of FORWARDS forwards through the model's thread (StepRunner), cut after `cut_after` of
+    them as the link reports a CUT (None: not cut); its RESULT and the forwards the model ran."""
+    model = StandInModel(0, 1)
+    cache = make_cache(G, KV_HEADS, poison=False)
+    cache.data.zero_()
+
+    def is_cut(step: int) -> bool:
+        return step == 5 and cut_after is not None and model.forward_calls >= cut_after
+
+    runner = StepRunner(rank=0, world_size=1, model=model, cache=cache, options=options(), is_cut=is_cut)
+    prepare = step(0, {1: 5, 2: 6, 3: 7}, FORWARDS)
+    result = runner.run(StagedStep(5, prepare, inputs_of(prepare), np.zeros(0, dtype=np.int64), None))
+    return result, model.forward_calls
+
+
+def test_a_cut_step_ends_after_the_forward_running_and_says_how_many_ran() -> None:
+    whole, calls = run_forwards(None)
+    assert calls == FORWARDS and whole.token_ids.shape[0] == FORWARDS * 3
+    for after in range(1, FORWARDS):
+        cut, calls = run_forwards(after)
+        assert calls == after
+        assert cut.seq_ids.tolist() == whole.seq_ids.tolist()
+        # The forwards that ran sampled what the whole step's first ones did.
+        assert cut.token_ids.tolist() == whole.token_ids[: after * 3].tolist()
+        assert cut.finite.shape[0] == cut.logprobs.shape[0] == after * 3

@@ -1,5 +1,5 @@
 """decode_steps: a steady decode step that runs several forwards on one frame (protocol 9), as the
-validator, the codec and a CONTINUE after it see it."""
+validator, the codec and a CONTINUE after it see it; and CUT, which ends such a step early."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from protocol.codec import decode, encode
 from protocol.continuation import expand
-from protocol.errors import ProtocolError, RejectCode
-from protocol.frames import LAYOUT_VERSION, MAX_DECODE_STEPS, PROTOCOL_VERSION, Continue, Frame, Prepare
+from protocol.conversation import CutReceived, GoReceived, PrepareReceived
+from protocol.errors import ProtocolError, RejectCode, UsageError
+from protocol.frames import LAYOUT_VERSION, MAX_DECODE_STEPS, PROTOCOL_VERSION, Continue, Cut, Frame, Go, Prepare, Ready
 from protocol.validate import validate_continued, validate_prepare
+from tests.protocol.conversation_helpers import PREPARE, frame, result, running_scheduler, welcomed_executor
 from tests.protocol.wire_samples import GEOMETRY, KEY, valid_prepare, with_arrays
 
 I32 = np.int32
@@ -102,3 +104,34 @@ def test_validate_continued_agrees_with_validate_prepare(steps: int, grow: list[
         except ProtocolError as exc:
             verdicts.append(exc.code)
     assert verdicts[0] == verdicts[1]
+
+
+# -- CUT ----------------------------------------------------------------------------------------
+
+
+def test_a_cut_reaches_a_running_step_and_changes_nothing_else() -> None:
+    ex = welcomed_executor(0, 2)
+    assert isinstance(ex.receive(frame(PREPARE, 1))[0], PrepareReceived)
+    ex.ready(1)
+    assert ex.receive(frame(Cut(), 1)) == []  # staged, not GOed: nothing runs yet
+    assert isinstance(ex.receive(frame(Go(), 1))[0], GoReceived)
+    assert ex.receive(frame(Cut(), 1)) == [CutReceived(1)]
+    ex.result(1, result())
+    assert ex.receive(frame(Cut(), 1)) == []  # crossed its RESULT on the wire: nothing to cut, nothing refused
+    assert ex.receive(frame(Cut(), 7)) == []
+
+
+def test_the_scheduler_cuts_only_a_goed_step_in_flight() -> None:
+    conv = running_scheduler(world=2)
+    conv.prepare(1, PREPARE)
+    with pytest.raises(UsageError, match="not a GOed step"):
+        conv.cut(1)
+    for rank in (0, 1):
+        conv.receive(rank, frame(Ready(rank), 1), 0.0)
+    conv.go(1)
+    body, step = conv.cut(1)
+    assert isinstance(body, Cut) and step == 1
+    got = decode(encode(Frame(PROTOCOL_VERSION, LAYOUT_VERSION, "run", 1, 2, body), KEY), KEY).body
+    assert got == Cut()
+    with pytest.raises(UsageError):
+        conv.cut(2)
