@@ -225,13 +225,21 @@ def _continued(
     prev: StepPlan | None, forwards: int,
 ) -> Continue | None:
     """The CONTINUE that says this step, when it is the step before's: every row decoding the token
-    that step samples for it, the rows unchanged since (the same snapshot, so the same order),
+    that step samples for it, the rows unchanged since (the same ids in the same order),
     nothing restored or offloaded, no stop token banned, each page table at most one page longer.
     Anything else (an admission, a row that ended, a step aborted between) is a PREPARE."""
     if dec_rows is not None or prev is None or prev.step != step - 1 or b.restore_pages or b.offload_pages:
         return None
     n = batch.n
-    if prev.prepare.seq_ids is not batch.snapshot().columns["req_id"] or not batch.pending[:n].all():
+    pending = batch.pending[:n]
+    # Every row feeds back the sample of the step before: in flight (pending), or ended, when the
+    # ranks still hold it (Steps.base) and its tokens are known here.
+    if not (pending.all() or not pending.any()):
+        return None
+    # The same rows in the same order: the same snapshot, or (the step before admitted them) the
+    # same ids.
+    ids, held = batch.snapshot().columns["req_id"], prev.prepare.seq_ids
+    if held is not ids and not (np.array_equal(held, ids) and prev.prepare.sample.all()):
         return None
     if batch.num_processed:
         min_len = batch.min_len[:n]
@@ -253,14 +261,15 @@ def assemble(
     forwards: int = 1,
 ) -> StepPlan:
     """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
-    prev: the newest step in flight, whose samples rows may feed back; forwards: its decode_steps.
+    prev: the step the ranks ran or run last (Steps.base), whose samples rows may feed back;
+    forwards: its decode_steps.
     The rows advance by what they compute, and count the samples the step will produce."""
     cleared = cat(b.cleared)
     if cleared.shape[0] > 1:
         cleared.sort()
     brief = _continued(batch, step, dec_rows, b, cleared, poison, prev, forwards)
     if brief is not None:
-        rows = prev.rows
+        rows = batch.snapshot().rows  # every row, in batch order: the ids _continued compared
         prepare = expand(prev.prepare, brief)
     else:
         a = _arrays(batch, dec_rows, b, prev is not None)

@@ -146,7 +146,11 @@ class Scheduler:
 
     def plan_step(self) -> StepPlan | None:
         """The next step, or None when nothing can run now (with a step in flight: nothing that can
-        run before that step's RESULT is in)."""
+        run before that step's RESULT is in). Nothing is planned after a step of several forwards
+        in flight: it may be cut (should_cut), and then its RESULT says where its rows stand."""
+        inflight = self._steps.inflight
+        if inflight and inflight[-1].prepare.decode_steps > 1:
+            return None
         self._steps.check_can_plan()
         b = StepBuilder()
         rows = self._running.plan(b)
@@ -167,18 +171,22 @@ class Scheduler:
                 return None
         kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
-        inflight = self._steps.inflight
-        plan = assemble(
-            self.batch, self._steps.next_step(), dec_rows, b, poison, inflight[-1] if inflight else None, rows.forwards
-        )
+        plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, self._steps.base(), rows.forwards)
         self._steps.planned(plan)
         return plan
 
     # ------------------------------------------------------------------------------------ results
 
     def on_result(self, plan: StepPlan, result: Result) -> list[RequestOutput]:
-        """The RESULT of the oldest step in flight: the tokens it sampled, as outputs."""
+        """The RESULT of the oldest step in flight: the tokens it sampled, as outputs. A step of
+        several forwards that was cut brings fewer forwards than planned: its rows step back to
+        the last one that ran."""
         return self._steps.on_result(plan, result)
+
+    def should_cut(self, plan: StepPlan) -> bool:
+        """Whether the step of several forwards `plan`, in flight, should end after the forward
+        running (a CUT): a request waits, which would otherwise wait for every one of them."""
+        return plan.prepare.decode_steps > 1 and bool(self._waiting)
 
     def on_abort(self, plan: StepPlan, reason: str, failed_seq_ids: Sequence[int] | None = None) -> list[RequestOutput]:
         """The newest step in flight never ran (a REJECT, a timeout): undo what it did to the pool.

@@ -40,6 +40,7 @@ class Steps:
         self.waiting = waiting
         self.step = 0
         self.inflight: deque[StepPlan] = deque()
+        self._ended_whole: StepPlan | None = None  # the last step that ended, if it ran every forward
         self.retired: list[tuple[int, Request]] = []
         self.outputs: list[RequestOutput] = []
 
@@ -60,6 +61,18 @@ class Steps:
     def planned(self, plan: StepPlan) -> None:
         self.inflight.append(plan)
         self.counters.pages_cleared_last_step = int(plan.prepare.cleared_pages.shape[0])
+
+    def base(self) -> StepPlan | None:
+        """The step the next one follows on the ranks: the newest in flight, or with none in
+        flight, a step of several forwards that ended having run them all (the ranks hold its
+        PREPARE and its last samples, so the next step may be its CONTINUE, as one planned ahead
+        would be; nothing is planned ahead of such a step). A step of one forward that ended is
+        not a base: with one step in flight at a time, every PREPARE stays the serial scheduler's
+        (test_serial_identity)."""
+        if self.inflight:
+            return self.inflight[-1]
+        last = self._ended_whole
+        return last if last is not None and last.prepare.decode_steps > 1 else None
 
     def busy(self) -> bool:
         return bool(self.inflight or self.outputs)
@@ -149,20 +162,27 @@ class Steps:
             raise SchedulerStateError(f"step {plan.step} is not the step in flight")
         self.inflight.popleft()
         prep = plan.prepare
-        forwards = prep.decode_steps
         sampled = prep.sample.nonzero()[0]
+        m = sampled.shape[0]
+        # The forwards that ran: all that were planned, or fewer when the step was cut.
+        forwards = len(result.token_ids) // m if m else 1
         lengths = {len(result.token_ids), len(result.logprobs), len(result.finite)}
-        if lengths != {forwards * sampled.shape[0]} or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled]):
+        if (
+            lengths != {forwards * m} or not 1 <= forwards <= prep.decode_steps
+            or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled])
+        ):
             return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")
         wanted = prep.num_logprobs[sampled]
         alternatives = forwards * int(wanted.sum(dtype=np.int64))
         if {len(result.top_token_ids), len(result.top_logprobs)} != {alternatives}:
             return self._fail_step(plan, "its RESULT does not carry the alternatives its sequences asked for")
         rows = self._rows_of(plan)
+        if forwards < prep.decode_steps:  # cut: the pages of the forwards that did not run stay, zeroed
+            self.batch.ncomp[rows] -= prep.decode_steps - forwards
         # finite[j, i]: forward j's logits of sampled row i.
         finite = np.asarray(result.finite).astype(bool).reshape(forwards, -1)
         if self.config.enable_prefix_cache:
-            self._register(prep, rows, sampled, finite.all(axis=0))
+            self._register(prep, rows, sampled, finite.all(axis=0), forwards)
         self.kv.free_slots(plan.restore_slots)
         outputs: list[RequestOutput] = []
         tops = _alternatives(wanted, result, forwards) if alternatives else None
@@ -173,16 +193,17 @@ class Steps:
             else:
                 self.end(req, "error", error, outputs)
         self._release_due(plan.step)
+        self._ended_whole = plan if forwards == prep.decode_steps else None
         return outputs
 
-    def _register(self, prep: Prepare, rows: np.ndarray, sampled: np.ndarray, finite: np.ndarray) -> None:
+    def _register(self, prep: Prepare, rows: np.ndarray, sampled: np.ndarray, finite: np.ndarray, forwards: int) -> None:
         """Full pages the step wrote become prefix snapshots; a row with non-finite logits may
         have written NaN into its KV: none of it is shared."""
         ps = self.config.page_size
         # A row held for a finished request may have written a token it never learned (the sample
         # of a step whose RESULT it no longer took), as may a row that stopped before the last of a
         # step's forwards: only pages of tokens it knows are keyed.
-        after = np.minimum(prep.final_context_lens, self.batch.ntok[rows])
+        after = np.minimum(prep.context_lens + (forwards - 1), self.batch.ntok[rows])
         crossed = after // ps > (prep.context_lens - prep.query_lens) // ps
         if not finite.all():
             crossed[sampled[~finite]] = False
@@ -205,7 +226,7 @@ class Steps:
         batch = self.batch
         reqs = batch.reqs
         forwards = finite.shape[0]
-        batch.pending[srows] -= forwards
+        batch.pending[srows] -= plan.prepare.decode_steps  # every sample it was planned for: none is in flight now
         tok = np.asarray(result.token_ids, dtype=_I32).reshape(forwards, -1)
         lps = np.asarray(result.logprobs).reshape(forwards, -1)
         done: list[tuple[Request, str | None]] = []
@@ -260,6 +281,7 @@ class Steps:
         """The step's requests fail (those in `failed`, when given; the others are rolled back),
         and what it did to the pool is undone."""
         self.counters.aborted += 1
+        self._ended_whole = None
         batch, kv, requests = self.batch, self.kv, self.requests
         # Executors forget every page table at an ABORT (and this one may come from a bad RESULT
         # that they ran): whoever is still running is sent whole next step.

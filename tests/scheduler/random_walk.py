@@ -23,7 +23,7 @@ def config(rng: np.random.Generator) -> SchedulerConfig:
         num_host_pages=int(rng.choice([0, 8, 16, 32])), enable_prefix_cache=bool(rng.integers(0, 4)),
         poison_freed_pages=bool(rng.integers(0, 2)), decode_lookahead=int(rng.integers(0, 3)),
         max_inflight_steps=int(rng.choice([1, 2, 2])),
-        num_scheduler_steps=int(rng.choice([1, 1, 2, page_size])),
+        num_scheduler_steps=int(rng.choice([1, 2, page_size, page_size])),
     )
 
 
@@ -111,7 +111,12 @@ class Walk:
             elif r < 9 and d.inflight:
                 self.complete()
             elif r < 10 and d.inflight and not d.inflight[-1].ran:
-                self.abort()
+                newest = d.inflight[-1].plan.prepare.decode_steps
+                if newest > 1 and rng.integers(0, 4):
+                    d.cut(int(rng.integers(1, newest)))
+                    self.seen["cut"] += 1
+                else:
+                    self.abort()
             elif r < 11 and self.next_id:
                 self.end()
         while d.inflight:

@@ -45,6 +45,9 @@ class Shadow:
     # The page tables as the executors hold them: a PREPARE's deltas apply to these.
     tables: HeldPageTables = field(default_factory=HeldPageTables)
     last_samples: dict[int, int] = field(default_factory=dict)  # what the last step run sampled
+    # Requests that ran a step of several forwards that was cut: the page its later forwards opened
+    # stays in its table, zeroed, one more than its context needs until the context reaches it.
+    spare: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         # Cache memory starts uninitialized.
@@ -111,7 +114,8 @@ class Shadow:
             pages = table[t0 : t0 + ptl].tolist()
             t0 += ptl
             tables.append((rid, ctx, pages))
-            if ptl != -(-int(final[i]) // ps):
+            need = -(-int(final[i]) // ps)
+            if not need <= ptl <= need + (rid in self.spare):
                 raise ShadowViolation(f"request {rid}: {ptl} pages for {int(final[i])} tokens")
             if q < 1:
                 raise ShadowViolation(f"request {rid} scheduled with {q} tokens")
@@ -172,9 +176,10 @@ def model_token(seed: int, context: list[int], vocab: int) -> int:
     return 3 + int.from_bytes(digest, "little") % (vocab - 3)
 
 
-def check_pool(s: Scheduler, inflight: list[StepPlan] | StepPlan | None = None) -> None:
+def check_pool(s: Scheduler, inflight: list[StepPlan] | StepPlan | None = None, spare: set[int] = frozenset()) -> None:
     """Ownership and refcounts: every page is free, referenced by rows, or an evictable snapshot;
-    every page a step in flight reads or writes is held."""
+    every page a step in flight reads or writes is held. `spare`: requests whose table may hold one
+    page past their context (Shadow.spare)."""
     plans = [] if inflight is None else [inflight] if isinstance(inflight, StepPlan) else list(inflight)
     pool, cache, ps = s.pool, s.cache, s.config.page_size
     held: Counter[int] = Counter()
@@ -190,7 +195,8 @@ def check_pool(s: Scheduler, inflight: list[StepPlan] | StepPlan | None = None) 
         if v.state is not RequestState.RUNNING:
             raise ShadowViolation(f"request {v.request_id} has a live row but is {v.state}")
         committed.update(v.page_table)
-        if len(v.page_table) != -(-v.num_computed // ps):
+        need = -(-v.num_computed // ps)
+        if not need <= len(v.page_table) <= need + (v.request_id in spare):
             raise ShadowViolation(f"request {v.request_id} has {len(v.page_table)} pages for {v.num_computed} tokens")
         if not pool.marked[list(v.reserved_pages)].all():
             raise ShadowViolation(f"request {v.request_id} reserves unmarked pages {v.reserved_pages}")
@@ -239,6 +245,7 @@ class InFlight:
     plan: StepPlan
     table: np.ndarray  # its page tables, whole, as the executors rebuilt them
     alone: bool  # planned with no other step in flight
+    forwards: int | None = None  # the forwards it runs, when it was cut (Driver.cut)
     ran: bool = False
     result: Result | None = None
 
@@ -264,6 +271,7 @@ class Driver:
         self.forced: dict[int, int] = {}  # request id -> the token its next sample will be
         self.held: StepPlan | None = None  # the step whose PREPARE the executors hold (CONTINUE's base)
         self.continued = 0  # steps that went out as a CONTINUE
+        self.ran_forwards: list[tuple[StepPlan, int]] = []  # each step run, and the forwards it ran
 
     def add(self, rid: int, prompt: list[int], params, **kw) -> None:
         self.s.add_request(rid, prompt, params, **kw)
@@ -329,7 +337,7 @@ class Driver:
         """The pool's invariants, and every page a step in flight uses is held (none is free or
         evictable, so none can be handed out or cleared before that step has run). A step planned
         alone may reuse the pages it offloads: the executors copy them out before its clears."""
-        check_pool(self.s, [f.plan for f in self.inflight])
+        check_pool(self.s, [f.plan for f in self.inflight], self.shadow.spare)
         pool, lru = self.s.pool, set(self.s.cache.evictable_pages())
         for f in self.inflight:
             p = f.plan.prepare
@@ -345,7 +353,9 @@ class Driver:
         f = next(f for f in self.inflight if not f.ran)
         p = f.plan.prepare
         self.shadow.prepare_effects(p)
-        results = [self.run_forward(p, f.table, forward) for forward in range(p.decode_steps)]
+        forwards = p.decode_steps if f.forwards is None else f.forwards
+        self.ran_forwards.append((f.plan, forwards))
+        results = [self.run_forward(p, f.table, forward) for forward in range(forwards)]
         f.ran = True
         f.result = results[0] if len(results) == 1 else Result(
             results[0].seq_ids, *(np.concatenate([getattr(r, name) for r in results]) for name in ("token_ids", "logprobs", "finite"))
@@ -355,6 +365,14 @@ class Driver:
         """One of the step's forwards (Prepare.decode_steps) and its sample."""
         self.shadow.forward(p, table, forward)
         return self.shadow.sample(p, None if self.seeded_model else self.rng, self.vocab, self.forced)
+
+    def cut(self, forwards: int) -> None:
+        """The newest step in flight, of several forwards and not run yet, is cut after `forwards`."""
+        f = self.inflight[-1]
+        assert not f.ran and 1 <= forwards <= f.plan.prepare.decode_steps
+        f.forwards = forwards
+        if forwards < f.plan.prepare.decode_steps:
+            self.shadow.spare.update(f.plan.prepare.seq_ids.tolist())
 
     def complete(self, bad_rows: frozenset[int] = frozenset()) -> list:
         """The oldest step in flight runs (if it has not yet) and its RESULT comes back; bad_rows

@@ -6,6 +6,7 @@ whether its steps run one forward per frame or several."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, SchedulerConfigError
@@ -22,10 +23,27 @@ def config(steps: int, inflight: int = 2, **changes: object) -> SchedulerConfig:
     return SchedulerConfig(**{**base, **changes})
 
 
-def workload(steps: int, inflight: int) -> Driver:
+class CuttingDriver(Driver):
+    """Cuts every step of several forwards after a random one of them, as a CUT would."""
+
+    def __init__(self, *args, seed: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cuts = np.random.default_rng(seed)
+
+    def plan(self):
+        plan = super().plan()
+        if plan is not None and plan.prepare.decode_steps > 1:
+            self.cut(int(self.cuts.integers(1, plan.prepare.decode_steps + 1)))
+        return plan
+
+
+def workload(steps: int, inflight: int, cut_seed: int | None = None) -> Driver:
     """Requests that arrive while others decode, stop on a token mid-frame or end by length, one
     with a penalty and min_tokens, and n = 2 samples of one prompt."""
-    d = Driver(Scheduler(config(steps, inflight)), vocab=30, seeded_model=True)
+    cfg = config(steps, inflight)
+    d = Driver(Scheduler(cfg), vocab=30, seeded_model=True) if cut_seed is None else CuttingDriver(
+        Scheduler(cfg), vocab=30, seeded_model=True, seed=cut_seed
+    )
     d.add(0, [7, 8, 9, 10, 11], SamplingParams(max_tokens=17, temperature=0.8, seed=1, stop_token_ids=(STOP,)))
     d.add(1, [7, 8, 12], SamplingParams(max_tokens=9, seed=2))
     for _ in range(10):
@@ -54,6 +72,29 @@ def test_several_forwards_stream_what_one_forward_per_frame_streams(steps: int, 
     assert all(p.prepare.decode_steps == 1 for p in one.plans)
     if inflight == 2:  # planned while the frame before runs, as a CONTINUE the Driver expands and checks
         assert any(p.brief is not None and p.prepare.decode_steps > 1 for p in several.plans)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steps_cut_after_any_forward_stream_the_same_tokens(seed: int) -> None:
+    """A CUT ends a step after any of its forwards: the rows step back to the last that ran, the
+    page its later forwards opened stays in the table (zeroed; the shadow checks every slot), and
+    the next step goes whole from there."""
+    one, cut = workload(1, 2), workload(4, 2, cut_seed=seed)
+    assert cut.emitted == one.emitted
+    assert cut.finished == one.finished
+    assert any(f < p.prepare.decode_steps for p, f in cut.ran_forwards)
+
+
+def test_nothing_is_planned_after_a_step_of_several_forwards_in_flight() -> None:
+    d = Driver(Scheduler(config(4)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=20, seed=1))
+    d.plan()  # the prompt
+    assert d.plan().prepare.decode_steps == 4  # planned while the prompt runs
+    assert d.s.plan_step() is None  # it may be cut: where its rows stand is known from its RESULT
+    d.complete()
+    assert d.s.plan_step() is None
+    d.complete()
+    assert d.plan() is not None
 
 
 def test_a_waiting_request_gets_one_forward_per_frame() -> None:

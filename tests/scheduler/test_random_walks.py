@@ -13,7 +13,7 @@ MUST_SEE = (
     "planned ahead", "feedback rows", "ended at N with N+1 planned", "client ended with a step in flight",
     "abort (all) of N+1", "abort (some or none) of N+1", "preempted by recompute ahead", "preempted by offload ahead",
     "prefix hit ahead", "nothing can run before the step in flight ends", "sent as CONTINUE",
-    "several forwards ahead",
+    "several forwards ahead", "cut",
 )
 
 
