@@ -508,6 +508,7 @@ class Engine:
             model_idle_s_total=lc.model_idle_s,
             steps_planned_ahead_total=lc.planned_ahead,
             forwards_total=lc.forwards,
+            steps_cut_total=lc.cuts,
             peer_longest_silence_s=lc.longest_silence_s,
             prompt_tokens_total=c.prompt_tokens,
             prefix_cache_queries_total=scheduler.prefix_queries_total,

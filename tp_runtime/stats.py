@@ -84,6 +84,7 @@ class EngineStats:
     model_idle_s_total: float = 0.0
     steps_planned_ahead_total: int = 0  # planned, sent and staged while the step before them ran
     forwards_total: int = 0  # forwards the steps ran: more than steps where one ran several (--num-scheduler-steps)
+    steps_cut_total: int = 0  # steps of several forwards ended early (CUT) because a request waited
     peer_longest_silence_s: float = 0.0  # the longest a rank went unheard at a liveness check
     # Filled in by the engine once it times them (the metrics export each one that is set):
     queue_time: HistogramSnapshot | None = None  # seconds from submit to the first scheduled step

@@ -112,7 +112,8 @@ class LoopCounters:
     rejects: int = 0
     aborts: int = 0
     planned_ahead: int = 0  # steps planned while the step before them was still in flight
-    forwards: int = 0  # forwards of the steps that ended (Prepare.decode_steps each)
+    forwards: int = 0  # forwards the steps that ended ran (Prepare.decode_steps each, fewer when cut)
+    cuts: int = 0  # steps of several forwards told to end early (CUT) because a request waited
     plan_s: float = 0.0  # scheduler work: planning and taking results
     protocol_s: float = 0.0  # PREPARE sent -> GO sent
     step_s: float = 0.0  # PREPARE sent -> RESULT in
@@ -130,6 +131,7 @@ class _InFlight:
     go_at: float | None = None
     started_at: float | None = None  # GO sent and the step before it ended: it runs from here
     back_to_back: bool = False  # planned while the model had work: its gap is control-plane time
+    cut: bool = False  # a CUT went out for it
 
     @property
     def tokens(self) -> int:
@@ -249,6 +251,8 @@ class StepLoop:
 
     def _plan(self) -> None:
         conv = self.conversation
+        if self._inflight:
+            self._cut_if_asked()
         while (
             conv.staged is None
             and len(conv.in_flight) < self.scheduler.config.max_inflight_steps
@@ -267,6 +271,18 @@ class StepLoop:
             self.pages_cleared.observe(int(plan.prepare.cleared_pages.shape[0]))
             self._on_scheduled(plan)
         self._flush_outputs()
+
+    def _cut_if_asked(self) -> None:
+        """CUT the newest step in flight, once, when it runs several forwards and the scheduler says
+        a request should not wait for all of them. Nothing is planned after such a step before its
+        RESULT, so it is the newest."""
+        step = next(reversed(self._inflight))
+        entry = self._inflight[step]
+        if entry.cut or entry.go_at is None or not self.scheduler.should_cut(entry.plan):
+            return
+        self._send_all(self.conversation.cut(step))
+        entry.cut = True
+        self.counters.cuts += 1
 
     def _flush_outputs(self) -> None:
         """Outputs go to the streams after the PREPARE they came before: handing them over wakes
@@ -333,10 +349,13 @@ class StepLoop:
         entry = self._inflight.pop(event.step)
         now = self._finished_at = time.monotonic()
         result = event.result
+        rows = result.seq_ids.shape[0]
+        forwards = result.token_ids.shape[0] // rows if rows else 1  # fewer than planned when cut
         if entry.started_at is not None:
-            self._deadlines.observe(entry.tokens, now - entry.started_at, entry.decode)
+            ran = entry.tokens * forwards // entry.plan.prepare.decode_steps
+            self._deadlines.observe(ran, now - entry.started_at, entry.decode)
         self.step_latency.observe(now - entry.sent_at)
-        self.counters.forwards += entry.plan.prepare.decode_steps
+        self.counters.forwards += forwards
         self.counters.step_s += now - entry.sent_at
         if entry.back_to_back:
             self.counters.model_idle_s += result.gap_us / 1e6

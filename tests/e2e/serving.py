@@ -46,11 +46,11 @@ class RecordedStream:
     """One streaming completion read on a thread of its own: every line it got, and when it ended
     (a transport error is recorded as a line)."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int, timeout_s: float = 30) -> None:
+    def __init__(self, url: str, prompt: str, max_tokens: int, timeout_s: float = 30, **fields: object) -> None:
         self.lines: list[str] = []
         self.ended_at: float | None = None
         self._first_data = threading.Event()
-        self._body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self._body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, **fields}
         self._url, self._timeout_s = url, timeout_s
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serving import SERVER_OPTIONS, Server
+from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server
 from tests.e2e.test_vllm_client import GRAMMARS
 
 REQUESTS = (
@@ -68,3 +68,25 @@ def test_a_stream_gets_several_tokens_per_chunk_and_exactly_max_tokens(several_f
     assert len(with_tokens) < len(tokens)  # a frame's tokens reach the client together
     whole = completion(several_forwards, body)
     assert whole["choices"][0]["token_ids"] == tokens
+
+
+def test_an_arrival_cuts_the_step_in_flight_and_both_requests_get_their_tokens(
+    server_tp1: Server, several_forwards: Server
+) -> None:
+    """A request that arrives while a step of several forwards runs has it cut (CUT) after the
+    forward running, rather than wait for all of them; neither request's tokens change."""
+    long = {"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    short = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    for _attempt in range(10):  # an arrival may fall between two steps, where nothing is cut
+        before = several_forwards.settled_metrics()
+        stream = RecordedStream(several_forwards.url, long["prompt"], long["max_tokens"], temperature=0)
+        second = completion(several_forwards, short)
+        stream.join(60)
+        after = several_forwards.settled_metrics()
+        if after["tp_runtime_steps_cut_total"] > before["tp_runtime_steps_cut_total"]:
+            break
+    else:
+        pytest.fail("no arrival in ten ever found a step of several forwards in flight")
+    assert second == completion(server_tp1, short)
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.lines if line.startswith("data: {"))
+    assert text == completion(server_tp1, long)["choices"][0]["text"]

@@ -12,6 +12,7 @@ the other rank as feedback does, so its text is still the clean one-forward-per-
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from scripts.harness.metrics import parse_metrics
-from tests.e2e.serving import SERVER_OPTIONS, Server
+from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server
 
 POISON = ("--debug-poison-kv-cache", "--debug-poison-freed-pages")
 # Prompts that share a prefix (snapshot reuse) and lengths that end mid-page (tail slots are read).
@@ -74,3 +75,29 @@ def test_skipped_clears_are_detected_and_no_text_is_sent(tiny_model: Path) -> No
         assert "finite" in streamed.text.lower()
     finally:
         server.stop()
+
+
+def test_a_cut_step_keeps_both_ranks_in_step_on_a_poisoned_cache(server_tp2: Server, poisoned: Server) -> None:
+    """An arrival cuts a step of several forwards: rank 0 decides after which forward and tells rank
+    1 with the tokens it broadcasts, so both run the same collectives; the pages the forwards
+    that did not run opened stay zeroed in the tables, and the text stays the clean server's."""
+    long_prompt, short_prompt = "1, 2, 3, 4, 5, 6, 7, 8,", "Hello"
+    for _attempt in range(10):  # an arrival may fall between two steps, where nothing is cut
+        before = poisoned.settled_metrics()
+        stream = RecordedStream(poisoned.url, long_prompt, 100, temperature=0)
+        short = greedy(poisoned, short_prompt)
+        stream.join(120)
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.lines if line.startswith("data: {"))
+        after = poisoned.settled_metrics()
+        if after["tp_runtime_steps_cut_total"] > before["tp_runtime_steps_cut_total"]:
+            break
+    else:
+        pytest.fail("no arrival in ten ever found a step of several forwards in flight")
+    assert short.status_code == 200, short.text
+    assert short.json()["choices"][0]["text"] == greedy(server_tp2, short_prompt).json()["choices"][0]["text"]
+    clean = httpx.post(
+        f"{server_tp2.url}/v1/completions",
+        json={"prompt": long_prompt, "max_tokens": 100, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
+    assert text == clean.json()["choices"][0]["text"]

@@ -3,7 +3,8 @@
 The rank answers every PREPARE (or CONTINUE, expanded after the PREPARE before) with READY and
 every GO with a RESULT that samples `token` for each sampled row in each of the step's forwards
 (logprob -1), `step_delay_s` per forward after the step starts (or after the step before it ends);
-it answers heartbeats, also while a step runs.
+a CUT ends the step at the end of the forward running. It answers heartbeats, also while a step
+runs.
 As the engine's WELCOME tells a group of one rank (ready_is_go), it runs each step right after its
 READY: no GO comes, and the READY for a step that arrives while another runs rides in that one's
 RESULT. It lets the tests drive the engine loop, its published stats and its bounds, in one process
@@ -12,6 +13,7 @@ and in milliseconds.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -28,6 +30,7 @@ from protocol.frames import (
     Abort,
     CacheGeometry,
     Continue,
+    Cut,
     Go,
     Heartbeat,
     Hello,
@@ -61,6 +64,7 @@ class FakeRank(threading.Thread):
         # arrives meanwhile rides in the running step's RESULT (Result.ready_next).
         self._running: deque[tuple[int, Prepare]] = deque()
         self._due: float | None = None  # when the oldest running step finishes
+        self._cut: tuple[int, int] | None = None  # (step, forwards it runs): the oldest running step was cut
         self._riding: int | None = None
         self.steps = 0
         self.vanish = threading.Event()  # set: the rank closes its socket at its next frame, as a killed process would
@@ -105,6 +109,8 @@ class FakeRank(threading.Thread):
                         self._start(frame.step)
                 elif isinstance(body, Go) and self._prepared is not None:
                     self._start(frame.step)
+                elif isinstance(body, Cut) and self._running and self._running[0][0] == frame.step:
+                    self._cut_oldest()
         finally:
             peer.close()
 
@@ -116,18 +122,28 @@ class FakeRank(threading.Thread):
     def _duration(self, prepared: Prepare) -> float:
         return self._delay * prepared.decode_steps
 
+    def _cut_oldest(self) -> None:
+        """The oldest running step ends with the forward running now."""
+        step, prepared = self._running[0]
+        started = self._due - self._duration(prepared)
+        ran = min(prepared.decode_steps, max(1, math.ceil((time.monotonic() - started) / self._delay))) if self._delay else 1
+        self._cut = (step, ran)
+        self._due = started + ran * self._delay
+
     def _finish(self, step: int, prepared: Prepare) -> None:
         rides = self._riding == step + 1
         if rides:
             self._riding = None
         self.steps += 1
-        self._peer.send(fake_result(prepared, self._token, ready_next=rides), step)
+        forwards = self._cut[1] if self._cut is not None and self._cut[0] == step else prepared.decode_steps
+        self._peer.send(fake_result(prepared, self._token, ready_next=rides, forwards=forwards), step)
 
 
-def fake_result(prepared: Prepare, token: int, ready_next: bool = False) -> Result:
-    """The RESULT of a step: `token` for each sampled row in each of its forwards, logprob -1."""
+def fake_result(prepared: Prepare, token: int, ready_next: bool = False, forwards: int | None = None) -> Result:
+    """The RESULT of a step: `token` for each sampled row in each of its forwards (all of them, or
+    `forwards` when it was cut), logprob -1."""
     rows = prepared.seq_ids[prepared.sample.astype(bool)]
-    n = len(rows) * prepared.decode_steps
+    n = len(rows) * (prepared.decode_steps if forwards is None else forwards)
     return Result(
         rows.astype(np.int64), np.full(n, token, np.int32), np.full(n, -1.0, np.float32), np.ones(n, np.uint8),
         ready_next=ready_next,

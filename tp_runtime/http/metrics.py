@@ -156,6 +156,12 @@ class EngineCollector(Collector):
             stats.forwards_total,
         )
         yield _counter(
+            f"{PREFIX}_steps_cut",
+            "Steps of several forwards ended after the forward running (CUT) because a request arrived, which would "
+            "otherwise have waited for all of them.",
+            stats.steps_cut_total,
+        )
+        yield _counter(
             f"{PREFIX}_model_idle_seconds",
             "Time rank 0's model sat idle between those steps, waiting for the control plane (results, planning, "
             "PREPARE, READY, GO): what planning ahead hides.",
