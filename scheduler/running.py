@@ -85,11 +85,12 @@ class RunningRows:
 
     def _steady_forwards(self, sel: slice | np.ndarray) -> int:
         """How many forwards the step may run on one frame: up to num_scheduler_steps while every
-        running row decodes, no request waits (an arrival would wait for the whole frame), no stop
+        running row decodes, no request waits (its admission is a step of one forward), no stop
         token is still banned, and the page each row's last forward may open can be had without
-        taking anything back. No forward writes past max_model_len, and none samples past the
-        longest row's last token; a row that ends sooner wastes the forwards after its end, and
-        their tokens are dropped."""
+        taking anything back. No forward writes past max_model_len (every row has two positions
+        left at least: it has a token to sample), and none samples past the longest row's last
+        token; a row that ends sooner wastes the forwards after its end, and their tokens are
+        dropped."""
         batch, cfg = self.batch, self.config
         if self.waiting or not isinstance(sel, slice) or batch.num_live != batch.n or not batch.n:
             return 1
@@ -104,9 +105,8 @@ class RunningRows:
             cfg.num_scheduler_steps, cfg.page_size, int((cfg.max_model_len - ncomp).min()),
             int((batch.limit[:n] - known).max()),
         )
-        if forwards > 1 and int(np.count_nonzero(ncomp + (forwards - 1) >= batch.npages[:n] * cfg.page_size)) > self.kv.available():
-            return 1
-        return max(forwards, 1)
+        opening = int(np.count_nonzero(ncomp + (forwards - 1) >= batch.npages[:n] * cfg.page_size))
+        return forwards if forwards == 1 or opening <= self.kv.available() else 1
 
     def candidates(self, deferred: np.ndarray = EMPTY_I32) -> slice | np.ndarray:
         """The rows this step may plan: live, with a token to compute (a row whose last sample is

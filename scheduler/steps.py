@@ -13,6 +13,7 @@ rows, a late token be dropped, and an aborted step be rolled back.
 from __future__ import annotations
 
 from collections import deque
+
 import numpy as np
 
 from protocol.frames import Prepare, Result
