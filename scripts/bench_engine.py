@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler.request import SamplingParams  # noqa: E402
 from tests.server.fake_rank import GEOMETRY, running_engine  # noqa: E402
+from tp_runtime.config import DEFAULT_SCHEDULER_STEPS  # noqa: E402
 from tp_runtime.engine import Engine  # noqa: E402
 
 
@@ -126,8 +127,9 @@ def add_fake_rank_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=200, help="output tokens per stream")
     p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per forward")
     p.add_argument(
-        "--num-scheduler-steps", type=int, default=1,
-        help="the server's: forwards a steady decode step runs on one frame (1 to the fake rank's page size)",
+        "--num-scheduler-steps", type=int, default=min(DEFAULT_SCHEDULER_STEPS, GEOMETRY.page_size),
+        help="the server's: forwards a steady decode step runs on one frame, 1 to the fake rank's page size "
+        "(default: the server's)",
     )
 
 

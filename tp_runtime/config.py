@@ -23,6 +23,13 @@ class ConfigError(TPRuntimeError, ValueError):
     """An option that cannot work; the CLI prints it as one sentence and exits with code 2."""
 
 
+# The default --num-scheduler-steps. Several forwards per frame divide the control plane's CPU per
+# token (docs/control_plane.md): 16 met the served concurrency-1 TPOT target on a 2-core CPU where 8
+# did not, and an arrival cuts a frame after the forward running (CUT), so its time to first token
+# does not grow with it. A stream's chunks carry up to this many tokens.
+DEFAULT_SCHEDULER_STEPS = 16
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     model: str
@@ -47,7 +54,8 @@ class RuntimeConfig:
     # Plan step N+1 while step N runs (vLLM's --async-scheduling); off runs every step in series.
     async_scheduling: bool = True
     # Forwards a steady decode step runs on one frame (vLLM's --num-scheduler-steps; scheduler.config).
-    num_scheduler_steps: int = 1
+    # 0: DEFAULT_SCHEDULER_STEPS, at most page_size (tp_runtime.resolve).
+    num_scheduler_steps: int = 0
     # The frontend's nice value; None: 10 on the CPU, 0 on CUDA (tp_runtime.bootstrap.frontend_nice).
     frontend_nice: int | None = None
     device: str = "auto"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tp_runtime.config import ConfigError, RuntimeConfig
+from tp_runtime.config import DEFAULT_SCHEDULER_STEPS, ConfigError, RuntimeConfig
 
 if TYPE_CHECKING:
     from executor.model.config import ModelConfig
@@ -47,8 +47,8 @@ def pick_dtype(config: RuntimeConfig) -> str:
     return probe_cpu().dtype
 
 def resolve(config: RuntimeConfig) -> RuntimeConfig:
-    """Fills in what derives from the model and the machine: the dtype, the context length and the
-    number of KV pages."""
+    """Fills in what derives from the model and the machine: the dtype, the context length, the
+    number of KV pages, and the forwards per steady decode step the page size allows."""
     from executor.model.sharding import ShardingError, ShardPlan
 
     config = replace(config, dtype=pick_dtype(config))
@@ -73,7 +73,8 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
     if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
         raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
     return replace(
-        config, max_model_len=max_len, num_kv_pages=int(pages), num_host_pages=int(config.swap_space // page_bytes)
+        config, max_model_len=max_len, num_kv_pages=int(pages), num_host_pages=int(config.swap_space // page_bytes),
+        num_scheduler_steps=config.num_scheduler_steps or min(DEFAULT_SCHEDULER_STEPS, config.page_size),
     )
 
 def _kv_pool_bytes(config: RuntimeConfig, model: ModelConfig) -> int:

@@ -23,3 +23,10 @@ def test_calls_are_counted_in_the_engine_thread_only_and_the_engine_is_restored_
     assert Engine._run is run
     assert level["steps"] >= 5 and level["engine_calls_per_step"] > 50  # a step is hundreds of calls
     assert counted >= level["engine_calls_per_step"] * level["steps"]  # the window is part of the thread's life
+
+
+def test_several_forwards_per_frame_are_fewer_steps_for_the_same_tokens():
+    level = measure(concurrency=1, tokens=17, step_ms=1.0, forwards=8)
+    assert level["tokens"] == 17
+    # The prompt's step samples one token; the other 16 come in two frames of 8.
+    assert level["steps"] == 3

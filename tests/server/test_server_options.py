@@ -73,7 +73,9 @@ def test_the_engine_bounds_requests_in_flight_by_default():
 
     tokenizer = Tokenizer.from_model_path(default_model_path())
     endpoint = SchedulerEndpoint(ipc_address(), new_key(), "options-test")
-    config = RuntimeConfig(model="/m/x.gguf", num_kv_pages=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    config = RuntimeConfig(
+        model="/m/x.gguf", num_kv_pages=64, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=16
+    )
     try:
         for bound, settings in ((8 * 4, config), (5, RuntimeConfig(**{**config.__dict__, "max_num_queued_reqs": 5}))):
             engine = frontend.build_engine(settings, endpoint, tokenizer)  # not started: every submit waits

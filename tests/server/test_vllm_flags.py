@@ -175,3 +175,22 @@ def test_a_vllm_batch_invariant_value_other_than_0_or_1_is_refused(monkeypatch):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
     with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT must be 1 or 0"):
         parse("vllm serve m")
+
+
+@pytest.mark.parametrize(
+    ("flags", "page_size", "expected"),
+    [("", 16, 16), ("", 8, 8), ("--num-scheduler-steps 4", 16, 4), ("--num-scheduler-steps 1", 16, 1)],
+)
+def test_num_scheduler_steps_defaults_to_16_within_the_page_size(flags: str, page_size: int, expected: int) -> None:
+    from executor.default_model import default_model_path
+    from tp_runtime.resolve import resolve
+
+    args = cli.build_parser().parse_args(["serve", default_model_path(), "--page-size", str(page_size), *flags.split()])
+    assert resolve(cli.config_from_args(args)).num_scheduler_steps == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "17", "33"])
+def test_num_scheduler_steps_past_the_page_size_is_refused_with_a_sentence(value: str) -> None:
+    args, config = parse(f"vllm serve m --num-scheduler-steps {value}")
+    with pytest.raises(ConfigError, match=r"--num-scheduler-steps must be 1 to 16 \(at most --page-size"):
+        checks.validate(config, args)

@@ -31,10 +31,10 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
     if config.page_size < 1 or config.page_size & (config.page_size - 1):
         raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
     most_steps = min(config.page_size, MAX_DECODE_STEPS)
-    if not 1 <= config.num_scheduler_steps <= most_steps:
+    if not 0 <= config.num_scheduler_steps <= most_steps:
         raise ConfigError(
-            f"--num-scheduler-steps must be 1 to {most_steps} (at most --page-size and {MAX_DECODE_STEPS}), "
-            f"got {config.num_scheduler_steps}"
+            f"--num-scheduler-steps must be 1 to {most_steps} (at most --page-size and {MAX_DECODE_STEPS}; 0: the "
+            f"default), got {config.num_scheduler_steps}"
         )
     if not os.path.exists(config.model):
         raise ConfigError(f"the model path {config.model} does not exist")

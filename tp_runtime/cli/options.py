@@ -90,10 +90,11 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
         help="plan and stage step N+1 while step N runs (default on; --no-async-scheduling runs steps in series)",
     )
     g.add_argument(
-        "--num-scheduler-steps", type=int, default=1, metavar="N",
+        "--num-scheduler-steps", type=int, default=0, metavar="N",
         help="vLLM's: forwards a steady decode step runs on one frame, up to the page size and 32; while every "
-        "request decodes and none waits, the control plane's work is paid once per N tokens, streams get up to N "
-        "tokens per chunk, and an arrival waits for the frame in flight (default 1)",
+        "request decodes and none waits, the control plane's work is paid once per N tokens and streams get up to "
+        "N tokens per chunk; an arrival cuts the frame after the forward running (default 16, at most the page "
+        "size; 1: a frame per forward)",
     )
     g.add_argument(
         "--frontend-nice", type=int, default=None, metavar="N",
