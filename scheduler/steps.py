@@ -182,12 +182,12 @@ class Steps:
             self.batch.ncomp[rows] -= prep.decode_steps - forwards
         # finite[j, i]: forward j's logits of sampled row i.
         finite = np.asarray(result.finite).astype(bool).reshape(forwards, -1)
-        if self.config.enable_prefix_cache:
-            self._register(prep, rows, sampled, finite.all(axis=0), forwards)
         self.kv.free_slots(plan.restore_slots)
         outputs: list[RequestOutput] = []
         tops = _alternatives(wanted, result, forwards) if alternatives else None
         done = self._take_tokens(plan, rows[sampled], result, finite, outputs, tops)
+        if self.config.enable_prefix_cache:  # with the tokens just taken: a frame's later forwards fill pages too
+            self._register(prep, rows, sampled, finite.all(axis=0), forwards)
         for req, error in done:
             if error is None:
                 self.end(req, None, None, None)  # its last output is out already
@@ -203,7 +203,7 @@ class Steps:
         ps = self.config.page_size
         # A row held for a finished request may have written a token it never learned (the sample
         # of a step whose RESULT it no longer took), as may a row that stopped before the last of a
-        # step's forwards: only pages of tokens it knows are keyed.
+        # step's forwards: only pages of tokens it knows (ntok, with this step's taken) are keyed.
         after = np.minimum(prep.context_lens + (forwards - 1), self.batch.ntok[rows])
         crossed = after // ps > (prep.context_lens - prep.query_lens) // ps
         if not finite.all():

@@ -136,3 +136,33 @@ def test_a_non_finite_forward_fails_its_request_after_the_tokens_before_it() -> 
 def test_the_count_is_one_to_the_page_size(steps: int) -> None:
     with pytest.raises(SchedulerConfigError, match="num_scheduler_steps"):
         config(steps)
+
+
+def test_a_frames_full_pages_are_offered_to_the_prefix_cache_as_one_forward_per_step_offers_them() -> None:
+    """The pages a frame's later forwards fill are keyed once its tokens are taken (they were not:
+    the request's known tokens were read before them)."""
+    cached = []
+    for steps in (1, 4):
+        d = Driver(Scheduler(config(steps, inflight=1)), vocab=30, seeded_model=True)
+        d.add(0, [7, 8, 9, 10, 11], SamplingParams(max_tokens=30, seed=1, ignore_eos=True))
+        d.run_to_end()
+        d.check_outputs()
+        cached.append(d.s.cache.cached_count)
+    assert cached[1] == cached[0] == (5 + 30 - 1) // 4
+
+
+def test_a_step_aborted_after_a_cut_gives_its_reservation_back_marked() -> None:
+    """The page a cut step committed past its context goes back into the reservation when the step
+    after it is aborted: marked, as every reserved page is (the shadow's pool check)."""
+    d = Driver(Scheduler(config(4, inflight=1, num_kv_pages=16)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8], SamplingParams(max_tokens=20, seed=1))
+    d.step()  # the prompt
+    assert d.plan().prepare.decode_steps == 4  # its last forward opens page 1
+    d.cut(1)
+    d.complete()
+    d.plan()
+    d.abort(failed=())  # Driver.check raises if a reserved page is unmarked
+    reserved = list(d.s.request_state(0).reserved_pages)
+    assert reserved and d.s.pool.marked[reserved].all()
+    d.run_to_end()
+    d.check_outputs()
