@@ -137,10 +137,13 @@ class KVManager:
 
     def uncommit(self, r: int, start: int) -> None:
         """Row r goes back to `start` computed tokens (its step never ran): the pages past them go
-        back to its reservation, where their marks (restored by the caller) wait for a recommit."""
+        back to its reservation, marked, to be listed when they are committed again. The aborted
+        step's own may not have been zeroed on every rank; a page a cut step committed past its
+        context was, and is listed again for nothing rather than kept unmarked in a reservation."""
         b = self.batch
         keep = -(-start // self.page_size)
         back = int(b.npages[r]) - keep
+        self.pool.remark(b.pages[r, keep : keep + back])
         b.ncomp[r] = start
         b.npages[r] = keep
         b.nres[r] += back
@@ -149,8 +152,9 @@ class KVManager:
     # ----------------------------------------------------------------------------- host slots
 
     def offload(self, r: int) -> tuple[np.ndarray, tuple[int, ...]] | None:
-        """Host slots for row r's committed pages, if enough are free: (pages, slots) to copy."""
-        npages = int(self.batch.npages[r])
+        """Host slots for the pages of row r's computed tokens, if enough are free: (pages, slots) to
+        copy. A page a cut step committed past them (zeroed, unwritten) is not copied."""
+        npages = -(-int(self.batch.ncomp[r]) // self.page_size)
         if not 0 < npages <= len(self.host_free):
             return None
         slots = tuple(self.host_free[: -npages - 1 : -1])  # popped from the end, one by one
