@@ -133,12 +133,15 @@ class FakeStream:
                 return
 
     def _reply_events(self, reply: list[int]) -> Iterator[TokenEvent]:
-        """The engine's scripted reply, then "stop" (or "length" where max_tokens cuts it)."""
+        """The engine's scripted reply, then "stop" (or "length" where max_tokens cuts it), in
+        events of tokens_per_event tokens."""
         tokens = reply[: self._params.max_tokens]
-        for i, token in enumerate(tokens):
-            last = i == len(tokens) - 1
+        size = self._engine.tokens_per_event
+        for start in range(0, len(tokens), size):
+            chunk = tokens[start : start + size]
+            last = start + size >= len(tokens)
             reason = ("stop" if len(tokens) == len(reply) else "length") if last else None
-            yield TokenEvent((token,), (logprob_of(i),), last, reason, None)
+            yield TokenEvent(tuple(chunk), tuple(logprob_of(start + i) for i in range(len(chunk))), last, reason, None)
 
     def _ended_by_client(self) -> bool:
         return self.request_id in self._engine.cancelled or self.request_id in self._engine.finished
@@ -176,6 +179,7 @@ class FakeEngine:
     max_in_flight: int | None = None  # submit raises EngineOverloaded with this many streams active
     health_state: Health = Health(True, "ok")
     reply: list[int] | None = None  # every request answers these tokens instead of echoing its prompt
+    tokens_per_event: int = 1  # the reply's tokens come this many per event, as a step of several forwards gives them
     retry_after: float | None = None  # what retry_after_s() says: set while a group "restarts"
     submitted: list[tuple[list[int], SamplingParams]] = field(default_factory=list)
     leaders: list[int | None] = field(default_factory=list)  # each submit's prompt_leader

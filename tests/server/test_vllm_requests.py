@@ -236,3 +236,30 @@ def test_max_logprobs_caps_the_alternatives(tokenizer):
         refused = http.post("/v1/chat/completions", json={**body, "top_logprobs": 3})
         assert refused.status_code == 400 and "--max-logprobs" in refused.json()["error"]["message"]
         assert refused.json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_an_event_of_several_tokens_ends_the_tokens_where_one_per_event_does(served, tokenizer, stream):
+    """A step of several forwards hands a request several tokens in one event; a stop string that
+    ends inside them leaves the tokens after it out of usage and logprobs, as one token per event
+    (one forward per step) never sampled them."""
+    engine, http, _ = served
+    say(engine, tokenizer, "alpha beta gamma delta epsilon zeta eta theta iota kappa")
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 30, "stop": [" gam"], "logprobs": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    answers = []
+    for per_event in (1, 4):
+        engine.tokens_per_event = per_event
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+            tokens = [t for c in chunks for choice in c["choices"] for t in (choice.get("logprobs") or {}).get("tokens", [])]
+            text = "".join(choice["text"] for c in chunks for choice in c["choices"])
+            answers.append((text, tokens, chunks[-1]["usage"]["completion_tokens"]))
+        else:
+            choice = response.json()["choices"][0]
+            answers.append((choice["text"], choice["logprobs"]["tokens"], response.json()["usage"]["completion_tokens"]))
+    assert answers[1] == answers[0]
+    assert answers[0][0] == "alpha beta" and answers[0][2] < 10

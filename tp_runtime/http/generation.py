@@ -35,6 +35,7 @@ class StopStringMatcher:
         self._stops = stops
         self._text = ""
         self._sent = 0
+        self.stop_end = 0  # once a stop string ended the output: where it ends in the text fed
 
     def feed(self, delta: str, match: bool = True) -> tuple[str, bool]:
         """(text that is safe to send, whether a stop string ended the output). match=False: the
@@ -47,6 +48,7 @@ class StopStringMatcher:
         hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
         if hits:
             end = min(hits)
+            self.stop_end = min(end + len(s) for s in self._stops if self._text.startswith(s, end))
             out, self._sent = self._text[self._sent : end], end
             return out, True
         safe = len(self._text) - self._open_prefix_length()
@@ -159,6 +161,7 @@ class Generation:
                     text += self._detokenizer.flush()
                 out, stopped = self._stops.feed(text, len(self.token_ids) >= self._min_tokens)
                 if stopped:
+                    self._drop_tokens_after(self._stops.stop_end)
                     ended = True
                     self._engine.finish(self.request_id)
                     self._end("stop")
@@ -201,6 +204,19 @@ class Generation:
             parts.append(delta)
         self.token_ids.extend(token_ids)
         return "".join(parts)
+
+    def _drop_tokens_after(self, end: int) -> None:
+        """The output ended at text offset `end` (a stop string's end): an event of several tokens
+        (a step of several forwards) may hold some whose text starts after it. They are not the
+        output's, as one token per event would never have sampled them: usage and logprobs leave
+        them out."""
+        keep = len(self._pending)
+        while keep and self._pending[keep - 1].text_offset >= end:
+            keep -= 1
+        dropped = len(self._pending) - keep
+        if dropped:
+            del self._pending[keep:]
+            del self.token_ids[-dropped:]
 
     def abandon(self) -> None:
         """A request submitted but never read (a sibling of n could not be submitted): end it now."""
