@@ -175,24 +175,15 @@ class StepRunner:
         """The RESULT of the step's forwards, forward by forward (protocol.frames.Result)."""
         wanted = inputs.host_rows.num_logprobs
         tops = [_alternatives(host, wanted) for host in samples]
-        if len(samples) == 1:
-            host, (top_ids, top_logprobs) = samples[0], tops[0]
-            tokens, logprobs, finite = host.tokens, host.logprobs, host.finite
-        else:
-            tokens = np.concatenate([host.tokens for host in samples])
-            logprobs = np.concatenate([host.logprobs for host in samples])
-            finite = np.concatenate([host.finite for host in samples])
-            top_ids = np.concatenate([ids for ids, _ in tops])
-            top_logprobs = np.concatenate([lps for _, lps in tops])
         return Result(
             seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
-            token_ids=tokens,
-            logprobs=logprobs,
-            finite=finite,
+            token_ids=np.concatenate([host.tokens for host in samples]),
+            logprobs=np.concatenate([host.logprobs for host in samples]),
+            finite=np.concatenate([host.finite for host in samples]),
             step_time_us=int((time.perf_counter() - started) * 1e6),
             gap_us=gap_us,
-            top_token_ids=top_ids,
-            top_logprobs=top_logprobs,
+            top_token_ids=np.concatenate([ids for ids, _ in tops]),
+            top_logprobs=np.concatenate([lps for _, lps in tops]),
         )
 
 

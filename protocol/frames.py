@@ -37,6 +37,11 @@ PROTOCOL_VERSION = 9
 # The most forwards one frame may ask for. A CONTINUE grows each table by one page at most, so a
 # frame's forwards may not span more than one page boundary: decode_steps <= page_size as well.
 MAX_DECODE_STEPS = 32
+
+
+def max_decode_steps(page_size: int) -> int:
+    """The most forwards a step may ask for with pages of `page_size` slots."""
+    return min(page_size, MAX_DECODE_STEPS)
 # Cache layout version: what a page id means in the executors' cache planes (DESIGN.md: one page is
 # one contiguous range across every layer's K and V plane, plus one reserved all-zero pad page).
 LAYOUT_VERSION = 1
@@ -200,7 +205,10 @@ class Prepare:
 
     @property
     def final_context_lens(self) -> np.ndarray:
-        """Each sequence's context after the step's last forward (int64)."""
+        """Each sequence's context after the step's last forward: context_lens itself for one
+        forward, else summed in int64 (where no wire value can wrap it)."""
+        if self.decode_steps == 1:
+            return self.context_lens
         return self.context_lens.astype(np.int64) + (self.decode_steps - 1)
 
     @classmethod
@@ -343,6 +351,13 @@ class Result:
     # READY for step + 1, from a lone rank (WELCOME's ready_is_go) that received that step while
     # this one ran: it rides here instead of costing a frame each way per step.
     ready_next: bool = False
+
+    @property
+    def forwards(self) -> int:
+        """The forwards whose samples it carries: the step's decode_steps, or fewer where it was cut
+        (1 for a step that sampled no row)."""
+        rows = self.seq_ids.shape[0]
+        return self.token_ids.shape[0] // rows if rows else 1
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.frames import MAX_DECODE_STEPS
+from protocol.frames import MAX_DECODE_STEPS, max_decode_steps
 from scheduler.errors import SchedulerConfigError
 
 
@@ -40,9 +40,9 @@ class SchedulerConfig:
             )
         if self.num_host_pages < 0 or self.decode_lookahead < 0:
             raise SchedulerConfigError("num_host_pages and decode_lookahead must be >= 0")
-        if not 1 <= self.num_scheduler_steps <= min(self.page_size, MAX_DECODE_STEPS):
+        if not 1 <= self.num_scheduler_steps <= max_decode_steps(self.page_size):
             raise SchedulerConfigError(
-                f"num_scheduler_steps must be 1 to {min(self.page_size, MAX_DECODE_STEPS)} (at most page_size "
+                f"num_scheduler_steps must be 1 to {max_decode_steps(self.page_size)} (at most page_size "
                 f"{self.page_size} and {MAX_DECODE_STEPS}), got {self.num_scheduler_steps}"
             )
         if self.max_inflight_steps not in (1, 2):

@@ -284,12 +284,8 @@ def assemble(
             poison_pages=poison,
             decode_steps=forwards,
         )
-    if forwards == 1:
-        batch.ncomp[rows] = prepare.context_lens
-        batch.pending[rows] += prepare.sample
-    else:
-        batch.ncomp[rows] = prepare.final_context_lens
-        batch.pending[rows] += forwards
+    batch.ncomp[rows] = prepare.final_context_lens
+    batch.pending[rows] += prepare.sample if forwards == 1 else forwards  # several: every row is sampled
     return StepPlan(
         step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded), brief
     )

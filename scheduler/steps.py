@@ -164,12 +164,10 @@ class Steps:
         self.inflight.popleft()
         prep = plan.prepare
         sampled = prep.sample.nonzero()[0]
-        m = sampled.shape[0]
-        # The forwards that ran: all that were planned, or fewer when the step was cut.
-        forwards = len(result.token_ids) // m if m else 1
+        forwards = result.forwards  # all that were planned, or fewer when the step was cut
         lengths = {len(result.token_ids), len(result.logprobs), len(result.finite)}
         if (
-            lengths != {forwards * m} or not 1 <= forwards <= prep.decode_steps
+            lengths != {forwards * sampled.shape[0]} or not 1 <= forwards <= prep.decode_steps
             or not np.array_equal(np.asarray(result.seq_ids), prep.seq_ids[sampled])
         ):
             return self._fail_step(plan, "its RESULT rows do not match the sequences it sampled")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from protocol.frames import max_decode_steps  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from tests.server.fake_rank import GEOMETRY, running_engine  # noqa: E402
 from tp_runtime.config import DEFAULT_SCHEDULER_STEPS  # noqa: E402
@@ -127,7 +128,7 @@ def add_fake_rank_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=200, help="output tokens per stream")
     p.add_argument("--step-ms", type=float, default=15.0, help="the fake rank's time per forward")
     p.add_argument(
-        "--num-scheduler-steps", type=int, default=min(DEFAULT_SCHEDULER_STEPS, GEOMETRY.page_size),
+        "--num-scheduler-steps", type=int, default=min(DEFAULT_SCHEDULER_STEPS, max_decode_steps(GEOMETRY.page_size)),
         help="the server's: forwards a steady decode step runs on one frame, 1 to the fake rank's page size "
         "(default: the server's)",
     )
@@ -136,8 +137,9 @@ def add_fake_rank_options(p: argparse.ArgumentParser) -> None:
 def check_fake_rank_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.concurrency) < 1 or max(args.concurrency) > GEOMETRY.max_num_seqs:
         p.error(f"--concurrency must be 1 to {GEOMETRY.max_num_seqs}, the fake rank's sequences per step")
-    if not 1 <= args.num_scheduler_steps <= GEOMETRY.page_size:
-        p.error(f"--num-scheduler-steps must be 1 to {GEOMETRY.page_size}, the fake rank's page size")
+    most = max_decode_steps(GEOMETRY.page_size)
+    if not 1 <= args.num_scheduler_steps <= most:
+        p.error(f"--num-scheduler-steps must be 1 to {most}, as the fake rank's page size allows")
     if not 2 <= args.tokens <= 200:
         p.error("--tokens must be 2 to 200 (the fake rank's max_model_len is 256)")
 

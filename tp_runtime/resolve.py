@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from protocol.frames import max_decode_steps
 from tp_runtime.config import DEFAULT_SCHEDULER_STEPS, ConfigError, RuntimeConfig
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def resolve(config: RuntimeConfig) -> RuntimeConfig:
         raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be at least 1")
     return replace(
         config, max_model_len=max_len, num_kv_pages=int(pages), num_host_pages=int(config.swap_space // page_bytes),
-        num_scheduler_steps=config.num_scheduler_steps or min(DEFAULT_SCHEDULER_STEPS, config.page_size),
+        num_scheduler_steps=config.num_scheduler_steps or min(DEFAULT_SCHEDULER_STEPS, max_decode_steps(config.page_size)),
     )
 
 def _kv_pool_bytes(config: RuntimeConfig, model: ModelConfig) -> int:

@@ -349,8 +349,7 @@ class StepLoop:
         entry = self._inflight.pop(event.step)
         now = self._finished_at = time.monotonic()
         result = event.result
-        rows = result.seq_ids.shape[0]
-        forwards = result.token_ids.shape[0] // rows if rows else 1  # fewer than planned when cut
+        forwards = result.forwards  # fewer than planned when cut
         if entry.started_at is not None:
             ran = entry.tokens * forwards // entry.plan.prepare.decode_steps
             self._deadlines.observe(ran, now - entry.started_at, entry.decode)

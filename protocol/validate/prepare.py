@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.errors import ProtocolError, RejectCode
-from protocol.frames import MAX_DECODE_STEPS, PREPARE_FIELDS, CacheGeometry, Extent, Prepare
+from protocol.frames import PREPARE_FIELDS, CacheGeometry, Extent, Prepare, max_decode_steps
 from protocol.grammar import GRAMMAR_MAX_BYTES
 from protocol.sampling_limits import LOGIT_BIAS_MAX_ENTRIES
 from protocol.validate.array_checks import check_length, check_range, first_bad
@@ -152,7 +152,7 @@ def _check_decode_steps(p: Prepare, g: CacheGeometry) -> None:
     sampled, nothing banned: what its forwards after the first feed themselves), within one page
     boundary per table (so a CONTINUE after it still grows each table by one page at most)."""
     steps = p.decode_steps
-    most = min(g.page_size, MAX_DECODE_STEPS)
+    most = max_decode_steps(g.page_size)
     if not 1 <= steps <= most:
         raise ProtocolError(RejectCode.BAD_DECODE_STEPS, f"decode_steps = {steps} is outside [1, {most}]")
     if steps == 1:
@@ -168,7 +168,7 @@ def _check_decode_steps(p: Prepare, g: CacheGeometry) -> None:
 
 def _check_sequences(p: Prepare, g: CacheGeometry) -> None:
     query_lens, context_lens = p.query_lens, p.context_lens
-    final = p.final_context_lens if p.decode_steps > 1 else context_lens
+    final = p.final_context_lens
     if (context_lens < query_lens).any() or final.max() > g.max_model_len:
         i = first_bad((context_lens < query_lens) | (final > g.max_model_len))
         raise ProtocolError(

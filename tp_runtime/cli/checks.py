@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 
-from protocol.frames import MAX_DECODE_STEPS
+from protocol.frames import MAX_DECODE_STEPS, max_decode_steps
 from protocol.sampling_limits import TOP_LOGPROBS_MAX
 from tp_runtime.config import ConfigError, RuntimeConfig
 
@@ -30,7 +30,7 @@ def validate(config: RuntimeConfig, args: argparse.Namespace) -> RuntimeConfig:
         raise ConfigError("--tensor-parallel-size must be at least 1")
     if config.page_size < 1 or config.page_size & (config.page_size - 1):
         raise ConfigError(f"--page-size must be a power of two, got {config.page_size}")
-    most_steps = min(config.page_size, MAX_DECODE_STEPS)
+    most_steps = max_decode_steps(config.page_size)
     if not 0 <= config.num_scheduler_steps <= most_steps:
         raise ConfigError(
             f"--num-scheduler-steps must be 1 to {most_steps} (at most --page-size and {MAX_DECODE_STEPS}; 0: the "
