@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from protocol.frames import Result
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, SchedulerConfigError
 from tests.scheduler.sched_sim import Driver
 
@@ -166,3 +167,16 @@ def test_a_step_aborted_after_a_cut_gives_its_reservation_back_marked() -> None:
     assert reserved and d.s.pool.marked[reserved].all()
     d.run_to_end()
     d.check_outputs()
+
+
+def test_a_result_with_more_forwards_than_its_step_asked_for_fails_the_step_with_a_clear_error() -> None:
+    d = Driver(Scheduler(config(4, inflight=1)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=20, seed=1))
+    plan = d.s.plan_step()  # the prompt: one forward
+    assert plan.prepare.decode_steps == 1
+    two = Result(plan.prepare.seq_ids, np.array([5, 6], dtype=np.int32), np.zeros(2, np.float32), np.ones(2, np.uint8))
+    assert two.forwards == 2
+    outs = d.s.on_result(plan, two)
+    assert [(o.finish_reason, o.error) for o in outs] == [
+        ("error", f"step {plan.step} was aborted: its RESULT rows do not match the sequences it sampled")
+    ]
