@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from tp_runtime.step_loop import EngineTimeouts, StepDeadlines
 
 TIMEOUTS = EngineTimeouts(first_step_s=120.0, step_floor_s=5.0, step_margin=10.0)
@@ -30,3 +32,18 @@ def test_a_measured_deadline_scales_with_the_tokens_and_the_longest_step_and_kee
     quick = StepDeadlines(TIMEOUTS)
     quick.observe(1, 0.001, decode=True)
     assert quick.allowed(1, decode=True) == 5.0
+
+
+def test_the_deadline_equals_the_longest_scaled_step_of_the_recent_history() -> None:
+    """allowed() keeps two maxima instead of walking the history: it must give what the walk gives,
+    old steps falling out of the history included."""
+    rng = random.Random(7)
+    deadlines = StepDeadlines(EngineTimeouts(first_step_s=120.0, step_floor_s=0.0, step_margin=1.0), history=8)
+    recent: list[tuple[int, float]] = []
+    for _ in range(200):
+        tokens, seconds = rng.randint(1, 512), rng.uniform(0.001, 2.0)
+        deadlines.observe(tokens, seconds, decode=True)
+        recent = (recent + [(tokens, seconds)])[-8:]
+        asked = rng.randint(1, 2048)
+        walked = max(s * max(1.0, asked / m) for m, s in recent)
+        assert abs(deadlines.allowed(asked, decode=True) - walked) <= 1e-9 * walked
