@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_engine import CallCounter, add_fake_rank_options, check_fake_rank_options  # noqa: E402
 from tests.server.fake_rank import running_engine  # noqa: E402
 from tp_runtime.http import ServerSettings, create_app  # noqa: E402
-from tp_runtime.http.server import uvicorn_config  # noqa: E402
+from tp_runtime.http.server import http_server  # noqa: E402
 from executor.default_model import default_model_path  # noqa: E402
 from tp_runtime.tokenizer import Tokenizer  # noqa: E402
 
@@ -78,11 +78,9 @@ def measure(
     with running_engine(
         token=word, step_delay_s=step_ms / 1000, max_inflight_steps=2, num_scheduler_steps=forwards
     ) as engine:
-        import uvicorn
-
         app = create_app(engine, tokenizer, ServerSettings(("fake",)))
         port = _free_port()
-        server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", 5, 10.0))
+        server = http_server(app, "127.0.0.1", port, "warning", 5, 10.0)
 
         def serve() -> None:
             if count_calls:
@@ -117,7 +115,7 @@ def measure(
             wall = time.perf_counter() - wall0
             calls = counter.calls - calls0
         finally:
-            server.should_exit = True
+            server.stop()
             thread.join(timeout=10)
     total = sum(counts)
     if count_calls:

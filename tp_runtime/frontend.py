@@ -215,11 +215,9 @@ def _exit_within(seconds: float) -> None:
 
 
 def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals: SignalWatch, parent_gone: str) -> int:
-    import uvicorn
-
     from tp_runtime.cli import API_KEY_ENV
     from tp_runtime.http import ServerSettings, create_app
-    from tp_runtime.http.server import uvicorn_config
+    from tp_runtime.http.server import http_server
 
     settings = ServerSettings(
         served_model_names(config),
@@ -233,11 +231,9 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
         max_logprobs=config.max_logprobs,
     )
     app = create_app(engine, tokenizer, settings)
-    server = uvicorn.Server(
-        uvicorn_config(
-            app, config.host, config.port, config.uvicorn_log_level or config.log_level, config.timeout_keep_alive,
-            config.request_header_timeout,
-        )
+    server = http_server(
+        app, config.host, config.port, config.uvicorn_log_level or config.log_level, config.timeout_keep_alive,
+        config.request_header_timeout,
     )
     # uvicorn in a non-main thread installs no signal handlers: this process's SignalWatch owns
     # SIGTERM (drain) and PARENT_DIED (fail fast).
@@ -264,7 +260,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
         sys.stderr.write(f"tp-runtime: error: the runtime failed: {engine.health().reason}\n")
         if not stop.is_set():  # a failure of the group: /health answers 503 a moment before the exit
             stop.wait(FAILED_LINGER_S)
-    server.should_exit = True
+    server.stop()
     thread.join(timeout=5)
     return 1 if engine.failed else 0
 

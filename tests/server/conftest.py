@@ -38,16 +38,13 @@ def live_server(tokenizer: Tokenizer) -> Iterator[LiveServer]:
     """The app under a real uvicorn on a free loopback port, configured as the frontend runs it
     (tp_runtime/http/server.py: httptools with the head deadline, uvloop), in a thread that is
     stopped after."""
-    import uvicorn
-
     from tp_runtime.http import ServerSettings, create_app
-    from tp_runtime.http.server import uvicorn_config
+    from tp_runtime.http.server import http_server
 
     engine = FakeEngine(token_delay_s=0.01)
     port = free_port()
     app = create_app(engine, tokenizer, ServerSettings((MODEL_NAME,), bind_host="127.0.0.1"))
-    config = uvicorn_config(app, "127.0.0.1", port, "warning", timeout_keep_alive=5, request_header_timeout=10.0)
-    server = uvicorn.Server(config)
+    server = http_server(app, "127.0.0.1", port, "warning", timeout_keep_alive=5, request_header_timeout=10.0)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     try:
@@ -58,5 +55,5 @@ def live_server(tokenizer: Tokenizer) -> Iterator[LiveServer]:
             time.sleep(0.02)
         yield LiveServer(f"http://127.0.0.1:{port}", engine)
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(timeout=10)

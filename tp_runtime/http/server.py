@@ -1,29 +1,65 @@
 """The uvicorn server the frontend runs its app under: one definition, which the server and
-scripts/bench_http.py share, so that the benchmark measures the protocol and loop that serve."""
+scripts/bench_http.py share, so that the benchmark measures the protocol and loop that serve.
+Imported only where a server is started (uvicorn, uvloop and httptools load with it)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import TYPE_CHECKING
+
+import uvicorn
 
 from tp_runtime.http.header_deadline import protocol_with_header_timeout
 
 if TYPE_CHECKING:
-    import uvicorn
     from fastapi import FastAPI
 
+TICK_S = 1.0  # the date header's resolution: uvicorn refreshes it every tenth tick of 0.1 s
 
-def uvicorn_config(
+
+class HttpServer(uvicorn.Server):
+    """uvicorn's server, whose housekeeping loop wakes once a second instead of ten times, and at
+    once when stop() is called from another thread.
+
+    uvicorn's loop sleeps 0.1 s between ticks that refresh the date header (every tenth) and look
+    at should_exit. An idle frontend spent ~2 ms of CPU a second on its HTTP thread, ~0.03 ms of
+    each token at concurrency 1 (docs/control_plane.md); a stop no longer waits for a tick."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter += 10  # on_tick refreshes the date header when counter % 10 == 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_event.wait(), TICK_S)
+
+    def stop(self) -> None:
+        """End serving (uvicorn's graceful shutdown follows); any thread may call it."""
+        self.should_exit = True
+        loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: it ended already
+                loop.call_soon_threadsafe(event.set)
+
+
+def http_server(
     app: FastAPI, host: str, port: int, log_level: str, timeout_keep_alive: int, request_header_timeout: float
-) -> uvicorn.Config:
-    import uvicorn
-
-    return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="off",
-        timeout_keep_alive=timeout_keep_alive,
-        http=protocol_with_header_timeout(request_header_timeout),
-        # uvloop, not asyncio's own loop: the engine thread hands each step's tokens over with
-        # call_soon_threadsafe, and every streamed token is a transport write; both run in C
-        # there (served at concurrency 1, this process's CPU per token 1.60 against 1.70 ms,
-        # the HTTP thread's ~370 against ~500 us: docs/control_plane.md).
-        loop="uvloop",
+) -> HttpServer:
+    return HttpServer(
+        uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, lifespan="off",
+            timeout_keep_alive=timeout_keep_alive,
+            http=protocol_with_header_timeout(request_header_timeout),
+            # uvloop, not asyncio's own loop: the engine thread hands each step's tokens over with
+            # call_soon_threadsafe, and every streamed token is a transport write; both run in C
+            # there (served at concurrency 1, this process's CPU per token 1.60 against 1.70 ms,
+            # the HTTP thread's ~370 against ~500 us: docs/control_plane.md).
+            loop="uvloop",
+        )
     )
