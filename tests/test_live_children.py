@@ -1,0 +1,54 @@
+"""The launcher's view of its children (tp_runtime.launcher.live_children), which the stragglers'
+watch and the stop path act on: every child, whichever thread started it, and no other process."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tp_runtime import launcher
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for child in started:
+        child.kill()
+        child.wait()
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "60"])
+
+
+def test_every_child_is_found_from_the_threads_lists_and_the_scan_alike(
+    children: list[subprocess.Popen], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    children.append(_sleeper())
+    # A child of a thread that has ended: the kernel hands it to a thread still running.
+    thread = threading.Thread(target=lambda: children.append(_sleeper()))
+    thread.start()
+    thread.join()
+    expected = {child.pid for child in children}
+    assert set(launcher.live_children()) == expected
+    assert all(state in "RSD" for state in launcher.live_children().values())
+    # Where the kernel keeps no children lists, the scan of /proc finds the same.
+    monkeypatch.setattr(launcher, "_children_listed", lambda _me: False)
+    assert set(launcher.live_children()) == expected
+
+
+def test_an_exited_child_not_yet_reaped_is_not_live(children: list[subprocess.Popen]) -> None:
+    child = subprocess.Popen(["true"])
+    children.append(_sleeper())
+    # A zombie until waited for: poll its state until it has exited, without reaping it.
+    deadline = time.monotonic() + 30
+    while launcher.process_state(child.pid) != "Z":
+        assert time.monotonic() < deadline, "the child did not exit within 30 s"
+        time.sleep(0.01)
+    assert set(launcher.live_children()) == {children[0].pid}
+    child.wait()
