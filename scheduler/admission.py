@@ -118,6 +118,20 @@ class Admitter:
             budget -= chunk
         self._apply(rnd, b)
 
+    def admissible(self) -> bool:
+        """Whether admit() may take a waiting request now. False only where it surely takes none:
+        no seat is free, the first request waits for the pages a step in flight holds (preempted),
+        or every request waits for its prompt leader, as admit() walks them. Pages are not asked
+        (a prefix hit can make them enough): a request short of them counts as admissible."""
+        if not self.waiting or self.batch.n >= self.config.max_num_seqs:
+            return False
+        for req in self.waiting:
+            if req.row >= 0:
+                return False
+            if req.leader is None or not self._follows(req):
+                return True
+        return False
+
     def _follows(self, req: Request) -> bool:
         """Whether req still waits for its leader: until the pages of the prompt it can share are
         snapshots, or the leader has ended."""

@@ -50,12 +50,13 @@ class RunningRows:
         self.waiting = waiting
         self.counters = counters
 
-    def plan(self, b: StepBuilder) -> RowsPlan | None:
+    def plan(self, b: StepBuilder, admission: bool) -> RowsPlan | None:
         """Commit the pages the running rows' next tokens open and size the prefill chunks (into b);
-        None when no row can run before the step in flight ends."""
+        None when no row can run before the step in flight ends. `admission`: a waiting request
+        may be admitted by this step."""
         batch, kv, ps = self.batch, self.kv, self.config.page_size
         sel = self.candidates()
-        forwards = self._steady_forwards(sel) if self.config.num_scheduler_steps > 1 else 1
+        forwards = self._steady_forwards(sel, admission) if self.config.num_scheduler_steps > 1 else 1
         # Rows whose next position (the last of the step's forwards) starts a page commit one: from
         # the reservation, else fresh.
         opens = batch.ncomp[sel] + (forwards - 1) >= batch.npages[sel] * ps
@@ -83,16 +84,17 @@ class RunningRows:
             budget = self._plan_prefills(_pick(sel, ~dec_mask), budget, b)
         return RowsPlan(every, forwards if every else 1, dec_rows, need, budget, bool(deferred.shape[0]))
 
-    def _steady_forwards(self, sel: slice | np.ndarray) -> int:
+    def _steady_forwards(self, sel: slice | np.ndarray, admission: bool) -> int:
         """How many forwards the step may run on one frame: up to num_scheduler_steps while every
-        running row decodes, no request waits (its admission is a step of one forward), no stop
-        token is still banned, and the page each row's last forward may open can be had without
-        taking anything back. No forward writes past max_model_len (every row has two positions
-        left at least: it has a token to sample), and none samples past the longest row's last
-        token; a row that ends sooner wastes the forwards after its end, and their tokens are
-        dropped."""
+        running row decodes, no request can be admitted (its admission is a step of one forward),
+        no stop token is still banned, and the page each row's last forward may open can be had
+        without taking anything back. No forward writes past max_model_len (every row has two
+        positions left at least: it has a token to sample), and none samples past the longest
+        row's last token; a row that ends sooner wastes the forwards after its end, and their
+        tokens are dropped. While requests wait that cannot be admitted (no seat), none samples
+        past the shortest row's last token either: its end frees the seat they wait for."""
         batch, cfg = self.batch, self.config
-        if self.waiting or not isinstance(sel, slice) or batch.num_live != batch.n or not batch.n:
+        if admission or not isinstance(sel, slice) or batch.num_live != batch.n or not batch.n:
             return 1
         n = batch.n
         ncomp = batch.ncomp[:n]
@@ -101,9 +103,10 @@ class RunningRows:
             return 1
         if batch.num_processed and (known < batch.min_len[:n]).any():
             return 1
+        left = batch.limit[:n] - known
         forwards = min(
             cfg.num_scheduler_steps, cfg.page_size, int((cfg.max_model_len - ncomp).min()),
-            int((batch.limit[:n] - known).max()),
+            int(left.min() if self.waiting else left.max()),
         )
         opening = int(np.count_nonzero(ncomp + (forwards - 1) >= batch.npages[:n] * cfg.page_size))
         return forwards if forwards == 1 or opening <= self.kv.available() else 1

@@ -153,10 +153,11 @@ class Scheduler:
             return None
         self._steps.check_can_plan()
         b = StepBuilder()
-        rows = self._running.plan(b)
+        admission = self._admitter.admissible()
+        rows = self._running.plan(b, admission)
         if rows is None:
             return None
-        if not b.preempted and not rows.deferred:
+        if admission and not b.preempted and not rows.deferred:
             self._admitter.admit(rows.budget, b)
         if self.config.decode_lookahead and rows.opened.shape[0]:
             self.kv.reserve_lookahead(rows.opened)
@@ -185,8 +186,9 @@ class Scheduler:
 
     def should_cut(self, plan: StepPlan) -> bool:
         """Whether the step of several forwards `plan`, in flight, should end after the forward
-        running (a CUT): a request waits, which would otherwise wait for every one of them."""
-        return plan.prepare.decode_steps > 1 and bool(self._waiting)
+        running (a CUT): a request waits that could be admitted, and would otherwise wait for
+        every one of them. One that cannot (no seat) waits for the frame's shortest row anyway."""
+        return plan.prepare.decode_steps > 1 and self._admitter.admissible()
 
     def on_abort(self, plan: StepPlan, reason: str, failed_seq_ids: Sequence[int] | None = None) -> list[RequestOutput]:
         """The newest step in flight never ran (a REJECT, a timeout): undo what it did to the pool.

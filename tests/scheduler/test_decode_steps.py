@@ -98,16 +98,53 @@ def test_nothing_is_planned_after_a_step_of_several_forwards_in_flight() -> None
     assert d.plan() is not None
 
 
-def test_a_waiting_request_gets_one_forward_per_frame() -> None:
-    """An arrival waits for the whole frame in flight: while one waits, frames are one forward."""
-    d = Driver(Scheduler(config(4, max_num_seqs=1, max_num_batched_tokens=8)), vocab=30, seeded_model=True)
+def test_a_request_that_can_be_admitted_gets_one_forward_per_frame() -> None:
+    """An arrival with a seat free would wait for the whole frame: while one can be admitted,
+    frames are one forward, and a frame in flight is cut."""
+    d = Driver(Scheduler(config(4, max_num_seqs=2, max_num_batched_tokens=8)), vocab=30, seeded_model=True)
     d.add(0, [7, 8, 9], SamplingParams(max_tokens=10, seed=1))
+    d.plan()  # the prompt
+    frame = d.plan()
+    assert frame.prepare.decode_steps == 4
+    assert not d.s.should_cut(frame)
     d.add(1, [7, 8, 10], SamplingParams(max_tokens=10, seed=2))
+    assert d.s.should_cut(frame)
     d.run_to_end()
     d.check_outputs()
+
+
+def test_a_request_without_a_seat_waits_for_the_shortest_row_not_for_one_forward_frames() -> None:
+    """With every seat taken the waiting request cannot be admitted before a row ends: frames keep
+    their forwards (and are not cut), but none runs past the shortest row's last token, so that
+    the request is admitted by the step right after the frame in which that row ended."""
+    d = Driver(Scheduler(config(4, max_num_seqs=2, max_num_batched_tokens=8)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=7, seed=1))
+    d.add(1, [7, 8, 11], SamplingParams(max_tokens=13, seed=3))
+    d.plan()  # both prompts
+    frame = d.plan()
+    assert frame.prepare.decode_steps == 4
+    d.add(2, [7, 8, 10], SamplingParams(max_tokens=10, seed=2))
+    assert not d.s.should_cut(frame)
+    d.run_to_end()
+    d.check_outputs()
+    assert len(d.emitted[0]) == 7 and d.finished[0] == "length"
     last_of_first = max(p.step for p in d.plans if 0 in p.prepare.seq_ids.tolist())
-    assert all(p.prepare.decode_steps == 1 for p in d.plans if p.step <= last_of_first)
-    assert any(p.prepare.decode_steps == 4 for p in d.plans if p.step > last_of_first)
+    first_of_third = min(p.step for p in d.plans if 2 in p.prepare.seq_ids.tolist())
+    # Request 0: token 1 from the prompt, 4 on the frame, then only the 2 it has left.
+    assert [p.prepare.decode_steps for p in d.plans if p.step <= last_of_first] == [1, 4, 2]
+    assert first_of_third == last_of_first + 1
+
+
+def test_a_request_waiting_for_its_prompt_leader_cannot_be_admitted() -> None:
+    d = Driver(Scheduler(config(4, max_num_seqs=4, max_num_batched_tokens=4)), vocab=30, seeded_model=True)
+    d.add(0, list(range(7, 19)), SamplingParams(max_tokens=10, seed=1))
+    d.add(1, list(range(7, 19)), SamplingParams(max_tokens=10, seed=2), prompt_leader=0)
+    d.plan()  # the leader's first chunk: the follower waits for its prompt's pages
+    assert d.s.waiting_requests() == (1,)
+    assert not d.s._admitter.admissible()
+    d.run_to_end()
+    d.check_outputs()
+    assert d.finished == {0: "length", 1: "length"}
 
 
 def test_no_forward_past_the_longest_request_nor_before_min_tokens() -> None:
