@@ -3,6 +3,8 @@ wakes once a second, and a stop that does not wait for it."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -45,3 +47,54 @@ def test_stop_ends_the_server_without_waiting_for_its_tick(tokenizer: Tokenizer,
     assert not thread.is_alive(), "the server did not end after stop()"
     # Every tick refreshes the date header (uvicorn does so when the counter is a multiple of 10).
     assert ticks and all(counter % 10 == 0 for counter in ticks)
+
+
+def _http_chunks(port: int, path: str, body: dict) -> list[bytes]:
+    """The response body's HTTP chunks as they came on the wire (chunked encoding, undecoded):
+    each is one write of the server's."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+        )
+        raw = b""
+        while block := sock.recv(65536):
+            raw += block
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and b"transfer-encoding: chunked" in head.lower()
+    chunks = []
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        chunks.append(rest[:n])
+        rest = rest[n + 2 :]
+    assert chunks[-1] == b""  # the terminating chunk
+    return chunks[:-1]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_writes_each_piece_once_with_the_opening_and_the_closing(live_server, path: str) -> None:
+    """One write per piece of output: the chat opening (the role) goes with the first piece, the
+    usage and [DONE] with the last, and no write carries half an event."""
+    body = {"model": MODEL_NAME, "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "one two three four"}]
+    else:
+        body["prompt"] = "one two three four"
+    port = int(live_server.base_url.rsplit(":", 1)[1])
+    chunks = _http_chunks(port, path, body)
+    events = [chunk.split(b"\n\n")[:-1] for chunk in chunks]
+    assert all(chunk.endswith(b"\n\n") for chunk in chunks)
+    assert 2 <= len(chunks) <= 6  # at most one write per token (a token may add no text yet)
+    decoded = [[json.loads(e.removeprefix(b"data: ")) for e in write if e != b"data: [DONE]"] for write in events]
+    first, middle, last = decoded[0], decoded[1:-1], decoded[-1]
+    if path.endswith("chat/completions"):
+        assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert len(first) == 2 and first[1]["choices"][0]["delta"]["content"]
+    else:
+        assert len(first) == 1 and first[0]["choices"][0]["text"]
+    assert all(len(write) == 1 and write[0]["choices"][0]["finish_reason"] is None for write in middle)
+    assert events[-1][-1] == b"data: [DONE]" and all(b"[DONE]" not in chunk for chunk in chunks[:-1])
+    assert last[-1]["usage"]["completion_tokens"] == 6 and not last[-1]["choices"]
+    assert last[-2]["choices"][0]["finish_reason"] == "length"
