@@ -53,6 +53,9 @@ class StepPlan:
     restored: tuple[tuple[int, HostCopy], ...]  # requests this step restores, and from where
     offloaded: tuple[int, ...]  # request ids whose KV this step copies out to host slots
     brief: Continue | None = None  # what the ranks are sent instead of `prepare`, if they hold the step before's
+    # With several forwards: the one at which the first row to end samples its last token (the
+    # frame's decode_steps or more when none ends inside it), where a seat frees.
+    first_row_end: int = 1
 
 
 class StepBuilder:

@@ -27,6 +27,7 @@ from scheduler.steps import Steps
 class RowsPlan(NamedTuple):
     every_row_decodes: bool  # every row of the batch decodes one token (the fast PREPARE)
     forwards: int  # the step's decode_steps: more than 1 only when every row decodes
+    first_row_end: int  # with several forwards: the one at which the first row to end samples its last token
     dec_rows: np.ndarray  # the decoding rows, in row order (unless every row decodes)
     opened: np.ndarray  # decoding rows whose token opened a page
     budget: int  # tokens left for admissions
@@ -56,7 +57,7 @@ class RunningRows:
         may be admitted by this step."""
         batch, kv, ps = self.batch, self.kv, self.config.page_size
         sel = self.candidates()
-        forwards = self._steady_forwards(sel, admission) if self.config.num_scheduler_steps > 1 else 1
+        forwards, first_row_end = self._steady_forwards(sel, admission) if self.config.num_scheduler_steps > 1 else (1, 1)
         # Rows whose next position (the last of the step's forwards) starts a page commit one: from
         # the reservation, else fresh.
         opens = batch.ncomp[sel] + (forwards - 1) >= batch.npages[sel] * ps
@@ -82,9 +83,9 @@ class RunningRows:
             b.cleared.append(kv.open_pages(need))
         if not every:
             budget = self._plan_prefills(_pick(sel, ~dec_mask), budget, b)
-        return RowsPlan(every, forwards if every else 1, dec_rows, need, budget, bool(deferred.shape[0]))
+        return RowsPlan(every, forwards if every else 1, first_row_end, dec_rows, need, budget, bool(deferred.shape[0]))
 
-    def _steady_forwards(self, sel: slice | np.ndarray, admission: bool) -> int:
+    def _steady_forwards(self, sel: slice | np.ndarray, admission: bool) -> tuple[int, int]:
         """How many forwards the step may run on one frame: up to num_scheduler_steps while every
         running row decodes, no request can be admitted (its admission is a step of one forward),
         no stop token is still banned, and the page each row's last forward may open can be had
@@ -92,24 +93,26 @@ class RunningRows:
         positions left at least: it has a token to sample), and none samples past the longest
         row's last token; a row that ends sooner wastes the forwards after its end, and their
         tokens are dropped. While requests wait that cannot be admitted (no seat), none samples
-        past the shortest row's last token either: its end frees the seat they wait for."""
+        past the shortest row's last token either: its end frees the seat they wait for.
+        With the forwards, the one at which the first row to end samples its last token."""
         batch, cfg = self.batch, self.config
         if admission or not isinstance(sel, slice) or batch.num_live != batch.n or not batch.n:
-            return 1
+            return 1, 1
         n = batch.n
         ncomp = batch.ncomp[:n]
         known = batch.ntok[:n] + batch.pending[:n]
         if not (ncomp == known - 1).all():
-            return 1
+            return 1, 1
         if batch.num_processed and (known < batch.min_len[:n]).any():
-            return 1
+            return 1, 1
         left = batch.limit[:n] - known
+        first_row_end = int(left.min())
         forwards = min(
             cfg.num_scheduler_steps, cfg.page_size, int((cfg.max_model_len - ncomp).min()),
-            int(left.min() if self.waiting else left.max()),
+            first_row_end if self.waiting else int(left.max()),
         )
         opening = int(np.count_nonzero(ncomp + (forwards - 1) >= batch.npages[:n] * cfg.page_size))
-        return forwards if forwards == 1 or opening <= self.kv.available() else 1
+        return (forwards, first_row_end) if forwards == 1 or opening <= self.kv.available() else (1, 1)
 
     def candidates(self, deferred: np.ndarray = EMPTY_I32) -> slice | np.ndarray:
         """The rows this step may plan: live, with a token to compute (a row whose last sample is

@@ -15,6 +15,8 @@ happens when a step ends is in steps.py; running.py plans the running rows' shar
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import deque
 from collections.abc import Sequence
 
@@ -173,6 +175,8 @@ class Scheduler:
         kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
         plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, self._steps.base(), rows.forwards)
+        if rows.forwards > 1:
+            plan = dataclasses.replace(plan, first_row_end=rows.first_row_end)
         self._steps.planned(plan)
         return plan
 
@@ -187,8 +191,13 @@ class Scheduler:
     def should_cut(self, plan: StepPlan) -> bool:
         """Whether the step of several forwards `plan`, in flight, should end after the forward
         running (a CUT): a request waits that could be admitted, and would otherwise wait for
-        every one of them. One that cannot (no seat) waits for the frame's shortest row anyway."""
-        return plan.prepare.decode_steps > 1 and self._admitter.admissible()
+        every one of them; or one waits for a seat that a row frees before the frame's last
+        forward (the frame was planned before it came, up to its longest row). A frame planned
+        while it waited ends where the first row does: no cut."""
+        forwards = plan.prepare.decode_steps
+        if forwards == 1 or not self._waiting:
+            return False
+        return plan.first_row_end < forwards or self._admitter.admissible()
 
     def on_abort(self, plan: StepPlan, reason: str, failed_seq_ids: Sequence[int] | None = None) -> list[RequestOutput]:
         """The newest step in flight never ran (a REJECT, a timeout): undo what it did to the pool.

@@ -135,6 +135,25 @@ def test_a_request_without_a_seat_waits_for_the_shortest_row_not_for_one_forward
     assert first_of_third == last_of_first + 1
 
 
+def test_a_request_without_a_seat_cuts_a_frame_planned_past_a_row_that_ends_inside_it() -> None:
+    """A frame planned before the request came runs up to its longest row: a row that ends inside
+    it frees a seat before its last forward, so the frame is cut for the request; one planned
+    while it waited is not."""
+    d = Driver(Scheduler(config(4, max_num_seqs=2, max_num_batched_tokens=8)), vocab=30, seeded_model=True)
+    d.add(0, [7, 8, 9], SamplingParams(max_tokens=3, seed=1))
+    d.add(1, [7, 8, 11], SamplingParams(max_tokens=13, seed=3))
+    d.plan()  # both prompts
+    frame = d.plan()
+    assert frame.prepare.decode_steps == 4 and frame.first_row_end == 2  # request 0 ends at its 2nd forward
+    assert not d.s.should_cut(frame)
+    d.add(2, [7, 8, 10], SamplingParams(max_tokens=10, seed=2))
+    assert not d.s._admitter.admissible()  # no seat
+    assert d.s.should_cut(frame)
+    d.run_to_end()
+    d.check_outputs()
+    assert d.finished == {0: "length", 1: "length", 2: "length"}
+
+
 def test_a_request_waiting_for_its_prompt_leader_cannot_be_admitted() -> None:
     d = Driver(Scheduler(config(4, max_num_seqs=4, max_num_batched_tokens=4)), vocab=30, seeded_model=True)
     d.add(0, list(range(7, 19)), SamplingParams(max_tokens=10, seed=1))
