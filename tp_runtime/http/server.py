@@ -36,7 +36,7 @@ class HttpServer(uvicorn.Server):
         counter = 0
         while not await self.on_tick(counter):
             counter += 10  # on_tick refreshes the date header when counter % 10 == 0
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError itself only from Python 3.11
                 await asyncio.wait_for(self._stop_event.wait(), TICK_S)
 
     def stop(self) -> None:
