@@ -127,7 +127,8 @@ class OpenAIEndpoint(ABC, Generic[Body]):
                 ended += piece.finish_reason is not None
                 if ended == len(generations):
                     text += closing()
-                yield text
+                if text:  # a tool-call stream may hold a piece's text back
+                    yield text
 
         def error_events(error: ApiError) -> list[str]:
             # As vLLM ends a failed stream: the error as a data event, then [DONE].
