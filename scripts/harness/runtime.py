@@ -251,14 +251,22 @@ class RuntimeServer:
     def metrics(self) -> dict[str, float] | None:
         return read_metrics(self.url)
 
-    def settled_metrics(self, timeout_s: float = 10.0) -> dict[str, float]:
+    def settled_metrics(self, since: dict[str, float] | None = None, timeout_s: float = 10.0) -> dict[str, float]:
         """The metrics once they count every request that ended: the engine publishes its counters
         when its last step in flight has ended, a moment after the client got its last token, so
-        a scrape right after a response may not count it yet. Settled: nothing running or waiting."""
+        a scrape right after a response may not count it yet. Settled: nothing running or waiting,
+        and with `since` (the settled metrics from before some requests) more requests finished
+        than then: the snapshot from before the requests says nothing runs either."""
+        finished = "tp_runtime_requests_finished_total"
         deadline = time.monotonic() + timeout_s
         while True:
             values = read_metrics(self.url)
-            if values is not None and not values.get("vllm:num_requests_running") and not values.get("vllm:num_requests_waiting"):
+            if (
+                values is not None
+                and not values.get("vllm:num_requests_running")
+                and not values.get("vllm:num_requests_waiting")
+                and (since is None or values.get(finished, 0.0) > since.get(finished, 0.0))
+            ):
                 return values
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server's metrics did not settle within {timeout_s:g} s: {values}")

@@ -50,7 +50,7 @@ def test_every_request_gets_what_one_forward_per_frame_gives(server_tp1: Server,
     before = several_forwards.settled_metrics()
     got, want = completion(several_forwards, body), completion(server_tp1, body)
     assert got == want
-    after = several_forwards.settled_metrics()
+    after = several_forwards.settled_metrics(since=before)
     forwards = after["tp_runtime_model_forwards_total"] - before["tp_runtime_model_forwards_total"]
     steps = after["tp_runtime_steps_total"] - before["tp_runtime_steps_total"]
     assert forwards > steps, "the request never ran a frame of several forwards"
@@ -82,7 +82,7 @@ def test_an_arrival_cuts_the_step_in_flight_and_both_requests_get_their_tokens(
         stream = RecordedStream(several_forwards.url, long["prompt"], long["max_tokens"], temperature=0)
         second = completion(several_forwards, short)
         stream.join(60)
-        after = several_forwards.settled_metrics()
+        after = several_forwards.settled_metrics(since=before)
         if after["tp_runtime_steps_cut_total"] > before["tp_runtime_steps_cut_total"]:
             break
     else:

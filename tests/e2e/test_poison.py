@@ -88,7 +88,7 @@ def test_a_cut_step_keeps_both_ranks_in_step_on_a_poisoned_cache(server_tp2: Ser
         short = greedy(poisoned, short_prompt)
         stream.join(120)
         text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.lines if line.startswith("data: {"))
-        after = poisoned.settled_metrics()
+        after = poisoned.settled_metrics(since=before)
         if after["tp_runtime_steps_cut_total"] > before["tp_runtime_steps_cut_total"]:
             break
     else:

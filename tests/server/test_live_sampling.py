@@ -161,7 +161,7 @@ def test_metrics_count_a_known_workload(server_tp1: Server) -> None:
         ).usage
         for _ in range(2)
     ]
-    after = server_tp1.settled_metrics()
+    after = server_tp1.settled_metrics(since=before)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
