@@ -370,19 +370,14 @@ def _child_candidates(me: int) -> Iterable[int]:
     process where the kernel keeps no such lists. The stragglers' watch asks five times a second for
     the whole run (`generate`, and the ranks of a host without the frontend): a scan of /proc read
     the stat of every process on the machine, 0.7 ms a call with 70 processes; the lists, 0.05 ms."""
-    if _children_listed(me):
-        for _ in range(3):
-            # A thread that ends hands its children to another, which may have been read already:
-            # the lists hold every child only if no thread ended while they were read.
-            tids = os.listdir(f"/proc/{me}/task")
-            pids: set[int] = set()
-            for tid in tids:
-                with contextlib.suppress(FileNotFoundError):  # the thread ended since the listing
-                    with open(f"/proc/{me}/task/{tid}/children") as f:
-                        pids.update(int(pid) for pid in f.read().split())
-            if os.listdir(f"/proc/{me}/task") == tids:
-                return pids
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    if not _children_listed(me):
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    pids: set[int] = set()
+    for tid in os.listdir(f"/proc/{me}/task"):
+        with contextlib.suppress(FileNotFoundError):  # the thread ended since the listing
+            with open(f"/proc/{me}/task/{tid}/children") as f:
+                pids.update(int(pid) for pid in f.read().split())
+    return pids
 
 
 @functools.cache
