@@ -358,32 +358,13 @@ def live_children() -> dict[int, str]:
     """This process's live children and their states: the ranks torchrun's agent started (it runs in
     this process); an exited one that the agent has not reaped yet is left out."""
     me, children = os.getpid(), {}
-    for pid in _child_candidates(me):
-        fields = _stat_fields(pid)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
         if fields is not None and int(fields[1]) == me and fields[0] != "Z":
-            children[pid] = fields[0]
+            children[int(entry)] = fields[0]
     return children
-
-
-def _child_candidates(me: int) -> Iterable[int]:
-    """The pids that may be children of `me`: those its threads' /proc children lists name, or every
-    process where the kernel keeps no such lists. The stragglers' watch asks five times a second for
-    the whole run (`generate`, and the ranks of a host without the frontend): a scan of /proc read
-    the stat of every process on the machine, 0.7 ms a call with 70 processes; the lists, 0.05 ms."""
-    if not _children_listed(me):
-        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    pids: set[int] = set()
-    for tid in os.listdir(f"/proc/{me}/task"):
-        with contextlib.suppress(FileNotFoundError):  # the thread ended since the listing
-            with open(f"/proc/{me}/task/{tid}/children") as f:
-                pids.update(int(pid) for pid in f.read().split())
-    return pids
-
-
-@functools.cache
-def _children_listed(me: int) -> bool:
-    """Whether the kernel keeps /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)."""
-    return os.path.exists(f"/proc/{me}/task/{me}/children")
 
 
 def process_state(pid: int) -> str | None:
