@@ -22,6 +22,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
+
 from protocol.transport import SchedulerEndpoint, ipc_address, remove_private_dirs
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tp_runtime.bootstrap import Bootstrap, BootstrapRequest
@@ -29,7 +31,7 @@ from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
 from tp_runtime.group_broker import BootstrapServer, GroupBroker, read_launcher, send_line
 from tp_runtime.group_endpoints import open_group, tcp_address
-from tp_runtime.launcher import LAUNCHER_PID_ENV
+from tp_runtime.launcher import LAUNCHER_PID_ENV, RANK_ENDED_SIGNAL
 from tp_runtime.recovery import Recovery, RecoveryPolicy
 from tp_runtime.signal_watch import SignalWatch, dump_stacks_on_signal
 from tp_runtime.tokenizer import Tokenizer, load_tokenizer
@@ -40,6 +42,7 @@ PARENT_DIED = signal.SIGHUP
 EXIT_DEADLINE_S = 8.0  # the longest the frontend's clean-up may take once it is exiting (engine join: up to 10 s is a hang)
 RANK_0_GONE = "rank 0 exited: the runtime is down"
 LAUNCHER_GONE = "the launcher exited: the runtime is down"
+RANK_ENDED = "a rank exited with a failure (the launcher saw it): the runtime is down"
 FAILED_LINGER_S = 1.0  # a failed runtime answers /health with 503 this long before it exits
 QUEUED_REQS_PER_SEQ = 8  # the default bound on requests in flight, per running slot
 
@@ -111,22 +114,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher_fd is not None:
         return _main_supervised(config, socket.socket(fileno=args.launcher_fd))
     engine: Engine | None = None
-    parent_gone = threading.Event()
+    down: list[str] = []  # why the runtime is down, as signals said it (also before `engine` exists)
 
     # Its parent: rank 0 under torchrun, the launcher under `tp-runtime generate` (tp_runtime/local_launch.py).
     gone = LAUNCHER_GONE if os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid()) else RANK_0_GONE
 
-    def parent_died() -> None:
+    def runtime_down(reason: str) -> Callable[[], None]:
         # A mark and the engine's failure, never an exception: one raised in the main thread lands
         # wherever it happens to be, and a library's `except BaseException` there swallowed it (a
         # frontend left waiting for a HELLO that never came). The engine's failure takes the main
         # thread out through the finally below, which removes the ipc directory.
-        parent_gone.set()
-        if engine is not None:
-            engine.fail(gone)
+        def mark() -> None:
+            down.append(reason)
+            if engine is not None:
+                engine.fail(reason)
+
+        return mark
 
     signals = SignalWatch()
-    signals.on(PARENT_DIED, parent_died)  # before anything that needs cleaning up exists
+    signals.on(PARENT_DIED, runtime_down(gone))  # before anything that needs cleaning up exists
+    signals.on(RANK_ENDED_SIGNAL, runtime_down(RANK_ENDED))
     _die_with_parent()
     request = BootstrapRequest(0, tuple(k for k in args.client_keys.split(",") if k))
     endpoint: SchedulerEndpoint | None = None
@@ -141,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             pipe.write(opened.answer(request, config.tensor_parallel_size).pack())
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
         engine = build_engine(config, endpoint, tokenizer)
-        if parent_gone.is_set():  # the signal came before `engine` was bound
-            engine.fail(gone)
+        if down:  # a signal came before `engine` was bound
+            engine.fail(down[0])
         engine.start()
         if args.mode == "serve":
             return _serve(engine, tokenizer, config, signals, gone)

@@ -46,6 +46,9 @@ log = logging.getLogger("tp_runtime.launch")
 TORCHRUN_DEFAULT_GRACE_S = 30
 # What a stop takes after the drain: SHUTDOWN to every rank, their exit, the frontend's exit.
 STOP_MARGIN_S = 10.0
+# What the launcher of `generate` sends its frontend when a rank exits with a failure: a rank that
+# died before its HELLO leaves no connection to close, and the frontend would wait in its handshake.
+RANK_ENDED_SIGNAL = signal.SIGUSR2
 STORE_TIMEOUT_S = 60.0
 RDZV_ID = "tp-runtime"
 # The launcher's pid, for its workers: torchrun's agent runs in the launcher, so it is their parent.

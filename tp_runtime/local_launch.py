@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tp_runtime import hosts
 from tp_runtime.bootstrap import BOOTSTRAP_FD_ENV, FrontendStart, frontend_nice, spawn_frontend
 from tp_runtime.config import ConfigError, RuntimeConfig
-from tp_runtime.launcher import LAUNCHER_PID_ENV, STOP_MARGIN_S, Stop, end_stragglers, live_children
+from tp_runtime.launcher import LAUNCHER_PID_ENV, RANK_ENDED_SIGNAL, STOP_MARGIN_S, Stop, end_stragglers, live_children
 from tp_runtime.worker_process import STORE_FD_ENV
 
 
@@ -114,7 +114,7 @@ def launch_generate(config: RuntimeConfig, argv: list[str]) -> int:
             store.close()
     Stop(STOP_MARGIN_S, force=lambda: _kill(live_children()), signals=(signal.SIGTERM, signal.SIGINT))
     end_stragglers(STOP_MARGIN_S)
-    codes = _wait_all(pids)
+    codes = _wait_all(pids, frontend.process.pid)
     return _exit_code(frontend, codes)
 
 
@@ -174,8 +174,11 @@ def _spawn_rank(argv: list[str], start: RankStart) -> int:
     return child.pid
 
 
-def _wait_all(pids: list[int]) -> dict[int, int]:
-    """Every process's exit code (a signal's death as 128 + its number), once all have exited."""
+def _wait_all(pids: list[int], frontend: int) -> dict[int, int]:
+    """Every process's exit code (a signal's death as 128 + its number), once all have exited. A rank
+    that fails while the frontend runs is reported to the frontend at once (RANK_ENDED_SIGNAL): one
+    that died before its HELLO left it nothing to notice, and it waited in its handshake until the
+    stragglers' watch killed it, its ipc directory left behind."""
     codes: dict[int, int] = {}
     while len(codes) < len(pids):
         try:
@@ -184,6 +187,9 @@ def _wait_all(pids: list[int]) -> dict[int, int]:
             break
         if pid in pids:
             codes[pid] = os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            if pid != frontend and codes[pid] != 0 and frontend not in codes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(frontend, RANK_ENDED_SIGNAL)
     return {pid: codes.get(pid, 1) for pid in pids}
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server, alive, descendants, rank_pid
+from tp_runtime.launcher import STOP_MARGIN_S
 
 
 def test_killed_rank_fails_requests_fast_and_leaves_nothing_behind(tiny_model: Path) -> None:
@@ -78,6 +79,31 @@ def test_rank_0_removes_the_ipc_directory_after_a_kill_9_of_the_frontend(
         assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}"
     finally:
         server.stop()
+
+
+def test_generate_ends_at_once_when_rank_0_dies_before_its_hello(tmp_path: Path) -> None:
+    """A rank killed before its HELLO leaves no connection whose close the frontend could see: the
+    launcher tells it (RANK_ENDED_SIGNAL). Without that it waited in its handshake until the
+    stragglers' watch SIGKILLed it STOP_MARGIN_S later, its ipc directory left, nothing said.
+    The embedded model, whose load keeps rank 0 from its HELLO well after the directory exists."""
+    command = [sys.executable, "-m", "tp_runtime", "generate", "go on", "--raw", "--max-tokens", "8", "--log-level", "error"]
+    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    group = [process.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while not ipc_dirs(tmp_path):
+            assert process.poll() is None and time.monotonic() < deadline, "the frontend never made its directory"
+            time.sleep(0.002)
+        group = [process.pid, *descendants(process.pid)]
+        os.kill(rank_pid(process.pid, 0), signal.SIGKILL)
+        _, err = process.communicate(timeout=STOP_MARGIN_S - 2)  # the watch's SIGKILL comes at STOP_MARGIN_S
+        assert process.returncode == 1, err[-2000:]
+        assert "a rank exited with a failure" in err, err[-2000:]
+        assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}; {err[-2000:]}"
+    finally:
+        for pid in alive([*group, *descendants(process.pid)]):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_model: Path, tmp_path: Path) -> None:
