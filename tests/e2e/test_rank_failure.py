@@ -3,11 +3,13 @@ an error within 5 s, /health turns 503, and no process of the group is left behi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -81,12 +83,13 @@ def test_rank_0_removes_the_ipc_directory_after_a_kill_9_of_the_frontend(
         server.stop()
 
 
-def test_generate_ends_at_once_when_rank_0_dies_before_its_hello(tmp_path: Path) -> None:
-    """A rank killed before its HELLO leaves no connection whose close the frontend could see: the
-    launcher tells it (RANK_ENDED_SIGNAL). Without that it waited in its handshake until the
-    stragglers' watch SIGKILLed it STOP_MARGIN_S later, its ipc directory left, nothing said.
-    The embedded model, whose load keeps rank 0 from its HELLO well after the directory exists."""
-    command = [sys.executable, "-m", "tp_runtime", "generate", "go on", "--raw", "--max-tokens", "8", "--log-level", "error"]
+@contextlib.contextmanager
+def _rank_0_killed_once_the_directory_exists(
+    command: list[str], tmp_path: Path, poll_s: float
+) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """`generate` (command) with its ipc directory under tmp_path, rank 0 SIGKILLed as soon as the
+    directory exists. Yields the launcher and the group's pids taken before the kill; whatever is
+    still alive after is SIGKILLed by those ids (an orphaned frontend is no descendant any more)."""
     process = subprocess.Popen(command, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     group = [process.pid]
@@ -94,16 +97,26 @@ def test_generate_ends_at_once_when_rank_0_dies_before_its_hello(tmp_path: Path)
         deadline = time.monotonic() + 120
         while not ipc_dirs(tmp_path):
             assert process.poll() is None and time.monotonic() < deadline, "the frontend never made its directory"
-            time.sleep(0.002)
+            time.sleep(poll_s)
         group = [process.pid, *descendants(process.pid)]
         os.kill(rank_pid(process.pid, 0), signal.SIGKILL)
+        yield process, group
+    finally:
+        for pid in alive([*group, *descendants(process.pid)]):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_generate_ends_at_once_when_rank_0_dies_before_its_hello(tmp_path: Path) -> None:
+    """A rank killed before its HELLO leaves no connection whose close the frontend could see: the
+    launcher tells it (RANK_ENDED_SIGNAL). Without that it waited in its handshake until the
+    stragglers' watch SIGKILLed it STOP_MARGIN_S later, its ipc directory left, nothing said.
+    The embedded model, whose load keeps rank 0 from its HELLO well after the directory exists."""
+    command = [sys.executable, "-m", "tp_runtime", "generate", "go on", "--raw", "--max-tokens", "8", "--log-level", "error"]
+    with _rank_0_killed_once_the_directory_exists(command, tmp_path, poll_s=0.002) as (process, _group):
         _, err = process.communicate(timeout=STOP_MARGIN_S - 2)  # the watch's SIGKILL comes at STOP_MARGIN_S
         assert process.returncode == 1, err[-2000:]
         assert "a rank exited with a failure" in err, err[-2000:]
         assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}; {err[-2000:]}"
-    finally:
-        for pid in alive([*group, *descendants(process.pid)]):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_model: Path, tmp_path: Path) -> None:
@@ -112,16 +125,7 @@ def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_mo
         sys.executable, "-m", "tp_runtime", "generate", "go on", "--model", str(tiny_model), "--raw", "--dtype", "fp32",
         "--num-kv-pages", "160", "--max-model-len", "2048", "--max-tokens", "2000", "--log-level", "error",
     ]
-    process = subprocess.Popen(command, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    group = [process.pid]
-    try:
-        deadline = time.monotonic() + 120
-        while not ipc_dirs(tmp_path):
-            assert process.poll() is None and time.monotonic() < deadline, "the frontend never made its directory"
-            time.sleep(0.05)
-        group = [process.pid, *descendants(process.pid)]
-        os.kill(rank_pid(process.pid, 0), signal.SIGKILL)
+    with _rank_0_killed_once_the_directory_exists(command, tmp_path, poll_s=0.05) as (process, group):
         _, err = process.communicate(timeout=30)
         assert process.returncode != 0
         deadline = time.monotonic() + 10
@@ -129,6 +133,3 @@ def test_the_frontend_removes_the_ipc_directory_after_a_kill_9_of_rank_0(tiny_mo
             time.sleep(0.1)
         assert not alive(group), f"processes left behind: {alive(group)}"
         assert ipc_dirs(tmp_path) == [], f"left behind in {tmp_path}: {ipc_dirs(tmp_path)}; {err[-2000:]}"
-    finally:  # by the ids taken before the kill: an orphaned frontend is no descendant any more
-        for pid in alive([*group, *descendants(process.pid)]):
-            os.kill(pid, signal.SIGKILL)
