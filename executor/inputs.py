@@ -87,7 +87,7 @@ class StepInputs:
         table_lens = p.page_table_lens.astype(np.int64)
         # A step of several forwards reads, from its first, the pages its last one needs: they are
         # all cleared before the first (Prepare.decode_steps), and the tables keep one width.
-        needed = _pages_needed(p, page_table, query_lens, context_lens + (p.decode_steps - 1), table_lens, page_size)
+        needed = _pages_needed(p, page_table, query_lens, p.final_context_lens, table_lens, page_size)
         query_start, table_start = _starts(query_lens), _starts(table_lens)
         flat_table = page_table.astype(np.int64)
         width = int(needed.max()) if n else 0

@@ -75,7 +75,7 @@ def expand(held: Prepare, c: Continue) -> Prepare:
         )
     state = held.sampling_state
     # The step before ran decode_steps forwards: this one's first forward is one past its last.
-    positions = held.context_lens + np.int32(held.decode_steps - 1)
+    positions = held.final_context_lens.astype(np.int32)
     arrays = dict(_constants(n))
     arrays.update(
         {name: getattr(held, name) for name in KEPT},
