@@ -103,7 +103,7 @@ class StepDeadlines:
     def observe(self, tokens: int, seconds: float, decode: bool) -> None:
         self._recent.append((max(tokens, 1), seconds))
         self._kinds_seen.add(decode)
-        # allowed() runs at every liveness duty (20 a second while steps run) and a step ends far
+        # allowed() runs at every liveness duty (five a second while steps run) and a step ends far
         # less often: seconds * max(1, t / measured) = max(seconds, t * seconds / measured), so two
         # maxima kept here answer any t.
         self._longest_s = max(seconds for _, seconds in self._recent)
