@@ -251,7 +251,7 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
         stop = Stop(config.shutdown_timeout + STOP_MARGIN_S, force=agent.stop)
         end_stragglers(STOP_MARGIN_S)
     max_restarts = AGENT_MAX_RESTARTS if supervised else 0
-    observed = agent_observed_by(supervisor) if supervised else contextlib.nullcontext()
+    observed = agent_observed_by(supervisor, config.nnodes) if supervised else contextlib.nullcontext()
     code = 0
     with _rendezvous(config) as (endpoint, local_addr, store), observed:
         if supervisor is not None:

@@ -148,20 +148,28 @@ class Supervisor:
         self._sock.close()
 
 
-def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None) -> type:
-    """torchrun's LocalElasticAgent, with three changes. It tells on_failure(restart count, {rank:
+def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None, hosts: int = 1) -> type:
+    """torchrun's LocalElasticAgent, with four changes. It tells on_failure(restart count, {rank:
     exit code}) of every group that ends before it restarts it (the agent keeps no record a caller
     could read); the other hosts' agents pass None. It counts every restart: torch's counts only a
     failed group, not a restart because another host's agent re-entered the rendezvous, and the
     frontend (which group to kill, whose death it was told of) and the ranks (their keys in the
     group's store) tell groups apart by TORCHELASTIC_RESTART_COUNT, which must then be new for every
     group and the same on every host. And its stop SIGKILLs a stopped rank at once: SIGTERM never
-    ends one, and the agent would wait its whole grace period before its SIGKILL."""
+    ends one, and the agent would wait its whole grace period before its SIGKILL. And the agent of
+    a launch on one host (`hosts` 1) never asks the rendezvous whether another host waits to join:
+    none can, and torch asks at every look at the ranks (five times a second), a round trip to the
+    store and a decode of its state that were half of an idle launcher's CPU."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class ObservedAgent(LocalElasticAgent):
         _running = 0  # the restart count of the group the agent started last
         _reported = -1  # the last group on_failure was told of
+
+        def __init__(self, spec, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204 (torch's signature)
+            if hosts == 1:
+                spec.rdzv_handler.num_nodes_waiting = _no_host_waits
+            super().__init__(spec, *args, **kwargs)
 
         def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 (torch's signature)
             result = super()._monitor_workers(worker_group)
@@ -191,6 +199,10 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None) -> 
     return ObservedAgent
 
 
+def _no_host_waits() -> int:
+    return 0
+
+
 def stop_heartbeats(handler: object) -> None:
     """Stops the rendezvous handler's keep-alive timer once the agent is done with it. torch's
     launcher skips the handler's shutdown when a signal stopped the agent (so as not to close the
@@ -212,14 +224,14 @@ def kill_stopped(pids: Iterable[int]) -> None:
 
 
 @contextlib.contextmanager
-def agent_observed_by(supervisor: Supervisor | None):
+def agent_observed_by(supervisor: Supervisor | None, hosts: int):
     """torchrun's launcher builds its agent by the name LocalElasticAgent in its module: the
     observed one takes that name while the launch runs (on a host without the frontend, one that
     reports to nobody)."""
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = observed_agent(supervisor.group_failed if supervisor is not None else None)
+    launcher_api.LocalElasticAgent = observed_agent(supervisor.group_failed if supervisor is not None else None, hosts)
     try:
         yield
     finally:

@@ -66,3 +66,20 @@ def test_the_agents_stop_calls_torchs_stop_as_its_run_does(monkeypatch: pytest.M
         agent._shutdown(*args, **kwargs)
     expected = [(signal.SIGTERM,), (signal.SIGTERM,)] if torch_version == "2.11" else [(signal.SIGINT, 7), (signal.SIGTERM, 9)]
     assert received == expected
+
+
+class Waiting:
+    """A rendezvous handler with another host in its wait list."""
+
+    def num_nodes_waiting(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("hosts, waiting", [(1, 0), (2, 1)])
+def test_only_a_launch_across_hosts_asks_who_waits_to_join(monkeypatch: pytest.MonkeyPatch, hosts: int, waiting: int) -> None:
+    # torch's agent asks at every look at its ranks; a host of its own asks a store nobody else can
+    # join (and a stranger that joined it would restart the group).
+    monkeypatch.setattr(LocalElasticAgent, "__init__", lambda self, spec, *args, **kwargs: None)
+    spec = SimpleNamespace(rdzv_handler=Waiting())
+    observed_agent(None, hosts)(spec)
+    assert spec.rdzv_handler.num_nodes_waiting() == waiting
