@@ -217,6 +217,7 @@ class Engine:
         self._draining = False
         self._stopping = threading.Event()
         self._ready = threading.Event()
+        self._down = threading.Event()  # failed, or the engine thread has ended
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._snapshot = self._make_stats()
 
@@ -294,6 +295,11 @@ class Engine:
     def failed(self) -> bool:
         return self._failure is not None
 
+    def wait_down(self, timeout_s: float | None = None) -> bool:
+        """Blocks until the runtime has failed or stopped (the engine thread ended, or shutdown()
+        returned); False after timeout_s."""
+        return self._down.wait(timeout_s)
+
     def health(self) -> Health:
         if self._failure is not None:
             return Health(False, self._failure)
@@ -332,6 +338,7 @@ class Engine:
             self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+        self._down.set()  # also when the loop is stuck past the join: the caller goes on without it
 
     def close(self) -> None:
         """After shutdown: closes the endpoint of the last executor group."""
@@ -342,6 +349,7 @@ class Engine:
         """Marks the runtime failed from outside the loop (e.g. the launcher saw a rank die)."""
         self._failure = self._failure or reason
         self._stopping.set()
+        self._down.set()
         self._wake()
 
     # ---- the engine thread ---------------------------------------------------------------------
@@ -388,7 +396,10 @@ class Engine:
             reason = self._failure or self._shutdown_reason
             self._fail_all(reason, Fault.RUNTIME_DOWN if self._failure is not None else Fault.SHUTDOWN)
             self._snapshot = self._make_stats()
-            self._loop.shutdown_ranks(reason)
+            try:
+                self._loop.shutdown_ranks(reason)
+            finally:
+                self._down.set()
 
     def _serve_group(self) -> None:
         """The handshake of the executor group, then its steps until the engine stops (RankFailure

@@ -261,8 +261,8 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
     signals.on(signal.SIGINT, drain)
     thread.start()
     log.info("serving %s on http://%s:%d", engine.model_name, config.host, config.port)
-    while not stop.wait(0.2) and not engine.failed:
-        pass
+    # Every way out passes through the engine: a drain or a parent's death ends it, a failure marks it.
+    engine.wait_down()
     if engine.failed:  # said whichever way it came, the parent's death included
         sys.stderr.write(f"tp-runtime: error: the runtime failed: {engine.health().reason}\n")
         if not stop.is_set():  # a failure of the group: /health answers 503 a moment before the exit

@@ -1,0 +1,55 @@
+"""Engine.wait_down: what the frontend's main thread sleeps on until the runtime fails or stops,
+instead of looking five times a second."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from protocol.auth import new_key
+from protocol.transport import SchedulerEndpoint, ipc_address
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tp_runtime.engine import Engine
+
+
+@pytest.fixture
+def engine():
+    endpoint = SchedulerEndpoint(ipc_address(), new_key(), "run-under-test")
+    scheduler = Scheduler(
+        SchedulerConfig(num_kv_pages=32, page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    )
+    engine = Engine(scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="tiny", max_model_len=256)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        engine.close()
+
+
+def test_a_failure_from_another_thread_wakes_the_waiter(engine):
+    assert not engine.wait_down(0)
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: engine.wait_down() and woke.set())
+    waiter.start()
+    try:
+        engine.fail("the launcher saw a rank die")
+        assert woke.wait(10)
+    finally:
+        waiter.join(10)
+    assert engine.failed
+
+
+def test_the_engine_is_down_once_its_thread_has_ended(engine):
+    # No rank ever says HELLO here: the loop waits in its handshake until the shutdown ends it
+    # (which the engine counts as a failed handshake).
+    engine.start()
+    assert not engine.wait_down(0.05)
+    engine.shutdown("the test is over")
+    assert engine.wait_down(0)
+    assert not engine._thread.is_alive()
+
+
+def test_a_shutdown_before_the_thread_started_is_down_too(engine):
+    engine.shutdown("never started")
+    assert engine.wait_down(0)
