@@ -1,8 +1,9 @@
 """An executor's link to the scheduler: a thread that owns the socket and the conversation.
 
 It runs beside the model, so that three things never wait for a forward:
-- heartbeats go out every interval, also while a step runs: a rank that stops (SIGSTOP, a hang) is
-  seen by its silence within seconds, and a healthy rank waiting in a collective for it is not;
+- a frame goes out at least every heartbeat interval, also while a step runs (a heartbeat when no
+  READY or RESULT did): a rank that stops (SIGSTOP, a hang) is seen by its silence within seconds,
+  and a healthy rank waiting in a collective for it is not;
 - the next step's PREPARE is decoded, validated, its page tables resolved and its inputs staged
   while the current step runs, and READY goes out at once: with the scheduler planning ahead, the
   GO for step N+1 is already here when step N ends;
@@ -144,6 +145,7 @@ class SchedulerLink:
         # next step read their tokens from that step's samples.
         self._last_sampled = np.zeros(0, dtype=np.int64)
         self._busy_since: float | None = None  # a step handed to the model's thread and not back
+        self._sent_at = -math.inf  # when a frame last went out: a heartbeat is due heartbeat_s after
         self._cut: int | None = None  # the last step a CUT named (one int: read by the model's thread)
         self._stopping = threading.Event()
         self._stopped_at: float | None = None
@@ -200,6 +202,7 @@ class SchedulerLink:
 
     def _send(self, outgoing: Outgoing) -> None:
         self.endpoint.send(*outgoing)
+        self._sent_at = time.monotonic()
 
     def _flush(self) -> None:
         while True:
@@ -242,7 +245,7 @@ class SchedulerLink:
 
     def _serve(self) -> None:
         timings = self._timings
-        last_heard = next_beat = time.monotonic()
+        last_heard = time.monotonic()
         while not self._stopping.is_set():
             self._flush()
             now = time.monotonic()
@@ -257,10 +260,11 @@ class SchedulerLink:
                     f"nothing from the scheduler for {now - last_heard:.1f} s (peer_timeout_s {timings.peer_timeout_s})",
                 )
                 continue
-            if now >= next_beat:
+            # Any frame tells the scheduler this rank lives (a READY, a RESULT): a heartbeat only
+            # fills a silence.
+            if now >= self._sent_at + timings.heartbeat_s:
                 self._send(self.conversation.heartbeat())
-                next_beat = now + timings.heartbeat_s
-            got = self._recv(max(0.001, next_beat - time.monotonic()))
+            got = self._recv(max(0.001, self._sent_at + timings.heartbeat_s - time.monotonic()))
             if got is None:
                 continue
             if isinstance(got, Frame):

@@ -187,7 +187,7 @@ class StepLoop:
         self._check_deaths = check_deaths
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
-        self._last_heartbeat = 0.0
+        self._last_sent = 0.0  # when a frame last went to every rank: a heartbeat is due heartbeat_s after
         self._duties_at = 0.0
         # Silence counts from the WELCOME at the earliest: a rank that said HELLO first waits for the
         # others (still loading their weights) without a word, for as long as they take.
@@ -400,7 +400,7 @@ class StepLoop:
         steps are in flight (their deadlines). Not after every frame: with steps back to back that
         was several times per step, for detections whose thresholds are seconds; and an idle loop
         wakes for the ranks' heartbeats anyway."""
-        beat = self._last_heartbeat + self.timeouts.heartbeat_s
+        beat = self._last_sent + self.timeouts.heartbeat_s
         return min(self._duties_at + DUTY_INTERVAL_S, beat) if self._inflight else beat
 
     def check_closed(self) -> None:
@@ -417,6 +417,7 @@ class StepLoop:
         engine's."""
         try:
             self.endpoint.send_all(self.ranks, *outgoing)
+            self._last_sent = time.monotonic()
         except TransportError as exc:
             self.check_closed()  # the monitor's report, when it has arrived meanwhile, names the cause
             raise RankFailure(f"{exc}: the rank cannot be reached, its process has ended") from exc
@@ -436,8 +437,9 @@ class StepLoop:
             names = ", ".join(self.conversation.who(r) for r in silent)
             raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:g} s)")
         self._check_deadlines(now)
-        if now - self._last_heartbeat >= self.timeouts.heartbeat_s:
-            self._last_heartbeat = now
+        # Any frame tells the ranks the scheduler lives: a heartbeat only fills a silence (steps of
+        # more than heartbeat_s, or none).
+        if now - self._last_sent >= self.timeouts.heartbeat_s:
             self._send_all(self.conversation.heartbeat())
 
     def _check_deadlines(self, now: float) -> None:

@@ -85,11 +85,11 @@ def lone_rank_loop() -> tuple[StepLoop, Wire, LoneRank]:
     )  # fmt: skip
     wire = Wire()
     loop = StepLoop(
-        scheduler=Scheduler(config), endpoint=wire, world_size=1, timeouts=EngineTimeouts(ready_s=READY_S),  # type: ignore[arg-type]
+        scheduler=Scheduler(config), endpoint=wire, world_size=1, timeouts=EngineTimeouts(ready_s=READY_S, heartbeat_s=float("inf")),  # type: ignore[arg-type]
         deliver=lambda outputs: None, on_scheduled=lambda plan: None,
     )  # fmt: skip
     loop.conversation = running_scheduler(world=1, max_inflight=2, ready_is_go=True)
-    loop._duties_at = loop._last_heartbeat = float("inf")  # the tests run the deadline check themselves
+    loop._duties_at = float("inf")  # the tests run the deadline check themselves (and no heartbeat is due)
     loop.scheduler.add_request(1, [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
     return loop, wire, LoneRank(wire)
 

@@ -462,6 +462,56 @@ def test_heartbeats_go_on_while_a_forward_runs():
     assert during >= 5, f"{during} heartbeats in 0.5 s of forward at a 0.05 s interval"
 
 
+class TimedEndpoint(FeedingEndpoint):
+    """A feeding endpoint that notes when each frame went out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_at: list[float] = []
+
+    def send(self, body, step: int) -> None:
+        super().send(body, step)
+        self.sent_at.append(time.monotonic())
+
+
+def test_a_heartbeat_goes_out_only_after_an_interval_without_any_frame():
+    # Steps of 20 ms, one after the other for about a second: their READYs and RESULTs tell the
+    # scheduler the rank lives, and a heartbeat goes only where nothing else went for an interval.
+    class Stepping(StandInModel):
+        def forward(self, inputs, cache):
+            time.sleep(0.02)
+            return super().forward(inputs, cache)
+
+    interval = 0.1
+    endpoint = TimedEndpoint()
+    worker = Worker(
+        rank=0, world_size=1, endpoint=endpoint, cache=make_cache(GEOMETRY, KV_HEADS, poison=True), model=Stepping(0, 1),
+        geometry=GEOMETRY, options=options(heartbeat_interval_s=interval), run_id=RUN,
+    )  # fmt: skip
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(worker.run()))
+    thread.start()
+    try:
+        endpoint.push(welcome())
+        for step in range(1, 51):
+            page = step % GEOMETRY.num_kv_pages
+            endpoint.push(frame(step, make_prepare([Seq(step, (20,), 0, (page,))], cleared=(page,))), frame(step, Go()))
+            endpoint.wait_for(lambda r, step=step: r[0] == step and isinstance(r[1], Result))
+        last_result = len(endpoint.sent)
+        # The silence after the last step is filled by heartbeats again.
+        deadline = time.monotonic() + 10
+        while not any(isinstance(b, Heartbeat) for _, b in endpoint.sent[last_result:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        endpoint.push(frame(0, Shutdown("done")))
+        thread.join(10)
+    assert codes == [ExitCode.OK]
+    assert any(isinstance(b, Heartbeat) for _, b in endpoint.sent[last_result:])
+    for i, (_, body) in enumerate(endpoint.sent):
+        if isinstance(body, Heartbeat) and i:
+            assert endpoint.sent_at[i] - endpoint.sent_at[i - 1] >= interval, f"heartbeat {i} came {endpoint.sent_at[i] - endpoint.sent_at[i - 1]:.3f} s after a frame"
+
+
 def test_a_step_stuck_after_shutdown_ends_the_process():
     model = GatedModel(0, 1)
     exits: list[int] = []

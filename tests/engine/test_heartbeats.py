@@ -1,0 +1,35 @@
+"""The scheduler's heartbeat fills a silence: a PREPARE, GO or CUT to every rank tells them the
+scheduler lives as well, so while steps go out more often than heartbeat_s none is sent."""
+
+from __future__ import annotations
+
+from protocol.frames import Heartbeat, Prepare
+from scheduler.request import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.engine.test_ready_in_result import Wire
+from tests.protocol.conversation_helpers import running_scheduler
+from tests.protocol.wire_samples import GEOMETRY
+from tp_runtime.step_loop import EngineTimeouts, StepLoop
+
+
+def test_a_heartbeat_goes_out_only_after_heartbeat_s_without_a_frame() -> None:
+    config = SchedulerConfig(
+        num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=4,
+        max_num_batched_tokens=64, max_model_len=256, max_inflight_steps=2,
+    )  # fmt: skip
+    wire = Wire()
+    timeouts = EngineTimeouts()
+    loop = StepLoop(
+        scheduler=Scheduler(config), endpoint=wire, world_size=1, timeouts=timeouts,  # type: ignore[arg-type]
+        deliver=lambda outputs: None, on_scheduled=lambda plan: None,
+    )  # fmt: skip
+    loop.conversation = running_scheduler(world=1, max_inflight=2, ready_is_go=True)
+    loop.scheduler.add_request(1, [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+    loop._plan()
+    assert [type(body) for body, _ in wire.sent] == [Prepare]
+    sent_at = loop._last_sent
+    loop._welcomed_at = sent_at  # the rank was heard from as the step went out
+    loop._duties(sent_at + timeouts.heartbeat_s * 0.9)
+    assert [type(body) for body, _ in wire.sent] == [Prepare]
+    loop._duties(sent_at + timeouts.heartbeat_s)
+    assert [type(body) for body, _ in wire.sent] == [Prepare, Heartbeat]
