@@ -138,14 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     request = BootstrapRequest(0, tuple(k for k in args.client_keys.split(",") if k))
     endpoint: SchedulerEndpoint | None = None
     try:
-        with os.fdopen(args.bootstrap_fd, "wb") as pipe:
-            try:
-                opened = open_group(config, _first_address(config))
-            except ConfigError as exc:
-                pipe.write(Bootstrap(error=str(exc)).pack())
-                return 2
-            endpoint = opened.endpoint
-            pipe.write(opened.answer(request, config.tensor_parallel_size).pack())
+        try:
+            with os.fdopen(args.bootstrap_fd, "wb") as pipe:
+                try:
+                    opened = open_group(config, _first_address(config))
+                except ConfigError as exc:
+                    pipe.write(Bootstrap(error=str(exc)).pack())
+                    return 2
+                endpoint = opened.endpoint
+                pipe.write(opened.answer(request, config.tensor_parallel_size).pack())
+        except BrokenPipeError:  # whoever waits for the Bootstrap died first: a sentence, not a traceback
+            sys.stderr.write(f"tp-runtime: error: the runtime failed: {down[0] if down else gone}\n")
+            return 1
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
         engine = build_engine(config, endpoint, tokenizer)
         if down:  # a signal came before `engine` was bound

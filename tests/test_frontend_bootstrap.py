@@ -1,0 +1,31 @@
+"""The frontend's Bootstrap pipe: what it does when whoever waits on the other end is gone."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tp_runtime.config import RuntimeConfig
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_a_frontend_whose_reader_died_before_its_bootstrap_says_so_in_a_sentence(tmp_path, capfd):
+    # Rank 0 (or the launcher of `generate`) killed before the frontend wrote its Bootstrap: the
+    # write meets a closed pipe. It was a BrokenPipeError traceback on stderr.
+    from tp_runtime.bootstrap import spawn_frontend
+
+    config = RuntimeConfig(model=str(tmp_path / "missing.gguf"))
+    started = spawn_frontend(config, "generate", ["hi"], [])
+    os.close(started.bootstrap_fd)  # long before the frontend has imported what it needs to answer
+    try:
+        code = started.process.wait(timeout=120)
+    finally:
+        if started.process.poll() is None:
+            started.process.kill()
+            started.process.wait()
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "tp-runtime: error: the runtime failed: rank 0 exited: the runtime is down" in err
+    assert "Traceback" not in err
