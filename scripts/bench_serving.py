@@ -52,7 +52,7 @@ if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scrip
 import httpx  # noqa: E402
 
 from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
-from scripts.harness.metrics import scrape_metrics  # noqa: E402
+from scripts.harness.metrics import scrape_metrics, thread_cpu  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
 from scripts.harness.processes import cpu_seconds  # noqa: E402
 from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigterm  # noqa: E402
@@ -140,9 +140,10 @@ def server_side(results: Sequence[StreamResult], wall_s: float, wanted: int) -> 
     )
 
 
-async def _metrics(url: str) -> dict[str, float] | None:
+async def _metrics(url: str) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """/metrics as numbers, and the CPU seconds of each frontend thread by name."""
     async with httpx.AsyncClient() as client:
-        return await scrape_metrics(client, url)
+        return await scrape_metrics(client, url), await thread_cpu(client, url)
 
 
 def warm_up(url: str, model: str, prompt: tuple[int, ...], timeout_s: float) -> None:
@@ -193,10 +194,12 @@ def bench_servers(
             turn += 1
             for loop in order:
                 url = urls[loop]
-                before = asyncio.run(_metrics(url))
+                before, threads_before = asyncio.run(_metrics(url))
                 cpu_before = _process_cpu(servers.get(loop))
                 results, wall = asyncio.run(run_server_level(url, models[loop], prompts, concurrency, args.output_len, args.request_timeout))
-                pooled[loop].add(results, wall, before, asyncio.run(_metrics(url)), cpu_before, _process_cpu(servers.get(loop)))
+                after, threads_after = asyncio.run(_metrics(url))
+                pooled[loop].add(results, wall, before, after, cpu_before, _process_cpu(servers.get(loop)))
+                pooled[loop].add_threads(threads_before, threads_after)
                 if loop == first and round_ == 0:
                     outputs[concurrency] = [list(r.token_ids) for r in results]
                 side = server_side(results, wall, args.output_len)
@@ -214,6 +217,7 @@ class PooledRounds:
         self.wall_s = 0.0
         self.counters: dict[str, float] | None = {}
         self.cpu_s: dict[str, float] | None = {}
+        self.thread_s: dict[str, float] | None = {}
 
     def add(
         self,
@@ -240,10 +244,20 @@ class PooledRounds:
             for label in cpu_before.keys() & cpu_after.keys():
                 self.cpu_s[label] = self.cpu_s.get(label, 0.0) + cpu_after[label] - cpu_before[label]
 
+    def add_threads(self, before: dict[str, float] | None, after: dict[str, float] | None) -> None:
+        """One round's CPU growth of each frontend thread (None: the server does not say)."""
+        if before is None or after is None or self.thread_s is None:
+            self.thread_s = None
+            return
+        for name in before.keys() & after.keys():
+            self.thread_s[name] = self.thread_s.get(name, 0.0) + after[name] - before[name]
+
     def run(self, loop: str, wanted: int) -> LoopRun:
         overhead = None if self.counters is None else overhead_between({}, self.counters)
-        cpu = None if self.cpu_s is None else cpu_per_token({k: 0.0 for k in self.cpu_s}, self.cpu_s, sum(r.output_tokens for r in self.results))
-        return loop_run(loop, server_side(self.results, self.wall_s, wanted), overhead, cpu)
+        tokens = sum(r.output_tokens for r in self.results)
+        cpu = None if self.cpu_s is None else cpu_per_token({k: 0.0 for k in self.cpu_s}, self.cpu_s, tokens)
+        threads = None if not self.thread_s else cpu_per_token({k: 0.0 for k in self.thread_s}, self.thread_s, tokens)
+        return loop_run(loop, server_side(self.results, self.wall_s, wanted), overhead, cpu, threads)
 
 
 def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:

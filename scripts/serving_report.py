@@ -130,9 +130,15 @@ class LoopRun:
     # (launcher, frontend, rank0, ...), over this level; None for a server this run did not start.
     cpu_ms_per_token: dict[str, float] | None = None
     control_cpu_ms_per_token: float | None = None  # theirs, of every process that does not run the model
+    # The frontend's share of it by thread name (its /metrics' tp_runtime_thread_cpu_seconds_total),
+    # also behind --url; None where the server does not say.
+    thread_cpu_ms_per_token: dict[str, float] | None = None
 
 
-def loop_run(loop: str, side: SideResult, overhead: Overhead | None, cpu_ms_per_token: dict[str, float] | None = None) -> LoopRun:
+def loop_run(
+    loop: str, side: SideResult, overhead: Overhead | None, cpu_ms_per_token: dict[str, float] | None = None,
+    thread_cpu_ms_per_token: dict[str, float] | None = None,
+) -> LoopRun:  # fmt: skip
     return LoopRun(
         loop=loop,
         side=side,
@@ -143,6 +149,7 @@ def loop_run(loop: str, side: SideResult, overhead: Overhead | None, cpu_ms_per_
         control_cpu_ms_per_token=None if cpu_ms_per_token is None else round(
             sum(ms for label, ms in cpu_ms_per_token.items() if not label.startswith("rank")), 4
         ),
+        thread_cpu_ms_per_token=thread_cpu_ms_per_token,
     )
 
 
@@ -294,6 +301,11 @@ def print_summary(report: dict, out: Path) -> None:
                 f"{fmt(side['tpot_median_s'], 1000, '.2f'):>7}ms {fmt(side['tpot_p99_s'], 1000, '.2f'):>7}ms "
                 f"{fmt(share, 100, '.1f'):>5}% {fmt(step, 1000, '.2f'):>8}ms {fmt(cpu, 1, '.3f'):>9}ms"
             )
+        for run in level["runs"]:
+            threads = run.get("thread_cpu_ms_per_token")
+            if threads:
+                shares = ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(threads.items(), key=lambda kv: -kv[1]) if ms >= 0.0005)
+                lines.append(f"{'':>14}{run['loop']} frontend threads, CPU ms/token: {shares}")
         if level["overlap_speedup"] is not None:
             lines.append(f"{'':>14}overlap: TPOT {level['overlap_speedup']:.3f}x faster, tokens/s {level['overlap_throughput_gain']:.3f}x")
     for t in report["targets"]:

@@ -61,6 +61,27 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+M_THREAD_CPU = "tp_runtime_thread_cpu_seconds_total"
+
+
+async def thread_cpu(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+    """The CPU seconds so far of each of the frontend's threads, by name; None where the server
+    does not say (another runtime behind --url, or one from before the metric)."""
+    try:
+        response = await client.get(f"{url}/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    seconds: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == M_THREAD_CPU:
+                thread = sample.labels.get("thread", "")
+                seconds[thread] = seconds.get(thread, 0.0) + float(sample.value)
+    return seconds or None
+
+
 def labelled_value(url: str, name: str, **labels: str) -> float:
     """One sample of /metrics by its labels (0 when absent), e.g. the request errors of one fault."""
     text = httpx.get(f"{url}/metrics", timeout=5.0).text

@@ -128,3 +128,33 @@ def test_bucket_counter_is_prometheus_le():
 def test_size_buckets_are_vllms_1_2_5():
     assert size_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert size_buckets(256)[-1] == 200
+
+
+def test_each_thread_has_its_cpu_time_by_name(scrape):
+    # A thread that burns a known amount of its own CPU is listed by its name with at least that
+    # much, while it is still alive to be read.
+    import threading
+    import time
+
+    _, _, read = scrape
+    burnt, done = threading.Event(), threading.Event()
+    spent: list[float] = []
+
+    def burn() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        spent.append(time.thread_time() - start)
+        burnt.set()
+        done.wait(10)
+
+    worker = threading.Thread(target=burn, name="cpu-burner")
+    worker.start()
+    try:
+        assert burnt.wait(10)
+        _, samples = read()
+    finally:
+        done.set()
+        worker.join(10)
+    assert samples[("tp_runtime_thread_cpu_seconds_total", (("thread", "cpu-burner"),))] >= spent[0]
+    assert samples[("tp_runtime_thread_cpu_seconds_total", (("thread", "MainThread"),))] > 0

@@ -181,6 +181,23 @@ def test_a_round_without_counters_or_processes_leaves_them_out_of_the_pool():
     assert run.model_step_s is None and run.cpu_ms_per_token is None and run.side.requests == 2
 
 
+def test_the_frontend_threads_cpu_per_token_pools_over_rounds_or_is_left_out():
+    from scripts.bench_serving import PooledRounds
+
+    pooled = PooledRounds()
+    zero = dict.fromkeys(OVERHEAD_METRICS, 0.0)
+    for before, after in (({"http": 1.0, "engine-loop": 2.0}, {"http": 1.1, "engine-loop": 2.3}),
+                          ({"http": 1.1, "engine-loop": 2.3}, {"http": 1.2, "engine-loop": 2.4})):  # fmt: skip
+        pooled.add([_stream(10, 0.1, 0.5)], 1.0, zero, zero, {}, {})
+        pooled.add_threads(before, after)
+    assert pooled.run(OVERLAP, 10).thread_cpu_ms_per_token == {
+        "http": pytest.approx(200 / 20, abs=1e-3), "engine-loop": pytest.approx(400 / 20, abs=1e-3),
+    }  # fmt: skip
+    pooled.add([_stream(10, 0.1, 0.5)], 1.0, zero, zero, {}, {})
+    pooled.add_threads(None, {"http": 9.0})  # a round the server did not say: none of them counts
+    assert pooled.run(OVERLAP, 10).thread_cpu_ms_per_token is None
+
+
 def test_rounds_must_be_at_least_one():
     assert parse_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(SystemExit):

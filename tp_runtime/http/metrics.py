@@ -11,6 +11,7 @@ moment the route took the request. docs/http_api.md lists every metric.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -258,12 +259,35 @@ def _histogram(
     return family
 
 
+class ThreadCpuCollector(Collector):
+    """The CPU time of each of this process's Python threads, by name (the engine loop, the HTTP
+    server, the signal watch): which part of the frontend a per-token cost lands on, read at
+    scrape time from each thread's own CPU clock. Threads outside Python (ZeroMQ's I/O thread) are
+    in the process's total only."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_thread_cpu_seconds", "CPU time of each of the frontend's threads, by thread name.", labels=["thread"]
+        )
+        for thread in threading.enumerate():
+            try:
+                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, TypeError):  # ended since the enumeration, or not started yet (no ident)
+                continue
+            family.add_metric([thread.name], seconds)
+        yield family
+
+
 class Metrics:
     """The registry /metrics exposes: the engine's collector plus the HTTP side's own metrics."""
 
     def __init__(self, engine: Engine, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(ThreadCpuCollector())
         self.model_name = model_name
         registry, label = self.registry, (MODEL_LABEL,)
         self.http_requests = Counter(
