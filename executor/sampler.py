@@ -16,10 +16,14 @@ of the token whose logits it holds): its token then depends only on its own logi
 which rows share the batch or on the tensor-parallel size (rank 0 always sees the whole row).
 Unseeded rows share one draw from the default generator.
 
-Top-k and top-p rows are sampled among their candidates: the tokens within a factor of the row's
-most likely one, found by one comparison pass and sorted alone (a partial topk or a full sort of
-the vocabulary costs 10-100x more on a CPU). A row whose nucleus is not inside them (a flat
-distribution) widens the factor, down to every token, so the result is exact either way.
+Top-k and top-p rows are sampled, on a CPU, among their candidates: the tokens within a factor of
+the row's most likely one, found by one comparison pass and sorted alone (a partial topk or a full
+sort of the vocabulary costs 10-100x more on a CPU). A row whose nucleus is not inside them (a flat
+distribution) widens the factor, down to every token, so the result is exact either way. On a GPU
+the rows are sorted whole instead: sizing the candidates reads device values back (each nonzero,
+any and max stalls the host until the forward is done), where a sort is one more kernel in the
+queue. Both draw the same tokens (tests/executor/test_sampler.py); scripts/device_decode.py times
+the device's (sample_ms).
 """
 
 from __future__ import annotations
@@ -335,6 +339,13 @@ def _draw_filtered(
 ) -> torch.Tensor:
     vocab = probs.shape[1]
     k = torch.where(top_k > 0, top_k.long(), torch.full_like(top_k, vocab, dtype=torch.long))
+    draw = _draw_candidates if probs.device.type == "cpu" else _draw_sorted
+    return draw(probs, k, top_p, uniforms)
+
+
+def _draw_candidates(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The filtered draw on a CPU, where a sort of the vocabulary costs 10-100x a pass: among each
+    row's candidates, widened until they hold its nucleus."""
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     pending = torch.arange(probs.shape[0], device=probs.device)
     for ratio in CANDIDATE_RATIOS:
@@ -360,6 +371,14 @@ def _draw_filtered(
         if not pending.numel():
             break
     return out
+
+
+def _draw_sorted(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The filtered draw over every row sorted whole, with no read of a device value (the module
+    says why a GPU takes it). The candidates are a prefix of this order, ties in id order in both,
+    so its tokens are the candidates' draw's."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    return _pick_sorted(sorted_probs, order, k, top_p, uniforms)
 
 
 def _sorted_by_row(

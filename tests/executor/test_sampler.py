@@ -149,7 +149,8 @@ def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
 
 
 def test_candidates_pick_exactly_what_a_full_sort_picks():
-    from executor.sampler import _draw_filtered, _pick_sorted
+    # The CPU's draw among candidates and a device's over the whole sorted row (_draw_sorted).
+    from executor.sampler import _draw_candidates, _draw_sorted
 
     g = torch.Generator().manual_seed(11)
     rows, vocab = 96, 3000
@@ -162,9 +163,7 @@ def test_candidates_pick_exactly_what_a_full_sort_picks():
     top_p = torch.where(torch.rand(rows, generator=g) < 0.8, torch.rand(rows, generator=g), torch.ones(rows))
     uniforms = torch.rand(rows, generator=g)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
-    expected = _pick_sorted(sorted_probs, sorted_ids, k, top_p, uniforms)
-    assert torch.equal(_draw_filtered(probs, top_k, top_p, uniforms), expected)
+    assert torch.equal(_draw_candidates(probs, k, top_p, uniforms), _draw_sorted(probs, k, top_p, uniforms))
 
 
 def test_host_rows_that_do_not_describe_the_batch_are_refused():
@@ -186,12 +185,14 @@ def test_host_rows_that_do_not_describe_the_batch_are_refused():
         replace(mixed.host, num_logprobs=np.ones(5, dtype=np.uint8))
 
 
-def test_on_a_device_the_sampler_reads_nothing_back_but_for_a_filtered_draw():
+def test_on_a_device_the_sampler_reads_nothing_back():
     # A GPU's host stalls at every read of a device value (bool(), .item(), nonzero, a copy): the
     # GPU check's trace showed eight between two forwards. "meta" tensors hold no data, so any
-    # such read raises: greedy rows, rows drawn with a temperature (seeded or not) and logprob
-    # alternatives read nothing back. A top-p row's filtered draw does read (its candidate rounds
-    # branch on the device's values): the test's negative control.
+    # such read raises: greedy rows, rows drawn with a temperature (seeded or not), top-k and
+    # top-p rows and logprob alternatives read nothing back. The CPU's candidate rounds do read
+    # (they branch on the values): the test's negative control.
+    from executor.sampler import _draw_candidates
+
     rows, vocab = 4, 50
     temperature = [0.0, 0.7, 1.0, 0.0]
     params = SamplingBatch.of(temperature, [1.0] * rows, [0] * rows, [-1, 5, -1, -1], range(rows), device="meta",
@@ -199,9 +200,12 @@ def test_on_a_device_the_sampler_reads_nothing_back_but_for_a_filtered_draw():
     out = sample(torch.empty(rows, vocab, device="meta"), params)
     assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
     assert out.top_ids.shape == (rows, 2) and out.top_ids.device.type == "meta"
-    filtered = SamplingBatch.of(temperature, [1.0, 0.9, 1.0, 1.0], [0] * rows, [-1] * rows, range(rows), device="meta")
+    filtered = SamplingBatch.of(temperature, [1.0, 0.9, 1.0, 0.5], [0, 0, 5, 3], [-1, 7, -1, -1], range(rows), device="meta")
+    out = sample(torch.empty(rows, vocab, device="meta"), filtered)
+    assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
+    k = torch.full((rows,), vocab, device="meta")
     with pytest.raises(NotImplementedError):
-        sample(torch.empty(rows, vocab, device="meta"), filtered)
+        _draw_candidates(torch.empty(rows, vocab, device="meta"), k, torch.empty(rows, device="meta"), torch.empty(rows, device="meta"))
 
 
 def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
