@@ -42,8 +42,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     errors.install(app, metrics.request_rejects.labels("invalid").inc)
 
     status.register(app, engine, metrics, settings.served_model_names, settings.model_path or settings.model_name)
-    generate.register(app, service)
-    openai.register(app, service, settings.served_model_names)
+    # The routes that make the model generate read and answer their bodies themselves: as plain
+    # Starlette routes they skip FastAPI's dependency solving and response handling, a tenth of the
+    # HTTP thread's calls per request (bench_http.py --calls).
+    for path, endpoint in (*generate.endpoints(service), *openai.endpoints(service, settings.served_model_names)):
+        app.router.add_route(path, endpoint, methods=["POST"])
     tokenize.register(app, service, settings.served_model_names)
 
     # add_middleware wraps what is there already: the last added runs first.

@@ -4,9 +4,9 @@ built around). The whole text comes back as one `data:` line, or streamed as one
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from tp_runtime.http.api_models import GenerateRequest
@@ -44,8 +44,8 @@ async def generate(service: GenerationService, request: Request) -> Response:
     return service.stream(events(), error_events)
 
 
-def register(app: FastAPI, service: GenerationService) -> None:
+def endpoints(service: GenerationService) -> list[tuple[str, Callable[[Request], Awaitable[Response]]]]:
     async def _generate(request: Request) -> Response:
         return await generate(service, request)
 
-    app.add_api_route(PATH, _generate, methods=["POST"], response_model=None)
+    return [(PATH, _generate)]

@@ -14,11 +14,11 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tp_runtime.http import logprobs, structured_output, tool_calls, validation
@@ -360,7 +360,5 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         return logprobs.for_chat(self.service.tokenizer, tokens) if reply.logprobs else None
 
 
-def register(app: FastAPI, service: GenerationService, served_model_names: Sequence[str]) -> None:
-    for endpoint_type in (Completions, ChatCompletions):
-        endpoint = endpoint_type(service, served_model_names)
-        app.add_api_route(endpoint.path, endpoint.handle, methods=["POST"], response_model=None)
+def endpoints(service: GenerationService, served_model_names: Sequence[str]) -> list[tuple[str, Callable[[Request], Awaitable[Response]]]]:
+    return [(endpoint.path, endpoint.handle) for endpoint in (Completions(service, served_model_names), ChatCompletions(service, served_model_names))]
