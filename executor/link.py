@@ -1,8 +1,8 @@
 """An executor's link to the scheduler: a thread that owns the socket and the conversation.
 
 It runs beside the model, so that three things never wait for a forward:
-- a frame goes out at least every heartbeat interval, also while a step runs (a heartbeat when no
-  READY or RESULT did): a rank that stops (SIGSTOP, a hang) is seen by its silence within seconds,
+- a frame goes out at least every heartbeat interval, also while a step runs (a heartbeat when
+  nothing else did): a rank that stops (SIGSTOP, a hang) is seen by its silence within seconds,
   and a healthy rank waiting in a collective for it is not;
 - the next step's PREPARE is decoded, validated, its page tables resolved and its inputs staged
   while the current step runs, and READY goes out at once: with the scheduler planning ahead, the

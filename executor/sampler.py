@@ -78,7 +78,8 @@ class LogitsProcessing:
 class HostRows:
     """What the PREPARE says of each row, on the host: the sampler branches on these and draws the
     seeded uniforms from them without reading a device value (on a GPU each such read stalls the
-    host between two forwards). Only the filtered draw (top-k, top-p) still reads the device."""
+    host between two forwards). Nothing reads the device but the CPU's filtered draw (a CPU has
+    nothing to wait for)."""
 
     greedy: np.ndarray  # bool[m]: temperature 0
     filtered: np.ndarray  # bool[m]: top-k or top-p cuts the vocabulary
@@ -358,7 +359,8 @@ def _draw_candidates(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, 
         # The nucleus ends inside the candidates when top-k cuts there, or when they already hold
         # more than top_p of the mass (every later token then has mass_before > top_p). Decided per
         # row from the row alone, so a seeded row's path never depends on its neighbours.
-        covered = (k[pending] <= count) | (mass > top_p[pending]) | (ratio == 0.0)
+        # top_p 1 is off: a float32 mass over 1.0 must not cut a top-k row to its candidates.
+        covered = (k[pending] <= count) | ((top_p[pending] < 1) & (mass > top_p[pending])) | (ratio == 0.0)
         if bool(covered.any()):
             local = torch.full((rows.shape[0],), -1, dtype=torch.long, device=rows.device)
             done = torch.nonzero(covered).squeeze(1)

@@ -29,3 +29,26 @@ def test_a_frontend_whose_reader_died_before_its_bootstrap_says_so_in_a_sentence
     assert code == 1
     assert "tp-runtime: error: the runtime failed: rank 0 exited: the runtime is down" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_a_refusal_nobody_could_read_is_said_by_the_frontend(tmp_path, capfd, monkeypatch):
+    # Across hosts with no way to share the frame key, the frontend refuses its group (a
+    # ConfigError for the Bootstrap); with the reader gone, the refusal is still what it says.
+    from tp_runtime.bootstrap import spawn_frontend
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    config = RuntimeConfig(model=str(tmp_path / "missing.gguf"))
+    started = spawn_frontend(config, "generate", ["hi"], [])
+    os.close(started.bootstrap_fd)
+    try:
+        code = started.process.wait(timeout=120)
+    finally:
+        if started.process.poll() is None:
+            started.process.kill()
+            started.process.wait()
+    err = capfd.readouterr().err
+    assert code == 2
+    assert "tp-runtime: error: across hosts pass --frame-key-dir or --trust-rendezvous-store" in err
+    assert "Traceback" not in err

@@ -392,13 +392,13 @@ class Engine:
             self._failure = self._failure or f"engine loop failed: {exc!r}"
             log.exception("engine loop failed")
         finally:
-            self._ready.set()
-            reason = self._failure or self._shutdown_reason
-            self._fail_all(reason, Fault.RUNTIME_DOWN if self._failure is not None else Fault.SHUTDOWN)
-            self._snapshot = self._make_stats()
             try:
+                self._ready.set()
+                reason = self._failure or self._shutdown_reason
+                self._fail_all(reason, Fault.RUNTIME_DOWN if self._failure is not None else Fault.SHUTDOWN)
+                self._snapshot = self._make_stats()
                 self._loop.shutdown_ranks(reason)
-            finally:
+            finally:  # whatever the clean-up met: the frontend's main thread waits for this
                 self._down.set()
 
     def _serve_group(self) -> None:

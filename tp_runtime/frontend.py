@@ -137,17 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     request = BootstrapRequest(0, tuple(k for k in args.client_keys.split(",") if k))
     endpoint: SchedulerEndpoint | None = None
+    refused: ConfigError | None = None
     try:
         try:
             with os.fdopen(args.bootstrap_fd, "wb") as pipe:
                 try:
                     opened = open_group(config, _first_address(config))
                 except ConfigError as exc:
+                    refused = exc
                     pipe.write(Bootstrap(error=str(exc)).pack())
                     return 2
                 endpoint = opened.endpoint
                 pipe.write(opened.answer(request, config.tensor_parallel_size).pack())
         except BrokenPipeError:  # whoever waits for the Bootstrap died first: a sentence, not a traceback
+            if refused is not None:  # nobody took the refusal: it is said here
+                sys.stderr.write(f"tp-runtime: error: {refused}\n")
+                return 2
             sys.stderr.write(f"tp-runtime: error: the runtime failed: {down[0] if down else gone}\n")
             return 1
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Allocator slack and temporaries the estimate does not name (vLLM's profiling run sees them).
 ACTIVATION_SLACK = 2
+# What sampling holds per logit at its peak: the fp32 logits, their log-softmax and probabilities,
+# and on a GPU a filtered draw's sort of whole rows (values and int64 ids) with its prefix sums and
+# weights (executor/sampler.py `_draw_sorted`).
+SAMPLING_BYTES_PER_LOGIT = 4 * 3 + (4 + 8) + 4 * 3
 
 
 def weight_bytes_per_rank(model: ModelConfig, dtype: str, world: int) -> int:
@@ -38,7 +42,7 @@ def weight_bytes_per_rank(model: ModelConfig, dtype: str, world: int) -> int:
 def activation_bytes(model: ModelConfig, dtype: str, tokens: int, rows: int) -> int:
     h = model.hidden_size
     per_token = (4 * h + model.num_heads * model.head_dim * 3 + 2 * model.intermediate_size) * DTYPE_BYTES[dtype]
-    logits = rows * model.vocab_size * 4 * 2  # fp32 logits and their log-softmax
+    logits = rows * model.vocab_size * SAMPLING_BYTES_PER_LOGIT
     return ACTIVATION_SLACK * (tokens * per_token + logits)
 
 

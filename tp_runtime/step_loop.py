@@ -72,11 +72,12 @@ class EngineTimeouts:
     first_step_s: float = 120.0
     step_floor_s: float = 5.0  # no measured deadline is shorter than this
     step_margin: float = 10.0  # a step may take this many times the longest like it measured so far
-    # No frame from a rank for this long: it stopped. Executors heartbeat every 0.25 s beside their
-    # forward (ExecutorOptions.heartbeat_interval_s), and frames that arrived while this process
-    # did not run count as heard when it reads them. The longest silence a live rank showed with the
-    # 2-core machine at load 5-6 was 0.29 s (tp_runtime_peer_longest_silence_seconds, docs/reports.md):
-    # 1.5 s finds a stopped rank within the issue's 2 s with five times that margin.
+    # No frame from a rank for this long: it stopped. Executors send a frame at least every 0.25 s
+    # beside their forward, a heartbeat when nothing else went (ExecutorOptions.heartbeat_interval_s),
+    # and frames that arrived while this process did not run count as heard when it reads them. The
+    # longest silence a live rank showed with the 2-core machine at load 5-6 was 0.29 s
+    # (tp_runtime_peer_longest_silence_seconds, docs/reports.md): 1.5 s finds a stopped rank within
+    # the issue's 2 s with five times that margin.
     peer_silence_s: float = 1.5
     heartbeat_s: float = 0.5
     refusal_grace_s: float = 5.0  # after a refused handshake, how long ranks still starting are told to exit
@@ -400,7 +401,8 @@ class StepLoop:
         steps are in flight (their deadlines). Not after every frame: with steps back to back that
         was several times per step, for detections whose thresholds are seconds; and an idle loop
         wakes for the ranks' heartbeats anyway."""
-        beat = self._last_sent + self.timeouts.heartbeat_s
+        # Bounded by the last duties too: frames that keep going out never put the looks off.
+        beat = min(self._last_sent, self._duties_at) + self.timeouts.heartbeat_s
         return min(self._duties_at + DUTY_INTERVAL_S, beat) if self._inflight else beat
 
     def check_closed(self) -> None:

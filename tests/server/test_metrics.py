@@ -131,30 +131,34 @@ def test_size_buckets_are_vllms_1_2_5():
 
 
 def test_each_thread_has_its_cpu_time_by_name(scrape):
-    # A thread that burns a known amount of its own CPU is listed by its name with at least that
-    # much, while it is still alive to be read.
+    # Two threads of one name that burn a known amount of their own CPU are one series with at
+    # least their sum, while they are still alive to be read.
     import threading
     import time
 
     _, _, read = scrape
-    burnt, done = threading.Event(), threading.Event()
+    done = threading.Event()
     spent: list[float] = []
+    burnt = threading.Barrier(3)
 
     def burn() -> None:
         start = time.thread_time()
         while time.thread_time() - start < 0.05:
             pass
         spent.append(time.thread_time() - start)
-        burnt.set()
+        burnt.wait(10)
         done.wait(10)
 
-    worker = threading.Thread(target=burn, name="cpu-burner")
-    worker.start()
+    workers = [threading.Thread(target=burn, name="cpu-burner") for _ in range(2)]
+    for worker in workers:
+        worker.start()
     try:
-        assert burnt.wait(10)
-        _, samples = read()
+        burnt.wait(10)
+        families, samples = read()
     finally:
         done.set()
-        worker.join(10)
-    assert samples[("tp_runtime_thread_cpu_seconds_total", (("thread", "cpu-burner"),))] >= spent[0]
+        for worker in workers:
+            worker.join(10)
+    burners = [s for s in families["tp_runtime_thread_cpu_seconds"].samples if s.labels == {"thread": "cpu-burner"}]
+    assert len(burners) == 1 and burners[0].value >= sum(spent)
     assert samples[("tp_runtime_thread_cpu_seconds_total", (("thread", "MainThread"),))] > 0

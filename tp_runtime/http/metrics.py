@@ -262,8 +262,10 @@ def _histogram(
 class ThreadCpuCollector(Collector):
     """The CPU time of each of this process's Python threads, by name (the engine loop, the HTTP
     server, the signal watch): which part of the frontend a per-token cost lands on, read at
-    scrape time from each thread's own CPU clock. Threads outside Python (ZeroMQ's I/O thread) are
-    in the process's total only."""
+    scrape time from Linux's account of each thread (/proc/self/task/TID/schedstat, nanoseconds),
+    which a thread that has just ended leaves missing rather than reused. Threads of one name
+    are summed; threads outside Python (ZeroMQ's I/O thread) are in the process's total only. No
+    samples where /proc has no such account."""
 
     def describe(self) -> list[Metric]:
         return []
@@ -272,12 +274,16 @@ class ThreadCpuCollector(Collector):
         family = CounterMetricFamily(
             f"{PREFIX}_thread_cpu_seconds", "CPU time of each of the frontend's threads, by thread name.", labels=["thread"]
         )
+        seconds: dict[str, float] = {}
         for thread in threading.enumerate():
             try:
-                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, TypeError):  # ended since the enumeration, or not started yet (no ident)
+                with open(f"/proc/self/task/{thread.native_id}/schedstat", "rb") as f:
+                    used = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):  # ended since the enumeration, not started, no /proc
                 continue
-            family.add_metric([thread.name], seconds)
+            seconds[thread.name] = seconds.get(thread.name, 0.0) + used
+        for name, value in seconds.items():
+            family.add_metric([name], value)
         yield family
 
 
