@@ -52,7 +52,7 @@ if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scrip
 import httpx  # noqa: E402
 
 from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
-from scripts.harness.metrics import scrape_metrics, thread_cpu  # noqa: E402
+from scripts.harness.metrics import metrics_text, parse_metrics, thread_seconds  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
 from scripts.harness.processes import cpu_seconds  # noqa: E402
 from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigterm  # noqa: E402
@@ -143,7 +143,8 @@ def server_side(results: Sequence[StreamResult], wall_s: float, wanted: int) -> 
 async def _metrics(url: str) -> tuple[dict[str, float] | None, dict[str, float] | None]:
     """/metrics as numbers, and the CPU seconds of each frontend thread by name."""
     async with httpx.AsyncClient() as client:
-        return await scrape_metrics(client, url), await thread_cpu(client, url)
+        text = await metrics_text(client, url)
+    return (None, None) if text is None else (parse_metrics(text), thread_seconds(text))
 
 
 def warm_up(url: str, model: str, prompt: tuple[int, ...], timeout_s: float) -> None:

@@ -4,43 +4,21 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from tp_runtime.config import RuntimeConfig
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
-def test_a_frontend_whose_reader_died_before_its_bootstrap_says_so_in_a_sentence(tmp_path, capfd):
-    # Rank 0 (or the launcher of `generate`) killed before the frontend wrote its Bootstrap: the
-    # write meets a closed pipe. It was a BrokenPipeError traceback on stderr.
+
+def _frontend_whose_reader_is_gone(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """A `generate` frontend whose Bootstrap pipe's read end is closed long before it has imported
+    what it needs to answer (rank 0, or the launcher, killed first): its exit code and stderr."""
     from tp_runtime.bootstrap import spawn_frontend
 
-    config = RuntimeConfig(model=str(tmp_path / "missing.gguf"))
-    started = spawn_frontend(config, "generate", ["hi"], [])
-    os.close(started.bootstrap_fd)  # long before the frontend has imported what it needs to answer
-    try:
-        code = started.process.wait(timeout=120)
-    finally:
-        if started.process.poll() is None:
-            started.process.kill()
-            started.process.wait()
-    err = capfd.readouterr().err
-    assert code == 1
-    assert "tp-runtime: error: the runtime failed: rank 0 exited: the runtime is down" in err
-    assert "Traceback" not in err
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
-def test_a_refusal_nobody_could_read_is_said_by_the_frontend(tmp_path, capfd, monkeypatch):
-    # Across hosts with no way to share the frame key, the frontend refuses its group (a
-    # ConfigError for the Bootstrap); with the reader gone, the refusal is still what it says.
-    from tp_runtime.bootstrap import spawn_frontend
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    config = RuntimeConfig(model=str(tmp_path / "missing.gguf"))
-    started = spawn_frontend(config, "generate", ["hi"], [])
+    started = spawn_frontend(RuntimeConfig(model=str(tmp_path / "missing.gguf")), "generate", ["hi"], [])
     os.close(started.bootstrap_fd)
     try:
         code = started.process.wait(timeout=120)
@@ -48,7 +26,23 @@ def test_a_refusal_nobody_could_read_is_said_by_the_frontend(tmp_path, capfd, mo
         if started.process.poll() is None:
             started.process.kill()
             started.process.wait()
-    err = capfd.readouterr().err
+    return code, capfd.readouterr().err
+
+
+def test_a_frontend_whose_reader_died_before_its_bootstrap_says_so_in_a_sentence(tmp_path, capfd):
+    # The write meets a closed pipe: it was a BrokenPipeError traceback on stderr.
+    code, err = _frontend_whose_reader_is_gone(tmp_path, capfd)
+    assert code == 1
+    assert "tp-runtime: error: the runtime failed: rank 0 exited: the runtime is down" in err
+    assert "Traceback" not in err
+
+
+def test_a_refusal_nobody_could_read_is_said_by_the_frontend(tmp_path, capfd, monkeypatch):
+    # Across hosts with no way to share the frame key, the frontend refuses its group (a
+    # ConfigError for the Bootstrap); with the reader gone, the refusal is still what it says.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    code, err = _frontend_whose_reader_is_gone(tmp_path, capfd)
     assert code == 2
     assert "tp-runtime: error: across hosts pass --frame-key-dir or --trust-rendezvous-store" in err
     assert "Traceback" not in err

@@ -64,17 +64,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 M_THREAD_CPU = "tp_runtime_thread_cpu_seconds_total"
 
 
-async def thread_cpu(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
-    """The CPU seconds so far of each of the frontend's threads, by name; None where the server
-    does not say (another runtime behind --url, or one from before the metric)."""
-    try:
-        response = await client.get(f"{url}/metrics", timeout=5.0)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
+def thread_seconds(text: str) -> dict[str, float] | None:
+    """From /metrics text: the CPU seconds so far of each of the frontend's threads, by name; None
+    where the server does not say (another runtime behind --url, or one from before the metric)."""
     seconds: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == M_THREAD_CPU:
                 thread = sample.labels.get("thread", "")
@@ -101,15 +95,19 @@ class MetricsSample:
         return self.values.get(name)
 
 
-async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
-    """The server's /metrics, or None where it has none (another runtime behind --url)."""
+async def metrics_text(client: httpx.AsyncClient, url: str) -> str | None:
+    """The server's /metrics text, or None where it has none (another runtime behind --url)."""
     try:
         response = await client.get(f"{url}/metrics", timeout=5.0)
     except httpx.HTTPError:
         return None
-    if response.status_code != 200:
-        return None
-    return parse_metrics(response.text)
+    return response.text if response.status_code == 200 else None
+
+
+async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+    """The server's /metrics as numbers, or None where it has none."""
+    text = await metrics_text(client, url)
+    return None if text is None else parse_metrics(text)
 
 
 def read_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float] | None:

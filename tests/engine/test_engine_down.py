@@ -14,13 +14,18 @@ from tp_runtime.engine import Engine
 from tp_runtime.step_loop import EngineTimeouts
 
 
-@pytest.fixture
-def engine():
+def _engine(timeouts: EngineTimeouts = EngineTimeouts()) -> Engine:
+    """An engine of one rank that never says HELLO."""
     endpoint = SchedulerEndpoint(ipc_address(), new_key(), "run-under-test")
     scheduler = Scheduler(
         SchedulerConfig(num_kv_pages=32, page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     )
-    engine = Engine(scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="tiny", max_model_len=256)
+    return Engine(scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="tiny", max_model_len=256, timeouts=timeouts)
+
+
+@pytest.fixture
+def engine():
+    engine = _engine()
     try:
         yield engine
     finally:
@@ -42,16 +47,9 @@ def test_a_failure_from_another_thread_wakes_the_waiter(engine):
 
 
 def test_the_engine_is_down_once_its_thread_ends_by_itself():
-    # No rank ever says HELLO: the handshake times out and the engine thread ends on its own,
-    # with nobody calling fail() or shutdown().
-    endpoint = SchedulerEndpoint(ipc_address(), new_key(), "run-under-test")
-    scheduler = Scheduler(
-        SchedulerConfig(num_kv_pages=32, page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
-    )
-    engine = Engine(
-        scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="tiny", max_model_len=256,
-        timeouts=EngineTimeouts(handshake_s=0.2),
-    )  # fmt: skip
+    # The handshake times out and the engine thread ends on its own, with nobody calling fail()
+    # or shutdown().
+    engine = _engine(EngineTimeouts(handshake_s=0.2))
     try:
         engine.start()
         assert engine.wait_down(30)
@@ -67,14 +65,7 @@ def test_the_engine_is_down_once_its_thread_ends_by_itself():
 def test_a_clean_up_that_fails_still_leaves_the_engine_down(monkeypatch):
     # The engine thread's last words (failing the streams, a stats snapshot, telling the ranks)
     # may themselves raise after a loop that failed on bad state: the frontend must not wait on.
-    endpoint = SchedulerEndpoint(ipc_address(), new_key(), "run-under-test")
-    scheduler = Scheduler(
-        SchedulerConfig(num_kv_pages=32, page_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
-    )
-    engine = Engine(
-        scheduler=scheduler, endpoint=endpoint, world_size=1, model_name="tiny", max_model_len=256,
-        timeouts=EngineTimeouts(handshake_s=0.2),
-    )  # fmt: skip
+    engine = _engine(EngineTimeouts(handshake_s=0.2))
 
     def broken(*args, **kwargs):
         raise RuntimeError("the stats walk met a broken scheduler")

@@ -78,18 +78,18 @@ class LoneRank:
         self.wire.inbox.append(Received(0, Frame(V, 1, RUN_ID, step, 0, body), None))
 
 
-def lone_rank_loop() -> tuple[StepLoop, Wire, LoneRank]:
+def lone_rank_loop(timeouts: EngineTimeouts = EngineTimeouts(ready_s=READY_S, heartbeat_s=float("inf"))) -> tuple[StepLoop, Wire, LoneRank]:
     config = SchedulerConfig(
         num_kv_pages=GEOMETRY.num_kv_pages, page_size=GEOMETRY.page_size, max_num_seqs=4,
         max_num_batched_tokens=64, max_model_len=256, max_inflight_steps=2,
     )  # fmt: skip
     wire = Wire()
     loop = StepLoop(
-        scheduler=Scheduler(config), endpoint=wire, world_size=1, timeouts=EngineTimeouts(ready_s=READY_S, heartbeat_s=float("inf")),  # type: ignore[arg-type]
+        scheduler=Scheduler(config), endpoint=wire, world_size=1, timeouts=timeouts,  # type: ignore[arg-type]
         deliver=lambda outputs: None, on_scheduled=lambda plan: None,
     )  # fmt: skip
     loop.conversation = running_scheduler(world=1, max_inflight=2, ready_is_go=True)
-    loop._duties_at = float("inf")  # the tests run the deadline check themselves (and no heartbeat is due)
+    loop._duties_at = float("inf")  # the tests run the deadline check themselves (and, by default, no heartbeat is due)
     loop.scheduler.add_request(1, [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
     return loop, wire, LoneRank(wire)
 

@@ -198,6 +198,20 @@ def test_the_frontend_threads_cpu_per_token_pools_over_rounds_or_is_left_out():
     assert pooled.run(OVERLAP, 10).thread_cpu_ms_per_token is None
 
 
+def test_the_frontend_threads_seconds_are_read_by_name_from_metrics_text():
+    from scripts.harness.metrics import thread_seconds
+
+    text = (
+        "# TYPE tp_runtime_thread_cpu_seconds counter\n"
+        'tp_runtime_thread_cpu_seconds_total{thread="http"} 1.5\n'
+        'tp_runtime_thread_cpu_seconds_total{thread="engine-loop"} 2.25\n'
+        "# TYPE tp_runtime_steps counter\n"
+        "tp_runtime_steps_total 7.0\n"
+    )
+    assert thread_seconds(text) == {"http": 1.5, "engine-loop": 2.25}
+    assert thread_seconds("# TYPE tp_runtime_steps counter\ntp_runtime_steps_total 7.0\n") is None
+
+
 def test_rounds_must_be_at_least_one():
     assert parse_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(SystemExit):
