@@ -148,19 +148,22 @@ def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
     assert out.token_ids.max().item() > 256
 
 
-def test_candidates_pick_exactly_what_a_full_sort_picks():
+@pytest.mark.parametrize("peaked_only", [False, True], ids=["every-widening", "first-round"])
+def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
     # The CPU's draw among candidates and a device's over the whole sorted row (_draw_sorted).
     from executor.sampler import _draw_candidates, _draw_sorted
 
     g = torch.Generator().manual_seed(11)
     rows, vocab = 96, 3000
     # Peaked, medium and flat rows, ties included (rounded logits), so that every candidate
-    # widening is taken: the picks must be those of the nucleus over the fully sorted row.
-    scale = torch.tensor([8.0, 2.0, 0.2]).repeat(rows // 3)[:, None]
+    # widening is taken; or peaked rows that all cut (top_p under 1), all drawn in the first round.
+    # The picks must be those of the nucleus over the fully sorted row.
+    scale = torch.tensor([8.0] if peaked_only else [8.0, 2.0, 0.2]).repeat(rows if peaked_only else rows // 3)[:, None]
     logits = (torch.randn(rows, vocab, generator=g) * scale).round(decimals=1)
     probs = torch.softmax(logits, dim=-1)
     top_k = torch.randint(0, 50, (rows,), generator=g) * (torch.rand(rows, generator=g) < 0.4)
-    top_p = torch.where(torch.rand(rows, generator=g) < 0.8, torch.rand(rows, generator=g), torch.ones(rows))
+    cuts = torch.ones(rows, dtype=torch.bool) if peaked_only else torch.rand(rows, generator=g) < 0.8
+    top_p = torch.where(cuts, torch.rand(rows, generator=g) * 0.98 + 0.01, torch.ones(rows))
     uniforms = torch.rand(rows, generator=g)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
     assert torch.equal(_draw_candidates(probs, k, top_p, uniforms), _draw_sorted(probs, k, top_p, uniforms))
