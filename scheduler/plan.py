@@ -261,11 +261,11 @@ def _continued(
 
 def assemble(
     batch: Batch, step: int, dec_rows: np.ndarray | None, b: StepBuilder, poison: np.ndarray, prev: StepPlan | None,
-    forwards: int = 1,
+    forwards: int = 1, first_row_end: int = 1,
 ) -> StepPlan:
     """The PREPARE of the step: every batch row decoding (dec_rows None) or dec_rows then b.rows.
     prev: the step the ranks ran or run last (Steps.base), whose samples rows may feed back;
-    forwards: its decode_steps.
+    forwards: its decode_steps; first_row_end: StepPlan's.
     The rows advance by what they compute, and count the samples the step will produce."""
     cleared = cat(b.cleared)
     if cleared.shape[0] > 1:
@@ -290,5 +290,6 @@ def assemble(
     batch.ncomp[rows] = prepare.final_context_lens
     batch.pending[rows] += prepare.sample if forwards == 1 else forwards  # several: every row is sampled
     return StepPlan(
-        step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded), brief
+        step, prepare, rows, batch.moves, tuple(b.restore_slots), tuple(b.restored), tuple(b.offloaded), brief,
+        first_row_end,
     )

@@ -15,8 +15,6 @@ happens when a step ends is in steps.py; running.py plans the running rows' shar
 
 from __future__ import annotations
 
-import dataclasses
-
 from collections import deque
 from collections.abc import Sequence
 
@@ -174,9 +172,9 @@ class Scheduler:
                 return None
         kv = self.kv
         poison = np.unique(kv.pool.take_freed()).astype(_I32) if self.config.poison_freed_pages else EMPTY_I32
-        plan = assemble(self.batch, self._steps.next_step(), dec_rows, b, poison, self._steps.base(), rows.forwards)
-        if rows.forwards > 1:
-            plan = dataclasses.replace(plan, first_row_end=rows.first_row_end)
+        plan = assemble(
+            self.batch, self._steps.next_step(), dec_rows, b, poison, self._steps.base(), rows.forwards, rows.first_row_end
+        )
         self._steps.planned(plan)
         return plan
 
