@@ -137,22 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     request = BootstrapRequest(0, tuple(k for k in args.client_keys.split(",") if k))
     endpoint: SchedulerEndpoint | None = None
-    refused: ConfigError | None = None
     try:
         try:
-            with os.fdopen(args.bootstrap_fd, "wb") as pipe:
-                try:
-                    opened = open_group(config, _first_address(config))
-                except ConfigError as exc:
-                    refused = exc
-                    pipe.write(Bootstrap(error=str(exc)).pack())
-                    return 2
-                endpoint = opened.endpoint
-                pipe.write(opened.answer(request, config.tensor_parallel_size).pack())
-        except BrokenPipeError:  # whoever waits for the Bootstrap died first: a sentence, not a traceback
-            if refused is not None:  # nobody took the refusal: it is said here
-                sys.stderr.write(f"tp-runtime: error: {refused}\n")
-                return 2
+            opened = open_group(config, _first_address(config))
+        except ConfigError as exc:
+            if not _answer(args.bootstrap_fd, Bootstrap(error=str(exc))):  # nobody took the refusal: said here
+                sys.stderr.write(f"tp-runtime: error: {exc}\n")
+            return 2
+        endpoint = opened.endpoint
+        if not _answer(args.bootstrap_fd, opened.answer(request, config.tensor_parallel_size)):
             sys.stderr.write(f"tp-runtime: error: the runtime failed: {down[0] if down else gone}\n")
             return 1
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
@@ -172,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown("the frontend exited")
         if endpoint is not None:
             endpoint.close()
+
+
+def _answer(fd: int, bootstrap: Bootstrap) -> bool:
+    """Writes the Bootstrap on its pipe; False when whoever waits for it died first (a sentence
+    of the caller's then, not a BrokenPipeError traceback)."""
+    try:
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(bootstrap.pack())
+    except BrokenPipeError:
+        return False
+    return True
 
 
 def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
