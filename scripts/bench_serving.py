@@ -239,26 +239,30 @@ class PooledRounds:
         else:
             for name, value in zip(OVERHEAD_METRICS, astuple(growth)):
                 self.counters[name] = self.counters.get(name, 0.0) + value
-        if not cpu_before or self.cpu_s is None:
-            self.cpu_s = None
-        else:
-            for label in cpu_before.keys() & cpu_after.keys():
-                self.cpu_s[label] = self.cpu_s.get(label, 0.0) + cpu_after[label] - cpu_before[label]
+        self.cpu_s = _grown(self.cpu_s, cpu_before, cpu_after)
 
     def add_threads(self, before: dict[str, float] | None, after: dict[str, float] | None) -> None:
         """One round's CPU growth of each frontend thread (None: the server does not say)."""
-        if before is None or after is None or self.thread_s is None:
-            self.thread_s = None
-            return
-        for name in before.keys() & after.keys():
-            self.thread_s[name] = self.thread_s.get(name, 0.0) + after[name] - before[name]
+        self.thread_s = _grown(self.thread_s, before, after)
 
     def run(self, loop: str, wanted: int) -> LoopRun:
         overhead = None if self.counters is None else overhead_between({}, self.counters)
         tokens = sum(r.output_tokens for r in self.results)
-        cpu = None if self.cpu_s is None else cpu_per_token({k: 0.0 for k in self.cpu_s}, self.cpu_s, tokens)
-        threads = None if not self.thread_s else cpu_per_token({k: 0.0 for k in self.thread_s}, self.thread_s, tokens)
-        return loop_run(loop, server_side(self.results, self.wall_s, wanted), overhead, cpu, threads)
+
+        def per_token(seconds: dict[str, float] | None) -> dict[str, float] | None:
+            return None if seconds is None else cpu_per_token(dict.fromkeys(seconds, 0.0), seconds, tokens)
+
+        return loop_run(loop, server_side(self.results, self.wall_s, wanted), overhead, per_token(self.cpu_s), per_token(self.thread_s))
+
+
+def _grown(pool: dict[str, float] | None, before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """`pool` with each reading's growth from `before` to `after` added; None from the first round
+    without readings on (a server this run did not start, one whose /metrics does not say)."""
+    if pool is None or not before or not after:
+        return None
+    for key in before.keys() & after.keys():
+        pool[key] = pool.get(key, 0.0) + after[key] - before[key]
+    return pool
 
 
 def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:

@@ -360,5 +360,8 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
         return logprobs.for_chat(self.service.tokenizer, tokens) if reply.logprobs else None
 
 
-def endpoints(service: GenerationService, served_model_names: Sequence[str]) -> list[tuple[str, Callable[[Request], Awaitable[Response]]]]:
-    return [(endpoint.path, endpoint.handle) for endpoint in (Completions(service, served_model_names), ChatCompletions(service, served_model_names))]
+def endpoints(
+    service: GenerationService, served_model_names: Sequence[str]
+) -> list[tuple[str, Callable[[Request], Awaitable[Response]]]]:
+    routes = (Completions(service, served_model_names), ChatCompletions(service, served_model_names))
+    return [(endpoint.path, endpoint.handle) for endpoint in routes]
