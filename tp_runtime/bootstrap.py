@@ -136,6 +136,17 @@ def spawn_frontend(
     return FrontendStart(child, read_fd)
 
 
+def write_bootstrap(fd: int, bootstrap: Bootstrap) -> bool:
+    """The frontend's side of read_bootstrap: the Bootstrap on its pipe (closes fd); False when
+    whoever waits for it died first, for the caller to say so in a sentence, not a traceback."""
+    try:
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(bootstrap.pack())
+    except BrokenPipeError:
+        return False
+    return True
+
+
 def read_bootstrap(fd: int, frontend: subprocess.Popen[bytes] | None = None) -> bytes:
     """The packed Bootstrap a frontend writes on its pipe (one with `error` set if it exited first;
     with its exit code where `frontend` is this process's child). Closes fd."""

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from protocol.transport import SchedulerEndpoint, ipc_address, remove_private_dirs
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tp_runtime.bootstrap import Bootstrap, BootstrapRequest
+from tp_runtime.bootstrap import Bootstrap, BootstrapRequest, write_bootstrap
 from tp_runtime.config import ConfigError, RuntimeConfig
 from tp_runtime.engine import Engine
 from tp_runtime.group_broker import BootstrapServer, GroupBroker, read_launcher, send_line
@@ -141,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             opened = open_group(config, _first_address(config))
         except ConfigError as exc:
-            if not _answer(args.bootstrap_fd, Bootstrap(error=str(exc))):  # nobody took the refusal: said here
+            if not write_bootstrap(args.bootstrap_fd, Bootstrap(error=str(exc))):  # nobody took the refusal: said here
                 sys.stderr.write(f"tp-runtime: error: {exc}\n")
             return 2
         endpoint = opened.endpoint
-        if not _answer(args.bootstrap_fd, opened.answer(request, config.tensor_parallel_size)):
+        if not write_bootstrap(args.bootstrap_fd, opened.answer(request, config.tensor_parallel_size)):
             sys.stderr.write(f"tp-runtime: error: the runtime failed: {down[0] if down else gone}\n")
             return 1
         tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
@@ -165,17 +165,6 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown("the frontend exited")
         if endpoint is not None:
             endpoint.close()
-
-
-def _answer(fd: int, bootstrap: Bootstrap) -> bool:
-    """Writes the Bootstrap on its pipe; False when whoever waits for it died first (a sentence
-    of the caller's then, not a BrokenPipeError traceback)."""
-    try:
-        with os.fdopen(fd, "wb") as pipe:
-            pipe.write(bootstrap.pack())
-    except BrokenPipeError:
-        return False
-    return True
 
 
 def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
