@@ -117,6 +117,19 @@ def test_stream_disconnect_cancels_the_request(live_server):
     assert "tp_runtime_request_cancels_total 1.0" in metrics
 
 
+def test_a_stream_hung_up_before_its_first_token_cancels_the_request(live_server):
+    # No token comes for 60 s: only the hang-up itself can end the request.
+    live_server.engine.token_delay_s = 60.0
+    body = {"model": MODEL_NAME, "prompt": "queued behind a long prompt", "max_tokens": 4, "stream": True}
+    with httpx.Client(base_url=live_server.base_url, timeout=10) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+    assert wait_for(lambda: live_server.engine.cancelled == [1])
+    live_server.engine.token_delay_s = 0.0
+    metrics = httpx.get(f"{live_server.base_url}/metrics").text
+    assert "tp_runtime_request_cancels_total 1.0" in metrics
+
+
 def test_non_streaming_disconnect_cancels_the_request(live_server):
     live_server.engine.token_delay_s = 0.05
     body = {"model": MODEL_NAME, "prompt": "take your time", "max_tokens": 200}

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from protocol.grammar import GrammarSpec
 from scheduler.request import SamplingParams
@@ -35,7 +34,7 @@ from tp_runtime.http.api_models import SamplingRequest
 from tp_runtime.http.errors import ADMISSION_CODE, ApiError, invalid_request, overloaded, unavailable
 from tp_runtime.http.generation import Generation, GenerationFailed, Piece
 from tp_runtime.http.metrics import Metrics
-from tp_runtime.http.sse import event_stream
+from tp_runtime.http.sse import EventStream, LastEvents
 from tp_runtime.http.text import TextWorker
 from tp_runtime.http.validation import Limits, Prepared
 from tp_runtime.tokenizer import Tokenizer
@@ -157,7 +156,7 @@ class GenerationService:
 
     def stream(
         self, events: AsyncIterator[str], error_events: Callable[[ApiError], Sequence[str]]
-    ) -> StreamingResponse:
+    ) -> EventStream:
         """Streams `events`. A failure after the stream started ends it with `error_events(error)`
         (the OpenAI routes send the error and then their `[DONE]`): a client always sees why its
         stream ended. A reader that goes away (the task is cancelled) is counted as a cancel."""
@@ -171,13 +170,12 @@ class GenerationService:
             except GenerationFailed as exc:
                 completed = True
                 self.metrics.request_errors.labels(exc.fault).inc()
-                for chunk in error_events(exc.error):
-                    yield chunk
+                yield LastEvents("".join(error_events(exc.error)))
             finally:
                 if not completed:
                     self.metrics.request_cancels.inc()
 
-        return event_stream(guarded())
+        return EventStream(guarded())
 
 
 def _collected(pieces: list[Piece]) -> Collected:

@@ -1,11 +1,13 @@
-"""Server-sent events: the framing of every streamed answer."""
+"""Server-sent events: the framing of every streamed answer, and the response that sends them."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 SSE_MEDIA_TYPE = "text/event-stream"
 DONE = "[DONE]"
@@ -22,7 +24,61 @@ def sse(data: str, event: str | None = None) -> str:
     return head + "".join(f"data: {line}\n" for line in _LINE_BREAK.split(data)) + "\n"
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        events, media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+class LastEvents(str):
+    """A stream's last text: it goes out with the end of the body, in one write."""
+
+
+class EventStream(Response):
+    """Streams the text of `events` as server-sent events, and stops it when the client hangs up.
+
+    The events are sent from a task of their own, so that each piece resumes only their few
+    generators, not the ~20 coroutines of the ASGI stack above this response (every middleware
+    awaits the one below it): the request's task sleeps until the stream ends or the client hangs
+    up. Starlette's StreamingResponse streams from the request's task and watches for the hang-up
+    from an anyio task group. A hang-up cancels the sending task, which unwinds the event
+    generators (their finally blocks tell the engine). The last events carry the end of the body
+    in their write, where StreamingResponse writes it apart."""
+
+    media_type = SSE_MEDIA_TYPE
+
+    def __init__(self, events: AsyncIterator[str]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body_ended = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.ensure_future(self._send_events(send))
+        watcher = asyncio.ensure_future(_disconnect(receive))
+        try:
+            await asyncio.wait((sender, watcher), return_when=asyncio.FIRST_COMPLETED)
+            # Once the body has ended the server answers receive() with a disconnect: what the
+            # events still do then (n choices' other pumps) is not a hang-up, and is waited for.
+            if not sender.done() and not self._body_ended:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+                return
+            await sender
+        finally:
+            watcher.cancel()
+            if not sender.done():  # this task was cancelled (the server stops): so is the stream
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+
+    async def _send_events(self, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for text in self.events:
+                self._body_ended = isinstance(text, LastEvents)
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": not self._body_ended})
+            if not self._body_ended:
+                self._body_ended = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

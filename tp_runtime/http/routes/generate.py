@@ -13,7 +13,7 @@ from tp_runtime.http.api_models import GenerateRequest
 from tp_runtime.http.body import read_json
 from tp_runtime.http.errors import ApiError
 from tp_runtime.http.service import GenerationService, arrival_time
-from tp_runtime.http.sse import SSE_MEDIA_TYPE, sse
+from tp_runtime.http.sse import SSE_MEDIA_TYPE, LastEvents, sse
 
 PATH = "/generate"
 CLIENT_CLOSED = 499  # nginx's status for a client that went away: nothing is sent to it anyway
@@ -35,7 +35,9 @@ async def generate(service: GenerationService, request: Request) -> Response:
 
     async def events() -> AsyncIterator[str]:
         async for piece in generation.pieces():
-            if piece.text:
+            if piece.finish_reason is not None:
+                yield LastEvents(sse(piece.text) if piece.text else "")
+            elif piece.text:
                 yield sse(piece.text)
 
     def error_events(error: ApiError) -> list[str]:

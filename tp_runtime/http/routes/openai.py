@@ -43,7 +43,7 @@ from tp_runtime.http.errors import ApiError, invalid_request, unsupported
 from tp_runtime.http.generation import Generation, Piece, SampledToken
 from tp_runtime.http.routes.generate import CLIENT_CLOSED
 from tp_runtime.http.service import Collected, GenerationService, arrival_time, pieces_of
-from tp_runtime.http.sse import DONE, sse
+from tp_runtime.http.sse import DONE, LastEvents, sse
 from tp_runtime.http.text_chunks import TextChunk
 from tp_runtime.http.tool_calls import FINISH_TOOL_CALLS, ToolCallStream, ToolPlan
 
@@ -117,7 +117,7 @@ class OpenAIEndpoint(ABC, Generic[Body]):
             # One socket write per piece, which on loopback was 46% of the HTTP thread's time at
             # concurrency 32 (docs/control_plane.md): a piece's chunks go out together, the first
             # piece's with the opening (vLLM too sends the role with the first output), and the
-            # last piece's with the usage and [DONE].
+            # last piece's with the usage, [DONE] and the end of the body.
             opening = "".join(sse(chunk) for chunk in self.opening(reply))
             sent, ended = [0] * len(generations), 0
             async for index, piece in pieces_of(generations):
@@ -126,8 +126,8 @@ class OpenAIEndpoint(ABC, Generic[Body]):
                 sent[index] += len(piece.text)
                 ended += piece.finish_reason is not None
                 if ended == len(generations):
-                    text += closing()
-                if text:  # a tool-call stream may hold a piece's text back
+                    yield LastEvents(text + closing())
+                elif text:  # a tool-call stream may hold a piece's text back
                     yield text
 
         def error_events(error: ApiError) -> list[str]:
