@@ -96,19 +96,23 @@ class StepDeadlines:
 
     def __init__(self, timeouts: EngineTimeouts, history: int = 64) -> None:
         self._t = timeouts
-        self._recent: deque[tuple[int, float]] = deque(maxlen=history)
+        # seconds * max(1, t / measured) = max(seconds, t * seconds / measured): the maxima of these
+        # two answer any t. Kept apart so that max() runs over plain floats, in C: a generator over
+        # the history was a fifth of the engine thread's calls per step.
+        self._seconds: deque[float] = deque(maxlen=history)
+        self._seconds_per_token: deque[float] = deque(maxlen=history)
         self._kinds_seen: set[bool] = set()
         self._longest_s = 0.0
         self._longest_per_token_s = 0.0
 
     def observe(self, tokens: int, seconds: float, decode: bool) -> None:
-        self._recent.append((max(tokens, 1), seconds))
+        self._seconds.append(seconds)
+        self._seconds_per_token.append(seconds / max(tokens, 1))
         self._kinds_seen.add(decode)
         # allowed() runs at every liveness duty (five a second while steps run) and a step ends far
-        # less often: seconds * max(1, t / measured) = max(seconds, t * seconds / measured), so two
-        # maxima kept here answer any t.
-        self._longest_s = max(seconds for _, seconds in self._recent)
-        self._longest_per_token_s = max(seconds / measured for measured, seconds in self._recent)
+        # less often: the maxima are taken here.
+        self._longest_s = max(self._seconds)
+        self._longest_per_token_s = max(self._seconds_per_token)
 
     def allowed(self, tokens: int, decode: bool) -> float:
         if decode not in self._kinds_seen:
