@@ -218,10 +218,13 @@ class SchedulerEndpoint:
         return None
 
     def _accept(self, msg: list[zmq.Frame]) -> Received | None:
-        # Connection events that precede this message are in the monitor by now: a disconnect of a
-        # stranger whose descriptor this message's connection reuses is seen before it.
-        self._watch_connections()
         route, parts = msg[0].bytes, msg[1:]
+        if route not in self._rank_of:
+            # Connection events that precede this message are in the monitor by now: a disconnect of
+            # a stranger whose descriptor this message's connection reuses is seen before it. A
+            # rank's own connection has been claimed already (the ROUTER's routing ids are never
+            # reused), so its frames skip the monitor's getsockopt, a system call each.
+            self._watch_connections()
         try:
             views = open_message(parts, self._stamp.key, self._stamp.limits)
         except ProtocolError as exc:
