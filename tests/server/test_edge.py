@@ -7,11 +7,15 @@ import json
 import socket
 import threading
 import time
+from email.message import Message
 
 import pytest
+from hypothesis import given, settings as examples
+from hypothesis import strategies as st
 from server.fake_engine import MODEL_NAME, FakeEngine
 
 from tp_runtime.http import ServerSettings, create_app
+from tp_runtime.http.body import _is_json
 
 
 def make_client(tokenizer, engine=None, **settings):
@@ -252,6 +256,29 @@ def test_openai_routes_want_json(client, engine):
     assert client.post(
         "/v1/completions", content=raw, headers={"content-type": "application/json; charset=utf-8"}
     ).status_code == 200
+
+
+def _json_by_email(content_type: str) -> bool:
+    """FastAPI's reading of a Content-Type, through email.message, which body._is_json matches."""
+    message = Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+@examples(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.text(alphabet=st.sampled_from(list("aAjJ/+;= \t\"sonplic-x")), min_size=1, max_size=30),
+        st.sampled_from(
+            ["application/json", "Application/JSON ; charset=utf-8", "application/vnd.api+json", "application/json/x",
+             "application", "/json", "application/", " application/json", "text/json", "application/jsonx",
+             "application/x+json;q=1", "application/json;", ";application/json"]
+        ),
+    )
+)
+def test_a_content_type_names_json_exactly_when_email_message_says_so(content_type: str) -> None:
+    assert _is_json(content_type) == _json_by_email(content_type)
 
 
 @pytest.mark.parametrize(

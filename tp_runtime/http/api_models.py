@@ -206,6 +206,7 @@ class OpenAISampling(_Body):
         max_tokens_field: str,
         top_logprobs: int = 0,
         top_logprobs_field: str = "top_logprobs",
+        grammar: GrammarSpec | None = None,
     ) -> SamplingRequest:
         return SamplingRequest(
             max_tokens=max_tokens,
@@ -227,6 +228,7 @@ class OpenAISampling(_Body):
             top_logprobs_field=top_logprobs_field,
             n=self.n,
             min_p=self.min_p,
+            grammar=grammar,
         )
 
     @property

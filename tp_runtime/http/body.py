@@ -4,7 +4,6 @@ into their pydantic model, every failure a JSON 4xx."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from email.message import Message
 from typing import TypeVar
 
 from fastapi import Request
@@ -16,12 +15,16 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON, read as email.message reads it (FastAPI's way): the media
+    type before any parameters, lowercased; one that is not type/subtype counts as text/plain. Done
+    by hand, as email.message.Message took ~20 calls of every request."""
     if not content_type:
         return True  # as FastAPI reads a body that names no type
-    message = Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+    media = content_type.partition(";")[0].strip().lower()
+    if media.count("/") != 1:
+        return False
+    maintype, _, subtype = media.partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 async def read_json(

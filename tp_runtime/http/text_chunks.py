@@ -10,7 +10,7 @@ model's validation and dump were ~15 Python calls of every streamed token.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ class TextChunk:
     @classmethod
     def of(cls, dump: Callable[[str], str]) -> TextChunk:
         """From `dump(text)`: the chunk's JSON for a text, as the model renders it."""
-        placeholder = f"text-{uuid.uuid4().hex}"
+        placeholder = f"text-{os.urandom(16).hex()}"
         rendered, quoted = dump(placeholder), to_json(placeholder).decode()
         if rendered.count(quoted) != 1:
             raise ValueError(f"the chunk does not hold its text exactly once: {rendered!r}")

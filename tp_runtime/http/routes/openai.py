@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -61,7 +61,8 @@ class Reply:
     generations: tuple[Generation, ...]  # one per choice, in index order
     tools: ToolPlan | None = None  # chat: what the request's tools ask of its output
     tool_streams: tuple[ToolCallStream, ...] = ()  # a stream's, one per choice
-    text_chunks: tuple[TextChunk, ...] = ()  # a stream's plain text chunk, one per choice
+    # A stream's plain text chunk, one per choice: rendered from the reply itself, so added after it.
+    text_chunks: list[TextChunk] = dataclasses.field(default_factory=list)
 
     @property
     def usage(self) -> Usage:
@@ -89,20 +90,20 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         want_logprobs, alternatives = self.wants_logprobs(body)
         tools = self.tool_plan(body)
         grammar = await service.check_grammar(_grammar(body, tools))
-        sampling = body.sampling(*self.max_tokens(body), alternatives, self.alternatives_field)
-        sampling = dataclasses.replace(sampling, grammar=grammar)
+        sampling = body.sampling(*self.max_tokens(body), alternatives, self.alternatives_field, grammar)
         service.check_sampling(sampling)
         prompt, prompt_param = await self.prompt_ids(body)
         generations = service.start(service.prepare(prompt, sampling, prompt_param), arrival)
         # vLLM's semantics: a request may name any served name; answers carry the first.
-        request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{self.id_prefix}-{os.urandom(16).hex()}"
         streams = tuple(ToolCallStream(tools) for _ in generations) if tools and tools.parses and body.stream else ()
         reply = Reply(
             request_id, int(time.time()), self.served[0], want_logprobs, tuple(generations), tools, streams
         )
         if body.stream:
-            texts = (TextChunk.of(functools.partial(self.text_chunk, body, reply, i)) for i in range(len(generations)))
-            reply = dataclasses.replace(reply, text_chunks=tuple(texts))
+            reply.text_chunks.extend(
+                TextChunk.of(functools.partial(self.text_chunk, body, reply, i)) for i in range(len(generations))
+            )
         else:
             collected = await service.collect(request, generations)
             if collected is None:
