@@ -226,8 +226,9 @@ class Steps:
         reqs = batch.reqs
         forwards = finite.shape[0]
         batch.pending[srows] -= plan.prepare.decode_steps  # every sample it was planned for: none is in flight now
-        tok = np.asarray(result.token_ids, dtype=_I32).reshape(forwards, -1)
-        lps = np.asarray(result.logprobs).reshape(forwards, -1)
+        # Every sampled row's tokens and logprobs as lists in one call each, not two per row.
+        tok = np.asarray(result.token_ids, dtype=_I32).reshape(forwards, -1).T.tolist()
+        lps = np.asarray(result.logprobs).reshape(forwards, -1).T.tolist()
         done: list[tuple[Request, str | None]] = []
         emit = outputs.append
         all_finite = bool(finite.all())
@@ -235,8 +236,8 @@ class Steps:
             req = reqs[r]
             if req.state is RequestState.FINISHED:
                 continue  # the sample of a step planned before it ended
-            row_tokens = tok[:, i].tolist()
-            row_logprobs = lps[:, i].tolist()
+            row_tokens = tok[i]
+            row_logprobs = lps[i]
             row_tops = tops[i] if tops else ()
             bad = -1 if all_finite or finite[:, i].all() else int((~finite[:, i]).nonzero()[0][0])
             reason = None
