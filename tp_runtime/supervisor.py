@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -159,20 +160,32 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None, hos
     ends one, and the agent would wait its whole grace period before its SIGKILL. And the agent of
     a launch on one host (`hosts` 1) never asks the rendezvous whether another host waits to join:
     none can, and torch asks at every look at the ranks (five times a second), a round trip to the
-    store and a decode of its state that were half of an idle launcher's CPU."""
+    store and a decode of its state that were half of an idle launcher's CPU. And on one host, while
+    the group runs, the agent waits for a rank to exit (RankExits) between its looks, instead of
+    looking five times a second: then nothing else can change what a look finds."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class ObservedAgent(LocalElasticAgent):
         _running = 0  # the restart count of the group the agent started last
         _reported = -1  # the last group on_failure was told of
+        _healthy = False  # the last look found the group running
+        _exits: RankExits | None = None  # one host's: its looks wait for a rank to exit
 
         def __init__(self, spec, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN204 (torch's signature)
             if hosts == 1:
                 spec.rdzv_handler.num_nodes_waiting = _no_host_waits
+            self._exits = RankExits() if hosts == 1 else None
             super().__init__(spec, *args, **kwargs)
 
         def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 (torch's signature)
+            # torch's check for ranks stuck in the D state (2.13's, off unless asked for) needs its
+            # looks on time.
+            stuck_check = getattr(self, "_uninterruptible_state_timeout", 0) > 0
+            if self._exits is not None and self._healthy and not stuck_check:
+                self._exits.wait(self._pcontext.pids().values(), QUIET_LOOK_S)
             result = super()._monitor_workers(worker_group)
+            self._healthy = result.state == WorkerState.HEALTHY
             if result.state.name in ("FAILED", "UNHEALTHY") and on_failure is not None and self._reported != self._running:
                 self._reported = self._running
                 on_failure(self._running, {rank: failure.exitcode for rank, failure in result.failures.items()})
@@ -186,6 +199,7 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None, hos
                     self._reported = self._running
                     on_failure(self._running, {})
             self._running = spec.max_restarts - self._remaining_restarts
+            self._healthy = False  # a new group: torch's first look checks its pids
             super()._restart_workers(worker_group)
 
         # Whatever torch's run() passes goes on as it came: torch 2.11's _shutdown takes no timeout
@@ -195,12 +209,64 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None, hos
                 kill_stopped(self._pcontext.pids().values())
             super()._shutdown(death_sig, *args, **kwargs)
             stop_heartbeats(self._worker_group.spec.rdzv_handler)
+            if self._exits is not None:
+                self._exits.close()
 
     return ObservedAgent
 
 
 def _no_host_waits() -> int:
     return 0
+
+
+# How long a one-host agent waits between looks at a group none of whose ranks exits. A look then
+# finds nothing new, so this bounds nothing that matters; an exit wakes the agent at once.
+QUIET_LOOK_S = 5.0
+
+
+class RankExits:
+    """Waits until one of the ranks exits (Linux's pidfds of the processes, polled), for at most a
+    given time. Each of the agent's looks at the ranks is a wake-up of the launcher's main thread,
+    ~0.2 ms of CPU on a virtual machine: five a second were ~1 ms of CPU a second, under load as
+    idle (docs/control_plane.md). Where pidfds are missing (not Linux, a kernel before 5.3) it
+    returns at once, and torch's own interval (--monitor-interval) paces the looks."""
+
+    def __init__(self) -> None:
+        self._pids: tuple[int, ...] = ()
+        self._fds: list[int] = []
+        self._poller: select.poll | None = None
+        self._exited = False  # a pid was gone before its pidfd was opened
+
+    def wait(self, pids: Iterable[int], timeout_s: float) -> None:
+        pids = tuple(sorted(pids))
+        if pids != self._pids:
+            self._watch(pids)
+        if self._poller is not None and not self._exited:
+            self._poller.poll(int(timeout_s * 1000))
+
+    def _watch(self, pids: tuple[int, ...]) -> None:
+        self.close()
+        self._pids = pids
+        if not hasattr(os, "pidfd_open"):
+            return
+        poller = select.poll()
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:  # exited and reaped already
+                self._exited = True
+                continue
+            except OSError:  # no pidfds in this kernel
+                self.close()
+                return
+            self._fds.append(fd)
+            poller.register(fd, select.POLLIN)
+        self._poller = poller
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self._poller, self._pids, self._exited = [], None, (), False
 
 
 def stop_heartbeats(handler: object) -> None:

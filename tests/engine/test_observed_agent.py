@@ -1,15 +1,23 @@
 """torchrun's agent as the launcher runs it (tp_runtime/supervisor.py `observed_agent`): what its
-stop adds to torch's."""
+stop adds to torch's, and its looks at the ranks on one host, which wait for a rank to exit."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from tp_runtime.supervisor import observed_agent
+from tp_runtime import supervisor
+from tp_runtime.supervisor import RankExits, observed_agent
 
 
 class Handler:
@@ -83,3 +91,87 @@ def test_only_a_launch_across_hosts_asks_who_waits_to_join(monkeypatch: pytest.M
     spec = SimpleNamespace(rdzv_handler=Waiting())
     observed_agent(None, hosts)(spec)
     assert spec.rdzv_handler.num_nodes_waiting() == waiting
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen]:
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _waited(exits: RankExits, pids: list[int], timeout_s: float) -> float:
+    started = time.monotonic()
+    exits.wait(pids, timeout_s)
+    return time.monotonic() - started
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+def test_rank_exits_waits_until_a_rank_exits_and_leaves_its_exit_code_to_read(child: subprocess.Popen) -> None:
+    exits = RankExits()
+    try:
+        assert _waited(exits, [child.pid], 0.3) >= 0.25  # running: the whole timeout
+        killer = threading.Timer(0.2, child.kill)
+        killer.start()
+        assert _waited(exits, [child.pid], 30) < 10  # woken by the exit, not by the timeout
+        killer.join()
+        assert _waited(exits, [child.pid], 30) < 10  # exited: at once, however often it is asked
+        assert child.wait(timeout=10) == -signal.SIGKILL  # not reaped by the wait
+    finally:
+        exits.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+def test_rank_exits_returns_at_once_for_a_rank_reaped_already_and_closes_its_descriptors(child: subprocess.Popen) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    exits = RankExits()
+    assert _waited(exits, [child.pid, gone.pid], 30) < 10
+    exits.wait([child.pid], 0.01)  # a new group: the old descriptors go, the new one is opened
+    assert len(os.listdir("/proc/self/fd")) == fds_before + 1
+    exits.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+class Processes:
+    def __init__(self, pids: list[int]) -> None:
+        self._pids = pids
+
+    def pids(self) -> dict[int, int]:
+        return dict(enumerate(self._pids))
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's")
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_one_host_agent_looks_again_when_a_rank_exits_not_five_times_a_second(
+    monkeypatch: pytest.MonkeyPatch, child: subprocess.Popen, hosts: int
+) -> None:
+    looks: list[float] = []
+
+    def torch_look(self, worker_group):  # noqa: ANN001, ANN202
+        looks.append(time.monotonic())
+        return RunResult(state=WorkerState.HEALTHY if child.poll() is None else WorkerState.FAILED)
+
+    monkeypatch.setattr(LocalElasticAgent, "__init__", lambda self, spec, *args, **kwargs: None)
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", torch_look)
+    monkeypatch.setattr(supervisor, "QUIET_LOOK_S", 30.0)
+    agent = observed_agent(None, hosts)(SimpleNamespace(rdzv_handler=Waiting()))
+    agent._pcontext = Processes([child.pid])
+    try:
+        assert agent._monitor_workers(None).state == WorkerState.HEALTHY  # the first look: at once
+        killer = threading.Timer(0.3, child.kill)
+        started = time.monotonic()
+        killer.start()
+        result = agent._monitor_workers(None)
+        killer.join()
+        if hosts == 1:  # waited for the exit, then torch's look found it
+            assert 0.25 <= looks[-1] - started < 10 and result.state == WorkerState.FAILED
+        else:  # across hosts torch's cadence: the look is at once
+            assert looks[-1] - started < 0.25
+    finally:
+        if agent._exits is not None:
+            agent._exits.close()
