@@ -101,7 +101,7 @@ def test_a_hang_up_while_no_event_comes_closes_the_events_and_ends_quietly():
     assert client.bodies() == [(b"data: 1\n\n", True)]
 
 
-def test_a_cancel_by_the_server_is_not_taken_for_a_hang_up():
+def test_a_cancel_by_the_server_goes_on_up_and_closes_the_events():
     closed = []
 
     async def events():
@@ -139,3 +139,26 @@ def test_a_failing_send_closes_the_events():
     with pytest.raises(OSError):
         asyncio.run(EventStream(events())({"type": "http"}, Client().receive, broken_send))
     assert closed == [True]
+
+
+def test_what_a_stopped_stream_failed_with_is_logged_not_left_unread(caplog: pytest.LogCaptureFixture):
+    client = Client()
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            client.hang_up()
+            await asyncio.Event().wait()
+        finally:
+            raise RuntimeError("the engine could not be told")
+
+    unread: list[dict] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unread.append(context))
+        await EventStream(events())({"type": "http"}, client.receive, client.send)
+
+    with caplog.at_level("WARNING", logger="tp_runtime.http"):
+        asyncio.run(main())
+    assert "the engine could not be told" in caplog.text
+    assert unread == []

@@ -117,6 +117,19 @@ def test_stream_disconnect_cancels_the_request(live_server):
     assert "tp_runtime_request_cancels_total 1.0" in metrics
 
 
+def test_a_whole_stream_of_several_choices_counts_no_cancel(live_server):
+    # The body ends with the last choice's chunk while the other choices' pumps still wind down, and
+    # the server then answers receive() with a disconnect: that is no hang-up.
+    body = {"model": MODEL_NAME, "prompt": "two answers", "max_tokens": 6, "n": 3, "stream": True}
+    with httpx.Client(base_url=live_server.base_url, timeout=10) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert live_server.engine.cancelled == []
+    metrics = httpx.get(f"{live_server.base_url}/metrics").text
+    assert "tp_runtime_request_cancels_total 0.0" in metrics
+
+
 def test_a_stream_hung_up_before_its_first_token_cancels_the_request(live_server):
     # No token comes for 60 s: only the hang-up itself can end the request.
     live_server.engine.token_delay_s = 60.0

@@ -164,8 +164,13 @@ class GenerationService:
         async def guarded() -> AsyncIterator[str]:
             completed = False
             try:
-                async for chunk in events:
-                    yield chunk
+                # Closed here, not left to the collector: its pumps (n choices) stop with the stream.
+                async with contextlib.aclosing(events):
+                    async for chunk in events:
+                        # The body ends with these: a cancel after them (n choices' pumps winding
+                        # down while the server stops) is no hang-up.
+                        completed = isinstance(chunk, LastEvents)
+                        yield chunk
                 completed = True
             except GenerationFailed as exc:
                 completed = True

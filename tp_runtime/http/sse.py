@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("tp_runtime.http")
 
 SSE_MEDIA_TYPE = "text/event-stream"
 DONE = "[DONE]"
@@ -53,18 +56,16 @@ class EventStream(Response):
         watcher = asyncio.ensure_future(_disconnect(receive))
         try:
             await asyncio.wait((sender, watcher), return_when=asyncio.FIRST_COMPLETED)
-            # Once the body has ended the server answers receive() with a disconnect: what the
-            # events still do then (n choices' other pumps) is not a hang-up, and is waited for.
-            if not sender.done() and not self._body_ended:
-                sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
-                return
-            await sender
-        finally:
-            watcher.cancel()
-            if not sender.done():  # this task was cancelled (the server stops): so is the stream
-                sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
+        except asyncio.CancelledError:  # the server stops: so does the stream
+            await _stopped(sender, watcher)
+            raise
+        # Once the body has ended the server answers receive() with a disconnect: what the events
+        # still do then (n choices' other pumps) is not a hang-up, and is waited for.
+        if not sender.done() and not self._body_ended:
+            await _stopped(sender, watcher)
+            return
+        await _stopped(watcher)
+        await sender
 
     async def _send_events(self, send: Send) -> None:
         try:
@@ -82,3 +83,13 @@ class EventStream(Response):
 async def _disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _stopped(*tasks: asyncio.Task) -> None:
+    """Cancels the tasks and waits for them to unwind; what one failed with is logged, never left
+    unread (asyncio would print it when the task is collected)."""
+    for task in tasks:
+        task.cancel()
+    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(outcome, Exception):
+            log.warning("a stream failed as it stopped: %r", outcome)
