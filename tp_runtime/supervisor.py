@@ -27,6 +27,7 @@ then the agent, which a SIGINT to this process stops.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -207,10 +208,12 @@ def observed_agent(on_failure: Callable[[int, dict[int, int]], None] | None, hos
         def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             if self._pcontext is not None:
                 kill_stopped(self._pcontext.pids().values())
-            super()._shutdown(death_sig, *args, **kwargs)
-            stop_heartbeats(self._worker_group.spec.rdzv_handler)
-            if self._exits is not None:
-                self._exits.close()
+            try:
+                super()._shutdown(death_sig, *args, **kwargs)
+                stop_heartbeats(self._worker_group.spec.rdzv_handler)
+            finally:
+                if self._exits is not None:
+                    self._exits.close()
 
     return ObservedAgent
 
@@ -236,6 +239,7 @@ class RankExits:
         self._fds: list[int] = []
         self._poller: select.poll | None = None
         self._exited = False  # a pid was gone before its pidfd was opened
+        self._unsupported = not hasattr(os, "pidfd_open")
 
     def wait(self, pids: Iterable[int], timeout_s: float) -> None:
         pids = tuple(sorted(pids))
@@ -246,8 +250,8 @@ class RankExits:
 
     def _watch(self, pids: tuple[int, ...]) -> None:
         self.close()
-        self._pids = pids
-        if not hasattr(os, "pidfd_open"):
+        self._pids = pids  # a group whose pidfds fail is not tried again at every look
+        if self._unsupported:
             return
         poller = select.poll()
         for pid in pids:
@@ -256,8 +260,10 @@ class RankExits:
             except ProcessLookupError:  # exited and reaped already
                 self._exited = True
                 continue
-            except OSError:  # no pidfds in this kernel
+            except OSError as exc:  # no pidfds in this kernel (ENOSYS), or no descriptor left
+                self._unsupported = exc.errno in (errno.ENOSYS, errno.EPERM)
                 self.close()
+                self._pids = pids
                 return
             self._fds.append(fd)
             poller.register(fd, select.POLLIN)
