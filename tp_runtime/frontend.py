@@ -227,6 +227,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
     from tp_runtime.cli import API_KEY_ENV
     from tp_runtime.http import ServerSettings, create_app
     from tp_runtime.http.server import http_server
+    from tp_runtime.heap import freeze_startup_objects
 
     settings = ServerSettings(
         served_model_names(config),
@@ -240,6 +241,7 @@ def _serve(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig, signals:
         max_logprobs=config.max_logprobs,
     )
     app = create_app(engine, tokenizer, settings)
+    freeze_startup_objects()
     server = http_server(
         app, config.host, config.port, config.uvicorn_log_level or config.log_level, config.timeout_keep_alive,
         config.request_header_timeout,

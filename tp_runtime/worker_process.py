@@ -78,6 +78,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
     import torch.distributed as dist
 
     from executor.worker import load_executor, serve_executor
+    from tp_runtime.heap import freeze_startup_objects
 
     torch_floor.require_torch()
     drain_when_parent_dies()
@@ -155,6 +156,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         _drain_on_sigterm(frontend)
     if frontend is not None:
         _watch_frontend(frontend, info.address)
+    freeze_startup_objects()
     code = 1
     try:
         code = serve_executor(
