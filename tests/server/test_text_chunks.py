@@ -3,6 +3,7 @@ an SSE event takes the short path only where the general one gives the same byte
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -31,18 +32,25 @@ def endpoints() -> list[tuple[object, object]]:
 
 
 @pytest.mark.parametrize("endpoint, body", endpoints())
-@given(text=TEXTS, index=st.integers(0, 3))
-def test_a_rendered_chunk_is_the_models_dump(endpoint, body, text: str, index: int) -> None:
-    chunk = TextChunk.of(lambda t: endpoint.text_chunk(body, REPLY, index, t))
-    rendered = chunk.render(text)
-    assert rendered == endpoint.text_chunk(body, REPLY, index, text)
+@given(text=TEXTS, index=st.integers(0, 3), ids=st.lists(st.integers(0, 2**31 - 1), max_size=17))
+def test_a_rendered_chunk_is_the_models_dump(endpoint, body, text: str, index: int, ids: list[int]) -> None:
+    with_ids = endpoint.lists_token_ids(body)
+    chunk = TextChunk.of(functools.partial(endpoint.text_chunk, body, REPLY, index), with_ids)
+    rendered = chunk.render(text, ids)
+    assert rendered == endpoint.text_chunk(body, REPLY, index, text, ids if with_ids else None)
     choice = json.loads(rendered)["choices"][0]
     assert choice["index"] == index and (choice.get("text") == text or choice.get("delta") == {"content": text})
+    assert choice.get("token_ids") == (ids if with_ids else None)
 
 
 def test_a_chunk_that_holds_its_text_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="exactly once"):
-        TextChunk.of(lambda t: json.dumps([t, t]))
+        TextChunk.of(lambda t, _ids: json.dumps([t, t]))
+
+
+def test_a_chunk_whose_token_ids_are_not_after_its_text_once_is_refused() -> None:
+    with pytest.raises(ValueError, match="token ids exactly once after its text"):
+        TextChunk.of(lambda t, ids: json.dumps([ids, t]), with_ids=True)
 
 
 @given(data=TEXTS, event=st.sampled_from([None, "error"]))

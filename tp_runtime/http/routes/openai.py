@@ -102,7 +102,8 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         )
         if body.stream:
             reply.text_chunks.extend(
-                TextChunk.of(functools.partial(self.text_chunk, body, reply, i)) for i in range(len(generations))
+                TextChunk.of(functools.partial(self.text_chunk, body, reply, i), self.lists_token_ids(body))
+                for i in range(len(generations))
             )
         else:
             collected = await service.collect(request, generations)
@@ -176,10 +177,15 @@ class OpenAIEndpoint(ABC, Generic[Body]):
     @abstractmethod
     def usage_chunk(self, reply: Reply, usage: Usage) -> str: ...
 
+    def lists_token_ids(self, body: Body) -> bool:
+        """Whether the stream's chunks list their tokens' ids (completions' return_token_ids)."""
+        return False
+
     @abstractmethod
-    def text_chunk(self, body: Body, reply: Reply, index: int, text: str) -> str:
-        """The chunk of choice `index` that carries `text` and nothing else (no logprobs, no end):
-        the one the stream's TextChunk renders by concatenation."""
+    def text_chunk(self, body: Body, reply: Reply, index: int, text: str, token_ids: list[int] | None) -> str:
+        """The chunk of choice `index` that carries `text` (and, where lists_token_ids, its
+        `token_ids`) and nothing else (no logprobs, no end): the one the stream's TextChunk renders
+        by concatenation."""
 
 
 def _grammar(body: OpenAISampling, tools: ToolPlan | None) -> structured_output.Asked | None:
@@ -245,8 +251,8 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         return answer.model_dump(exclude=self._hidden(body))
 
     def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
-        if piece.finish_reason is None and not reply.logprobs and not body.return_token_ids:
-            return [reply.text_chunks[index].render(piece.text)]
+        if piece.finish_reason is None and not reply.logprobs:
+            return [reply.text_chunks[index].render(piece.text, [t.token_id for t in piece.tokens])]
         choice = CompletionChoice(
             index=index,
             text=piece.text,
@@ -257,8 +263,11 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
         return [chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})]
 
-    def text_chunk(self, body: CompletionRequest, reply: Reply, index: int, text: str) -> str:
-        choice = CompletionChoice(index=index, text=text, finish_reason=None)
+    def lists_token_ids(self, body: CompletionRequest) -> bool:
+        return body.return_token_ids
+
+    def text_chunk(self, body: CompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None) -> str:
+        choice = CompletionChoice(index=index, text=text, finish_reason=None, token_ids=token_ids)
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
         return chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})
 
@@ -350,7 +359,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             out.append(self._chunk(reply, choice))
         return out
 
-    def text_chunk(self, body: ChatCompletionRequest, reply: Reply, index: int, text: str) -> str:
+    def text_chunk(self, body: ChatCompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None) -> str:
         return self._chunk(reply, ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=None))
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
