@@ -252,7 +252,8 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
 
     def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         if piece.finish_reason is None and not reply.logprobs:
-            return [reply.text_chunks[index].render(piece.text, [t.token_id for t in piece.tokens])]
+            chunk = reply.text_chunks[index]
+            return [chunk.render(piece.text, [t.token_id for t in piece.tokens] if chunk.with_ids else ())]
         choice = CompletionChoice(
             index=index,
             text=piece.text,
