@@ -17,6 +17,7 @@ class Node:
 
 
 def test_startup_objects_are_frozen_after_startup_garbage_is_collected() -> None:
+    assert gc.get_freeze_count() == 0  # the unfreeze below must not thaw what something else froze
     garbage, kept = Node(), Node()
     gone = weakref.ref(garbage)
     del garbage

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tp_runtime.http.api_models import ChatCompletionRequest, CompletionRequest
+from tp_runtime.http.api_models import ChatCompletionRequest, CompletionChoice, CompletionRequest, CompletionResponse
+from tp_runtime.http.generation import Piece, SampledToken
 from tp_runtime.http.routes.openai import ChatCompletions, Completions, Reply
 from tp_runtime.http.sse import _LINE_BREAK, sse
 from tp_runtime.http.text_chunks import TextChunk
@@ -57,3 +58,17 @@ def test_a_chunk_whose_token_ids_are_not_after_its_text_once_is_refused() -> Non
 def test_the_short_sse_path_gives_the_general_bytes(data: str, event: str | None) -> None:
     general = (f"event: {event}\n" if event else "") + "".join(f"data: {line}\n" for line in _LINE_BREAK.split(data))
     assert sse(data, event) == general + "\n"
+
+
+@given(text=TEXTS, ids=st.lists(st.integers(0, 2**31 - 1), max_size=17), return_ids=st.booleans())
+def test_a_completions_piece_on_the_template_is_the_chunk_its_models_would_dump(text: str, ids: list[int], return_ids: bool) -> None:
+    endpoint = Completions(service=None, served_model_names=("m",))
+    body = CompletionRequest(model="m", prompt="hi", stream=True, return_token_ids=return_ids)
+    reply = Reply("cmpl-0123", 1_765_000_000, "m", False, ())
+    reply.text_chunks.append(TextChunk.of(functools.partial(endpoint.text_chunk, body, reply, 0), return_ids))
+    piece = Piece(text, None, tuple(SampledToken(i, -0.5, 0) for i in ids))
+    (rendered,) = endpoint.chunks(body, reply, 0, piece, 0)
+    choice = CompletionChoice(index=0, text=text, finish_reason=None, token_ids=ids if return_ids else None)
+    dumped = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
+    hidden = {} if return_ids else {"choices": {"__all__": {"token_ids"}}}
+    assert rendered == dumped.model_dump_json(exclude={**hidden, "usage": True})
