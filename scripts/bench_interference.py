@@ -77,7 +77,9 @@ def summarize(variant: str, index: int, streams: Sequence[StreamResult], long: S
     )
 
 
-async def one_round(url: str, model: str, args: argparse.Namespace, long_tokens: int, seed: int) -> tuple[list[StreamResult], StreamResult]:
+async def one_round(
+    url: str, model: str, args: argparse.Namespace, long_tokens: int, seed: int
+) -> tuple[list[StreamResult], StreamResult]:
     rng = random.Random(seed)
 
     def prompt(length: int) -> tuple[int, ...]:
@@ -92,7 +94,8 @@ async def one_round(url: str, model: str, args: argparse.Namespace, long_tokens:
             for _ in range(args.streams)
         ]  # fmt: skip
         await asyncio.sleep(args.arrive_s)
-        long = await stream_completion(client, url, model, CompletionRequest(prompt(long_tokens), 1, ignore_eos=True), TIMEOUT_S)
+        long_request = CompletionRequest(prompt(long_tokens), 1, ignore_eos=True)
+        long = await stream_completion(client, url, model, long_request, TIMEOUT_S)
         return list(await asyncio.gather(*streams)), long
 
 

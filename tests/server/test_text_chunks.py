@@ -61,7 +61,9 @@ def test_the_short_sse_path_gives_the_general_bytes(data: str, event: str | None
 
 
 @given(text=TEXTS, ids=st.lists(st.integers(0, 2**31 - 1), max_size=17), return_ids=st.booleans())
-def test_a_completions_piece_on_the_template_is_the_chunk_its_models_would_dump(text: str, ids: list[int], return_ids: bool) -> None:
+def test_a_completions_piece_on_the_template_is_the_chunk_its_models_would_dump(
+    text: str, ids: list[int], return_ids: bool
+) -> None:
     endpoint = Completions(service=None, served_model_names=("m",))
     body = CompletionRequest(model="m", prompt="hi", stream=True, return_token_ids=return_ids)
     reply = Reply("cmpl-0123", 1_765_000_000, "m", False, ())

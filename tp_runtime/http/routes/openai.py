@@ -267,7 +267,9 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     def lists_token_ids(self, body: CompletionRequest) -> bool:
         return body.return_token_ids
 
-    def text_chunk(self, body: CompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None) -> str:
+    def text_chunk(
+        self, body: CompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None
+    ) -> str:
         choice = CompletionChoice(index=index, text=text, finish_reason=None, token_ids=token_ids)
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
         return chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})
@@ -360,7 +362,9 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
             out.append(self._chunk(reply, choice))
         return out
 
-    def text_chunk(self, body: ChatCompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None) -> str:
+    def text_chunk(
+        self, body: ChatCompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None
+    ) -> str:
         return self._chunk(reply, ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=None))
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
