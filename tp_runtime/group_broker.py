@@ -29,13 +29,13 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.transport import SchedulerEndpoint
+from protocol.transport.ipc import private_directory
 from tp_runtime.bootstrap import Bootstrap, BootstrapRequest
 from tp_runtime.config import RuntimeConfig
 from tp_runtime.group_endpoints import OpenedGroup, open_group, tcp_address
@@ -88,8 +88,7 @@ class GroupBroker:
     def __init__(self, launcher: socket.socket, config: RuntimeConfig) -> None:
         # Its own 0700 directory: the bootstrap socket and on one host every group's frame socket,
         # removed at close() (by the launcher if this process is killed: tp_runtime/supervisor.py).
-        self.directory = tempfile.mkdtemp(prefix="tp-runtime-")
-        os.chmod(self.directory, 0o700)
+        self.directory = private_directory()
         self._config = config
         self._launcher = launcher
         self._send_lock = threading.Lock()
