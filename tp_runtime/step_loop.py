@@ -102,22 +102,16 @@ class StepDeadlines:
         self._seconds: deque[float] = deque(maxlen=history)
         self._seconds_per_token: deque[float] = deque(maxlen=history)
         self._kinds_seen: set[bool] = set()
-        self._longest_s = 0.0
-        self._longest_per_token_s = 0.0
 
     def observe(self, tokens: int, seconds: float, decode: bool) -> None:
         self._seconds.append(seconds)
         self._seconds_per_token.append(seconds / max(tokens, 1))
         self._kinds_seen.add(decode)
-        # allowed() runs at every liveness duty (five a second while steps run) and a step ends far
-        # less often: the maxima are taken here.
-        self._longest_s = max(self._seconds)
-        self._longest_per_token_s = max(self._seconds_per_token)
 
     def allowed(self, tokens: int, decode: bool) -> float:
         if decode not in self._kinds_seen:
             return self._t.first_step_s
-        expected = max(self._longest_s, tokens * self._longest_per_token_s)
+        expected = max(max(self._seconds), tokens * max(self._seconds_per_token))
         return max(self._t.step_floor_s, self._t.step_margin * expected)
 
 

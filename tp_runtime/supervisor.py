@@ -237,15 +237,14 @@ class RankExits:
     def __init__(self) -> None:
         self._pids: tuple[int, ...] = ()
         self._fds: list[int] = []
-        self._poller: select.poll | None = None
-        self._exited = False  # a pid was gone before its pidfd was opened
+        self._poller: select.poll | None = None  # None: return at once
         self._unsupported = not hasattr(os, "pidfd_open")
 
     def wait(self, pids: Iterable[int], timeout_s: float) -> None:
         pids = tuple(sorted(pids))
         if pids != self._pids:
             self._watch(pids)
-        if self._poller is not None and not self._exited:
+        if self._poller is not None:
             self._poller.poll(int(timeout_s * 1000))
 
     def _watch(self, pids: tuple[int, ...]) -> None:
@@ -253,26 +252,20 @@ class RankExits:
         self._pids = pids  # a group whose pidfds fail is not tried again at every look
         if self._unsupported:
             return
-        poller = select.poll()
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:  # exited and reaped already
-                self._exited = True
-                continue
-            except OSError as exc:  # no pidfds in this kernel (ENOSYS), or no descriptor left
-                self._unsupported = exc.errno in (errno.ENOSYS, errno.EPERM)
-                self.close()
-                self._pids = pids
-                return
-            self._fds.append(fd)
-            poller.register(fd, select.POLLIN)
-        self._poller = poller
+        try:
+            for pid in pids:
+                self._fds.append(os.pidfd_open(pid))
+        except OSError as exc:  # a rank reaped already (ESRCH), no pidfds here, or no descriptor left
+            self._unsupported = exc.errno in (errno.ENOSYS, errno.EPERM)
+            return  # without a poller: torch's look, at once, finds the reaped rank
+        self._poller = select.poll()
+        for fd in self._fds:
+            self._poller.register(fd, select.POLLIN)
 
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
-        self._fds, self._poller, self._pids, self._exited = [], None, (), False
+        self._fds, self._poller, self._pids = [], None, ()
 
 
 def stop_heartbeats(handler: object) -> None:

@@ -47,4 +47,4 @@ class TextChunk:
     def render(self, text: str, token_ids: Sequence[int] = ()) -> str:
         if not self.with_ids:
             return self.head + to_json(text).decode() + self.tail
-        return self.head + to_json(text).decode() + self.middle + to_json(list(token_ids)).decode() + self.tail
+        return self.head + to_json(text).decode() + self.middle + to_json(token_ids).decode() + self.tail
