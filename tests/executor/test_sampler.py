@@ -4,8 +4,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from executor.sampler import SamplingBatch, SamplingError, argmax_rows, row_seed, sample
+from executor.sampler import LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
@@ -150,7 +152,8 @@ def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
 
 @pytest.mark.parametrize("peaked_only", [False, True], ids=["every-widening", "first-round"])
 def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
-    # The CPU's draw among candidates and a device's over the whole sorted row (_draw_sorted).
+    # The CPU's draw among candidates (numpy) and a device's over the whole sorted row (_draw_sorted,
+    # torch), from the same probabilities.
     from executor.sampler import _draw_candidates, _draw_sorted
 
     g = torch.Generator().manual_seed(11)
@@ -160,13 +163,16 @@ def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
     # The picks must be those of the nucleus over the fully sorted row.
     scale = torch.tensor([8.0] if peaked_only else [8.0, 2.0, 0.2]).repeat(rows if peaked_only else rows // 3)[:, None]
     logits = (torch.randn(rows, vocab, generator=g) * scale).round(decimals=1)
-    probs = torch.softmax(logits, dim=-1)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    probs = log_probs.exp()
     top_k = torch.randint(0, 50, (rows,), generator=g) * (torch.rand(rows, generator=g) < 0.4)
     cuts = torch.ones(rows, dtype=torch.bool) if peaked_only else torch.rand(rows, generator=g) < 0.8
     top_p = torch.where(cuts, torch.rand(rows, generator=g) * 0.98 + 0.01, torch.ones(rows))
     uniforms = torch.rand(rows, generator=g)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    assert torch.equal(_draw_candidates(probs, k, top_p, uniforms), _draw_sorted(probs, k, top_p, uniforms))
+    on_host = _draw_candidates(log_probs.numpy(), k.numpy(), top_p.numpy(), uniforms.numpy())
+    assert on_host.dtype == np.int64
+    np.testing.assert_array_equal(on_host, _draw_sorted(probs, k, top_p, uniforms).numpy())
 
 
 def test_host_rows_that_do_not_describe_the_batch_are_refused():
@@ -192,9 +198,9 @@ def test_on_a_device_the_sampler_reads_nothing_back():
     # A GPU's host stalls at every read of a device value (bool(), .item(), nonzero, a copy): the
     # GPU check's trace showed eight between two forwards. "meta" tensors hold no data, so any
     # such read raises: greedy rows, rows drawn with a temperature (seeded or not), top-k and
-    # top-p rows and logprob alternatives read nothing back. The CPU's candidate rounds do read
-    # (they branch on the values): the test's negative control.
-    from executor.sampler import _draw_candidates
+    # top-p rows and logprob alternatives read nothing back. The CPU's path does read (it branches
+    # on the values and draws in numpy): the test's negative control.
+    from executor.sampler import _sample_on_host
 
     rows, vocab = 4, 50
     temperature = [0.0, 0.7, 1.0, 0.0]
@@ -206,9 +212,8 @@ def test_on_a_device_the_sampler_reads_nothing_back():
     filtered = SamplingBatch.of(temperature, [1.0, 0.9, 1.0, 0.5], [0, 0, 5, 3], [-1, 7, -1, -1], range(rows), device="meta")
     out = sample(torch.empty(rows, vocab, device="meta"), filtered)
     assert out.token_ids.shape == (rows,) and out.token_ids.device.type == "meta"
-    k = torch.full((rows,), vocab, device="meta")
-    with pytest.raises(NotImplementedError):
-        _draw_candidates(torch.empty(rows, vocab, device="meta"), k, torch.empty(rows, device="meta"), torch.empty(rows, device="meta"))
+    with pytest.raises(TypeError, match="meta"):
+        _sample_on_host(torch.empty(rows, vocab, device="meta"), filtered)
 
 
 def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
@@ -235,3 +240,53 @@ def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
             assert a.dtype == b.dtype and a.shape == b.shape, name
             np.testing.assert_array_equal(a, b)
         assert [direct.tokens.dtype, direct.finite.dtype, direct.logprobs.dtype] == [np.int32, np.uint8, np.float32]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_cpus_path_samples_what_a_devices_path_samples(data):
+    # The CPU path (numpy draws among candidates, branches on values) and the device path (torch
+    # only, rows sorted whole, nothing read back) run on the same CPU logits must give the same
+    # tokens, logprobs, flags and alternatives for every kind of row: greedy, plain, top-k, top-p,
+    # min_p, seeded and not, non-finite, with ties and flat rows, so that the two cannot drift.
+    from executor.sampler import _sample_on_device, _sample_on_host
+
+    rows = data.draw(st.integers(1, 12), label="rows")
+    vocab = data.draw(st.sampled_from([5, 64, 700]), label="vocab")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.05, 1.0, 6.0, 30.0]), min_size=rows, max_size=rows), label="scale"))
+    logits = (torch.randn(rows, vocab, generator=g) * scale[:, None]).round(decimals=data.draw(st.sampled_from([1, 4]), label="decimals"))
+    for row in data.draw(st.lists(st.integers(0, rows - 1), max_size=2), label="non-finite rows"):
+        logits[row, int(torch.randint(vocab, (1,), generator=g))] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+    col = lambda strategy, label: data.draw(st.lists(strategy, min_size=rows, max_size=rows), label=label)  # noqa: E731
+    temperature = col(st.sampled_from([0.0, 0.3, 1.0, 2.5]), "temperature")
+    top_p = col(st.sampled_from([1.0, 0.95, 0.5, 0.01]), "top_p")
+    top_k = col(st.sampled_from([0, 1, 3, 50]), "top_k")
+    seeds = col(st.sampled_from([-1, 0, 7, 2**40]), "seeds")
+    wanted = np.array(col(st.sampled_from([0, 0, 1, 3]), "num_logprobs"), dtype=np.uint8)
+    min_p = col(st.sampled_from([0.0, 0.0, 0.1, 0.9]), "min_p")
+    min_p_rows = [r for r in range(rows) if min_p[r] > 0]
+    processing = None
+    if min_p_rows:
+        empty = torch.zeros(0, dtype=torch.long)
+        processing = LogitsProcessing(
+            bias_rows=empty, bias_ids=empty, bias_values=torch.zeros(0), banned_rows=empty, banned_ids=empty,
+            penalty_rows=empty, presence=torch.zeros(0), frequency=torch.zeros(0), repetition=torch.zeros(0),
+            prompt_rows=empty, prompt_ids=empty, output_rows=empty, output_ids=empty,
+            min_p_rows=torch.tensor(min_p_rows), min_p=torch.tensor([min_p[r] for r in min_p_rows]),
+        )  # fmt: skip
+    params = SamplingBatch.of(temperature, top_p, top_k, seeds, range(rows), processing=processing, num_logprobs=wanted)
+    torch.manual_seed(seed)  # the unseeded rows' uniforms come from the default generator
+    on_host = _sample_on_host(logits.clone(), params)
+    torch.manual_seed(seed)
+    on_device = _sample_on_device(logits.clone(), params)
+    assert on_host.token_ids.dtype == on_device.token_ids.dtype == torch.int64
+    assert torch.equal(on_host.finite, on_device.finite)
+    assert torch.equal(on_host.token_ids, on_device.token_ids), (on_host.token_ids, on_device.token_ids)
+    torch.testing.assert_close(on_host.logprobs, on_device.logprobs, equal_nan=True, rtol=0, atol=0)
+    if wanted.max() == 0:
+        assert on_host.top_ids is None and on_device.top_ids is None
+    else:
+        assert torch.equal(on_host.top_ids, on_device.top_ids)
+        torch.testing.assert_close(on_host.top_logprobs, on_device.top_logprobs, equal_nan=True, rtol=0, atol=0)
