@@ -280,8 +280,10 @@ def print_summary(report: dict, out: Path) -> None:
         return "-" if v is None else format(v * scale, spec)
 
     config = report["config"]
+    temperature = config.get("temperature", 0.0)
+    sampling = "greedy" if not temperature else f"temperature {temperature}, top_p {config.get('top_p', 1.0)}"
     lines = [f"serving benchmark: {report['target']['name']} ({config['dtype']}), "
-             f"{config['input_len']} in / {config['output_len']} out tokens, greedy"]
+             f"{config['input_len']} in / {config['output_len']} out tokens, {sampling}"]
     if report.get("model_step_s"):
         lines.append(f"bench_model batch-1 step in this run: {report['model_step_s'] * 1000:.2f} ms")
     lines.append(

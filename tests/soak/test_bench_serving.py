@@ -16,6 +16,7 @@ from scripts.serving_report import (
     side_result,
     write_plot,
 )
+from scripts.harness.client import StreamResult
 from scripts.prompts import PromptBuilder
 
 
@@ -216,3 +217,42 @@ def test_rounds_must_be_at_least_one():
     assert parse_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
+
+
+def test_sampling_flags_reach_every_request_and_need_no_reference(monkeypatch):
+    import asyncio
+
+    import scripts.bench_serving as bench
+
+    args = parse_args(["--temperature", "0.7", "--top-p", "0.9", "--no-reference"])
+    assert (args.temperature, args.top_p) == (0.7, 0.9)
+    assert (parse_args([]).temperature, parse_args([]).top_p) == (0.0, 1.0)
+    for bad in (["--temperature", "0.7"], ["--temperature", "-1", "--no-reference"], ["--top-p", "0", "--no-reference"],
+                ["--top-p", "1.5", "--no-reference"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    sent = []
+
+    async def fake_stream(client, url, model, request, timeout_s):  # noqa: ANN001 - stream_completion's signature
+        sent.append(request)
+        return StreamResult()
+
+    monkeypatch.setattr(bench, "stream_completion", fake_stream)
+    prompts = [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    results, _ = asyncio.run(bench.run_server_level("http://h:1", "m", prompts, 2, 5, 1.0, temperature=0.7, top_p=0.9))
+    assert len(results) == 3 and sorted(r.prompt_ids for r in sent) == prompts
+    assert {(r.temperature, r.top_p, r.max_tokens, r.ignore_eos) for r in sent} == {(0.7, 0.9, 5, True)}
+    assert {(b["temperature"], b["top_p"]) for b in (r.body("m") for r in sent)} == {(0.7, 0.9)}
+
+
+def test_the_summary_says_how_the_requests_sampled(tmp_path, capsys):
+    from scripts.serving_report import print_summary
+
+    def report(**sampling):
+        config = {"dtype": "bf16", "input_len": 256, "output_len": 64, **sampling}
+        return {"target": {"name": "t"}, "config": config, "levels": [], "targets": [], "load_average": {"start": [0], "end": [0]}}
+
+    print_summary(report(), tmp_path)
+    assert "64 out tokens, greedy" in capsys.readouterr().err
+    print_summary(report(temperature=0.7, top_p=0.9), tmp_path)
+    assert "64 out tokens, temperature 0.7, top_p 0.9" in capsys.readouterr().err
