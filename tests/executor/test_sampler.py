@@ -175,6 +175,33 @@ def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
     np.testing.assert_array_equal(on_host, _draw_sorted(probs, k, top_p, uniforms).numpy())
 
 
+def test_plain_rows_of_a_wide_vocabulary_are_drawn_through_block_sums():
+    # A CPU draws a plain row of 4096+ columns by the block its target falls in, then the column in
+    # that block (_draw_plain): the same distribution as one prefix sum over the row, never a
+    # column of no weight, whatever the uniform.
+    from executor.sampler import _PLAIN_BLOCK, _draw_plain, _inverse_cdf
+
+    vocab, rows = 16 * _PLAIN_BLOCK, 40000
+    weights = torch.zeros(vocab)
+    # Weight on both sides of a block edge, in the last column, after blocks of none.
+    weights[_PLAIN_BLOCK - 1], weights[_PLAIN_BLOCK], weights[vocab - 1] = 0.5, 0.3, 0.2
+    g = torch.Generator().manual_seed(5)
+    uniforms = torch.cat((torch.rand(rows - 3, generator=g), torch.tensor([0.0, 0.5, 1 - 2**-24])))
+    picks = _draw_plain(weights.repeat(rows, 1), uniforms)
+    assert set(picks.tolist()) <= {_PLAIN_BLOCK - 1, _PLAIN_BLOCK, vocab - 1}
+    freq = torch.bincount(picks, minlength=vocab)[[_PLAIN_BLOCK - 1, _PLAIN_BLOCK, vocab - 1]].float() / rows
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.01, rtol=0)
+    # Model-like rows: the very tokens of one prefix sum, but where rounding puts a target on a
+    # column's edge.
+    probs = torch.softmax(torch.randn(500, 49152, generator=g) * 3, dim=-1)
+    uniforms = torch.rand(500, generator=g)
+    assert (_draw_plain(probs, uniforms) == _inverse_cdf(probs, uniforms)).float().mean() > 0.99
+    # Narrow or uneven vocabularies, and a device's rows, take the one prefix sum.
+    for narrow in (torch.rand(3, 4095, generator=g), torch.rand(3, 4096 + 7, generator=g)):
+        assert torch.equal(_draw_plain(narrow, uniforms[:3]), _inverse_cdf(narrow, uniforms[:3]))
+    assert _draw_plain(torch.empty(2, vocab, device="meta"), torch.empty(2, device="meta")).shape == (2,)
+
+
 def test_host_rows_that_do_not_describe_the_batch_are_refused():
     logits = random_logits(6)
     mixed = batch(6, temperature=[0.0, 0.8, 0.0, 1.0, 0.0, 0.5], seeds=[1, 2, 3, 4, -1, 6], top_p=[1, 1, 1, 0.9, 1, 1], top_k=[0, 3, 0, 0, 0, 0])
@@ -252,7 +279,7 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(data):
     from executor.sampler import _sample_on_device, _sample_on_host
 
     rows = data.draw(st.integers(1, 12), label="rows")
-    vocab = data.draw(st.sampled_from([5, 64, 700]), label="vocab")
+    vocab = data.draw(st.sampled_from([5, 64, 700, 8192]), label="vocab")  # 8192: plain rows by block sums
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     g = torch.Generator().manual_seed(seed)
     scale = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.05, 1.0, 6.0, 30.0]), min_size=rows, max_size=rows), label="scale"))
