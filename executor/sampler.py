@@ -201,7 +201,10 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
     # Whole-vocabulary passes are most of a step's sampling cost: one fused log_softmax gives every
     # row's logprob and the random rows' probabilities.
     log_probs = torch.log_softmax(scaled, dim=-1)
-    tokens = argmax_rows(safe) if random.shape[0] < logits.shape[0] else torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    if random.shape[0] < logits.shape[0]:
+        tokens = argmax_rows(safe)
+    else:
+        tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     if random.shape[0]:
         random_rows = _on(logits.device, random)
         drawn = _draw(
@@ -415,7 +418,8 @@ def _draw(
         out[plain] = _draw_plain(_rows(probs, plain), uniforms[plain])
     if filtered.any():
         rows = _on(probs.device, filtered.nonzero()[0])
-        k = torch.where(top_k[rows] > 0, top_k[rows].long(), torch.full_like(top_k[rows], probs.shape[1], dtype=torch.long))
+        row_k = top_k[rows].long()
+        k = torch.where(row_k > 0, row_k, torch.full_like(row_k, probs.shape[1]))
         out[rows] = _draw_sorted(_rows(probs, rows), k, top_p[rows], uniforms[rows])
     return out
 
