@@ -22,19 +22,22 @@ sort of the vocabulary costs 10-100x more on a CPU). A row whose nucleus is not 
 distribution) widens the factor, down to every token, so the result is exact either way. On a GPU
 the rows are sorted whole instead: sizing the candidates reads device values back (each nonzero,
 any and max stalls the host until the forward is done), where a sort is one more kernel in the
-queue. Both draw the same tokens (tests/executor/test_sampler.py); scripts/device_decode.py times
-the device's (sample_ms).
+queue. Both draw the same tokens from the same probabilities on the same CPU
+(tests/executor/test_sampler.py); a GPU's float32 sums may round otherwise at a draw's edge, as any
+two devices may. scripts/device_decode.py times the device's (sample_ms).
 
 On a CPU, torch runs the passes over the whole vocabulary (the finite check, temperature,
 log_softmax, a plain row's draw) and numpy everything else: the candidates' comparison and
 indices, their probabilities, sort and draw, the tokens' logprobs. A torch call costs 2-3 us
 before any work and gives up the GIL, which the executor's link thread then holds until it blocks;
-numpy's costs ~1 us and keeps it, and its comparison and flat nonzero over a [16, 49152] batch take
-a quarter of torch's (docs/control_plane.md, change 47).
+numpy's costs ~1 us and keeps the GIL on small arrays (a few hundred candidates), and its comparison
+and flat nonzero over a [16, 49152] batch take a quarter of torch's (docs/control_plane.md, change
+47).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,8 +97,7 @@ class LogitsProcessing:
 class HostRows:
     """What the PREPARE says of each row, on the host: the sampler branches on these and draws the
     seeded uniforms from them without reading a device value (on a GPU each such read stalls the
-    host between two forwards). Nothing reads the device but the CPU's filtered draw (a CPU has
-    nothing to wait for)."""
+    host between two forwards). Only a CPU's path reads values (it has nothing to wait for)."""
 
     greedy: np.ndarray  # bool[m]: temperature 0
     filtered: np.ndarray  # bool[m]: top-k or top-p cuts the vocabulary
@@ -201,6 +203,7 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
     # Whole-vocabulary passes are most of a step's sampling cost: one fused log_softmax gives every
     # row's logprob and the random rows' probabilities.
     log_probs = torch.log_softmax(scaled, dim=-1)
+    finite &= ~torch.isnan(log_probs[:, 0])  # _overflowed says why; a pass over a column, no read
     if random.shape[0] < logits.shape[0]:
         tokens = argmax_rows(safe)
     else:
@@ -239,6 +242,12 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     else:
         scaled = safe
     log_probs = torch.log_softmax(scaled, dim=-1)
+    overflowed = _overflowed(log_probs.numpy()) & finite
+    if overflowed.any():
+        # Nothing to sample in them: a uniform row keeps the draws below well defined, and the
+        # rows are flagged (their tokens 0, their logprobs NaN) like any other non-finite row.
+        finite &= ~overflowed
+        log_probs[torch.from_numpy(overflowed)] = -math.log(logits.shape[1])
     tokens = np.zeros(rows, dtype=np.int64)
     if random.shape[0] < rows:
         tokens = argmax_rows(safe).numpy()
@@ -344,6 +353,13 @@ def argmax_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(t.detach().numpy().argmax(axis=-1))
 
 
+def _overflowed(log_probs: np.ndarray) -> np.ndarray:
+    """Rows whose log_softmax is NaN: finite logits that the temperature still scaled past float32
+    (protocol.sampling_limits: logits over ~3.4e33 at the lowest temperature). A +inf or NaN
+    anywhere in a row makes all of its log_softmax NaN, so its first column says it."""
+    return np.isnan(log_probs[:, 0])
+
+
 def _finite_rows(logits: torch.Tensor) -> np.ndarray:
     """torch.isfinite(logits).all(dim=-1) of CPU logits, without its cost on the common all-finite batch.
 
@@ -404,7 +420,8 @@ def _draw_plain(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # The block's own prefix sums may end a rounding short of the target its sum put in it: then the
     # block's last column of any weight, never one of none.
     within = torch.minimum((targets.unsqueeze(1) - before).clamp_(min=0.0), inner[:, -1:].nextafter(torch.zeros(())))
-    picked = torch.searchsorted(inner, within, right=True)
+    # Clamped as _inverse_cdf is: a row whose whole weight is a denormal can round u * total up to it.
+    picked = torch.searchsorted(inner, within, right=True).clamp_(max=_PLAIN_BLOCK - 1)
     return (block * _PLAIN_BLOCK + picked).squeeze(1)
 
 

@@ -5,8 +5,9 @@ PREPARE whose sequences break them, naming those sequences (REJECT.seq_ids), so 
 parameters can never fail a batch they share with others. Measured on executor/sampler.py:
 - temperature: 0 is greedy. The sampler divides logits by it; a temperature of 1e-40 is a float32
   denormal and the division overflows to inf (NaN probabilities). From 1e-5 up the scaled logits stay
-  finite for any finite logits row (vLLM also treats temperatures under 1e-5 as a special case), and
-  any finite float32 above it is exact (a flat row is a uniform draw).
+  finite for any logits under ~3.4e33 (vLLM also treats temperatures under 1e-5 as a special case),
+  and any finite float32 above it is exact (a flat row is a uniform draw). A row whose logits are so
+  large that they overflow anyway is flagged not finite rather than sampled.
 - top_p: the sampler always keeps the most likely token, so any positive float32 is exact; 1e-46
   rounds to 0 in float32, so the floor is stated where float32 represents it without denormals.
 - top_k: int32 on the wire; 0 is off, any value at or above the vocabulary size is off as well.

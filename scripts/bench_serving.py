@@ -52,6 +52,7 @@ if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scrip
 
 import httpx  # noqa: E402
 
+from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN  # noqa: E402
 from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
 from scripts.harness.metrics import metrics_text, parse_metrics, thread_seconds  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
@@ -391,8 +392,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.concurrency) < 1 or args.input_len < 8 or args.output_len < 2 or args.rounds < 1:
         p.error("--concurrency and --rounds must be >= 1, --input-len >= 8 and --output-len >= 2")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not (args.temperature == 0 or TEMPERATURE_MIN <= args.temperature <= FLOAT32_MAX) or not TOP_P_MIN <= args.top_p <= 1:
+        p.error(f"--temperature must be 0 or in [{TEMPERATURE_MIN:g}, {FLOAT32_MAX:g}], and --top-p in [{TOP_P_MIN:g}, 1], as the server takes them")
     if args.temperature > 0 and not args.no_reference:
         p.error("--temperature above 0 samples, and the transformers reference decodes greedily: add --no-reference")
     args.loops = [loop.strip() for loop in args.loops.split(",") if loop.strip()]

@@ -66,6 +66,24 @@ def test_a_finite_row_whose_sum_overflows_is_still_finite():
     assert out.token_ids.tolist() == [5, 0]
 
 
+def test_a_finite_row_that_the_temperature_overflows_is_flagged_not_sampled():
+    # Logits of 1e34 are finite, but divided by the lowest temperature (1e-5) they overflow float32
+    # and the row's log_softmax is NaN: nothing can be sampled from it, on either path, whatever
+    # the row's draw (plain, top-p, top-k over a vocabulary of block sums, or not).
+    from executor.sampler import _sample_on_device, _sample_on_host
+
+    for vocab in (64, 4096):
+        logits = random_logits(5, vocab=vocab)
+        logits[1:4, 3] = 1e34
+        logits[4, 3] = 1e34  # greedy: not scaled, so it samples
+        params = batch(5, temperature=[0.7, 1e-5, 1e-5, 1e-5, 0.0], top_p=[1.0, 1.0, 0.9, 1.0, 1.0], top_k=[0, 0, 0, 5, 0], seeds=3)
+        for path in (sample, _sample_on_host, _sample_on_device):
+            out = path(logits.clone(), params)
+            assert out.finite.tolist() == [True, False, False, False, True], (vocab, path.__name__)
+            assert out.token_ids[1:4].tolist() == [0, 0, 0] and out.token_ids[4].item() == 3
+            assert out.logprobs[1:4].isnan().all() and math.isfinite(out.logprobs[0].item())
+
+
 def test_seeded_row_is_independent_of_batch_composition():
     target = random_logits(1, seed=3)
     alone = sample(target, batch(1, temperature=1.0, seeds=1234, positions=[17]))

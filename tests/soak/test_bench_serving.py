@@ -228,7 +228,8 @@ def test_sampling_flags_reach_every_request_and_need_no_reference(monkeypatch):
     assert (args.temperature, args.top_p) == (0.7, 0.9)
     assert (parse_args([]).temperature, parse_args([]).top_p) == (0.0, 1.0)
     for bad in (["--temperature", "0.7"], ["--temperature", "-1", "--no-reference"], ["--top-p", "0", "--no-reference"],
-                ["--top-p", "1.5", "--no-reference"]):
+                ["--top-p", "1.5", "--no-reference"], ["--temperature", "1e-6", "--no-reference"],
+                ["--top-p", "1e-7", "--no-reference"]):  # the server's floors (protocol.sampling_limits)
         with pytest.raises(SystemExit):
             parse_args(bad)
     sent = []
