@@ -156,10 +156,11 @@ class SchedulerLink:
     def start(self) -> None:
         self._thread.start()
 
-    def finish(self, step: int, result: Result | None) -> None:
-        """Step `step` ran: RESULT on rank 0 (`result`), DONE elsewhere."""
+    def finish(self, step: int, result: Result | None, still_busy: bool = False) -> None:
+        """Step `step` ran: RESULT on rank 0 (`result`), DONE elsewhere. still_busy: the next step
+        already runs on the model's thread."""
         conv = self.conversation
-        self._post(lambda: conv.result(step, result) if result is not None else conv.done(step))
+        self._post(lambda: conv.result(step, result) if result is not None else conv.done(step), still_busy)
 
     def fail(self, step: int, message: str) -> None:
         """The forward of `step` raised: the collectives are unusable, the rank ends after this."""
@@ -172,8 +173,9 @@ class SchedulerLink:
         self.endpoint.wake()
         self._thread.join(timeout=5)
 
-    def _post(self, outgoing: Callable[[], Outgoing]) -> None:
-        self._busy_since = None
+    def _post(self, outgoing: Callable[[], Outgoing], still_busy: bool = False) -> None:
+        if not still_busy:
+            self._busy_since = None
         self._outbox.put(outgoing)
         self.endpoint.wake()
 

@@ -84,14 +84,16 @@ class StepRunner:
         self._last_end: float | None = None
         self._is_cut = is_cut  # rank 0's: whether a CUT came for a step (SchedulerLink.is_cut)
 
-    def run(self, staged: StagedStep) -> Result | None:
+    def run(self, staged: StagedStep, before_forward: Callable[[], None] | None = None) -> Result | None:
         """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises.
 
         A step of several forwards (Prepare.decode_steps) runs them back to back: each one's
         sequences decode the tokens rank 0 sampled in the forward before, broadcast to every rank
         as a step's feedback is, so that every rank runs the same collectives in the same order.
         A CUT for the step ends it after the forward running: rank 0 looks before each forward and
-        sends its answer with the tokens, so that every rank stops at the same one."""
+        sends its answer with the tokens, so that every rank stops at the same one.
+        before_forward: called once the step's feed and cache operations are done, right before
+        its first forward (the worker sends the step before's answer there)."""
         started = time.perf_counter()
         gap_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
         inputs = staged.inputs
@@ -101,6 +103,8 @@ class StepRunner:
         self._cache_operations(staged)
         if feeding is not None:
             feeding.land(staged.inputs)
+        if before_forward is not None:
+            before_forward()
         samples: list[HostSample] = []
         for forward in range(staged.prepare.decode_steps):
             if forward:

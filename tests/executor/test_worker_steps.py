@@ -391,13 +391,16 @@ class FeedingEndpoint(ScriptedEndpoint):
         raise AssertionError(f"nothing matched among {self.replies()}")
 
 
-def start_worker(model, **option_overrides):
+def start_worker(model, before_start=None, **option_overrides):
+    """The worker on a thread of its own; before_start(worker) may wrap its parts first."""
     endpoint = FeedingEndpoint()
     cache = make_cache(GEOMETRY, KV_HEADS, poison=True)
     worker = Worker(
         rank=0, world_size=1, endpoint=endpoint, cache=cache, model=model, geometry=GEOMETRY,
         options=options(**option_overrides), run_id=RUN,
     )
+    if before_start is not None:
+        before_start(worker)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(worker.run()))
     thread.start()
@@ -600,3 +603,76 @@ def test_alternatives_come_back_with_the_sample():
     expected = torch.log_softmax(row, dim=-1)
     np.testing.assert_allclose(result.top_logprobs[:2], [expected[10].item(), expected[11].item()], rtol=1e-6)
     assert result.logprobs[0] == result.top_logprobs[0]
+
+
+def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here():
+    # Sent at once, RESULT 1 brought the scheduler's next PREPARE while step 2 got its feed and
+    # cleared its pages, and the link thread staged it there, taking the GIL from the model's thread
+    # between two forwards. So it waits for step 2's forward when step 2 is here already; with
+    # nothing queued (serial, or the last step) it goes at once.
+    model = GatedModel(0, 1)
+    order: list[tuple] = []
+
+    def record(worker):
+        finish, clear, forward = worker.link.finish, worker.runner.cache.clear_pages, model.forward
+
+        def finishing(step, result, still_busy=False):
+            order.append(("answer", step, still_busy))  # the link keeps counting the running step busy
+            finish(step, result, still_busy)
+
+        def clearing(pages):
+            order.append(("clear", int(pages[0])))
+            clear(pages)
+
+        def forwarding(inputs, cache):
+            order.append(("forward", int(inputs.token_ids[0])))
+            return forward(inputs, cache)
+
+        worker.link.finish, worker.runner.cache.clear_pages, model.forward = finishing, clearing, forwarding
+
+    endpoint, thread, codes = start_worker(model, before_start=record)
+    step1 = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    step2 = make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))
+    endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
+    assert model.entered.wait(10)
+    endpoint.push(frame(2, step2), frame(2, Go()))
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
+    model.gate.set()
+    # Nothing comes after step 2: its RESULT goes out without another frame to end the wait.
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Result))
+    endpoint.push(frame(2, Shutdown("done")))
+    thread.join(10)
+    assert codes == [ExitCode.OK]
+    # Step 2 decodes step 1's sample (20 + 1): its feed landed before its forward.
+    assert order == [
+        ("clear", 0), ("forward", 20), ("clear", 5), ("answer", 1, True), ("forward", 21), ("answer", 2, False)
+    ]
+    assert [s for s, b in endpoint.replies() if isinstance(b, Result)] == [1, 2]
+
+
+def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step_before():
+    model = GatedModel(0, 1)
+
+    def failing_clear(worker):
+        clear = worker.runner.cache.clear_pages
+
+        def clearing(pages):
+            if int(pages[0]) == 5:
+                raise RuntimeError("a device error while clearing")
+            clear(pages)
+
+        worker.runner.cache.clear_pages = clearing
+
+    endpoint, thread, codes = start_worker(model, before_start=failing_clear)
+    step1 = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    step2 = make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))
+    endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
+    assert model.entered.wait(10)
+    endpoint.push(frame(2, step2), frame(2, Go()))
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
+    model.gate.set()
+    thread.join(10)
+    assert codes == [ExitCode.STEP_FAILED]
+    answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    assert answers == [(1, Result), (2, Reject)]
+    assert "device error while clearing" in endpoint.replies()[-1][1].message
