@@ -110,7 +110,7 @@ class Worker:
                 assert isinstance(command, Run)
                 step = command.staged.step
                 link.mark_busy()
-                previous, held = held, None
+                previous = held  # sent as this step's forward starts (or by the finally, on the way out)
                 try:
                     result = self.runner.run(command.staged, before_forward=None if previous is None else previous.send_while_busy)
                 except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
