@@ -236,11 +236,9 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
         finite &= np.isfinite(logits.amax(dim=-1).numpy())
     safe = logits if finite.all() else logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0)
     random = np.flatnonzero(~host.greedy)
-    if random.shape[0]:
-        scale = np.where(host.greedy, np.float32(1), params.temperature.numpy().astype(np.float32, copy=False))
-        scaled = safe / torch.from_numpy(scale).unsqueeze(1)
-    else:
-        scaled = safe
+    scale = np.where(host.greedy, np.float32(1), params.temperature.numpy().astype(np.float32, copy=False))
+    # A batch at temperature 1 (OpenAI's default) and greedy rows skip a pass: x / 1 is x.
+    scaled = safe / torch.from_numpy(scale).unsqueeze(1) if (scale != 1).any() else safe
     log_probs = torch.log_softmax(scaled, dim=-1)
     overflowed = _overflowed(log_probs.numpy()) & finite
     if overflowed.any():
