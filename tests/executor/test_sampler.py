@@ -168,7 +168,7 @@ def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
     assert out.token_ids.max().item() > 256
 
 
-@pytest.mark.parametrize("peaked_only", [False, True], ids=["every-widening", "first-round"])
+@pytest.mark.parametrize("peaked_only", [False, True, "confident"], ids=["every-widening", "first-round", "top-k-partition"])
 def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
     # The CPU's draw among candidates (numpy) and a device's over the whole sorted row (_draw_sorted,
     # torch), from the same probabilities.
@@ -179,14 +179,26 @@ def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
     # Peaked, medium and flat rows, ties included (rounded logits), so that every candidate
     # widening is taken; or peaked rows that all cut (top_p under 1), all drawn in the first round.
     # The picks must be those of the nucleus over the fully sorted row.
+    # Or confident rows (one token 17.5 nats above the rest: nothing else within 2**-24 of it) under
+    # a top-k alone, which the last round answers with each row's k most likely tokens, ties
+    # included; half of them drawn with uniforms so near 1 that the tail's order decides the token.
     scale = torch.tensor([8.0] if peaked_only else [8.0, 2.0, 0.2]).repeat(rows if peaked_only else rows // 3)[:, None]
     logits = (torch.randn(rows, vocab, generator=g) * scale).round(decimals=1)
+    if peaked_only == "confident":
+        logits = torch.randn(rows, vocab, generator=g).round(decimals=1)
+        logits[torch.arange(rows), torch.randint(vocab, (rows,), generator=g)] = logits.amax(dim=-1) + 17.5
     log_probs = torch.log_softmax(logits, dim=-1)
     probs = log_probs.exp()
     top_k = torch.randint(0, 50, (rows,), generator=g) * (torch.rand(rows, generator=g) < 0.4)
-    cuts = torch.ones(rows, dtype=torch.bool) if peaked_only else torch.rand(rows, generator=g) < 0.8
+    if peaked_only == "confident":
+        top_k = torch.randint(2, 400, (rows,), generator=g)
+    cuts = torch.ones(rows, dtype=torch.bool) if peaked_only is True else torch.rand(rows, generator=g) < 0.8
+    if peaked_only == "confident":
+        cuts = torch.zeros(rows, dtype=torch.bool)
     top_p = torch.where(cuts, torch.rand(rows, generator=g) * 0.98 + 0.01, torch.ones(rows))
     uniforms = torch.rand(rows, generator=g)
+    if peaked_only == "confident":
+        uniforms[::2] = 1 - uniforms[::2] * 3e-6  # the tail holds ~4e-6 of the mass
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
     on_host = _draw_candidates(log_probs.numpy(), k.numpy(), top_p.numpy(), uniforms.numpy())
     assert on_host.dtype == np.int64
@@ -218,6 +230,27 @@ def test_plain_rows_of_a_wide_vocabulary_are_drawn_through_block_sums():
     for narrow in (torch.rand(3, 4095, generator=g), torch.rand(3, 4096 + 7, generator=g)):
         assert torch.equal(_draw_plain(narrow, uniforms[:3]), _inverse_cdf(narrow, uniforms[:3]))
     assert _draw_plain(torch.empty(2, vocab, device="meta"), torch.empty(2, device="meta")).shape == (2,)
+
+
+def test_the_last_round_takes_a_top_k_rows_k_most_likely_tokens_and_their_ties():
+    # A confident row under top-k has fewer than k tokens within 2**-24 of its most likely one; the
+    # last round then partitions it: its candidates are exactly the tokens at or above its k-th
+    # largest logprob (ties included), and a row with no top-k (k = vocabulary) keeps every token.
+    from executor.sampler import _candidates
+
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 40, 2000
+    logits = torch.randn(rows, vocab, generator=g).round(decimals=1)  # many ties
+    logits[torch.arange(rows), torch.randint(vocab, (rows,), generator=g)] += 30.0
+    log_probs = torch.log_softmax(logits, dim=-1).numpy()
+    k = torch.randint(1, 300, (rows,), generator=g).numpy()
+    k[::5] = vocab
+    row_of, ids, values = _candidates(log_probs, 0.0, k)
+    for row in range(rows):
+        kth = np.sort(log_probs[row])[::-1][k[row] - 1]
+        assert ids[row_of == row].tolist() == np.flatnonzero(log_probs[row] >= kth).tolist(), row
+    assert (np.bincount(row_of, minlength=rows)[::5] == vocab).all()
+    np.testing.assert_array_equal(values, torch.from_numpy(log_probs[row_of, ids]).exp().numpy())
 
 
 def test_host_rows_that_do_not_describe_the_batch_are_refused():
@@ -302,6 +335,8 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(data):
     g = torch.Generator().manual_seed(seed)
     scale = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.05, 1.0, 6.0, 30.0]), min_size=rows, max_size=rows), label="scale"))
     logits = (torch.randn(rows, vocab, generator=g) * scale[:, None]).round(decimals=data.draw(st.sampled_from([1, 4]), label="decimals"))
+    for row in data.draw(st.lists(st.integers(0, rows - 1), max_size=3), label="confident rows"):
+        logits[row, int(torch.randint(vocab, (1,), generator=g))] += 40.0  # nothing else within 2**-24
     for row in data.draw(st.lists(st.integers(0, rows - 1), max_size=2), label="non-finite rows"):
         logits[row, int(torch.randint(vocab, (1,), generator=g))] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
     col = lambda strategy, label: data.draw(st.lists(strategy, min_size=rows, max_size=rows), label=label)  # noqa: E731
