@@ -147,8 +147,8 @@ class _Answer:
     """A step's RESULT (rank 0) or DONE, held while the next step, already GOed, gets its feed and
     its cache operations, and sent as its forward starts. Sent at once, it brought the scheduler's
     next PREPARE into that window, and every rank's link thread decoded and staged it there, taking
-    the GIL from the model's thread between two forwards (bench_step at 2 ranks: the gap 835 / 998
-    us against 1619 / 1794, docs/control_plane.md change 52). Nothing waits for it sooner: with
+    the GIL from the model's thread between two forwards (bench_step at 2 ranks: the gap 945 / 834
+    us against 1,380 / 1,803, docs/control_plane.md change 52). Nothing waits for it sooner: with
     overlap the scheduler has that next step already, and with nothing queued it goes at once."""
 
     link: SchedulerLink

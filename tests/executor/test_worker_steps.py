@@ -605,6 +605,18 @@ def test_alternatives_come_back_with_the_sample():
     assert result.logprobs[0] == result.top_logprobs[0]
 
 
+def run_step_then_its_follower(endpoint, model) -> None:
+    """Step 1 (clears page 0) runs behind the model's gate while step 2 (its sequence's feedback,
+    clears page 5) is staged and GOed; then the gate opens."""
+    step1 = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    step2 = make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))
+    endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
+    assert model.entered.wait(10)
+    endpoint.push(frame(2, step2), frame(2, Go()))
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
+    model.gate.set()
+
+
 def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here():
     # Sent at once, RESULT 1 brought the scheduler's next PREPARE while step 2 got its feed and
     # cleared its pages, and the link thread staged it there, taking the GIL from the model's thread
@@ -631,13 +643,7 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
         worker.link.finish, worker.runner.cache.clear_pages, model.forward = finishing, clearing, forwarding
 
     endpoint, thread, codes = start_worker(model, before_start=record)
-    step1 = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
-    step2 = make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))
-    endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
-    assert model.entered.wait(10)
-    endpoint.push(frame(2, step2), frame(2, Go()))
-    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
-    model.gate.set()
+    run_step_then_its_follower(endpoint, model)
     # Nothing comes after step 2: its RESULT goes out without another frame to end the wait.
     endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Result))
     endpoint.push(frame(2, Shutdown("done")))
@@ -664,13 +670,7 @@ def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step
         worker.runner.cache.clear_pages = clearing
 
     endpoint, thread, codes = start_worker(model, before_start=failing_clear)
-    step1 = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
-    step2 = make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))
-    endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
-    assert model.entered.wait(10)
-    endpoint.push(frame(2, step2), frame(2, Go()))
-    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
-    model.gate.set()
+    run_step_then_its_follower(endpoint, model)
     thread.join(10)
     assert codes == [ExitCode.STEP_FAILED]
     answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
