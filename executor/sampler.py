@@ -248,9 +248,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
         # rows are flagged (their tokens 0, their logprobs NaN) like any other non-finite row.
         finite &= ~overflowed
         log_probs[torch.from_numpy(overflowed)] = -math.log(logits.shape[1])
-    tokens = np.zeros(rows, dtype=np.int64)
-    if random.shape[0] < rows:
-        tokens = argmax_rows(safe).numpy()
+    tokens = argmax_rows(safe).numpy() if random.shape[0] < rows else np.zeros(rows, dtype=np.int64)
     if random.shape[0]:
         drawn = _rows(_min_p_filtered(log_probs, params.processing), torch.from_numpy(random))
         filtered = host.filtered[random]
@@ -508,11 +506,11 @@ def _candidates(log_probs: np.ndarray, ratio: float, k: np.ndarray) -> tuple[np.
     row_of, ids = np.divmod(index, vocab)
     picked = log_probs.reshape(-1)[index] if log_probs.flags.c_contiguous else log_probs[row_of, ids]
     # torch's exp, not numpy's (they differ in the last bit): the very probabilities a device's
-    # draw exponentiates, and the rows' most likely ones and floors with them, in one call.
-    exp = torch.from_numpy(np.concatenate((picked, top, floor))).exp().numpy()
-    rows = top.shape[0]
-    values, most_likely, exp_floor = exp[: index.shape[0]], exp[index.shape[0] : -rows], exp[-rows:]
-    keep = values >= (most_likely * np.float32(ratio) if ratio else exp_floor)[row_of]
+    # draw exponentiates, and with them, in one call, what the floor in probabilities is made from:
+    # the rows' most likely ones times the ratio, or the k-th's.
+    exp = torch.from_numpy(np.concatenate((picked, top if ratio else floor))).exp().numpy()
+    values, bound = exp[: index.shape[0]], exp[index.shape[0] :]
+    keep = values >= (bound * np.float32(ratio) if ratio else bound)[row_of]
     return row_of[keep], ids[keep], values[keep]
 
 
