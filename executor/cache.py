@@ -17,6 +17,7 @@ capture is seen); they are finite and positive, so a zeroed slot still reads bac
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -205,16 +206,32 @@ class KVCache:
         """Zero every byte of the listed pages (sorted unique ids) in every layer's K and V."""
         self._fill_runs(pages, 0)
 
+    def clear_pages_beside(self, pages: np.ndarray) -> None:
+        """clear_pages for a CPU cache, from a thread beside the one running the model's forward
+        (executor/clear_ahead.py): each run is one memset on this thread with the GIL released,
+        where torch's fill would wake its OpenMP pool beside the forward's and a numpy fill would
+        hold the GIL that the forward's Python dispatch needs."""
+        if self.device.type != "cpu":
+            raise ValueError(f"clear_pages_beside clears a CPU cache, not one on {self.device}")
+        runs = self._checked_runs(pages)
+        base, page_bytes = self.data.data_ptr(), self.page_bytes
+        for start, stop in runs:
+            ctypes.memset(base + start * page_bytes, 0, (stop - start) * page_bytes)
+
     def poison_pages(self, pages: np.ndarray) -> None:
         """Debug fault injection: fill the listed pages with 0xFF bytes (NaN in every KV dtype)."""
         self._fill_runs(pages, POISON_BYTE)
 
-    def _fill_runs(self, pages: np.ndarray, value: int) -> None:
+    def _checked_runs(self, pages: np.ndarray) -> list[tuple[int, int]]:
         runs = page_runs(pages)
+        if runs and (runs[0][0] < 0 or runs[-1][1] > self.num_kv_pages):
+            raise IndexError(f"page ids must be in [0, {self.num_kv_pages}), got runs {runs}")
+        return runs
+
+    def _fill_runs(self, pages: np.ndarray, value: int) -> None:
+        runs = self._checked_runs(pages)
         if not runs:
             return
-        if runs[0][0] < 0 or runs[-1][1] > self.num_kv_pages:
-            raise IndexError(f"page ids must be in [0, {self.num_kv_pages}), got runs {runs}")
         if self.device.type == "cuda":
             from executor.cuda_memset import memset_runs
 

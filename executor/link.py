@@ -28,12 +28,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from executor.clear_ahead import ClearAhead
 from executor.inputs import StepInputs, StepInputsError
 from executor.sampling_state import StatefulSequences
 from protocol.conversation import (
@@ -80,6 +81,8 @@ class StagedStep:
     # copied here rather than between two forwards, where on a GPU each copy waits for the
     # device; None without feedback rows.
     feedback_on_device: torch.Tensor | None
+    # Its cleared pages were zeroed as it was staged (executor/clear_ahead.py), not to be again.
+    cleared_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class SchedulerLink:
         timings: LinkTimings,
         exit_codes: Any,
         force_exit: Callable[[int], None] = os._exit,
+        clear_ahead: ClearAhead | None = None,
     ) -> None:
         self.conversation = conversation
         self.endpoint = endpoint
@@ -138,6 +142,7 @@ class SchedulerLink:
         self._timings = timings
         self._codes = exit_codes
         self._force_exit = force_exit
+        self._clear_ahead = clear_ahead
         self._page_tables = HeldPageTables()
         self._stateful = StatefulSequences()
         self._staged: StagedStep | None = None
@@ -286,6 +291,7 @@ class SchedulerLink:
             ready = conv.ready_or_ride(event.step)
             if ready is not None:
                 self._send(ready)
+            self._clear_staged_ahead()
             if conv.ready_is_go:
                 self._run_staged(event.step)
         elif isinstance(event, GoReceived):
@@ -332,6 +338,13 @@ class SchedulerLink:
         if feedback_tokens.shape[0]:
             on_device = torch.from_numpy(np.stack((feedback_tokens, feedback_sources))).to(self._device, non_blocking=True)
         return StagedStep(step, prepare, inputs, feedback_sources, on_device)
+
+    def _clear_staged_ahead(self) -> None:
+        """The staged step's clears, on a CPU when they can run ahead (executor/clear_ahead.py):
+        after its READY is out, so that they run while the READY travels and the GO comes back."""
+        staged = self._staged
+        if staged is not None and self._clear_ahead is not None and self._clear_ahead.clear(staged.step, staged.prepare):
+            self._staged = replace(staged, cleared_ahead=True)
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

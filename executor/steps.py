@@ -11,7 +11,8 @@ PREPARE, and ends before the forward's first.
 Why the cache operations run here and not when the PREPARE is staged: with the scheduler planning
 ahead, step N+1 is staged while step N runs, and N+1's offload must read what N wrote. On CUDA these
 are queued on the model stream before the forward (and before a graph replay); on the CPU they run
-right before it. Either way a cleared page is zero before the forward that first writes it.
+right before it, but for a step's clears that the link thread could run as it staged the step
+(executor/clear_ahead.py). Either way a cleared page is zero before the forward that first writes it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from executor.cache import KVCache
+from executor.clear_ahead import ClearAhead
 from executor.grammar import GrammarEngine
 from executor.inputs import StepInputs
 from executor.link import StagedStep
@@ -73,6 +75,7 @@ class StepRunner:
     def __init__(
         self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions,
         grammars: GrammarEngine | None = None, is_cut: Callable[[int], bool] = lambda step: False,
+        clear_ahead: ClearAhead | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -83,6 +86,7 @@ class StepRunner:
         self.sampling_states = SamplingStates(grammars)  # rank 0's
         self._last_end: float | None = None
         self._is_cut = is_cut  # rank 0's: whether a CUT came for a step (SchedulerLink.is_cut)
+        self._clear_ahead = clear_ahead
 
     def run(self, staged: StagedStep, before_forward: Callable[[], None] | None = None) -> Result | None:
         """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises.
@@ -159,8 +163,10 @@ class StepRunner:
             cache.poison_pages(prepare.poison_pages)
         if prepare.restore_pages.size:
             cache.restore(prepare.restore_pages, prepare.restore_slots)
-        if not options.debug_skip_clears and prepare.cleared_pages.size:
+        if not options.debug_skip_clears and prepare.cleared_pages.size and not staged.cleared_ahead:
             cache.clear_pages(prepare.cleared_pages)
+        if self._clear_ahead is not None:
+            self._clear_ahead.operated(staged.step)
 
     def _fed_tokens(self, staged: StagedStep) -> dict[int, int]:
         """The token each feedback row of the step receives, by sequence index (host side)."""

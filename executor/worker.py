@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from executor.cache import KVCache
+from executor.clear_ahead import ClearAhead
 from executor.grammar import GrammarEngine, GrammarVocabulary
 from executor.link import Command, Endpoint, LinkTimings, Run, SchedulerLink, Started, Stop
 from executor.options import ExecutorOptions
@@ -73,6 +74,7 @@ class Worker:
             config_fingerprint=options.fingerprint(),
             host=socket.gethostname(),
         )
+        clear_ahead = ClearAhead(cache, options)
         self.link = SchedulerLink(
             conversation=conversation,
             endpoint=endpoint,
@@ -87,10 +89,11 @@ class Worker:
             ),
             exit_codes=ExitCode,
             force_exit=force_exit,
+            clear_ahead=clear_ahead,
         )
         self.runner = StepRunner(
             rank=rank, world_size=world_size, model=model, cache=cache, options=options, grammars=grammars,
-            is_cut=self.link.is_cut,
+            is_cut=self.link.is_cut, clear_ahead=clear_ahead,
         )
 
     def run(self) -> int:

@@ -626,7 +626,8 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
     order: list[tuple] = []
 
     def record(worker):
-        finish, clear, forward = worker.link.finish, worker.runner.cache.clear_pages, model.forward
+        cache = worker.runner.cache
+        finish, clear, clear_beside, forward = worker.link.finish, cache.clear_pages, cache.clear_pages_beside, model.forward
 
         def finishing(step, result, still_busy=False):
             order.append(("answer", step, still_busy))  # the link keeps counting the running step busy
@@ -636,11 +637,16 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
             order.append(("clear", int(pages[0])))
             clear(pages)
 
+        def clearing_ahead(pages):
+            order.append(("clear ahead", int(pages[0])))
+            clear_beside(pages)
+
         def forwarding(inputs, cache):
             order.append(("forward", int(inputs.token_ids[0])))
             return forward(inputs, cache)
 
-        worker.link.finish, worker.runner.cache.clear_pages, model.forward = finishing, clearing, forwarding
+        worker.link.finish, model.forward = finishing, forwarding
+        cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
 
     endpoint, thread, codes = start_worker(model, before_start=record)
     run_step_then_its_follower(endpoint, model)
@@ -649,9 +655,11 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
     endpoint.push(frame(2, Shutdown("done")))
     thread.join(10)
     assert codes == [ExitCode.OK]
-    # Step 2 decodes step 1's sample (20 + 1): its feed landed before its forward.
+    # Step 2 decodes step 1's sample (20 + 1): its feed landed before its forward. Its page was
+    # cleared as it was staged, while step 1's forward ran (executor/clear_ahead.py); step 1's, the
+    # first, by the model's thread.
     assert order == [
-        ("clear", 0), ("forward", 20), ("clear", 5), ("answer", 1, True), ("forward", 21), ("answer", 2, False)
+        ("clear", 0), ("forward", 20), ("clear ahead", 5), ("answer", 1, True), ("forward", 21), ("answer", 2, False)
     ]
     assert [s for s, b in endpoint.replies() if isinstance(b, Result)] == [1, 2]
 
@@ -660,14 +668,20 @@ def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step
     model = GatedModel(0, 1)
 
     def failing_clear(worker):
-        clear = worker.runner.cache.clear_pages
+        # Ahead, on the link thread, first (step 2 is staged while step 1 runs): that failure leaves
+        # the clear to the model's thread, whose failure fails the step.
+        cache = worker.runner.cache
+        clear, clear_beside = cache.clear_pages, cache.clear_pages_beside
 
-        def clearing(pages):
-            if int(pages[0]) == 5:
-                raise RuntimeError("a device error while clearing")
-            clear(pages)
+        def failing(clear):
+            def clearing(pages):
+                if int(pages[0]) == 5:
+                    raise RuntimeError("a device error while clearing")
+                clear(pages)
 
-        worker.runner.cache.clear_pages = clearing
+            return clearing
+
+        cache.clear_pages, cache.clear_pages_beside = failing(clear), failing(clear_beside)
 
     endpoint, thread, codes = start_worker(model, before_start=failing_clear)
     run_step_then_its_follower(endpoint, model)
@@ -676,3 +690,44 @@ def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step
     answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
     assert answers == [(1, Result), (2, Reject)]
     assert "device error while clearing" in endpoint.replies()[-1][1].message
+
+
+def test_a_step_staged_before_the_step_ahead_of_it_ran_its_cache_operations_is_cleared_by_the_model():
+    # Step 3 clears page 7, which step 2 offloads first. Step 3 is staged while step 1's forward
+    # holds the model's thread and step 2 waits behind it: a clear on the link thread there would
+    # zero page 7 before step 2's offload read it (executor/clear_ahead.py).
+    model = GatedModel(0, 1)
+    caches: list = []
+    cleared_where: list[tuple[str, int]] = []
+
+    def record(worker):
+        cache = worker.runner.cache
+        cache.data[7] = 3.0
+        caches.append(cache)
+        clear, clear_beside = cache.clear_pages, cache.clear_pages_beside
+
+        def clearing(pages):
+            cleared_where.extend(("model", int(p)) for p in pages)
+            clear(pages)
+
+        def clearing_ahead(pages):
+            cleared_where.extend(("ahead", int(p)) for p in pages)
+            clear_beside(pages)
+
+        cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
+
+    endpoint, thread, codes = start_worker(model, before_start=record)
+    endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
+    assert model.entered.wait(10)
+    endpoint.push(frame(2, make_prepare([Seq(2, (30,), 0, (1,))], cleared=(1,), offload=((7, 0),))), frame(2, Go()))
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
+    endpoint.push(frame(3, make_prepare([Seq(3, (40,), 0, (7,))], cleared=(7,))), frame(3, Go()))
+    endpoint.wait_for(lambda r: r[0] == 3 and isinstance(r[1], Ready))
+    model.gate.set()
+    endpoint.wait_for(lambda r: r[0] == 3 and isinstance(r[1], Result))
+    endpoint.push(frame(3, Shutdown("done")))
+    thread.join(10)
+    assert codes == [ExitCode.OK]
+    assert [s for s, b in endpoint.replies() if isinstance(b, Result)] == [1, 2, 3]
+    assert bool((caches[0].host[0] == 3.0).all()), "step 2's offload read page 7 before step 3's clear"
+    assert cleared_where == [("model", 0), ("model", 1), ("model", 7)]
