@@ -13,6 +13,7 @@ This module sits below the model package and the probe (both import it; it impor
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,20 +119,121 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_BLOCK, scales)
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """How the deterministic mode runs a matmul's rows on this CPU so that each row gets the same
+    bits whatever its batch (docs/invariance.md): in one call with its rows padded to a multiple of
+    `multiple`, or (`block`) in calls of exactly that many rows, the last padded with zeros. row_plan
+    measures which; a kernel whose rows agree at every count needs neither (multiple 1)."""
+
+    multiple: int = 1
+    block: int = 0
+
+    def run(self, kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        step = self.block or self.multiple
+        padded = -(-rows // step) * step
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        if not self.block:
+            return kernel(x)[:rows]
+        return torch.cat([kernel(x[start : start + self.block]) for start in range(0, padded, self.block)])[:rows]
+
+
+# Tried in this order, cheapest first: one call at any count, then padded, then fixed blocks. On a
+# 2-core Intel Xeon with AMX, oneDNN's packed bf16 matmul gave rows of SmolLM2's shapes other bits
+# at every multiple below 64 (its kernels differ by row count), and agreed in fixed blocks of 16.
+ROW_PLANS = tuple(RowPlan(multiple=m) for m in (1, 2, 4, 8, 16)) + tuple(RowPlan(block=b) for b in (16, 32, 64))
+# The probe's rows: a reference product of _PROBE_ROWS, and the counts whose rows must agree with it.
+_PROBE_ROWS = 96
+_PROBE_COUNTS = (*range(1, 21), 31, 32, 33, 47, 48, 49, 63, 64)
+
+
+def rows_agree(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, counts: Iterable[int]) -> bool:
+    """Whether `product` gives the rows of x[start : start + count], at each count and at the first
+    and last offset, the bits it gives the same rows within x."""
+    reference = product(x)
+    total = x.shape[0]
+    return all(
+        torch.equal(product(x[start : start + count]), reference[start : start + count])
+        for count in counts
+        for start in (0, total - count)
+    )
+
+
+def first_agreeing_plan(kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> RowPlan | None:
+    """The first of ROW_PLANS under which `kernel` gives the rows of x the same bits at every count
+    of _PROBE_COUNTS and offset; None when none does."""
+    return next((plan for plan in ROW_PLANS if rows_agree(functools.partial(plan.run, kernel), x, _PROBE_COUNTS)), None)
+
+
+def order_sensitive(rows: int, out_features: int, depth: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, depth] and W [out_features, depth] (float32) whose products x W^T sum large terms
+    that cancel in pairs (a quarter of the columns each side) and small ones: the sum is small and
+    the large partial sums' rounding shows in it, so two kernels that add in other orders give
+    other bits even in a bf16 output. On random values they mostly agree after the output's
+    rounding: a 1-row bf16 product that differs from the same row in 4 at one output in 96 of a
+    real model passed a probe of random values (docs/invariance.md)."""
+    x = torch.randn(rows, depth, generator=generator) * 2**-4
+    weight = torch.randn(out_features, depth, generator=generator) * 2**-4
+    columns = torch.randperm(depth, generator=generator)
+    half = depth // 4
+    plus, minus = columns[:half], columns[half : 2 * half]
+    x[:, plus] = x[:, minus] = torch.randn(rows, half, generator=generator) * 2**4
+    large = torch.randn(out_features, half, generator=generator) * 2**4
+    weight[:, plus], weight[:, minus] = large, -large
+    return x, weight
+
+
+@functools.cache
+def row_plan(kind: str, shape: tuple[int, int], dtype: torch.dtype) -> RowPlan:
+    """The first of ROW_PLANS under which the kernel of `kind` ("dense": the packed or plain dense
+    matmul as Matrix holds it; "int4") gives a [rows, in] x [out, in]^T product's rows the same bits
+    at every count and offset, measured once per process, kernel and shape on random weights (which
+    kernel runs depends on the shape, the dtype and the layout, not on the values)."""
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(0)
+    x, weight = order_sensitive(_PROBE_ROWS, out_features, in_features, generator)
+    x = x.to(dtype)
+    if kind == "int4":  # its weights are 4-bit codes: the order-sensitive values are x's alone
+        q = torch.randint(0, 16, shape, generator=generator, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales = torch.rand(in_features // Q4_BLOCK, out_features, 2, generator=generator).to(dtype)
+        kernel = functools.partial(int4_matmul, packed=packed, scales=scales)
+    else:
+        weight = weight.to(dtype)
+        if onednn_packs(weight):
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=PACK_ROWS)
+        kernel = functools.partial(dense_matmul, weight=weight)
+    plan = first_agreeing_plan(kernel, x)
+    if plan is not None:
+        return plan
+    raise DeterminismError(
+        f"the {kind} matmul of a {out_features} x {in_features} {dtype} matrix gives rows other bits by their batch "
+        f"under every row plan tried ({', '.join(map(str, ROW_PLANS))}) on this CPU: the deterministic mode cannot run here"
+    )
+
+
 @dataclass
 class MatmulWeights:
-    """The one copy of a matrix a call reads: dense (`weight`) or int4 (`int4` and its scales)."""
+    """The one copy of a matrix a call reads: dense (`weight`) or int4 (`int4` and its scales), and
+    in the deterministic mode how its rows run (`rows`; None otherwise)."""
 
     weight: torch.Tensor | None = None
     int4: torch.Tensor | None = None
     int4_scales: torch.Tensor | None = None
+    rows: RowPlan | None = None
 
     @property
     def kind(self) -> str:
         return "int4" if self.int4 is not None else "dense"
 
 
-register_dataclass(MatmulWeights, serialized_type_name="executor.kernels.MatmulWeights")
+# `rows` stays out of the exported tree: the deterministic mode runs no compiled layers.
+register_dataclass(
+    MatmulWeights, field_names=["weight", "int4", "int4_scales"], drop_field_names=["rows"],
+    serialized_type_name="executor.kernels.MatmulWeights",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -162,6 +264,12 @@ def matmul(x: torch.Tensor, w: MatmulWeights | SplitMatmulWeights) -> torch.Tens
             partial = matmul(x[:, start:stop].contiguous(), part).float()
             total = partial if total is None else total + partial
         return total
+    if w.rows is not None:
+        return w.rows.run(functools.partial(_product, w=w), x)
+    return _product(x, w)
+
+
+def _product(x: torch.Tensor, w: MatmulWeights) -> torch.Tensor:
     if w.int4 is not None:
         return int4_matmul(x, w.int4, w.int4_scales)
     if torch.compiler.is_compiling():
@@ -185,7 +293,10 @@ class Matrix:
         *,
         dtype: torch.dtype | None = None,
         int4_max_rows: int = INT4_MAX_ROWS,
+        deterministic: bool = False,
     ) -> None:
+        """deterministic: each copy's rows run under the RowPlan measured for its kernel and shape
+        (row_plan), so that a row's bits do not depend on its batch."""
         if weight is None and q4 is None:
             raise ValueError("a matrix needs a dense weight, 4-bit blocks, or both")
         self.int4_max_rows = int4_max_rows
@@ -203,8 +314,14 @@ class Matrix:
         if q4 is not None:
             self.int4, self.int4_scales = int4_pack(q4, self.dtype)
             self.int4_nbytes = self.int4.numel() + self.int4_scales.numel() * self.int4_scales.element_size()
-        self._dense_copy = MatmulWeights(weight=self.weight)
-        self._int4_copy = MatmulWeights(int4=self.int4, int4_scales=self.int4_scales)
+        planned = deterministic and (weight.device if weight is not None else self.int4.device).type == "cpu"
+        self._dense_copy = MatmulWeights(
+            weight=self.weight, rows=row_plan("dense", self.shape, self.dtype) if planned and weight is not None else None
+        )
+        self._int4_copy = MatmulWeights(
+            int4=self.int4, int4_scales=self.int4_scales,
+            rows=row_plan("int4", self.shape, self.dtype) if planned and self.int4 is not None else None,
+        )  # fmt: skip
 
     def uses_int4(self, rows: int) -> bool:
         return self.int4 is not None and (self.weight is None or rows <= self.int4_max_rows)
@@ -273,16 +390,14 @@ def bmm_row_multiple(depth: int, width: int, dtype: torch.dtype = torch.float32)
     other bits than the same rows among 4 or more (4-row panels). Measured here, once per process
     and shape, rather than assumed: the smallest of 1, 2, 4, 8 and 16 under which rows at every
     count up to 64 and at every offset agree with the same rows of a 96-row product."""
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(1, 96, depth, generator=generator).to(dtype)
-    b = torch.randn(1, depth, width, generator=generator).to(dtype)
-    reference = torch.bmm(a, b)
+    a, w = order_sensitive(_PROBE_ROWS, width, depth, torch.Generator().manual_seed(0))
+    a, b = a.to(dtype), w.t().contiguous().unsqueeze(0).to(dtype)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(rows.unsqueeze(0), b).squeeze(0)
+
     for multiple in (1, 2, 4, 8, 16):
-        if all(
-            torch.equal(torch.bmm(a[:, start : start + rows], b), reference[:, start : start + rows])
-            for rows in range(multiple, 65, multiple)
-            for start in (0, 96 - rows)
-        ):
+        if rows_agree(product, a, range(multiple, 65, multiple)):
             return multiple
     raise DeterminismError(
         f"torch.bmm gives rows of a [rows, {depth}] x [{depth}, {width}] {dtype} product other bits at every "

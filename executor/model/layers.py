@@ -176,8 +176,8 @@ class VocabParallelEmbedding:
 class VocabParallelLMHead:
     """Local logits for this rank's vocabulary rows, gathered to full rows on rank 0 only."""
 
-    def __init__(self, weight: torch.Tensor, plan: ShardPlan, vocab_size: int) -> None:
-        self.linear = Linear(weight)
+    def __init__(self, weight: torch.Tensor, plan: ShardPlan, vocab_size: int, *, deterministic: bool = False) -> None:
+        self.linear = Linear(weight, deterministic=deterministic)
         self.plan = plan
         self.vocab_size = vocab_size
 

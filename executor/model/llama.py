@@ -73,7 +73,7 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.embed = VocabParallelEmbedding(embed, shard)
-        self.lm_head = VocabParallelLMHead(lm_head, shard, config.vocab_size)
+        self.lm_head = VocabParallelLMHead(lm_head, shard, config.vocab_size, deterministic=deterministic)
         # The deterministic mode (docs/invariance.md): each row's logits independent of its batch
         # mates, its chunking and the TP size; the runner then runs every step eagerly.
         self.deterministic = deterministic

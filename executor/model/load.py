@@ -164,7 +164,7 @@ class _ShardReader:
         dense = None
         if q4 is None or self.weight_format == "mixed":
             dense = self.cache.tensor(f"dense/{name}", lambda: torch.cat([self._read(key, layer, **span) for key, span in parts]))
-        return role(dense, q4, dtype=self.dtype, int4_max_rows=self.int4_max_rows, **extra)
+        return role(dense, q4, dtype=self.dtype, int4_max_rows=self.int4_max_rows, deterministic=self.deterministic, **extra)
 
     def _q4(self, layer: int, parts: tuple[tuple[str, dict[str, tuple[int, int]]], ...]) -> Q4Blocks | None:
         blocks = [self.source.read_q4(key, layer, **span) for key, span in parts]
