@@ -189,8 +189,8 @@ def order_sensitive(rows: int, out_features: int, depth: int, generator: torch.G
 def row_plan(kind: str, shape: tuple[int, int], dtype: torch.dtype) -> RowPlan:
     """The first of ROW_PLANS under which the kernel of `kind` ("dense": the packed or plain dense
     matmul as Matrix holds it; "int4") gives a [rows, in] x [out, in]^T product's rows the same bits
-    at every count and offset, measured once per process, kernel and shape on random weights (which
-    kernel runs depends on the shape, the dtype and the layout, not on the values)."""
+    at every count and offset, measured once per process, kernel and shape on order_sensitive
+    values (which kernel runs depends on the shape, the dtype and the layout, not on the values)."""
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(0)
     x, weight = order_sensitive(_PROBE_ROWS, out_features, in_features, generator)

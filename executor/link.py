@@ -28,13 +28,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from executor.clear_ahead import ClearAhead
+from executor.clear_ahead import ClearAhead, PendingClear
 from executor.inputs import StepInputs, StepInputsError
 from executor.sampling_state import StatefulSequences
 from protocol.conversation import (
@@ -81,8 +81,9 @@ class StagedStep:
     # copied here rather than between two forwards, where on a GPU each copy waits for the
     # device; None without feedback rows.
     feedback_on_device: torch.Tensor | None
-    # Its cleared pages were zeroed as it was staged (executor/clear_ahead.py), not to be again.
-    cleared_ahead: bool = False
+    # Its cleared pages, zeroed once by the link thread ahead or by the model's thread
+    # (executor/clear_ahead.py).
+    clears: PendingClear = field(default_factory=PendingClear)
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,6 @@ class SchedulerLink:
             ready = conv.ready_or_ride(event.step)
             if ready is not None:
                 self._send(ready)
-            self._clear_staged_ahead()
             if conv.ready_is_go:
                 self._run_staged(event.step)
         elif isinstance(event, GoReceived):
@@ -320,6 +320,8 @@ class SchedulerLink:
         assert staged is not None and staged.step == step  # the conversation checked it
         self._last_sampled = staged.inputs.sample_seq_ids
         self.commands.put(Run(staged))
+        if self._clear_ahead is not None:  # a CPU step's clears, while the forward before runs
+            self._clear_ahead.clear(step, staged.prepare, staged.clears)
 
     def _stage(self, step: int, prepare: Prepare) -> StagedStep:
         """Everything of a step that needs no device work: nothing here changes if it is refused,
@@ -338,13 +340,6 @@ class SchedulerLink:
         if feedback_tokens.shape[0]:
             on_device = torch.from_numpy(np.stack((feedback_tokens, feedback_sources))).to(self._device, non_blocking=True)
         return StagedStep(step, prepare, inputs, feedback_sources, on_device)
-
-    def _clear_staged_ahead(self) -> None:
-        """The staged step's clears, on a CPU when they can run ahead (executor/clear_ahead.py):
-        after its READY is out, so that they run while the READY travels and the GO comes back."""
-        staged = self._staged
-        if staged is not None and self._clear_ahead is not None and self._clear_ahead.clear(staged.step, staged.prepare):
-            self._staged = replace(staged, cleared_ahead=True)
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

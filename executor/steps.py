@@ -11,8 +11,9 @@ PREPARE, and ends before the forward's first.
 Why the cache operations run here and not when the PREPARE is staged: with the scheduler planning
 ahead, step N+1 is staged while step N runs, and N+1's offload must read what N wrote. On CUDA these
 are queued on the model stream before the forward (and before a graph replay); on the CPU they run
-right before it, but for a step's clears that the link thread could run as it staged the step
-(executor/clear_ahead.py). Either way a cleared page is zero before the forward that first writes it.
+right before it, but for a step's clears that the link thread may claim once it has handed the step
+over (executor/clear_ahead.py). Either way a cleared page is zero before the forward that first
+writes it.
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ class StepRunner:
             cache.poison_pages(prepare.poison_pages)
         if prepare.restore_pages.size:
             cache.restore(prepare.restore_pages, prepare.restore_slots)
-        if not options.debug_skip_clears and prepare.cleared_pages.size and not staged.cleared_ahead:
-            cache.clear_pages(prepare.cleared_pages)
+        if not options.debug_skip_clears and prepare.cleared_pages.size:
+            staged.clears.claim(lambda: cache.clear_pages(prepare.cleared_pages))
         if self._clear_ahead is not None:
             self._clear_ahead.operated(staged.step)
 

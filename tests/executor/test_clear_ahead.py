@@ -1,14 +1,16 @@
-"""Clearing a step's pages on the link thread as it is staged (executor/clear_ahead.py): the memset
-itself, byte for byte against clear_pages, and when the policy lets it run ahead and when not."""
+"""Clearing a step's pages on the link thread once it is handed over (executor/clear_ahead.py): the
+memset itself, byte for byte against clear_pages, when the policy lets it run ahead and when not,
+and the claim that lets only one of a rank's threads clear a step's pages."""
 
 import logging
+import threading
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from executor.clear_ahead import ClearAhead
+from executor.clear_ahead import ClearAhead, PendingClear
 from executor.options import ExecutorOptions
 from protocol.frames import KVDtype
 from tests.executor.executor_standin import Seq, make_prepare
@@ -68,7 +70,7 @@ def test_a_step_whose_step_before_ran_its_cache_operations_is_cleared_ahead():
     cache, before = poisoned_cache()
     ahead = ClearAhead(cache, options())
     ahead.operated(6)
-    assert ahead.clear(7, step(cleared=(5, 6)))
+    assert ahead.clear(7, step(cleared=(5, 6)), PendingClear())
     after = raw(cache)
     assert bool((after[5:7] == 0).all())
     assert torch.equal(after[:5], before[:5]) and torch.equal(after[7:], before[7:])
@@ -90,7 +92,7 @@ def test_a_step_is_left_to_the_models_thread_when(operated, prepare, opts, why):
     cache, before = poisoned_cache()
     ahead = ClearAhead(cache, opts)
     ahead.operated(operated)
-    assert not ahead.clear(7, prepare), why
+    assert not ahead.clear(7, prepare, PendingClear()), why
     assert torch.equal(raw(cache), before), why
 
 
@@ -98,7 +100,7 @@ def test_poison_lists_do_not_hold_a_clear_back_when_poison_is_off():
     cache, _ = poisoned_cache()
     ahead = ClearAhead(cache, options())
     ahead.operated(6)
-    assert ahead.clear(7, step(poison=(8,)))
+    assert ahead.clear(7, step(poison=(8,)), PendingClear())
     assert bool((raw(cache)[5] == 0).all())
 
 
@@ -107,7 +109,7 @@ def test_a_cache_off_the_cpu_is_left_to_the_models_thread():
     cache.device = torch.device("meta")
     ahead = ClearAhead(cache, options())
     ahead.operated(6)
-    assert not ahead.clear(7, step())
+    assert not ahead.clear(7, step(), PendingClear())
 
 
 def test_a_clear_that_fails_ahead_is_left_to_the_models_thread(caplog):
@@ -119,6 +121,62 @@ def test_a_clear_that_fails_ahead_is_left_to_the_models_thread(caplog):
         raise RuntimeError("the memset failed")
 
     cache.clear_pages_beside = failing
+    pending = PendingClear()
     with caplog.at_level(logging.ERROR, logger="tp_runtime.executor"):
-        assert not ahead.clear(7, step())
+        assert not ahead.clear(7, step(), pending)
     assert "step 7" in caplog.text and "the memset failed" in caplog.text
+    assert pending.claim(lambda: None), "the model's thread still claims the clear"
+
+
+def test_a_clear_the_models_thread_claimed_is_not_done_again():
+    cache, _ = poisoned_cache()
+    ahead = ClearAhead(cache, options())
+    ahead.operated(6)
+    pending = PendingClear()
+    assert pending.claim(lambda: cache.clear_pages(np.array([5], dtype=np.int32)))
+    cache.poison_pages(np.array([5], dtype=np.int32))  # would be zeroed by a second clear
+    assert not ahead.clear(7, step(), pending)
+    assert bool((raw(cache)[5] == 0xFF).all())
+
+
+def test_a_claim_runs_once_and_a_second_waits_for_one_in_progress():
+    pending, started, release = PendingClear(), threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def slow() -> None:
+        started.set()
+        assert release.wait(10)
+        ran.append("first")
+
+    first = threading.Thread(target=pending.claim, args=(slow,))
+    first.start()
+    try:
+        assert started.wait(10)
+        second: list[bool] = []
+        entered = threading.Event()
+
+        def claim_second() -> None:
+            entered.set()
+            second.append(pending.claim(lambda: ran.append("second")))
+
+        waiter = threading.Thread(target=claim_second)
+        waiter.start()
+        assert entered.wait(10)
+        assert second == [], "the second claim has not returned while the first runs"
+    finally:
+        release.set()
+        first.join(10)
+    waiter.join(10)
+    assert ran == ["first"] and second == [False]
+
+
+def test_a_claim_that_raises_leaves_the_clear_to_the_next():
+    pending = PendingClear()
+
+    def failing() -> None:
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        pending.claim(failing)
+    assert pending.claim(lambda: None)
+    assert not pending.claim(lambda: None)
