@@ -4,13 +4,17 @@ DESIGN.md's rule is that a cleared page is zero before the forward that first wr
 thread zeroes a step's pages right before its forward (executor/steps.py says why there), which on a
 CPU put the clear between two forwards: ~95 us a page in bench_step's gap, most of it torch's
 OpenMP pool waking (docs/control_plane.md, change 56). Zeroed on the link thread once the step is
-handed to the model's thread, during the forward before, it leaves the gap.
+handed to a model thread still in the step before, during that step's forward, it leaves the gap.
+(DESIGN.md's rule 5 places the CPU's clear on the model's stream after the input copies: a CPU has
+no stream, and what the rule orders, zero before the forward and nothing else touching the pages
+in between, holds, as below.)
 
 Each step's clear is claimed once (`PendingClear`), by whichever thread comes first: the link thread
 right after the hand-off, or the model's thread when it reaches the step's cache operations. A model
-thread that comes while the link thread is still at it waits for the rest, and one that comes first
-clears as before (with torch's threads: a model thread with nothing else to do clears a prefill's
-pages faster than one thread's memset). The hand-off never waits for a clear.
+thread that comes while the link thread is still at it waits for the rest. A model thread that was
+idle at the hand-off clears the step itself (the link thread leaves it): with nothing else to do,
+torch's threads clear a prefill's pages faster than one thread's memset. The hand-off never waits
+for a clear.
 
 Early is safe only when nothing before the step's clear in DESIGN.md's order can still touch those
 pages, so the link thread claims a step's clear only when:

@@ -132,7 +132,7 @@ class RowPlan:
     def run(self, kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         step = self.block or self.multiple
-        padded = -(-rows // step) * step
+        padded = max(-(-rows // step), 1) * step  # no rows: one padded call, for the output's shape
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))
         if not self.block:
@@ -145,8 +145,8 @@ class RowPlan:
 # at every multiple below 64 (its kernels differ by row count), and agreed in fixed blocks of 16.
 ROW_PLANS = tuple(RowPlan(multiple=m) for m in (1, 2, 4, 8, 16)) + tuple(RowPlan(block=b) for b in (16, 32, 64))
 # The probe's rows: a reference product of _PROBE_ROWS, and the counts whose rows must agree with it.
-_PROBE_ROWS = 96
-_PROBE_COUNTS = (*range(1, 21), 31, 32, 33, 47, 48, 49, 63, 64)
+_PROBE_ROWS = 160
+_PROBE_COUNTS = (*range(1, 21), 31, 32, 33, 47, 48, 49, 63, 64, 95, 96, 97, 127, 128, 129)
 
 
 def rows_agree(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, counts: Iterable[int]) -> bool:
@@ -229,7 +229,8 @@ class MatmulWeights:
         return "int4" if self.int4 is not None else "dense"
 
 
-# `rows` stays out of the exported tree: the deterministic mode runs no compiled layers.
+# `rows` stays out of the exported tree: the deterministic mode runs no compiled layers (and
+# aot_layer's `_static` walks the dataclass's fields, which a RowPlan there would break).
 register_dataclass(
     MatmulWeights, field_names=["weight", "int4", "int4_scales"], drop_field_names=["rows"],
     serialized_type_name="executor.kernels.MatmulWeights",
@@ -389,7 +390,7 @@ def bmm_row_multiple(depth: int, width: int, dtype: torch.dtype = torch.float32)
     gemm on an AVX2 EPYC gives rows of 1-3-row products, and the last 1-3 rows of a product of 5-11,
     other bits than the same rows among 4 or more (4-row panels). Measured here, once per process
     and shape, rather than assumed: the smallest of 1, 2, 4, 8 and 16 under which rows at every
-    count up to 64 and at every offset agree with the same rows of a 96-row product."""
+    count up to 64 and at both end offsets agree with the same rows of a _PROBE_ROWS-row product."""
     a, w = order_sensitive(_PROBE_ROWS, width, depth, torch.Generator().manual_seed(0))
     a, b = a.to(dtype), w.t().contiguous().unsqueeze(0).to(dtype)
 

@@ -10,9 +10,11 @@ It runs beside the model, so that three things never wait for a forward:
 - SHUTDOWN is heard even when the model is stuck in a collective whose peer is gone;
 - a CUT for the step of several forwards that runs reaches the model's thread before its next one.
 
-The link never touches the cache: offload, poison, restore and clears run on the model's thread,
-right before the forward of their step (executor.steps), so that they are ordered after the step
-before it, which may still be running when the PREPARE arrives.
+Offload, poison, restore and clears run on the model's thread, right before the forward of their
+step (executor.steps), so that they are ordered after the step before it, which may still be
+running when the PREPARE arrives; but for a CPU step's clears, which this thread claims once it
+has handed the step over while the model's thread is in the step before, when nothing before them
+in that order can still touch their pages (executor/clear_ahead.py).
 
 Threads: the socket and the conversation belong to this thread alone. The model's thread hands it
 RESULT/DONE/failures through a queue and wakes its poll (ExecutorEndpoint.wake); this thread hands
@@ -72,7 +74,7 @@ class StagedStep:
     """A validated step, its inputs built, waiting for GO (and then for the model's thread)."""
 
     step: int
-    prepare: Prepare  # the cache operations run from it on the model's thread
+    prepare: Prepare  # the cache operations run from it on the model's thread (clears: or ahead)
     inputs: StepInputs
     # For each feedback row, the index of its sequence among the sampled rows of the step run
     # before this one (the host's copy, for the sampling states).
@@ -319,8 +321,11 @@ class SchedulerLink:
         staged, self._staged = self._staged, None
         assert staged is not None and staged.step == step  # the conversation checked it
         self._last_sampled = staged.inputs.sample_seq_ids
+        busy = self._busy_since is not None
         self.commands.put(Run(staged))
-        if self._clear_ahead is not None:  # a CPU step's clears, while the forward before runs
+        # A CPU step's clears, while the model's thread is in the step before. An idle one takes
+        # the step at once and clears it itself, with torch's threads (a prefill's pages).
+        if busy and self._clear_ahead is not None:
             self._clear_ahead.clear(step, staged.prepare, staged.clears)
 
     def _stage(self, step: int, prepare: Prepare) -> StagedStep:

@@ -605,15 +605,17 @@ def test_alternatives_come_back_with_the_sample():
     assert result.logprobs[0] == result.top_logprobs[0]
 
 
-def run_step_then_its_follower(endpoint, model) -> None:
+def run_step_then_its_follower(endpoint, model, handed_over: threading.Event | None = None) -> None:
     """Step 1 (clears page 0) runs behind the model's gate while step 2 (its sequence's feedback,
-    clears page 5) is staged and GOed; then the gate opens."""
+    clears page 5) is staged and GOed; then the gate opens (once `handed_over` is set, if given)."""
     step1 = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
     step2 = make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))
     endpoint.push(welcome(), frame(1, step1), frame(1, Go()))
     assert model.entered.wait(10)
     endpoint.push(frame(2, step2), frame(2, Go()))
     endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Ready))
+    if handed_over is not None:
+        assert handed_over.wait(10)
     model.gate.set()
 
 
@@ -624,6 +626,7 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
     # nothing queued (serial, or the last step) it goes at once.
     model = GatedModel(0, 1)
     order: list[tuple] = []
+    cleared_ahead = threading.Event()
 
     def record(worker):
         cache = worker.runner.cache
@@ -640,6 +643,7 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
         def clearing_ahead(pages):
             order.append(("clear ahead", int(pages[0])))
             clear_beside(pages)
+            cleared_ahead.set()
 
         def forwarding(inputs, cache):
             order.append(("forward", int(inputs.token_ids[0])))
@@ -649,7 +653,7 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
         cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
 
     endpoint, thread, codes = start_worker(model, before_start=record)
-    run_step_then_its_follower(endpoint, model)
+    run_step_then_its_follower(endpoint, model, handed_over=cleared_ahead)
     # Nothing comes after step 2: its RESULT goes out without another frame to end the wait.
     endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Result))
     endpoint.push(frame(2, Shutdown("done")))
@@ -731,3 +735,35 @@ def test_a_step_staged_before_the_step_ahead_of_it_ran_its_cache_operations_is_c
     assert [s for s, b in endpoint.replies() if isinstance(b, Result)] == [1, 2, 3]
     assert bool((caches[0].host[0] == 3.0).all()), "step 2's offload read page 7 before step 3's clear"
     assert cleared_where == [("model", 0), ("model", 1), ("model", 7)]
+
+
+def test_a_step_handed_to_an_idle_model_thread_is_cleared_by_it():
+    # Nothing runs when step 2's GO comes: the model's thread takes it at once and clears its page
+    # with torch's threads, where the link thread's one-thread memset would make it wait.
+    model = GatedModel(0, 1)
+    model.gate.set()
+    cleared_where: list[tuple[str, int]] = []
+
+    def record(worker):
+        cache = worker.runner.cache
+        clear, clear_beside = cache.clear_pages, cache.clear_pages_beside
+
+        def clearing(pages):
+            cleared_where.extend(("model", int(p)) for p in pages)
+            clear(pages)
+
+        def clearing_ahead(pages):
+            cleared_where.extend(("ahead", int(p)) for p in pages)
+            clear_beside(pages)
+
+        cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
+
+    endpoint, thread, codes = start_worker(model, before_start=record)
+    endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
+    endpoint.wait_for(lambda r: r[0] == 1 and isinstance(r[1], Result))
+    endpoint.push(frame(2, make_prepare([Seq(2, (30,), 0, (4,))], cleared=(4,))), frame(2, Go()))
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Result))
+    endpoint.push(frame(2, Shutdown("done")))
+    thread.join(10)
+    assert codes == [ExitCode.OK]
+    assert cleared_where == [("model", 0), ("model", 4)]

@@ -95,14 +95,13 @@ def test_a_plan_returns_each_row_once_in_order_and_calls_the_kernel_at_its_count
         calls.append(rows.shape[0])
         return rows * 2
 
-    for count in (1, 3, 16, 17, 70):
+    for count in (0, 1, 3, 16, 17, 70):
         calls.clear()
         x = torch.arange(count * 3, dtype=torch.float32).reshape(count, 3)
         assert torch.equal(plan.run(kernel, x), x * 2)
-        if plan.block:
-            assert calls == [plan.block] * -(-count // plan.block)
-        else:
-            assert calls == [-(-count // plan.multiple) * plan.multiple]
+        step = plan.block or plan.multiple
+        padded = max(-(-count // step), 1) * step  # no rows: one padded call
+        assert calls == ([plan.block] * (padded // plan.block) if plan.block else [padded])
 
 
 def test_this_cpus_dense_and_int4_kernels_have_a_plan_and_it_holds():
