@@ -696,6 +696,23 @@ def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step
     assert "device error while clearing" in endpoint.replies()[-1][1].message
 
 
+def record_clears(worker, cleared_where: list[tuple[str, int]]) -> None:
+    """Wraps the worker's cache so that each page cleared is listed with the thread that cleared it:
+    "model" (clear_pages) or "ahead" (the link thread's clear_pages_beside)."""
+    cache = worker.runner.cache
+    clear, clear_beside = cache.clear_pages, cache.clear_pages_beside
+
+    def clearing(pages):
+        cleared_where.extend(("model", int(p)) for p in pages)
+        clear(pages)
+
+    def clearing_ahead(pages):
+        cleared_where.extend(("ahead", int(p)) for p in pages)
+        clear_beside(pages)
+
+    cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
+
+
 def test_a_step_staged_before_the_step_ahead_of_it_ran_its_cache_operations_is_cleared_by_the_model():
     # Step 3 clears page 7, which step 2 offloads first. Step 3 is staged while step 1's forward
     # holds the model's thread and step 2 waits behind it: a clear on the link thread there would
@@ -705,20 +722,9 @@ def test_a_step_staged_before_the_step_ahead_of_it_ran_its_cache_operations_is_c
     cleared_where: list[tuple[str, int]] = []
 
     def record(worker):
-        cache = worker.runner.cache
-        cache.data[7] = 3.0
-        caches.append(cache)
-        clear, clear_beside = cache.clear_pages, cache.clear_pages_beside
-
-        def clearing(pages):
-            cleared_where.extend(("model", int(p)) for p in pages)
-            clear(pages)
-
-        def clearing_ahead(pages):
-            cleared_where.extend(("ahead", int(p)) for p in pages)
-            clear_beside(pages)
-
-        cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
+        worker.runner.cache.data[7] = 3.0
+        caches.append(worker.runner.cache)
+        record_clears(worker, cleared_where)
 
     endpoint, thread, codes = start_worker(model, before_start=record)
     endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
@@ -743,22 +749,7 @@ def test_a_step_handed_to_an_idle_model_thread_is_cleared_by_it():
     model = GatedModel(0, 1)
     model.gate.set()
     cleared_where: list[tuple[str, int]] = []
-
-    def record(worker):
-        cache = worker.runner.cache
-        clear, clear_beside = cache.clear_pages, cache.clear_pages_beside
-
-        def clearing(pages):
-            cleared_where.extend(("model", int(p)) for p in pages)
-            clear(pages)
-
-        def clearing_ahead(pages):
-            cleared_where.extend(("ahead", int(p)) for p in pages)
-            clear_beside(pages)
-
-        cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
-
-    endpoint, thread, codes = start_worker(model, before_start=record)
+    endpoint, thread, codes = start_worker(model, before_start=lambda worker: record_clears(worker, cleared_where))
     endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
     endpoint.wait_for(lambda r: r[0] == 1 and isinstance(r[1], Result))
     endpoint.push(frame(2, make_prepare([Seq(2, (30,), 0, (4,))], cleared=(4,))), frame(2, Go()))
