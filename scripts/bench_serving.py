@@ -16,9 +16,11 @@ one after the other at each level, in alternating order, so that a drift of the 
 falls on both alike; so do the servers of `--variant NAME=FLAGS` (the first loop's flags and
 FLAGS) and `--baseline DIR` (another checkout's runtime, for before/after in one run). A shared
 machine's slow spells last tens of seconds, longer than a level at concurrency 1: `--rounds N`
-repeats each level N times, the order alternating every round, and pools each server's rounds
-(every request's TTFT and TPOT, the walls, the counters, the CPU). The
-reference runs after them, never at the same time. Before the servers
+repeats every level N times, the order alternating every level and round, and pools each server's
+rounds (every request's TTFT and TPOT, the walls, the counters, the CPU). Each round starts its
+servers afresh, in the order reversed every other round: the server started first ran 2-3% slower
+for as long as it lived, whichever tree it held. The reference runs after them, never at the same
+time. Before the servers
 start, scripts/bench_model.py times the model's batch-1 decode step in this same run.
 
 Reported per server and level: output tokens/s, time to first token and time per output token
@@ -35,13 +37,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 import shlex
 from dataclasses import asdict, astuple, replace
 from pathlib import Path
@@ -178,45 +181,72 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
     return {label: round((after[label] - before[label]) / tokens * 1e3, 4) for label in before if label in after}
 
 
+ServerRound = Callable[[int], contextlib.AbstractContextManager[dict[str, tuple[str, RuntimeServer | None]]]]
+
+
 def bench_servers(
-    urls: dict[str, str], levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace,
-    servers: dict[str, RuntimeServer] | None = None,
+    open_round: ServerRound, levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace,
 ) -> tuple[dict[int, list[LoopRun]], dict[int, list[list[int]]]]:
-    """Every level on every server (name -> url), their order alternating from level to level; the
-    outputs are the first server's. With `servers` (the RuntimeServers behind the urls), the CPU
-    time of each of their processes per output token, over each level."""
-    servers = servers or {}
-    models = {loop: served_model(url) for loop, url in urls.items()}
-    for loop, url in urls.items():
-        warm_up(url, models[loop], levels[min(levels)][0], args.request_timeout)
+    """Every level on every server, round after round; `open_round(round_)` gives each round's
+    servers (name -> url and the RuntimeServer behind it, None for a --url), their order within a
+    level alternating from level to level and round to round; the outputs are the first server's
+    in the first round. With a RuntimeServer, the CPU time of each of its processes per output
+    token, over each level."""
     runs: dict[int, list[LoopRun]] = {}
     outputs: dict[int, list[list[int]]] = {}
-    first = next(iter(urls))
-    turn = 0
-    for concurrency, prompts in levels.items():
-        pooled = {loop: PooledRounds() for loop in urls}
-        # Rounds alternate the servers' order: a shared machine's slow spells (tens of seconds)
-        # then fall on every server alike, and the pooled medians compare them.
-        for round_ in range(args.rounds):
-            order = list(urls) if turn % 2 == 0 else list(reversed(urls))
-            turn += 1
-            for loop in order:
-                url = urls[loop]
-                before, threads_before = asyncio.run(_metrics(url))
-                cpu_before = _process_cpu(servers.get(loop))
-                results, wall = asyncio.run(run_server_level(
-                    url, models[loop], prompts, concurrency, args.output_len, args.request_timeout,
-                    temperature=args.temperature, top_p=args.top_p,
-                ))  # fmt: skip
-                after, threads_after = asyncio.run(_metrics(url))
-                pooled[loop].add(results, wall, before, after, cpu_before, _process_cpu(servers.get(loop)))
-                pooled[loop].add_threads(threads_before, threads_after)
-                if loop == first and round_ == 0:
-                    outputs[concurrency] = [list(r.token_ids) for r in results]
-                side = server_side(results, wall, args.output_len)
-                _progress(f"tp-runtime  {loop:8} c={concurrency:<3} {side.tokens_per_s:8.1f} tok/s  TPOT {1e3 * (side.tpot_median_s or 0):6.2f} ms")
-        runs[concurrency] = [pooled[loop].run(loop, args.output_len) for loop in urls]
+    pooled: dict[int, dict[str, PooledRounds]] = {}
+    for round_ in range(args.rounds):
+        with open_round(round_) as servers:
+            models = {loop: served_model(url) for loop, (url, _) in servers.items()}
+            for loop, (url, _) in servers.items():
+                warm_up(url, models[loop], levels[min(levels)][0], args.request_timeout)
+            first = next(iter(servers))
+            for index, (concurrency, prompts) in enumerate(levels.items()):
+                level_pools = pooled.setdefault(concurrency, {loop: PooledRounds() for loop in servers})
+                # The servers' order alternates from level to level and, at each level, from round
+                # to round: a shared machine's slow spells (tens of seconds) then fall on every
+                # server alike, and the pooled medians compare them.
+                order = list(servers) if (index + round_) % 2 == 0 else list(reversed(servers))
+                for loop in order:
+                    url, server = servers[loop]
+                    before, threads_before = asyncio.run(_metrics(url))
+                    cpu_before = _process_cpu(server)
+                    results, wall = asyncio.run(run_server_level(
+                        url, models[loop], prompts, concurrency, args.output_len, args.request_timeout,
+                        temperature=args.temperature, top_p=args.top_p,
+                    ))  # fmt: skip
+                    after, threads_after = asyncio.run(_metrics(url))
+                    level_pools[loop].add(results, wall, before, after, cpu_before, _process_cpu(server))
+                    level_pools[loop].add_threads(threads_before, threads_after)
+                    if loop == first and round_ == 0:
+                        outputs[concurrency] = [list(r.token_ids) for r in results]
+                    side = server_side(results, wall, args.output_len)
+                    _progress(f"tp-runtime  {loop:8} c={concurrency:<3} {side.tokens_per_s:8.1f} tok/s  TPOT {1e3 * (side.tpot_median_s or 0):6.2f} ms")
+    for concurrency, level_pools in pooled.items():
+        runs[concurrency] = [pool.run(loop, args.output_len) for loop, pool in level_pools.items()]
     return runs, outputs
+
+
+def start_order(names: Sequence[str], round_: int) -> list[str]:
+    """The order a round starts its servers in: reversed every other round. The server started
+    first ran 2-3% slower at concurrency 1 for as long as it lived, whichever tree it held
+    (docs/control_plane.md, the ninth sitting): restarted in turn, every server is first as often."""
+    return list(names) if round_ % 2 == 0 else list(reversed(names))
+
+
+@contextlib.contextmanager
+def started_servers(
+    specs: dict[str, tuple[ServerOptions, Path | None]], out: Path, round_: int,
+) -> Iterator[dict[str, tuple[str, RuntimeServer | None]]]:
+    """One round's servers, started in start_order and stopped after it; name -> (url, server) in
+    the specs' order."""
+    with contextlib.ExitStack() as stack:
+        started: dict[str, RuntimeServer] = {}
+        for name in start_order(list(specs), round_):
+            options, checkout = specs[name]
+            log = out / f"server-{name}.log" if round_ == 0 else out / f"server-{name}-round{round_ + 1}.log"
+            started[name] = stack.enter_context(RuntimeServer(options, log, env=SERVER_ENV, checkout=checkout))
+        yield {name: (started[name].url, started[name]) for name in specs}
 
 
 class PooledRounds:
@@ -375,7 +405,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--rounds", type=int, default=1,
-        help="run each level this many times per server, alternating their order, and pool the rounds",
+        help="run every level this many times per server, with servers started afresh each round in alternating order, and pool the rounds",
     )
     p.add_argument("--no-model-step", action="store_true", help="skip bench_model's batch-1 step")
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
@@ -474,15 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
     if args.url:
         target = {"name": args.url, "url": args.url}
-        runs, runtime_outputs = bench_servers({args.loops[0]: args.url.rstrip("/")}, levels, args)
+        given = {args.loops[0]: (args.url.rstrip("/"), None)}
+        runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), levels, args)
     else:
         target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
-        with contextlib.ExitStack() as stack:
-            servers = {
-                name: stack.enter_context(RuntimeServer(options, out / f"server-{name}.log", env=SERVER_ENV, checkout=checkout))
-                for name, (options, checkout) in server_specs(args).items()
-            }
-            runs, runtime_outputs = bench_servers({name: s.url for name, s in servers.items()}, levels, args, servers)
+        specs = server_specs(args)
+        runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), levels, args)
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}
     if not args.no_reference:

@@ -257,3 +257,58 @@ def test_the_summary_says_how_the_requests_sampled(tmp_path, capsys):
     assert "64 out tokens, greedy" in capsys.readouterr().err
     print_summary(report(temperature=0.7, top_p=0.9), tmp_path)
     assert "64 out tokens, temperature 0.7, top_p 0.9" in capsys.readouterr().err
+
+
+def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, tmp_path):
+    """The server started first ran 2-3% slower for as long as it lived, whichever tree it held:
+    restarted each round in the other order, every server is first as often. Levels are pooled
+    over the rounds, each round's servers measured and stopped before the next round starts."""
+    import contextlib
+
+    import scripts.bench_serving as bench
+
+    events: list[tuple] = []
+
+    class FakeServer:
+        def __init__(self, options, log_path, env=None, checkout=None):  # noqa: ANN001 - RuntimeServer's signature
+            self.name, self.url = log_path.name, f"http://{options}"
+            assert env == bench.SERVER_ENV
+
+        def __enter__(self):
+            events.append(("start", self.url, self.name))
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("stop", self.url))
+
+    async def fake_level(url, model, prompts, concurrency, output_len, timeout_s, **sampling):  # noqa: ANN001
+        events.append(("level", url, concurrency))
+        return [StreamResult(token_ids=[1, 2], finish_reason="length", t_first=0.1, t_last=0.2, t_end=0.2)], 1.0
+
+    async def no_metrics(url):  # noqa: ANN001
+        return None, None
+
+    monkeypatch.setattr(bench, "RuntimeServer", FakeServer)
+    monkeypatch.setattr(bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench, "warm_up", lambda *a: events.append(("warm", a[0])))
+    monkeypatch.setattr(bench, "run_server_level", fake_level)
+    monkeypatch.setattr(bench, "_metrics", no_metrics)
+    monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
+    args = parse_args(["--rounds", "2", "--concurrency", "1", "32", "--output-len", "2"])
+    specs = {"a": ("A", None), "b": ("B", None)}
+    runs, outputs = bench.bench_servers(lambda round_: bench.started_servers(specs, tmp_path, round_), {1: [(1,)], 32: [(2,)]}, args)
+    assert events == [
+        ("start", "http://A", "server-a.log"), ("start", "http://B", "server-b.log"),
+        ("warm", "http://A"), ("warm", "http://B"),
+        ("level", "http://A", 1), ("level", "http://B", 1), ("level", "http://B", 32), ("level", "http://A", 32),
+        ("stop", "http://B"), ("stop", "http://A"),
+        ("start", "http://B", "server-b-round2.log"), ("start", "http://A", "server-a-round2.log"),
+        ("warm", "http://A"), ("warm", "http://B"),
+        ("level", "http://B", 1), ("level", "http://A", 1), ("level", "http://A", 32), ("level", "http://B", 32),
+        ("stop", "http://A"), ("stop", "http://B"),
+    ]  # fmt: skip
+    assert [[run.loop for run in runs[c]] for c in (1, 32)] == [["a", "b"], ["a", "b"]]
+    assert all(run.side.requests == 2 for c in (1, 32) for run in runs[c]), "each server's two rounds pooled"
+    assert outputs == {1: [[1, 2]], 32: [[1, 2]]}
+    given = bench.bench_servers(lambda round_: contextlib.nullcontext({"u": ("http://U", None)}), {1: [(1,)]}, args)
+    assert [run.loop for run in given[0][1]] == ["u"] and not [e for e in events if e[0] == "start" and e[1] == "http://U"]
