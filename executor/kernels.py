@@ -315,7 +315,7 @@ class Matrix:
         if q4 is not None:
             self.int4, self.int4_scales = int4_pack(q4, self.dtype)
             self.int4_nbytes = self.int4.numel() + self.int4_scales.numel() * self.int4_scales.element_size()
-        planned = deterministic and (weight.device if weight is not None else self.int4.device).type == "cpu"
+        planned = deterministic and (weight is None or weight.device.type == "cpu")  # the int4 copy is a CPU one
         self._dense_copy = MatmulWeights(
             weight=self.weight, rows=row_plan("dense", self.shape, self.dtype) if planned and weight is not None else None
         )
