@@ -51,6 +51,12 @@ STOP_MARGIN_S = 10.0
 RANK_ENDED_SIGNAL = signal.SIGUSR2
 STORE_TIMEOUT_S = 60.0
 RDZV_ID = "tp-runtime"
+# The rendezvous keep-alive of a one-host launch, in seconds. Heartbeats tell the other hosts' agents
+# that this one lives; with no other host nobody reads them, and each costs the launcher 3-7 ms of
+# CPU (the state pickled and compare-set through the store, every 5 s by default:
+# docs/control_plane.md). A re-rendezvous after a restart drops a node whose heartbeat is older
+# than three intervals; an hourly one keeps this node's own never that old.
+ONE_HOST_KEEP_ALIVE_S = 3600
 # The launcher's pid, for its workers: torchrun's agent runs in the launcher, so it is their parent.
 LAUNCHER_PID_ENV = "TP_RUNTIME_LAUNCHER_PID"
 
@@ -138,7 +144,7 @@ def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str, max_re
         TorchrunFlag("--rdzv-backend", "c10d"),
         TorchrunFlag("--rdzv-endpoint", endpoint),
         TorchrunFlag("--rdzv-id", RDZV_ID),
-        TorchrunFlag("--rdzv-conf", "is_host=false"),  # the launcher hosts the store (above), the agent joins it
+        TorchrunFlag("--rdzv-conf", rendezvous_conf(config)),
         TorchrunFlag("--local-addr", local_addr),  # the address rank 0's agent publishes as MASTER_ADDR
         TorchrunFlag("--max-restarts", str(max_restarts)),
         TorchrunFlag("--monitor-interval", "0.2"),
@@ -148,6 +154,14 @@ def torchrun_flags(config: RuntimeConfig, endpoint: str, local_addr: str, max_re
         TorchrunFlag("--shutdown-timeout", str(torchrun_grace_s(config)), required=False),
         TorchrunFlag("--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"),  # not SIGTERM: the launcher's (Stop)
     ]
+
+
+def rendezvous_conf(config: RuntimeConfig) -> str:
+    """The agent joins the store the launcher hosts (above) rather than hosting one."""
+    conf = "is_host=false"
+    if config.nnodes == 1:
+        conf += f",keep_alive_interval={ONE_HOST_KEEP_ALIVE_S}"
+    return conf
 
 
 def torchrun_options(parser: argparse.ArgumentParser) -> frozenset[str]:

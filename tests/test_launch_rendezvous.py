@@ -1,0 +1,47 @@
+"""The rendezvous settings the launcher gives torchrun, read back by torch's own parser and handler."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from tp_runtime import launcher as launch
+from tp_runtime.config import RuntimeConfig
+
+
+def agent_rendezvous(config: RuntimeConfig):  # noqa: ANN201 (torch's handler)
+    """The rendezvous handler torchrun's agent builds from the launcher's arguments, against a store
+    hosted here as the launcher hosts its own."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    endpoint = f"127.0.0.1:{store.port}"
+    argv = launch.torchrun_argv(config, endpoint, "127.0.0.1", ["serve"])
+    launch_config, _, _ = config_from_args(get_args_parser().parse_args(argv))
+    params = RendezvousParameters(
+        backend=launch_config.rdzv_backend,
+        endpoint=launch_config.rdzv_endpoint,
+        run_id=launch_config.run_id,
+        min_nodes=launch_config.min_nodes,
+        max_nodes=launch_config.max_nodes,
+        local_addr=launch_config.local_addr,
+        **launch_config.rdzv_configs,
+    )
+    return get_rendezvous_handler(params), store
+
+
+@pytest.mark.parametrize(("nnodes", "keep_alive_s"), [(1, launch.ONE_HOST_KEEP_ALIVE_S), (2, 5)])
+def test_only_a_one_host_agent_keeps_its_heartbeats_rare(nnodes: int, keep_alive_s: int) -> None:
+    handler, store = agent_rendezvous(RuntimeConfig(model="m", nnodes=nnodes, master_addr="127.0.0.1"))
+    try:
+        settings = handler._settings
+        assert settings.keep_alive_interval == timedelta(seconds=keep_alive_s)
+        # A re-rendezvous after a restart drops nodes silent for this long: never this node, whose
+        # heartbeat is at most one interval old.
+        assert settings.keep_alive_max_attempt > 1
+    finally:
+        del handler, store
