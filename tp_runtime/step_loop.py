@@ -10,8 +10,10 @@ a rank falls silent (every executor heartbeats from a thread that runs beside it
 silence means it stopped, even mid-step); a step outlives its deadline, which is derived from the
 steps measured so far (a deadlocked collective, every rank still heartbeating); a rank says
 SHUTDOWN or breaks the protocol after GO; under recovery, the launcher reports the group dead
-(`check_deaths`). All but the frames are looked at with the liveness duties, every 0.2 s while
-steps run and at every heartbeat otherwise.
+(`check_deaths`). A closed connection and the launcher's report wake the loop and are taken at
+once; silence and deadlines are looked at when the first of them can be crossed (`_next_look`), not
+on a clock: every frame a rank sends puts its silence off, so while steps run the loop wakes for
+frames and for its own heartbeat only.
 """
 
 from __future__ import annotations
@@ -44,11 +46,6 @@ from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter
 log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# How often liveness (closed connections, the launcher's death reports, silence, deadlines) is
-# looked at while steps run. Each threshold it checks is seconds (peer_silence_s, a step's deadline,
-# ready_s) and the launcher polls its children every 0.2 s: a check every 0.2 s notices each within
-# the same seconds. At 0.05 s the checks were ~10% of the engine thread's calls at concurrency 1.
-DUTY_INTERVAL_S = 0.2
 # A rank whose collective failed reports it at once, while the peer that died under the collective
 # may have its connection's close still unread: this long for it, so that the error names the rank
 # that died (a killed rank 1 reached the client as "rank 0 ... gloo Read error").
@@ -129,8 +126,8 @@ class LoopCounters:
     step_s: float = 0.0  # PREPARE sent -> RESULT in
     model_busy_s: float = 0.0  # rank 0's forwards + sampling, back-to-back steps
     model_idle_s: float = 0.0  # rank 0's model idle between back-to-back steps: the control plane
-    # The longest a rank had gone unheard at a liveness check: how close this machine's load came to
-    # taking a live rank for a stopped one (peer_silence_s).
+    # The longest a rank went unheard, as its next frame ended the silence or a look found it: how
+    # close this machine's load came to taking a live rank for a stopped one (peer_silence_s).
     longest_silence_s: float = 0.0
 
 
@@ -187,7 +184,6 @@ class StepLoop:
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
         self._last_sent = 0.0  # when a frame last went to every rank: a heartbeat is due heartbeat_s after
-        self._duties_at = 0.0
         # Silence counts from the WELCOME at the earliest: a rank that said HELLO first waits for the
         # others (still loading their weights) without a word, for as long as they take.
         self._welcomed_at = 0.0
@@ -250,14 +246,18 @@ class StepLoop:
         """Plan what can be planned, then handle frames for up to wait_s (less if woken)."""
         self._plan()
         now = time.monotonic()
-        got = self.endpoint.recv(max(0, math.ceil(min(wait_s, self._next_duty(now) - now) * 1000)))
+        got = self.endpoint.recv(max(0, math.ceil(min(wait_s, self._next_look(now) - now) * 1000)))
         while got is not None:
-            for event in self.conversation.receive(got.rank, got.frame or got.error, time.monotonic()):
+            now = time.monotonic()
+            self._note_silence(now - self._heard_since(got.rank, now))
+            for event in self.conversation.receive(got.rank, got.frame or got.error, now):
                 self._on_event(event)
             got = self.endpoint.recv(0)
         now = time.monotonic()
-        if now >= self._next_duty(now):
+        if now >= self._next_look(now):
             self._duties(now)
+        else:
+            self._take_notices()
 
     def _plan(self) -> None:
         conv = self.conversation
@@ -394,14 +394,40 @@ class StepLoop:
 
     # ---- liveness --------------------------------------------------------------------------------
 
-    def _next_duty(self, now: float) -> float:
-        """When liveness is looked at next: when a heartbeat is due, and every DUTY_INTERVAL_S while
-        steps are in flight (their deadlines). Not after every frame: with steps back to back that
-        was several times per step, for detections whose thresholds are seconds; and an idle loop
-        wakes for the ranks' heartbeats anyway."""
-        # Bounded by the last duties too: frames that keep going out never put the looks off.
-        beat = min(self._last_sent, self._duties_at) + self.timeouts.heartbeat_s
-        return min(self._duties_at + DUTY_INTERVAL_S, beat) if self._inflight else beat
+    def _next_look(self, now: float) -> float:
+        """When silence, deadlines or the heartbeat are looked at next: the first moment one of them
+        can be crossed. A clock of looks every 0.2 s while steps ran woke the engine thread five
+        times a second for nothing (a frame puts the silence off, a step's deadline is seconds
+        away); each wake costs the frontend ~0.2 ms of CPU on a virtual machine (docs/control_plane.md)."""
+        look = min(self._last_sent + self.timeouts.heartbeat_s, self._quiet_since(now) + self.timeouts.peer_silence_s)
+        staged = self.conversation.staged
+        if staged is not None and not self._may_ride(staged):
+            look = min(look, self._answer_due_from(self._inflight[staged]) + self.timeouts.ready_s)
+        running = self._running()
+        if running is not None:
+            look = min(look, running.started_at + self._deadlines.allowed(running.tokens, running.decode))
+        return look
+
+    def _heard_since(self, rank: int, now: float) -> float:
+        """Since when a rank has been silent: its last frame, or the WELCOME if later (a rank that
+        said HELLO first waited for the others without a word). Never heard: not silent."""
+        heard = self.conversation.heard_at(rank)
+        return max(now if heard is None else heard, self._welcomed_at)
+
+    def _quiet_since(self, now: float) -> float:
+        """Since when the most silent rank has been."""
+        return min([self._heard_since(r, now) for r in self.ranks], default=now)
+
+    def _note_silence(self, silence: float) -> None:
+        if silence > self.counters.longest_silence_s:
+            self.counters.longest_silence_s = silence
+
+    def _running(self) -> _InFlight | None:
+        """The step the ranks run now: the first started one (later steps start when it ends)."""
+        for entry in self._inflight.values():
+            if entry.started_at is not None:
+                return entry
+        return None
 
     def check_closed(self) -> None:
         """RankFailure naming the rank whose connection closed first, if any did."""
@@ -422,17 +448,19 @@ class StepLoop:
             self.check_closed()  # the monitor's report, when it has arrived meanwhile, names the cause
             raise RankFailure(f"{exc}: the rank cannot be reached, its process has ended") from exc
 
-    def _duties(self, now: float) -> None:
-        self._duties_at = now
-        # The socket sees a death before the launcher's report (it polls every 0.2 s): a closed
-        # connection, when there is one, names the rank more exactly than the exit code.
+    def _take_notices(self) -> None:
+        """Closed connections and the launcher's reports of dead groups: each wakes the loop's wait
+        (the socket's monitor is polled beside it; the report's reader wakes the endpoint)."""
+        # A closed connection, when there is one, names the rank more exactly than the exit code
+        # the launcher reports after it.
         self.check_closed()
         if self._check_deaths is not None:
             self._check_deaths()
-        heard = self.conversation.last_heard
-        since = {r: max(heard.get(r, now), self._welcomed_at) for r in self.ranks}
-        self.counters.longest_silence_s = max(self.counters.longest_silence_s, now - min(since.values()))
-        silent = [r for r in self.ranks if now - since[r] > self.timeouts.peer_silence_s]
+
+    def _duties(self, now: float) -> None:
+        self._take_notices()
+        self._note_silence(now - self._quiet_since(now))
+        silent = [r for r in self.ranks if now - self._heard_since(r, now) > self.timeouts.peer_silence_s]
         if silent:
             names = ", ".join(self.conversation.who(r) for r in silent)
             raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:g} s)")
@@ -451,14 +479,13 @@ class StepLoop:
             if late and not self._may_ride(staged) and now - self._answer_due_from(entry) > self.timeouts.ready_s:
                 names = ", ".join(conv.who(r) for r in sorted(late))
                 self._abort(staged, f"{names} did not answer READY for step {staged} within {self.timeouts.ready_s:.0f} s", ())
-        for step, entry in self._inflight.items():
-            if entry.started_at is None:
-                continue
-            allowed = self._deadlines.allowed(entry.tokens, entry.decode)
-            if now - entry.started_at > allowed:
+        running = self._running()
+        if running is not None:
+            allowed = self._deadlines.allowed(running.tokens, running.decode)
+            if now - running.started_at > allowed:
+                step = running.plan.step
                 names = ", ".join(conv.who(r) for r in sorted(conv.unfinished(step)))
                 raise RankFailure(f"step {step} did not finish within {allowed:.1f} s on {names}")
-            break  # later steps start when this one ends
 
     def shutdown_ranks(self, reason: str) -> None:
         try:

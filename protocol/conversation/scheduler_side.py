@@ -129,6 +129,10 @@ class SchedulerConversation:
         """When each rank's last frame arrived, in the caller's clock (`now` of receive)."""
         return dict(self._last_heard)
 
+    def heard_at(self, rank: int) -> float | None:
+        """When `rank`'s last frame arrived (last_heard's, without the copy)."""
+        return self._last_heard.get(rank)
+
     @property
     def in_flight(self) -> tuple[int, ...]:
         return tuple(s.step for s in self._steps)

@@ -103,7 +103,8 @@ class SchedulerEndpoint:
             self._teardown()
             raise TransportError(f"cannot bind the scheduler endpoint to {address}: {exc}") from exc
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._waker = Waker(self._sock)
+        # A rank's closed connection ends the engine's wait: its death is seen at once.
+        self._waker = Waker(self._sock, {self._monitor: self._watch_connections})
         self._route_of: dict[int, bytes] = {}  # rank -> routing id
         self._rank_of: dict[bytes, int] = {}  # routing id -> rank
         self._fd_of: dict[int, int] = {}  # rank -> its connection's file descriptor
@@ -198,8 +199,9 @@ class SchedulerEndpoint:
         self._waker.wake()
 
     def recv(self, timeout_ms: int) -> Received | None:
-        """The next frame from a launched rank, or None after timeout_ms (-1: wait for ever) or a
-        wake(). What strangers send is ignored on the way: it does not end the wait early, and
+        """The next frame from a launched rank, or None after timeout_ms (-1: wait for ever), a
+        wake(), or a rank's closed connection (disconnected_ranks names it). What strangers send,
+        and their connections, are ignored on the way: they do not end the wait early, and
         frames queued behind it are still read (up to _IGNORED_PAST_DEADLINE ignored ones after the
         deadline, so a flood cannot hold the caller's loop)."""
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
@@ -267,7 +269,9 @@ class SchedulerEndpoint:
             self._lost(body.rank)
         return Received(body.rank, frame, None)
 
-    def _watch_connections(self) -> None:
+    def _watch_connections(self) -> bool:
+        """Takes the monitor's events; whether a rank's connection closed among them."""
+        lost = self._rank_disconnects
         while self._monitor.get(zmq.EVENTS) & POLLIN:
             event = recv_monitor_message(self._monitor)
             kind, fd = event["event"], int(event["value"])
@@ -286,6 +290,7 @@ class SchedulerEndpoint:
                 self._ignored.note(
                     "handshake_failures", f"{zmq.Event(kind).name}: an unknown CURVE key, no CURVE, or not ZMTP"
                 )
+        return self._rank_disconnects != lost
 
     def _lost(self, rank: int) -> None:
         self._rank_of.pop(self._route_of.pop(rank), None)

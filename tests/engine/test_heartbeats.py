@@ -3,6 +3,8 @@ scheduler lives as well, so while steps go out more often than heartbeat_s none 
 
 from __future__ import annotations
 
+import time
+
 from protocol.frames import Heartbeat, Prepare
 from tests.engine.test_ready_in_result import lone_rank_loop
 from tp_runtime.step_loop import EngineTimeouts
@@ -21,10 +23,34 @@ def test_a_heartbeat_goes_out_only_after_heartbeat_s_without_a_frame() -> None:
     assert [type(body) for body, _ in wire.sent] == [Prepare, Heartbeat]
 
 
-def test_frames_that_keep_going_out_never_put_the_liveness_looks_off() -> None:
-    # With nothing in flight the loop looks when a heartbeat may be due; each frame sent puts that
-    # off, so the last looks bound it too: a rank's silence and closed connections are still seen.
-    timeouts = EngineTimeouts()
-    loop, _, _ = lone_rank_loop(timeouts)
-    loop._duties_at, loop._last_sent = 100.0, 130.0
-    assert loop._next_duty(131.0) == 100.0 + timeouts.heartbeat_s
+def test_the_loop_looks_when_the_first_threshold_can_be_crossed_and_frames_sent_never_put_it_off() -> None:
+    # No clock of looks: the next one is when a heartbeat is due, a rank's silence would pass
+    # peer_silence_s, a READY would be late, or the running step would outlive its deadline.
+    timeouts = EngineTimeouts(heartbeat_s=1.0, peer_silence_s=3.0, ready_s=10.0, first_step_s=20.0)
+    loop, _, rank = lone_rank_loop(timeouts)
+    conv = loop.conversation
+    conv._last_heard[0] = loop._welcomed_at = 100.0
+    loop._last_sent = 130.0  # frames that keep going out put off the heartbeat, never the silence
+    assert loop._next_look(131.0) == 103.0
+    conv._last_heard[0] = 140.0
+    assert loop._next_look(141.0) == 131.0
+    loop._welcomed_at = time.monotonic()
+    loop.iterate(0)  # step 1 planned: its READY is due ready_s after it went out
+    entry = loop._inflight[1]
+    loop._last_sent = conv._last_heard[0] = float("inf")  # (no heartbeat due, nobody silent)
+    assert loop._next_look(entry.sent_at) == entry.sent_at + timeouts.ready_s
+    rank.take_frames()
+    loop.iterate(0)  # READY 1: the step runs, and step 2's READY rides on its RESULT (never late)
+    assert entry.started_at is not None and conv.staged == 2
+    loop._last_sent = conv._last_heard[0] = float("inf")
+    # Before any step was measured, a first step's deadline is first_step_s.
+    assert loop._next_look(entry.started_at) == entry.started_at + timeouts.first_step_s
+
+
+def test_a_frame_that_ends_a_silence_is_counted_as_the_longest_silence() -> None:
+    loop, _, rank = lone_rank_loop()
+    loop.iterate(0)
+    loop.conversation._last_heard[0] = loop._welcomed_at = time.monotonic() - 0.7  # last heard 0.7 s ago
+    rank.take_frames()  # its READY comes now
+    loop.iterate(0)
+    assert 0.7 <= loop.counters.longest_silence_s < 0.7 + 30

@@ -89,7 +89,9 @@ def lone_rank_loop(timeouts: EngineTimeouts = EngineTimeouts(ready_s=READY_S, he
         deliver=lambda outputs: None, on_scheduled=lambda plan: None,
     )  # fmt: skip
     loop.conversation = running_scheduler(world=1, max_inflight=2, ready_is_go=True)
-    loop._duties_at = float("inf")  # the tests run the deadline check themselves (and, by default, no heartbeat is due)
+    # Welcomed now, so that no rank is silent while a test runs; the tests run the deadline checks
+    # themselves (and, by default, no heartbeat is due).
+    loop._welcomed_at = time.monotonic()
     loop.scheduler.add_request(1, [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
     return loop, wire, LoneRank(wire)
 

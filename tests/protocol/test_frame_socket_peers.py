@@ -174,3 +174,28 @@ def test_a_ranks_frame_queued_behind_garbage_is_read_by_a_zero_timeout_recv(endp
     assert got is not None and got.frame.body == Ready(0)
     assert endpoint.peer_stats().unauthenticated_frames == 40
     peer.close()
+
+
+def test_a_ranks_closed_connection_ends_the_wait_at_once_and_a_strangers_does_not(endpoint: SchedulerEndpoint) -> None:
+    # The engine's loop looks at liveness when a threshold can be crossed, not on a clock: a rank's
+    # death must end its wait, and strangers coming and going must not.
+    peer = ExecutorEndpoint(endpoint.address, KEY, RUN_ID, 0)
+    peer.send(hello(0, world=1), step=0)
+    assert endpoint.recv(5000).rank == 0
+    for _ in range(5):
+        Stranger(endpoint.address).close()
+    started = time.monotonic()
+    assert endpoint.recv(400) is None
+    assert time.monotonic() - started >= 0.35
+    assert endpoint.peer_stats().unbound_disconnects == 5 and endpoint.disconnected_ranks() == []
+    closer = threading.Timer(0.1, peer.close)
+    closer.start()
+    try:
+        started = time.monotonic()
+        assert endpoint.recv(60_000) is None
+        assert time.monotonic() - started < 30  # the close ended it, not the minute
+        assert endpoint.disconnected_ranks() == [0]
+    finally:
+        closer.cancel()
+        closer.join()
+        peer.close()
