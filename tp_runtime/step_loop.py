@@ -46,6 +46,9 @@ from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter
 log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# A heartbeat due within this fraction of heartbeat_s goes out with a burst that a rank's frame
+# woke already (ranks send one at least every 0.25 s), rather than on a wake-up of its own.
+EARLY_HEARTBEAT = 0.75
 # A rank whose collective failed reports it at once, while the peer that died under the collective
 # may have its connection's close still unread: this long for it, so that the error names the rank
 # that died (a killed rank 1 reached the client as "rank 0 ... gloo Read error").
@@ -76,7 +79,9 @@ class EngineTimeouts:
     # (tp_runtime_peer_longest_silence_seconds, docs/reports.md): 1.5 s finds a stopped rank within
     # the 2 s with five times that margin.
     peer_silence_s: float = 1.5
-    heartbeat_s: float = 0.5
+    # A frame to every rank at least this often: a rank ends itself after ExecutorOptions.peer_timeout_s
+    # (5 s) without one, five times this.
+    heartbeat_s: float = 1.0
     refusal_grace_s: float = 5.0  # after a refused handshake, how long ranks still starting are told to exit
 
 
@@ -247,6 +252,7 @@ class StepLoop:
         self._plan()
         now = time.monotonic()
         got = self.endpoint.recv(max(0, math.ceil(min(wait_s, self._next_look(now) - now) * 1000)))
+        heard = got is not None
         while got is not None:
             now = time.monotonic()
             self._note_silence(now - self._heard_since(got.rank, now))
@@ -258,6 +264,8 @@ class StepLoop:
             self._duties(now)
         else:
             self._take_notices()
+            if heard and now - self._last_sent >= EARLY_HEARTBEAT * self.timeouts.heartbeat_s:
+                self._send_all(self.conversation.heartbeat())
 
     def _plan(self) -> None:
         conv = self.conversation

@@ -7,7 +7,7 @@ import time
 
 from protocol.frames import Heartbeat, Prepare
 from tests.engine.test_ready_in_result import lone_rank_loop
-from tp_runtime.step_loop import EngineTimeouts
+from tp_runtime.step_loop import EARLY_HEARTBEAT, EngineTimeouts
 
 
 def test_a_heartbeat_goes_out_only_after_heartbeat_s_without_a_frame() -> None:
@@ -54,3 +54,22 @@ def test_a_frame_that_ends_a_silence_is_counted_as_the_longest_silence() -> None
     rank.take_frames()  # its READY comes now
     loop.iterate(0)
     assert 0.7 <= loop.counters.longest_silence_s < 0.7 + 30
+
+
+def test_a_heartbeat_nearly_due_goes_out_with_the_wake_up_a_ranks_frame_brought() -> None:
+    # The ranks send a frame at least every 0.25 s: the scheduler's heartbeat rides on the bursts
+    # those wake rather than waking the engine thread on its own.
+    timeouts = EngineTimeouts(heartbeat_s=1.0)
+    loop, wire, rank = lone_rank_loop(timeouts)
+    loop.iterate(0)
+    assert [type(body) for body, _ in wire.sent] == [Prepare]
+    loop._last_sent = time.monotonic() - (EARLY_HEARTBEAT - 0.25) * timeouts.heartbeat_s
+    rank.send(*rank.conv.heartbeat())
+    loop.iterate(0)  # a frame, but the heartbeat is not nearly due
+    assert [type(body) for body, _ in wire.sent] == [Prepare]
+    loop._last_sent = time.monotonic() - EARLY_HEARTBEAT * timeouts.heartbeat_s
+    loop.iterate(0)  # no frame from the rank: no heartbeat before it is due
+    assert [type(body) for body, _ in wire.sent] == [Prepare]
+    rank.send(*rank.conv.heartbeat())
+    loop.iterate(0)
+    assert [type(body) for body, _ in wire.sent] == [Prepare, Heartbeat]
