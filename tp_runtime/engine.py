@@ -321,7 +321,8 @@ class Engine:
         return recovery.retry_after_s() if recovery is not None and recovery.recovering_since is not None else None
 
     def stats(self) -> EngineStats:
-        """The snapshot the engine thread published last (after its latest step or idle tick)."""
+        """The snapshot the engine thread published last (at most a second old while steps run; made
+        as the last one ended when idle)."""
         return self._snapshot
 
     def drain(self, timeout_s: float) -> None:

@@ -52,10 +52,11 @@ RANK_ENDED_SIGNAL = signal.SIGUSR2
 STORE_TIMEOUT_S = 60.0
 RDZV_ID = "tp-runtime"
 # The rendezvous keep-alive of a one-host launch, in seconds. Heartbeats tell the other hosts' agents
-# that this one lives; with no other host nobody reads them, and each costs the launcher 3-7 ms of
-# CPU (the state pickled and compare-set through the store, every 5 s by default:
-# docs/control_plane.md). A re-rendezvous after a restart drops a node whose heartbeat is older
-# than three intervals; an hourly one keeps this node's own never that old.
+# that this one lives; with no other host only this node's own handler reads them (the agent's
+# question whether anyone waits to join is off on one host: tp_runtime/supervisor.py), and each
+# costs the launcher 3-7 ms of CPU (the state pickled and compare-set through the store, every 5 s
+# by default: docs/control_plane.md, tenth sitting). A restart leaves the rendezvous and joins it
+# again, which stamps a fresh heartbeat, so it does not depend on the last one's age.
 ONE_HOST_KEEP_ALIVE_S = 3600
 # The launcher's pid, for its workers: torchrun's agent runs in the launcher, so it is their parent.
 LAUNCHER_PID_ENV = "TP_RUNTIME_LAUNCHER_PID"

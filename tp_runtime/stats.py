@@ -1,8 +1,8 @@
 """What the engine publishes for /metrics and /health: immutable snapshots made on the engine thread.
 
 The scheduler is not thread-safe, and the HTTP thread must never walk its queues while the engine
-thread changes them. So the engine thread builds one `EngineStats` after every step and every idle
-tick and swaps it in whole; readers only ever see a finished snapshot. Latencies are kept as bucket
+thread changes them. So the engine thread builds one `EngineStats` as the last step in flight ends
+and otherwise at most once a second, and swaps it in whole; readers only ever see a finished snapshot. Latencies are kept as bucket
 counts, not as lists: their memory is fixed whether or not anything scrapes. This module imports no
 prometheus_client (the CLI's generate job uses the engine without the serve extras).
 """

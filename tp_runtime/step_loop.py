@@ -13,7 +13,8 @@ SHUTDOWN or breaks the protocol after GO; under recovery, the launcher reports t
 (`check_deaths`). A closed connection and the launcher's report wake the loop and are taken at
 once; silence and deadlines are looked at when the first of them can be crossed (`_next_look`), not
 on a clock: every frame a rank sends puts its silence off, so while steps run the loop wakes for
-frames and for its own heartbeat only.
+frames, new requests and its own heartbeat (and at the longest wait its caller gives, the engine's
+0.5 s).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ class EngineTimeouts:
     # beside their forward, a heartbeat when nothing else went (ExecutorOptions.heartbeat_interval_s),
     # and frames that arrived while this process did not run count as heard when it reads them. The
     # longest silence a live rank showed with the 2-core machine at load 5-6 was 0.29 s
-    # (tp_runtime_peer_longest_silence_seconds, docs/reports.md): 1.5 s finds a stopped rank within
-    # the issue's 2 s with five times that margin.
+    # (tp_runtime_peer_longest_silence_seconds, docs/reports.md, then sampled by looks every 0.2 s;
+    # each frame measures it now): 1.5 s finds a stopped rank within the issue's 2 s with five times
+    # that margin.
     peer_silence_s: float = 1.5
     # A frame to every rank at least this often: a rank ends itself after ExecutorOptions.peer_timeout_s
     # (5 s) without one, five times this.

@@ -104,12 +104,15 @@ class SchedulerEndpoint:
             raise TransportError(f"cannot bind the scheduler endpoint to {address}: {exc}") from exc
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         # A rank's closed connection ends the engine's wait: its death is seen at once.
-        self._waker = Waker(self._sock, {self._monitor: self._watch_connections})
+        self._waker = Waker(self._sock, {self._monitor: self._loss_news})
         self._route_of: dict[int, bytes] = {}  # rank -> routing id
         self._rank_of: dict[bytes, int] = {}  # routing id -> rank
         self._fd_of: dict[int, int] = {}  # rank -> its connection's file descriptor
         self._live_fds: set[int] = set()
         self._disconnected: list[int] = []
+        # A rank's connection closed and no recv has returned for it yet: whichever reader took
+        # the monitor's event (a stranger's frame, peer_stats), the next wait ends at once.
+        self._loss_unsaid = False
         self._ignored = _IgnoredLog()
         self._accepted = 0
         self._rank_disconnects = 0
@@ -159,6 +162,7 @@ class SchedulerEndpoint:
         fails under the peer, which exits), the first one is the cause."""
         self._watch_connections()
         gone, self._disconnected = self._disconnected, []
+        self._loss_unsaid = False  # said here
         return gone
 
     def peer_stats(self) -> PeerStats:
@@ -207,11 +211,15 @@ class SchedulerEndpoint:
         deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
         late = 0
         while late <= _IGNORED_PAST_DEADLINE:
+            if self._loss_unsaid:
+                self._loss_unsaid = False
+                return None
             # Rounded up: truncated, the microseconds spent since the deadline was set made a 1 ms
             # wait a poll that returns at once, and the engine loop spun (dozens of empty polls
-            # before each of its 50 ms liveness duties) until the deadline had passed.
+            # before each liveness look) until the deadline had passed.
             left = -1 if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
             if not self._waker.poll(left):
+                self._loss_unsaid = False
                 return None
             received = self._accept(self._sock.recv_multipart(copy=False))
             if received is not None:
@@ -269,9 +277,13 @@ class SchedulerEndpoint:
             self._lost(body.rank)
         return Received(body.rank, frame, None)
 
-    def _watch_connections(self) -> bool:
-        """Takes the monitor's events; whether a rank's connection closed among them."""
-        lost = self._rank_disconnects
+    def _loss_news(self) -> bool:
+        """The monitor's events taken (the waker's reader): whether a rank's connection closed that
+        no recv has returned for."""
+        self._watch_connections()
+        return self._loss_unsaid
+
+    def _watch_connections(self) -> None:
         while self._monitor.get(zmq.EVENTS) & POLLIN:
             event = recv_monitor_message(self._monitor)
             kind, fd = event["event"], int(event["value"])
@@ -290,7 +302,6 @@ class SchedulerEndpoint:
                 self._ignored.note(
                     "handshake_failures", f"{zmq.Event(kind).name}: an unknown CURVE key, no CURVE, or not ZMTP"
                 )
-        return self._rank_disconnects != lost
 
     def _lost(self, rank: int) -> None:
         self._rank_of.pop(self._route_of.pop(rank), None)
@@ -298,6 +309,7 @@ class SchedulerEndpoint:
         if rank not in self._disconnected:
             self._disconnected.append(rank)
         self._rank_disconnects += 1
+        self._loss_unsaid = True
 
     def forget(self, rank: int) -> None:
         """Forget a rank's replay history, for a new process that takes its place."""

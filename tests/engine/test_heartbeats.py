@@ -1,13 +1,16 @@
 """The scheduler's heartbeat fills a silence: a PREPARE, GO or CUT to every rank tells them the
-scheduler lives as well, so while steps go out more often than heartbeat_s none is sent."""
+scheduler lives as well, so while steps go out more often than heartbeat_s none is sent. And the
+loop's looks at liveness come when a threshold can first be crossed, not on a clock."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from protocol.frames import Heartbeat, Prepare
 from tests.engine.test_ready_in_result import lone_rank_loop
-from tp_runtime.step_loop import EARLY_HEARTBEAT, EngineTimeouts
+from tp_runtime.step_loop import EARLY_HEARTBEAT, EngineTimeouts, RankFailure
 
 
 def test_a_heartbeat_goes_out_only_after_heartbeat_s_without_a_frame() -> None:
@@ -59,7 +62,7 @@ def test_a_frame_that_ends_a_silence_is_counted_as_the_longest_silence() -> None
 def test_a_heartbeat_nearly_due_goes_out_with_the_wake_up_a_ranks_frame_brought() -> None:
     # The ranks send a frame at least every 0.25 s: the scheduler's heartbeat rides on the bursts
     # those wake rather than waking the engine thread on its own.
-    timeouts = EngineTimeouts(heartbeat_s=1.0)
+    timeouts = EngineTimeouts(heartbeat_s=20.0, peer_silence_s=60.0)  # wide margins on a loaded machine
     loop, wire, rank = lone_rank_loop(timeouts)
     loop.iterate(0)
     assert [type(body) for body, _ in wire.sent] == [Prepare]
@@ -73,3 +76,13 @@ def test_a_heartbeat_nearly_due_goes_out_with_the_wake_up_a_ranks_frame_brought(
     rank.send(*rank.conv.heartbeat())
     loop.iterate(0)
     assert [type(body) for body, _ in wire.sent] == [Prepare, Heartbeat]
+
+
+def test_the_loop_waits_until_its_next_look_and_finds_a_silent_rank_there() -> None:
+    timeouts = EngineTimeouts(heartbeat_s=10.0, peer_silence_s=30.0)
+    loop, wire, _ = lone_rank_loop(timeouts)
+    loop.iterate(60)  # the PREPARE goes out: nothing is due before its heartbeat, 10 s on
+    assert 5_000 < wire.waits[-1] <= 10_000  # the 0.2 s clock of looks waited 200 ms
+    loop.conversation._last_heard[0] = loop._welcomed_at = time.monotonic() - 31.0
+    with pytest.raises(RankFailure, match="stopped answering"):
+        loop.iterate(60)

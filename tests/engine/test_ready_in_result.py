@@ -32,12 +32,16 @@ class Wire:
     def __init__(self) -> None:
         self.sent: list[tuple[object, int]] = []
         self.inbox: deque[Received] = deque()
+        self.waits: list[int] = []  # the timeout of each recv that found nothing
 
     def send_all(self, ranks: tuple[int, ...], body: object, step: int) -> None:
         self.sent.append((body, step))
 
     def recv(self, timeout_ms: int) -> Received | None:
-        return self.inbox.popleft() if self.inbox else None
+        if self.inbox:
+            return self.inbox.popleft()
+        self.waits.append(timeout_ms)
+        return None
 
     def disconnected_ranks(self) -> list[int]:
         return []

@@ -111,6 +111,9 @@ class SchedulerDriver:
         while (left := deadline - time.monotonic()) > 0:
             got = self.endpoint.recv(int(left * 1000) + 1)
             if got is None:
+                closed = self.endpoint.disconnected_ranks()
+                if closed:
+                    raise RuntimeError(f"the connection of ranks {closed} closed (in flight: {self.conv.in_flight})")
                 break
             events = self.conv.receive(got.rank, got.frame if got.error is None else got.error, time.monotonic())
             if events:
