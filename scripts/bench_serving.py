@@ -57,7 +57,7 @@ import httpx  # noqa: E402
 
 from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN  # noqa: E402
 from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
-from scripts.harness.metrics import metrics_text, parse_metrics, thread_seconds  # noqa: E402
+from scripts.harness.metrics import ThreadReadings, metrics_text, parse_metrics  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
 from scripts.harness.processes import cpu_seconds  # noqa: E402
 from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigterm  # noqa: E402
@@ -150,11 +150,11 @@ def server_side(results: Sequence[StreamResult], wall_s: float, wanted: int) -> 
     )
 
 
-async def _metrics(url: str) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """/metrics as numbers, and the CPU seconds of each frontend thread by name."""
+async def _metrics(url: str) -> tuple[dict[str, float] | None, ThreadReadings | None]:
+    """/metrics as numbers, and the CPU seconds and wake-ups of each frontend thread by name."""
     async with httpx.AsyncClient() as client:
         text = await metrics_text(client, url)
-    return (None, None) if text is None else (parse_metrics(text), thread_seconds(text))
+    return (None, None) if text is None else (parse_metrics(text), ThreadReadings.of(text))
 
 
 def warm_up(url: str, model: str, prompt: tuple[int, ...], timeout_s: float) -> None:
@@ -259,6 +259,7 @@ class PooledRounds:
         self.counters: dict[str, float] | None = {}
         self.cpu_s: dict[str, float] | None = {}
         self.thread_s: dict[str, float] | None = {}
+        self.thread_wakeups: dict[str, float] | None = {}
 
     def add(
         self,
@@ -281,9 +282,10 @@ class PooledRounds:
                 self.counters[name] = self.counters.get(name, 0.0) + value
         self.cpu_s = _grown(self.cpu_s, cpu_before, cpu_after)
 
-    def add_threads(self, before: dict[str, float] | None, after: dict[str, float] | None) -> None:
-        """One round's CPU growth of each frontend thread (None: the server does not say)."""
-        self.thread_s = _grown(self.thread_s, before, after)
+    def add_threads(self, before: ThreadReadings | None, after: ThreadReadings | None) -> None:
+        """One round's growth of each frontend thread's CPU and wake-ups (None: the server does not say)."""
+        self.thread_s = _grown(self.thread_s, before and before.cpu_s, after and after.cpu_s)
+        self.thread_wakeups = _grown(self.thread_wakeups, before and before.wakeups, after and after.wakeups)
 
     def run(self, loop: str, wanted: int) -> LoopRun:
         overhead = None if self.counters is None else overhead_between({}, self.counters)
@@ -292,7 +294,13 @@ class PooledRounds:
         def per_token(seconds: dict[str, float] | None) -> dict[str, float] | None:
             return None if seconds is None else cpu_per_token(dict.fromkeys(seconds, 0.0), seconds, tokens)
 
-        return loop_run(loop, server_side(self.results, self.wall_s, wanted), overhead, per_token(self.cpu_s), per_token(self.thread_s))
+        wakeups = None if self.thread_wakeups is None or not tokens else {
+            name: round(count / tokens, 4) for name, count in self.thread_wakeups.items()
+        }  # fmt: skip
+        return loop_run(
+            loop, server_side(self.results, self.wall_s, wanted), overhead, per_token(self.cpu_s), per_token(self.thread_s),
+            wakeups,
+        )  # fmt: skip
 
 
 def _grown(pool: dict[str, float] | None, before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:

@@ -131,13 +131,16 @@ class LoopRun:
     cpu_ms_per_token: dict[str, float] | None = None
     control_cpu_ms_per_token: float | None = None  # theirs, of every process that does not run the model
     # The frontend's share of it by thread name (its /metrics' tp_runtime_thread_cpu_seconds_total),
-    # also behind --url; None where the server does not say.
+    # also behind --url; None where the server does not say. And how often each thread woke for it
+    # (tp_runtime_thread_wakeups_total): on cores shared with the model each wake-up is a cold burst.
     thread_cpu_ms_per_token: dict[str, float] | None = None
+    thread_wakeups_per_token: dict[str, float] | None = None
 
 
 def loop_run(
     loop: str, side: SideResult, overhead: Overhead | None, cpu_ms_per_token: dict[str, float] | None = None,
     thread_cpu_ms_per_token: dict[str, float] | None = None,
+    thread_wakeups_per_token: dict[str, float] | None = None,
 ) -> LoopRun:  # fmt: skip
     return LoopRun(
         loop=loop,
@@ -150,6 +153,7 @@ def loop_run(
             sum(ms for label, ms in cpu_ms_per_token.items() if not label.startswith("rank")), 4
         ),
         thread_cpu_ms_per_token=thread_cpu_ms_per_token,
+        thread_wakeups_per_token=thread_wakeups_per_token,
     )
 
 
@@ -308,6 +312,10 @@ def print_summary(report: dict, out: Path) -> None:
             if threads:
                 shares = ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(threads.items(), key=lambda kv: -kv[1]) if ms >= 0.0005)
                 lines.append(f"{'':>14}{run['loop']} frontend threads, CPU ms/token: {shares}")
+            wakeups = run.get("thread_wakeups_per_token")
+            if wakeups:
+                counts = ", ".join(f"{name} {n:.3f}" for name, n in sorted(wakeups.items(), key=lambda kv: -kv[1]) if n >= 0.0005)
+                lines.append(f"{'':>14}{run['loop']} frontend threads, wake-ups/token: {counts}")
         if level["overlap_speedup"] is not None:
             lines.append(f"{'':>14}overlap: TPOT {level['overlap_speedup']:.3f}x faster, tokens/s {level['overlap_throughput_gain']:.3f}x")
     for t in report["targets"]:

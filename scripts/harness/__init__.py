@@ -15,7 +15,7 @@ of it by pid, signal them one by one, read their memory and metrics, and always 
   `tagged`, `wait_gone`, `rss_bytes`, `spawn`, `ProcessTracker`, `free_port`.
 - `client`: the OpenAI-compatible streaming client (`CompletionRequest`, `stream_completion`,
   `StreamResult`), `served_model`, `health_status`, `wait_for_health`.
-- `metrics`: `parse_metrics`, `metrics_text`, `scrape_metrics`, `read_metrics`, `thread_seconds`, the runtime's metric names.
+- `metrics`: `parse_metrics`, `metrics_text`, `scrape_metrics`, `read_metrics`, `ThreadReadings` (each frontend thread's CPU and wake-ups), the runtime's metric names.
 - `http_fuzz`: hypothesis strategies over every HTTP route and field (`CASES`, `edge_grid`), `send`,
   `check_answer` (no 5xx, JSON errors, well-formed streams), `greedy_text`.
 - `output`: `percentile`, `write_json`, `default_out_dir`.

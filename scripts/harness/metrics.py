@@ -62,18 +62,31 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 M_THREAD_CPU = "tp_runtime_thread_cpu_seconds_total"
+M_THREAD_WAKEUPS = "tp_runtime_thread_wakeups_total"
 
 
-def thread_seconds(text: str) -> dict[str, float] | None:
-    """From /metrics text: the CPU seconds so far of each of the frontend's threads, by name; None
-    where the server does not say (another runtime behind --url, or one from before the metric)."""
-    seconds: dict[str, float] = {}
+@dataclass(frozen=True)
+class ThreadReadings:
+    """From /metrics text: each of the frontend's threads, by name, its CPU seconds and its
+    wake-ups so far; None where the server does not say (another runtime behind --url, or one from
+    before the metric)."""
+
+    cpu_s: dict[str, float] | None
+    wakeups: dict[str, float] | None
+
+    @classmethod
+    def of(cls, text: str) -> ThreadReadings:
+        return cls(_by_thread(text, M_THREAD_CPU), _by_thread(text, M_THREAD_WAKEUPS))
+
+
+def _by_thread(text: str, name: str) -> dict[str, float] | None:
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == M_THREAD_CPU:
+            if sample.name == name:
                 thread = sample.labels.get("thread", "")
-                seconds[thread] = seconds.get(thread, 0.0) + float(sample.value)
-    return seconds or None
+                values[thread] = values.get(thread, 0.0) + float(sample.value)
+    return values or None
 
 
 def labelled_value(url: str, name: str, **labels: str) -> float:

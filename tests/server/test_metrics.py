@@ -162,3 +162,37 @@ def test_each_thread_has_its_cpu_time_by_name(scrape):
     burners = [s for s in families["tp_runtime_thread_cpu_seconds"].samples if s.labels == {"thread": "cpu-burner"}]
     assert len(burners) == 1 and burners[0].value >= sum(spent)
     assert samples[("tp_runtime_thread_cpu_seconds_total", (("thread", "MainThread"),))] > 0
+
+
+def test_each_thread_has_its_wakeups_by_name(scrape):
+    # A thread that waits for a turn and is woken for it, turn after turn, counts a wake-up each.
+    import threading
+
+    _, _, read = scrape
+    turns = 20
+    go, back = threading.Event(), threading.Event()
+
+    def player() -> None:
+        for _ in range(turns + 1):  # the last turn is the end, once the counts are read
+            if not go.wait(10):
+                return
+            go.clear()
+            back.set()
+
+    def woken() -> float:
+        families, _ = read()
+        return next(s.value for s in families["tp_runtime_thread_wakeups"].samples if s.labels == {"thread": "player"})
+
+    worker = threading.Thread(target=player, name="player")
+    worker.start()
+    try:
+        before = woken()
+        for _ in range(turns):
+            go.set()
+            assert back.wait(10)
+            back.clear()
+        after = woken()
+    finally:
+        go.set()
+        worker.join(10)
+    assert after - before >= turns // 2

@@ -182,35 +182,45 @@ def test_a_round_without_counters_or_processes_leaves_them_out_of_the_pool():
     assert run.model_step_s is None and run.cpu_ms_per_token is None and run.side.requests == 2
 
 
-def test_the_frontend_threads_cpu_per_token_pools_over_rounds_or_is_left_out():
+def test_the_frontend_threads_cpu_and_wakeups_per_token_pool_over_rounds_or_are_left_out():
     from scripts.bench_serving import PooledRounds
+    from scripts.harness.metrics import ThreadReadings
 
     pooled = PooledRounds()
     zero = dict.fromkeys(OVERHEAD_METRICS, 0.0)
-    for before, after in (({"http": 1.0, "engine-loop": 2.0}, {"http": 1.1, "engine-loop": 2.3}),
-                          ({"http": 1.1, "engine-loop": 2.3}, {"http": 1.2, "engine-loop": 2.4})):  # fmt: skip
+    readings = (
+        ThreadReadings({"http": 1.0, "engine-loop": 2.0}, {"http": 100, "engine-loop": 50}),
+        ThreadReadings({"http": 1.1, "engine-loop": 2.3}, {"http": 104, "engine-loop": 60}),
+        ThreadReadings({"http": 1.2, "engine-loop": 2.4}, {"http": 110, "engine-loop": 62}),
+    )
+    for before, after in zip(readings, readings[1:]):
         pooled.add([_stream(10, 0.1, 0.5)], 1.0, zero, zero, {}, {})
         pooled.add_threads(before, after)
-    assert pooled.run(OVERLAP, 10).thread_cpu_ms_per_token == {
+    run = pooled.run(OVERLAP, 10)
+    assert run.thread_cpu_ms_per_token == {
         "http": pytest.approx(200 / 20, abs=1e-3), "engine-loop": pytest.approx(400 / 20, abs=1e-3),
     }  # fmt: skip
+    assert run.thread_wakeups_per_token == {"http": pytest.approx(10 / 20), "engine-loop": pytest.approx(12 / 20)}
     pooled.add([_stream(10, 0.1, 0.5)], 1.0, zero, zero, {}, {})
-    pooled.add_threads(None, {"http": 9.0})  # a round the server did not say: none of them counts
-    assert pooled.run(OVERLAP, 10).thread_cpu_ms_per_token is None
+    pooled.add_threads(None, readings[0])  # a round the server did not say: none of them counts
+    run = pooled.run(OVERLAP, 10)
+    assert run.thread_cpu_ms_per_token is None and run.thread_wakeups_per_token is None
 
 
-def test_the_frontend_threads_seconds_are_read_by_name_from_metrics_text():
-    from scripts.harness.metrics import thread_seconds
+def test_the_frontend_threads_seconds_and_wakeups_are_read_by_name_from_metrics_text():
+    from scripts.harness.metrics import ThreadReadings
 
     text = (
         "# TYPE tp_runtime_thread_cpu_seconds counter\n"
         'tp_runtime_thread_cpu_seconds_total{thread="http"} 1.5\n'
         'tp_runtime_thread_cpu_seconds_total{thread="engine-loop"} 2.25\n'
+        "# TYPE tp_runtime_thread_wakeups counter\n"
+        'tp_runtime_thread_wakeups_total{thread="http"} 40.0\n'
         "# TYPE tp_runtime_steps counter\n"
         "tp_runtime_steps_total 7.0\n"
     )
-    assert thread_seconds(text) == {"http": 1.5, "engine-loop": 2.25}
-    assert thread_seconds("# TYPE tp_runtime_steps counter\ntp_runtime_steps_total 7.0\n") is None
+    assert ThreadReadings.of(text) == ThreadReadings({"http": 1.5, "engine-loop": 2.25}, {"http": 40.0})
+    assert ThreadReadings.of("# TYPE tp_runtime_steps counter\ntp_runtime_steps_total 7.0\n") == ThreadReadings(None, None)
 
 
 def test_rounds_must_be_at_least_one():

@@ -259,32 +259,52 @@ def _histogram(
     return family
 
 
-class ThreadCpuCollector(Collector):
-    """The CPU time of each of this process's Python threads, by name (the engine loop, the HTTP
-    server, the signal watch): which part of the frontend a per-token cost lands on, read at
-    scrape time from Linux's account of each thread (/proc/self/task/TID/schedstat, nanoseconds),
-    which a thread that has just ended leaves missing rather than reused. Threads of one name
-    are summed; threads outside Python (ZeroMQ's I/O thread) are in the process's total only. No
-    samples where /proc has no such account."""
+class ThreadCollector(Collector):
+    """The CPU time and the wake-ups of each of this process's Python threads, by name (the engine
+    loop, the HTTP server, the signal watch): which part of the frontend a per-token cost lands on,
+    and in how many bursts (on cores shared with the model each wake-up starts on cold caches:
+    docs/control_plane.md). Read at scrape time from Linux's account of each thread
+    (/proc/self/task/TID: schedstat's nanoseconds, status's voluntary context switches), which a
+    thread that has just ended leaves missing rather than reused. Threads of one name are summed;
+    threads outside Python (ZeroMQ's I/O thread) are in the process's total only. No samples where
+    /proc has no such account."""
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
+        cpu = CounterMetricFamily(
             f"{PREFIX}_thread_cpu_seconds", "CPU time of each of the frontend's threads, by thread name.", labels=["thread"]
         )
+        wakeups = CounterMetricFamily(
+            f"{PREFIX}_thread_wakeups",
+            "Times each of the frontend's threads woke from a wait (voluntary context switches), by thread name.",
+            labels=["thread"],
+        )
         seconds: dict[str, float] = {}
+        woken: dict[str, int] = {}
         for thread in threading.enumerate():
             try:
-                with open(f"/proc/self/task/{thread.native_id}/schedstat", "rb") as f:
-                    used = int(f.read().split()[0]) / 1e9
+                used, waits = _thread_account(thread.native_id)
             except (OSError, ValueError, IndexError):  # ended since the enumeration, not started, no /proc
                 continue
             seconds[thread.name] = seconds.get(thread.name, 0.0) + used
+            woken[thread.name] = woken.get(thread.name, 0) + waits
         for name, value in seconds.items():
-            family.add_metric([name], value)
-        yield family
+            cpu.add_metric([name], value)
+            wakeups.add_metric([name], woken[name])
+        yield cpu
+        yield wakeups
+
+
+def _thread_account(tid: int | None) -> tuple[float, int]:
+    """A thread's CPU seconds and voluntary context switches so far, from /proc."""
+    with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+        used = int(f.read().split()[0]) / 1e9
+    with open(f"/proc/self/task/{tid}/status", "rb") as f:
+        status = f.read()
+    waits = int(status.split(b"\nvoluntary_ctxt_switches:", 1)[1].split()[0])
+    return used, waits
 
 
 class Metrics:
@@ -293,7 +313,7 @@ class Metrics:
     def __init__(self, engine: Engine, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
-        self.registry.register(ThreadCpuCollector())
+        self.registry.register(ThreadCollector())
         self.model_name = model_name
         registry, label = self.registry, (MODEL_LABEL,)
         self.http_requests = Counter(
