@@ -175,10 +175,13 @@ def _process_cpu(server: RuntimeServer | None) -> dict[str, float]:
     return {label: value for label, value in seconds.items() if value is not None}
 
 
-def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float] | None:
+def cpu_per_token(
+    before: dict[str, float], after: dict[str, float], tokens: int, scale: float = 1e3
+) -> dict[str, float] | None:
+    """Each reading's growth per output token, times `scale` (CPU seconds -> ms by default)."""
     if not before or not tokens:
         return None
-    return {label: round((after[label] - before[label]) / tokens * 1e3, 4) for label in before if label in after}
+    return {label: round((after[label] - before[label]) / tokens * scale, 4) for label in before if label in after}
 
 
 ServerRound = Callable[[int], contextlib.AbstractContextManager[dict[str, tuple[str, RuntimeServer | None]]]]
@@ -291,15 +294,12 @@ class PooledRounds:
         overhead = None if self.counters is None else overhead_between({}, self.counters)
         tokens = sum(r.output_tokens for r in self.results)
 
-        def per_token(seconds: dict[str, float] | None) -> dict[str, float] | None:
-            return None if seconds is None else cpu_per_token(dict.fromkeys(seconds, 0.0), seconds, tokens)
+        def per_token(grown: dict[str, float] | None, scale: float = 1e3) -> dict[str, float] | None:
+            return None if grown is None else cpu_per_token(dict.fromkeys(grown, 0.0), grown, tokens, scale)
 
-        wakeups = None if self.thread_wakeups is None or not tokens else {
-            name: round(count / tokens, 4) for name, count in self.thread_wakeups.items()
-        }  # fmt: skip
         return loop_run(
             loop, server_side(self.results, self.wall_s, wanted), overhead, per_token(self.cpu_s), per_token(self.thread_s),
-            wakeups,
+            per_token(self.thread_wakeups, scale=1.0),
         )  # fmt: skip
 
 

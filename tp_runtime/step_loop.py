@@ -102,20 +102,23 @@ class StepDeadlines:
         self._t = timeouts
         # seconds * max(1, t / measured) = max(seconds, t * seconds / measured): the maxima of these
         # two answer any t. Kept apart so that max() runs over plain floats, in C: a generator over
-        # the history was a fifth of the engine thread's calls per step.
+        # the history was a fifth of the engine thread's calls per step. Taken once per step measured,
+        # not at each of the loop's several looks a step.
         self._seconds: deque[float] = deque(maxlen=history)
         self._seconds_per_token: deque[float] = deque(maxlen=history)
+        self._longest = self._longest_per_token = 0.0
         self._kinds_seen: set[bool] = set()
 
     def observe(self, tokens: int, seconds: float, decode: bool) -> None:
         self._seconds.append(seconds)
         self._seconds_per_token.append(seconds / max(tokens, 1))
+        self._longest, self._longest_per_token = max(self._seconds), max(self._seconds_per_token)
         self._kinds_seen.add(decode)
 
     def allowed(self, tokens: int, decode: bool) -> float:
         if decode not in self._kinds_seen:
             return self._t.first_step_s
-        expected = max(max(self._seconds), tokens * max(self._seconds_per_token))
+        expected = max(self._longest, tokens * self._longest_per_token)
         return max(self._t.step_floor_s, self._t.step_margin * expected)
 
 

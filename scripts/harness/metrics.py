@@ -76,17 +76,14 @@ class ThreadReadings:
 
     @classmethod
     def of(cls, text: str) -> ThreadReadings:
-        return cls(_by_thread(text, M_THREAD_CPU), _by_thread(text, M_THREAD_WAKEUPS))
-
-
-def _by_thread(text: str, name: str) -> dict[str, float] | None:
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                thread = sample.labels.get("thread", "")
-                values[thread] = values.get(thread, 0.0) + float(sample.value)
-    return values or None
+        by_metric: dict[str, dict[str, float]] = {M_THREAD_CPU: {}, M_THREAD_WAKEUPS: {}}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values = by_metric.get(sample.name)
+                if values is not None:
+                    thread = sample.labels.get("thread", "")
+                    values[thread] = values.get(thread, 0.0) + float(sample.value)
+        return cls(by_metric[M_THREAD_CPU] or None, by_metric[M_THREAD_WAKEUPS] or None)
 
 
 def labelled_value(url: str, name: str, **labels: str) -> float:
