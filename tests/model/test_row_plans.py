@@ -125,6 +125,13 @@ def test_only_the_deterministic_mode_plans_rows():
     assert Matrix(weight, deterministic=True).weights_for(1).rows == row_plan("dense", (64, 96), torch.float32)
 
 
+def test_a_gpu_matrix_plans_no_rows_and_probes_nothing():
+    # The plans are the CPU's kernels'; a GPU's weights (meta stands in: a probe there would fail,
+    # as one on a GPU would measure the wrong kernel) keep the plain call in the deterministic mode.
+    weight = torch.empty(64, 96, device="meta")
+    assert Matrix(weight, deterministic=True).weights_for(1).rows is None
+
+
 def test_the_plan_stays_out_of_an_exported_tree():
     weights = MatmulWeights(weight=torch.ones(2, 2), rows=RowPlan(block=16))
     leaves, spec = tree_flatten(weights)
