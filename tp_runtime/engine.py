@@ -287,8 +287,7 @@ class Engine:
 
     def _post(self, command: _Submit | _Cancel | _Finish) -> None:
         self._inbox.put(command)
-        if self._loop.news_wanted:  # else the next frame's wake-up takes it, before it plans
-            self._wake()
+        self._wake()
 
     def _wake(self) -> None:
         with self._endpoint_lock:
@@ -366,7 +365,6 @@ class Engine:
             timeouts=self._timeouts,
             deliver=self._deliver,
             on_scheduled=self._scheduled,
-            take_news=self._take_commands,
             check_deaths=None if self._recovery is None else self._recovery.check_deaths,
         )
         if previous is not None:  # the totals /metrics shows go on across groups
@@ -534,16 +532,13 @@ class Engine:
             recovery_time=recovery.times.snapshot() if recovery is not None else None,
         )
 
-    def _take_commands(self) -> bool:
-        """Applies what the other threads posted; whether there was any."""
-        took = False
+    def _take_commands(self) -> None:
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return took
+                return
             self._apply(command)
-            took = True
 
     def _apply(self, command: _Submit | _Cancel | _Finish) -> None:
         if isinstance(command, _Submit):

@@ -173,12 +173,8 @@ class StepLoop:
         timeouts: EngineTimeouts,
         deliver: Callable[[list[RequestOutput]], None],
         on_scheduled: Callable[[StepPlan], None],
-        take_news: Callable[[], bool] = lambda: False,
         check_deaths: Callable[[], None] | None = None,
     ) -> None:
-        """take_news: applies what other threads posted for the scheduler (submits, cancels) and
-        says whether there was any; it runs before every plan. Whether such news needs to end
-        the loop's wait at once is `news_wanted`."""
         self.scheduler = scheduler
         self.endpoint = endpoint
         self.timeouts = timeouts
@@ -194,11 +190,7 @@ class StepLoop:
         self.pages_cleared = BucketCounter(PAGES_CLEARED_BUCKETS)
         self._deliver = deliver
         self._on_scheduled = on_scheduled
-        self._take_news = take_news
         self._check_deaths = check_deaths
-        # Read by the threads that post news (a racy read is safe: see iterate): True while news
-        # could change what the loop does before the next frame wakes it.
-        self.news_wanted = True
         self._deadlines = StepDeadlines(timeouts)
         self._inflight: dict[int, _InFlight] = {}
         self._last_sent = 0.0  # when a frame last went to every rank: a heartbeat is due heartbeat_s after
@@ -264,14 +256,7 @@ class StepLoop:
         """Plan what can be planned, then handle frames for up to wait_s (less if woken)."""
         self._plan()
         now = time.monotonic()
-        wait_ms = max(0, math.ceil(min(wait_s, self._next_look(now) - now) * 1000))
-        # A poster puts its news first and reads news_wanted after; so news posted while the flag
-        # read False is seen here, after it was set, and is not left waiting for a frame.
-        self.news_wanted = self._news_changes_plan()
-        if self.news_wanted and self._take_news():
-            self._plan()
-            wait_ms = 0
-        got = self.endpoint.recv(wait_ms)
+        got = self.endpoint.recv(max(0, math.ceil(min(wait_s, self._next_look(now) - now) * 1000)))
         heard = got is not None
         while got is not None:
             now = time.monotonic()
@@ -287,19 +272,8 @@ class StepLoop:
             if heard and now - self._last_sent >= EARLY_HEARTBEAT * self.timeouts.heartbeat_s:
                 self._send_all(self.conversation.heartbeat())
 
-    def _news_changes_plan(self) -> bool:
-        """Whether a submit or cancel arriving now could change what is planned before a rank's
-        next frame wakes the loop anyway: only while a seat in flight is free and no PREPARE waits
-        for its READY (the READY, or the RESULT that frees a seat, takes the news before it
-        plans). A free seat covers the frame of several forwards that a waiting request CUTs short:
-        nothing is planned after one before its RESULT. At concurrency 32 every submit woke the
-        engine thread, a quarter of its wake-ups, nearly all for nothing (docs/control_plane.md)."""
-        conv = self.conversation
-        return conv.staged is None and len(conv.in_flight) < self.scheduler.config.max_inflight_steps
-
     def _plan(self) -> None:
         conv = self.conversation
-        self._take_news()
         if self._inflight:
             self._cut_if_asked()
         while (
