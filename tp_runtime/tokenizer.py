@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -418,6 +419,23 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return text[len(prefix) :]
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Appends several tokens (a step's) and returns the text they complete: add() of each,
+        joined, in one decode of the window instead of two per token. Where the last token leaves
+        a character open, token by token, so that the text before it is not held back."""
+        ids = self._ids
+        if len(token_ids) > 1:
+            ids.extend(token_ids)
+            decode = self._tokenizer.decode
+            prefix = decode(ids[self._prefix_offset : self._read_offset])
+            text = decode(ids[self._prefix_offset :])
+            if len(text) > len(prefix) and not text.endswith(_REPLACEMENT):
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(ids)
+                return text[len(prefix) :]
+            del ids[len(ids) - len(token_ids) :]
+        return "".join([self.add(token_id) for token_id in token_ids])
 
     def flush(self) -> str:
         """What is still held back at the end: the text of the pending tokens, without a trailing

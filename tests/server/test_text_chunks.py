@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tp_runtime.http.api_models import ChatCompletionRequest, CompletionChoice, CompletionRequest, CompletionResponse
-from tp_runtime.http.generation import Piece, SampledToken
+from tp_runtime.http.generation import Piece
 from tp_runtime.http.routes.openai import ChatCompletions, Completions, Reply
 from tp_runtime.http.sse import _LINE_BREAK, sse
 from tp_runtime.http.text_chunks import TextChunk
@@ -68,7 +68,7 @@ def test_a_completions_piece_on_the_template_is_the_chunk_its_models_would_dump(
     body = CompletionRequest(model="m", prompt="hi", stream=True, return_token_ids=return_ids)
     reply = Reply("cmpl-0123", 1_765_000_000, "m", False, ())
     reply.text_chunks.append(TextChunk.of(functools.partial(endpoint.text_chunk, body, reply, 0), return_ids))
-    piece = Piece(text, None, tuple(SampledToken(i, -0.5, 0) for i in ids))
+    piece = Piece(text, None, tuple(ids))
     (rendered,) = endpoint.chunks(body, reply, 0, piece, 0)
     choice = CompletionChoice(index=0, text=text, finish_reason=None, token_ids=ids if return_ids else None)
     dumped = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])

@@ -220,6 +220,51 @@ def write_sentencepiece_gguf(path: Path) -> None:
     writer.close()
 
 
+def stepwise(tokenizer, events, prompt=()):
+    """Each event's tokens through extend(): a step's tokens at once, as a stream without logprobs."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    texts = [detokenizer.extend(event) for event in events]
+    return texts, detokenizer.flush()
+
+
+def _events(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _extend_matches_add(tokenizer, ids, cuts, prompt):
+    """A step's text from extend() is every token's add() of it, joined, and so is what follows."""
+    events = _events(ids, cuts)
+    deltas, tail = incremental(tokenizer, ids, prompt)
+    texts, step_tail = stepwise(tokenizer, events, prompt)
+    # After every step the text sent so far is add()'s: nothing is held back longer, or sent sooner.
+    end = 0
+    for i, event in enumerate(events):
+        end += len(event)
+        assert "".join(texts[: i + 1]) == "".join(deltas[:end])
+    assert step_tail == tail
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(0, 49151), min_size=1, max_size=24),
+    st.lists(st.integers(0, 64), max_size=6),
+    st.lists(st.integers(0, 49151), max_size=5),
+)
+def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, ids, cuts, prompt):
+    _extend_matches_add(tokenizer, ids, cuts, prompt)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40), st.lists(st.integers(0, 64), max_size=6))
+def test_a_steps_tokens_at_once_give_the_text_they_encode(tokenizer, text, cuts):
+    ids = tokenizer.encode(text)
+    assume(ids and tokenizer.decode(ids) == text)
+    texts, tail = stepwise(tokenizer, _events(ids, cuts))
+    assert "".join(texts) + tail == text
+    assert not any("\ufffd" in t for t in texts)
+
+
 SPM_SAMPLES = ["hello world", "Hello  world é ñ", "hello\nworld", " hello", "</s>hello<s>", "ñ日本", ""]
 
 
@@ -235,6 +280,10 @@ def test_sentencepiece_gguf(tmp_path: Path):
     deltas = [detokenizer.add(t) for t in spm.encode(" world ñ", add_special_tokens=False)]
     assert "".join(deltas) + detokenizer.flush() == " world ñ"
     assert not any("\ufffd" in d for d in deltas)
+    for text in [*SPM_SAMPLES, " world ñ 日本 hello"]:
+        ids = spm.encode(text, add_special_tokens=False)
+        for cuts in ([], [1], [2, 3], [1, 2, 3, 4, 5]):
+            _extend_matches_add(spm, ids, cuts, spm.encode("hello"))
 
     transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")

@@ -88,7 +88,10 @@ class Piece:
 
     text: str
     finish_reason: str | None  # set on the last piece: "length" or "stop"
-    tokens: tuple[SampledToken, ...]  # generated since the previous piece
+    token_ids: tuple[int, ...]  # generated since the previous piece
+    # The same tokens with their log-probabilities and text offsets: only for a generation that
+    # tracks them (Generation's `tracked`), else empty.
+    tokens: tuple[SampledToken, ...] = ()
 
 
 class GenerationFailed(TPRuntimeError):
@@ -120,7 +123,9 @@ class Generation:
         stops: tuple[str, ...],
         observer: RequestObserver | None = None,
         min_tokens: int = 0,
+        logprobs: bool = False,
     ):
+        """logprobs: the answer lists each token's log-probability and text offset."""
         self.request_id = stream.request_id
         self.prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = []
@@ -131,8 +136,14 @@ class Generation:
         self._observer = observer
         # As vLLM: no stop string ends the output before min_tokens tokens were generated.
         self._min_tokens = min_tokens
-        self._decoded_chars = 0  # detokenized text so far, before stop strings cut it
-        self._pending: list[SampledToken] = []  # tokens not yet handed out with a piece
+        self._decoded_chars = 0  # tracked: detokenized text so far, before stop strings cut it
+        # Each token's text offset needs its own detokenizer step: only logprobs, and stop strings
+        # (which drop the tokens after their end), ask for it. Otherwise a step's tokens are
+        # detokenized at once and no object is made per token: bench_http's HTTP thread made 16
+        # Python calls a token where it made 31 (docs/control_plane.md).
+        self.tracked = logprobs or bool(stops)
+        self._pending: list[SampledToken] = []  # tracked tokens not yet handed out with a piece
+        self._pending_ids: list[int] = []  # token ids not yet handed out with a piece
 
     @property
     def completion_tokens(self) -> int:
@@ -195,6 +206,10 @@ class Generation:
     def _add(
         self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[tuple[tuple[int, float], ...], ...]
     ) -> str:
+        self.token_ids.extend(token_ids)
+        self._pending_ids.extend(token_ids)
+        if not self.tracked:
+            return self._detokenizer.extend(token_ids)
         parts = []
         for i, (token, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
             top = tuple((t, max(lp, LOGPROB_FLOOR)) for t, lp in tops[i]) if tops else ()
@@ -202,7 +217,6 @@ class Generation:
             delta = self._detokenizer.add(token)
             self._decoded_chars += len(delta)
             parts.append(delta)
-        self.token_ids.extend(token_ids)
         return "".join(parts)
 
     def _drop_tokens_after(self, end: int) -> None:
@@ -216,6 +230,7 @@ class Generation:
         dropped = len(self._pending) - keep
         if dropped:
             del self._pending[keep:]
+            del self._pending_ids[-dropped:]
             del self.token_ids[-dropped:]
 
     def abandon(self) -> None:
@@ -224,8 +239,9 @@ class Generation:
         self._end("abort")
 
     def _piece(self, text: str, finish_reason: str | None) -> Piece:
+        ids, self._pending_ids = tuple(self._pending_ids), []
         tokens, self._pending = tuple(self._pending), []
-        return Piece(text, finish_reason, tokens)
+        return Piece(text, finish_reason, ids, tokens)
 
     def _end(self, reason: str) -> None:
         if self._observer is not None:

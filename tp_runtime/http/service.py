@@ -103,8 +103,9 @@ class GenerationService:
 
     # ---- submit ---------------------------------------------------------------------------------
 
-    def start(self, prepared: Prepared, arrival: float) -> list[Generation]:
-        """Submit the request's n samples; if one cannot be submitted, those already are cancelled."""
+    def start(self, prepared: Prepared, arrival: float, logprobs: bool = False) -> list[Generation]:
+        """Submit the request's n samples; if one cannot be submitted, those already are cancelled.
+        logprobs: the answer lists each token's log-probability and text offset."""
         started: list[Generation] = []
         try:
             for index in range(prepared.n):
@@ -112,14 +113,16 @@ class GenerationService:
                 if index:
                     params = dataclasses.replace(params, seed=validation.sample_seed(params.seed, index))
                 leader = started[0].request_id if started else None
-                started.append(self._submit(prepared, params, leader, arrival))
+                started.append(self._submit(prepared, params, leader, arrival, logprobs))
         except Exception:
             for generation in started:
                 generation.abandon()
             raise
         return started
 
-    def _submit(self, prepared: Prepared, params: SamplingParams, leader: int | None, arrival: float) -> Generation:
+    def _submit(
+        self, prepared: Prepared, params: SamplingParams, leader: int | None, arrival: float, logprobs: bool
+    ) -> Generation:
         metrics = self.metrics
         try:
             stream = self.engine.submit(prepared.prompt_token_ids, params, prompt_leader=leader)
@@ -134,7 +137,7 @@ class GenerationService:
             raise unavailable(str(exc), exc.retry_after_s) from exc
         return Generation(
             self.engine, self.tokenizer, stream, prepared.prompt_token_ids, prepared.stops, metrics.timer(arrival),
-            min_tokens=params.min_tokens,
+            min_tokens=params.min_tokens, logprobs=logprobs,
         )
 
     # ---- answers --------------------------------------------------------------------------------

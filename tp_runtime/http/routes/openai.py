@@ -93,7 +93,7 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         sampling = body.sampling(*self.max_tokens(body), alternatives, self.alternatives_field, grammar)
         service.check_sampling(sampling)
         prompt, prompt_param = await self.prompt_ids(body)
-        generations = service.start(service.prepare(prompt, sampling, prompt_param), arrival)
+        generations = service.start(service.prepare(prompt, sampling, prompt_param), arrival, want_logprobs)
         # vLLM's semantics: a request may name any served name; answers carry the first.
         request_id = f"{self.id_prefix}-{os.urandom(16).hex()}"
         streams = tuple(ToolCallStream(tools) for _ in generations) if tools and tools.parses and body.stream else ()
@@ -237,13 +237,12 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     def response(self, body: CompletionRequest, reply: Reply, collected: Sequence[Collected]) -> dict:
         choices = []
         for index, whole in enumerate(collected):
-            tokens = _tokens(whole)
             choices.append(CompletionChoice(
                 index=index,
                 text=whole.text,
                 finish_reason=whole.finish_reason,
-                logprobs=self._logprobs(reply, tokens, len(whole.text)),
-                token_ids=[t.token_id for t in tokens] if body.return_token_ids else None,
+                logprobs=self._logprobs(reply, _tokens(whole), len(whole.text)),
+                token_ids=[i for piece in whole.pieces for i in piece.token_ids] if body.return_token_ids else None,
             ))
         answer = CompletionResponse(
             id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=reply.usage
@@ -253,13 +252,13 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
     def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         if piece.finish_reason is None and not reply.logprobs:
             chunk = reply.text_chunks[index]
-            return [chunk.render(piece.text, [t.token_id for t in piece.tokens] if chunk.with_ids else ())]
+            return [chunk.render(piece.text, piece.token_ids if chunk.with_ids else ())]
         choice = CompletionChoice(
             index=index,
             text=piece.text,
             finish_reason=piece.finish_reason,
             logprobs=self._logprobs(reply, piece.tokens, sent + len(piece.text)),
-            token_ids=[t.token_id for t in piece.tokens] if body.return_token_ids else None,
+            token_ids=list(piece.token_ids) if body.return_token_ids else None,
         )
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
         return [chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})]
