@@ -196,3 +196,35 @@ def test_each_thread_has_its_wakeups_by_name(scrape):
         go.set()
         worker.join(10)
     assert after - before >= turns // 2
+
+
+def test_the_request_histograms_expose_what_prometheus_clients_histogram_would():
+    # The HTTP thread's histograms are plain bucket counts; a dashboard reads the same series as
+    # from prometheus_client's Histogram of the same name and buckets (its _created aside).
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from tp_runtime.http.metrics import TOKEN_LATENCY_BUCKETS, RequestHistograms
+
+    values = [0.0, 0.01, 0.0100001, 0.3, 0.42, 79.9, 80.0, 81.0, 1e9]
+    ours = RequestHistograms(MODEL_NAME, 4096)
+    theirs = CollectorRegistry()
+    reference = Histogram(
+        "vllm:inter_token_latency_seconds", "Time between a request's successive token events.", ("model_name",),
+        buckets=TOKEN_LATENCY_BUCKETS, registry=theirs,
+    ).labels(MODEL_NAME)
+    for v in values:
+        ours.inter_token_latency.observe(v)
+        reference.observe(v)
+    mine = CollectorRegistry()
+    mine.register(ours)
+
+    def series(registry) -> dict:
+        families = text_string_to_metric_families(generate_latest(registry).decode())
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in families if f.name == "vllm:inter_token_latency_seconds" for s in f.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert series(mine) == series(theirs)
+    assert series(mine)[("vllm:inter_token_latency_seconds_count", LABEL)] == len(values)

@@ -16,9 +16,11 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tp_runtime.stats import BucketCounter
 
 if TYPE_CHECKING:
     from tp_runtime.engine import Engine
@@ -307,6 +309,42 @@ def _thread_account(tid: int | None) -> tuple[float, int]:
     return used, waits
 
 
+class RequestHistograms(Collector):
+    """vLLM's request histograms, filled on the HTTP thread as each request's tokens come and read
+    by /metrics on the same thread. Plain bucket counts (tp_runtime.stats.BucketCounter) rather
+    than prometheus_client's Histogram, whose observe() walks the buckets in Python under two
+    locks: the inter-token latency is observed once per piece of every stream."""
+
+    _SHAPES = (  # attribute, name, help
+        ("time_to_first_token", "vllm:time_to_first_token_seconds", "Time from taking a request to its first generated token."),
+        ("inter_token_latency", "vllm:inter_token_latency_seconds", "Time between a request's successive token events."),
+        (
+            "time_per_output_token", "vllm:request_time_per_output_token_seconds",
+            "Per request: time from its first token to its last, over its tokens after the first.",
+        ),
+        ("e2e_latency", "vllm:e2e_request_latency_seconds", "Time from taking a request to its last token."),
+        ("prompt_length", "vllm:request_prompt_tokens", "Prompt tokens per finished request."),
+        ("generation_length", "vllm:request_generation_tokens", "Generated tokens per finished request."),
+    )
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self._labels = [model_name]
+        sizes = size_buckets(max_model_len)
+        self.time_to_first_token = BucketCounter(TTFT_BUCKETS)
+        self.inter_token_latency = BucketCounter(TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = BucketCounter(TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = BucketCounter(REQUEST_LATENCY_BUCKETS)
+        self.prompt_length = BucketCounter(sizes)
+        self.generation_length = BucketCounter(sizes)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for attribute, name, help_text in self._SHAPES:
+            yield _histogram(name, help_text, getattr(self, attribute).snapshot(), self._labels)
+
+
 class Metrics:
     """The registry /metrics exposes: the engine's collector plus the HTTP side's own metrics."""
 
@@ -315,7 +353,7 @@ class Metrics:
         self.registry.register(EngineCollector(engine, model_name))
         self.registry.register(ThreadCollector())
         self.model_name = model_name
-        registry, label = self.registry, (MODEL_LABEL,)
+        registry = self.registry
         self.http_requests = Counter(
             f"{PREFIX}_http_requests", "HTTP requests answered, by endpoint and status code.", ("endpoint", "status"),
             registry=registry,
@@ -336,32 +374,8 @@ class Metrics:
             ("fault",),
             registry=registry,
         )
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Time from taking a request to its first generated token.", label,
-            buckets=TTFT_BUCKETS, registry=registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between a request's successive token events.", label,
-            buckets=TOKEN_LATENCY_BUCKETS, registry=registry,
-        ).labels(model_name)
-        self.time_per_output_token = Histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Per request: time from its first token to its last, over its tokens after the first.", label,
-            buckets=TOKEN_LATENCY_BUCKETS, registry=registry,
-        ).labels(model_name)
-        self.e2e_latency = Histogram(
-            "vllm:e2e_request_latency_seconds", "Time from taking a request to its last token.", label,
-            buckets=REQUEST_LATENCY_BUCKETS, registry=registry,
-        ).labels(model_name)
-        max_len = max(engine.max_model_len, 1)
-        self.prompt_length = Histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", label,
-            buckets=size_buckets(max_len), registry=registry,
-        ).labels(model_name)
-        self.generation_length = Histogram(
-            "vllm:request_generation_tokens", "Generated tokens per finished request.", label,
-            buckets=size_buckets(max_len), registry=registry,
-        ).labels(model_name)
+        self.latencies = RequestHistograms(model_name, max(engine.max_model_len, 1))
+        registry.register(self.latencies)
         self._request_success = Counter(
             "vllm:request_success", "Requests that ended, by finish reason (stop, length, abort, error).",
             (MODEL_LABEL, "finished_reason"), registry=registry,
@@ -392,16 +406,16 @@ class RequestTimer:
     def tokens(self, count: int, now: float) -> None:
         if self._first is None:
             self._first = now
-            self._metrics.time_to_first_token.observe(now - self._arrival)
+            self._metrics.latencies.time_to_first_token.observe(now - self._arrival)
         else:
-            self._metrics.inter_token_latency.observe(now - self._last)
+            self._metrics.latencies.inter_token_latency.observe(now - self._last)
         self._last = now
 
     def ended(self, reason: str, prompt_tokens: int, completion_tokens: int, now: float) -> None:
-        m = self._metrics
-        m.request_ended(reason)
+        self._metrics.request_ended(reason)
         if reason not in ("stop", "length"):
             return
+        m = self._metrics.latencies
         m.e2e_latency.observe(now - self._arrival)
         m.prompt_length.observe(prompt_tokens)
         m.generation_length.observe(completion_tokens)
