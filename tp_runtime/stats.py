@@ -35,12 +35,13 @@ class HistogramSnapshot:
     def count(self) -> int:
         return sum(self.counts)
 
-    def cumulative(self) -> list[tuple[str, int]]:
-        """(le, count of values <= le) pairs, +Inf last, as Prometheus exposes them."""
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(le, count of values <= le) pairs, inf last, as Prometheus exposes them (its client
+        spells the bounds: tp_runtime/http/metrics.py)."""
         running, out = 0, []
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
-            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+            out.append((float(bound), running))
         return out
 
 

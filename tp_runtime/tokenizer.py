@@ -357,6 +357,16 @@ class Tokenizer:
                 table.append(spelling.replace("\u2581", " ").encode())
         return tuple(table)
 
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the decoder is tokenizers' ByteLevel alone: decode() is then the UTF-8 of the
+        tokens' bytes joined, invalid bytes replaced one sequence at a time, so that a window's
+        text does not depend on how the tokens before it were grouped. A byte-fallback decoder
+        (sentencepiece's) replaces every byte of an invalid run, valid ones included: there the
+        grouping shows."""
+        decoder = self._backend.decoder
+        return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
+
     def decode(self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
@@ -422,10 +432,11 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Appends several tokens (a step's) and returns the text they complete: add() of each,
-        joined, in one decode of the window instead of two per token. Where the last token leaves
-        a character open, token by token, so that the text before it is not held back."""
+        joined. A byte-level tokenizer's step takes the two decodes of one window instead of two
+        per token; where its last token leaves a character open, and for other tokenizers, it
+        goes token by token, so that no text is held back or spelled otherwise than add() would."""
         ids = self._ids
-        if len(token_ids) > 1:
+        if len(token_ids) > 1 and self._tokenizer.byte_level:
             ids.extend(token_ids)
             decode = self._tokenizer.decode
             prefix = decode(ids[self._prefix_offset : self._read_offset])

@@ -120,7 +120,7 @@ def test_bucket_counter_is_prometheus_le():
         counter.observe(value)
     snapshot = counter.snapshot()
     assert snapshot.counts == (2, 2, 1) and snapshot.count == 5
-    assert snapshot.cumulative() == [("1.0", 2), ("2.0", 4), ("+Inf", 5)]
+    assert snapshot.cumulative() == [(1.0, 2), (2.0, 4), (float("inf"), 5)]
     with pytest.raises(ValueError):
         BucketCounter((2.0, 1.0))
 
@@ -200,21 +200,24 @@ def test_each_thread_has_its_wakeups_by_name(scrape):
 
 def test_the_request_histograms_expose_what_prometheus_clients_histogram_would():
     # The HTTP thread's histograms are plain bucket counts; a dashboard reads the same series as
-    # from prometheus_client's Histogram of the same name and buckets (its _created aside).
+    # from prometheus_client's Histogram of the same name and buckets (its _created aside), the
+    # bounds spelled alike ("1e+06") up to a context of two million tokens.
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from tp_runtime.http.metrics import TOKEN_LATENCY_BUCKETS, RequestHistograms
+    from tp_runtime.http.metrics import RequestHistograms
 
-    values = [0.0, 0.01, 0.0100001, 0.3, 0.42, 79.9, 80.0, 81.0, 1e9]
-    ours = RequestHistograms(MODEL_NAME, 4096)
+    max_model_len = 2_000_000
+    values = [0.0, 0.01, 0.0100001, 0.3, 0.42, 79.9, 80.0, 81.0, 1e6, 1e9]
+    ours = RequestHistograms(MODEL_NAME, max_model_len)
     theirs = CollectorRegistry()
-    reference = Histogram(
-        "vllm:inter_token_latency_seconds", "Time between a request's successive token events.", ("model_name",),
-        buckets=TOKEN_LATENCY_BUCKETS, registry=theirs,
-    ).labels(MODEL_NAME)
-    for v in values:
-        ours.inter_token_latency.observe(v)
-        reference.observe(v)
+    for attribute, name, help_text in RequestHistograms._SHAPES:
+        counter = getattr(ours, attribute)
+        reference = Histogram(
+            name, help_text, ("model_name",), buckets=counter.snapshot().bounds, registry=theirs
+        ).labels(MODEL_NAME)
+        for v in values:
+            counter.observe(v)
+            reference.observe(v)
     mine = CollectorRegistry()
     mine.register(ours)
 
@@ -222,9 +225,9 @@ def test_the_request_histograms_expose_what_prometheus_clients_histogram_would()
         families = text_string_to_metric_families(generate_latest(registry).decode())
         return {
             (s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in families if f.name == "vllm:inter_token_latency_seconds" for s in f.samples
-            if not s.name.endswith("_created")
+            for f in families for s in f.samples if not s.name.endswith("_created")
         }
 
     assert series(mine) == series(theirs)
+    assert series(mine)[("vllm:request_prompt_tokens_bucket", (("le", "1e+06"), *LABEL))] == 9
     assert series(mine)[("vllm:inter_token_latency_seconds_count", LABEL)] == len(values)

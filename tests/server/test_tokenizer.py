@@ -245,14 +245,46 @@ def _extend_matches_add(tokenizer, ids, cuts, prompt):
     assert step_tail == tail
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    st.lists(st.integers(0, 49151), min_size=1, max_size=24),
-    st.lists(st.integers(0, 64), max_size=6),
-    st.lists(st.integers(0, 49151), max_size=5),
-)
-def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, ids, cuts, prompt):
+@pytest.fixture(scope="module")
+def partial_tokens(tokenizer) -> list[int]:
+    """Tokens whose bytes alone are not whole characters (or not UTF-8): where grouping could show."""
+    return [i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.decode([i])]
+
+
+def _ids(vocab_size: int, partial: list[int], specials: int):
+    return st.lists(
+        st.one_of(st.sampled_from(partial), st.integers(0, vocab_size - 1), st.integers(0, specials)),
+        min_size=1, max_size=24,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, partial_tokens, data):
+    assert tokenizer.byte_level  # the embedded tokenizer takes extend()'s one window a step
+    ids = data.draw(_ids(tokenizer.vocab_size, partial_tokens, 16))
+    cuts = data.draw(st.lists(st.integers(0, 64), max_size=6))
+    prompt = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=5))
     _extend_matches_add(tokenizer, ids, cuts, prompt)
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    write_sentencepiece_gguf(path)
+    return Tokenizer.from_model_path(path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_steps_tokens_at_once_give_add_s_text_on_a_byte_fallback_tokenizer(spm, data):
+    # Byte fallback spells an invalid run of bytes as one U+FFFD a byte, valid ones included, so a
+    # window's text depends on where it starts: extend() goes token by token here.
+    assert not spm.byte_level
+    partial = [i for i in range(spm.vocab_size) if "\ufffd" in spm.decode([i])]
+    ids = data.draw(_ids(spm.vocab_size, partial, 2))
+    cuts = data.draw(st.lists(st.integers(0, 64), max_size=6))
+    _extend_matches_add(spm, ids, cuts, spm.encode("hello"))
 
 
 @settings(max_examples=60, deadline=None)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from tp_runtime.stats import BucketCounter
 
@@ -257,7 +258,9 @@ def _histogram(
     name: str, help_text: str, snapshot: HistogramSnapshot, labels: list[str] | None = None
 ) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, help_text, labels=[MODEL_LABEL] if labels else None)
-    family.add_metric(labels or [], buckets=snapshot.cumulative(), sum_value=snapshot.total)
+    # Spelled as prometheus_client's own Histogram spells its bounds ("1e+06", "+Inf"), vLLM's too.
+    buckets = [(floatToGoString(bound), count) for bound, count in snapshot.cumulative()]
+    family.add_metric(labels or [], buckets=buckets, sum_value=snapshot.total)
     return family
 
 
