@@ -421,32 +421,32 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Appends one token and returns the text it completes ("" while a character is open)."""
         self._ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset])
-        text = decode(self._ids[self._prefix_offset :])
-        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
-            return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return text[len(prefix) :]
+        return self._read() or ""
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Appends several tokens (a step's) and returns the text they complete: add() of each,
         joined. A byte-level tokenizer's step takes the two decodes of one window instead of two
         per token; where its last token leaves a character open, and for other tokenizers, it
         goes token by token, so that no text is held back or spelled otherwise than add() would."""
-        ids = self._ids
         if len(token_ids) > 1 and self._tokenizer.byte_level:
-            ids.extend(token_ids)
-            decode = self._tokenizer.decode
-            prefix = decode(ids[self._prefix_offset : self._read_offset])
-            text = decode(ids[self._prefix_offset :])
-            if len(text) > len(prefix) and not text.endswith(_REPLACEMENT):
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(ids)
-                return text[len(prefix) :]
-            del ids[len(ids) - len(token_ids) :]
+            self._ids.extend(token_ids)
+            text = self._read()
+            if text is not None:
+                return text
+            del self._ids[-len(token_ids) :]
         return "".join([self.add(token_id) for token_id in token_ids])
+
+    def _read(self) -> str | None:
+        """The text the tokens after the read offset complete, the offsets moved past them; None,
+        offsets kept, while they leave a character open."""
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset])
+        text = decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
+            return None
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(prefix) :]
 
     def flush(self) -> str:
         """What is still held back at the end: the text of the pending tokens, without a trailing

@@ -143,7 +143,7 @@ class Generation:
         # Python calls a token where it made 31 (docs/control_plane.md).
         self.tracked = logprobs or bool(stops)
         self._pending: list[SampledToken] = []  # tracked tokens not yet handed out with a piece
-        self._pending_ids: list[int] = []  # token ids not yet handed out with a piece
+        self._handed = 0  # token_ids[:_handed] went out with pieces
 
     @property
     def completion_tokens(self) -> int:
@@ -207,7 +207,6 @@ class Generation:
         self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: tuple[tuple[tuple[int, float], ...], ...]
     ) -> str:
         self.token_ids.extend(token_ids)
-        self._pending_ids.extend(token_ids)
         if not self.tracked:
             return self._detokenizer.extend(token_ids)
         parts = []
@@ -230,7 +229,6 @@ class Generation:
         dropped = len(self._pending) - keep
         if dropped:
             del self._pending[keep:]
-            del self._pending_ids[-dropped:]
             del self.token_ids[-dropped:]
 
     def abandon(self) -> None:
@@ -239,7 +237,7 @@ class Generation:
         self._end("abort")
 
     def _piece(self, text: str, finish_reason: str | None) -> Piece:
-        ids, self._pending_ids = tuple(self._pending_ids), []
+        ids, self._handed = tuple(self.token_ids[self._handed :]), len(self.token_ids)
         tokens, self._pending = tuple(self._pending), []
         return Piece(text, finish_reason, ids, tokens)
 
