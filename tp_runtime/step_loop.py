@@ -472,8 +472,9 @@ class StepLoop:
 
     def _duties(self, now: float) -> None:
         self._take_notices()
-        self._note_silence(now - self._quiet_since(now))
-        silent = [r for r in self.ranks if now - self._heard_since(r, now) > self.timeouts.peer_silence_s]
+        silence = {r: now - self._heard_since(r, now) for r in self.ranks}
+        self._note_silence(max(silence.values(), default=0.0))
+        silent = [r for r, quiet in silence.items() if quiet > self.timeouts.peer_silence_s]
         if silent:
             names = ", ".join(self.conversation.who(r) for r in silent)
             raise RankFailure(f"{names} stopped answering (no frame for {self.timeouts.peer_silence_s:g} s)")

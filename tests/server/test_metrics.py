@@ -210,8 +210,7 @@ def test_the_request_histograms_expose_what_prometheus_clients_histogram_would()
     values = [0.0, 0.01, 0.0100001, 0.3, 0.42, 79.9, 80.0, 81.0, 1e6, 1e9]
     ours = RequestHistograms(MODEL_NAME, max_model_len)
     theirs = CollectorRegistry()
-    for attribute, name, help_text in RequestHistograms._SHAPES:
-        counter = getattr(ours, attribute)
+    for name, help_text, counter in ours.exposed:
         reference = Histogram(
             name, help_text, ("model_name",), buckets=counter.snapshot().bounds, registry=theirs
         ).labels(MODEL_NAME)

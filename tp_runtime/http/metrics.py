@@ -318,18 +318,6 @@ class RequestHistograms(Collector):
     than prometheus_client's Histogram, whose observe() walks the buckets in Python under two
     locks: the inter-token latency is observed once per piece of every stream."""
 
-    _SHAPES = (  # attribute, name, help
-        ("time_to_first_token", "vllm:time_to_first_token_seconds", "Time from taking a request to its first generated token."),
-        ("inter_token_latency", "vllm:inter_token_latency_seconds", "Time between a request's successive token events."),
-        (
-            "time_per_output_token", "vllm:request_time_per_output_token_seconds",
-            "Per request: time from its first token to its last, over its tokens after the first.",
-        ),
-        ("e2e_latency", "vllm:e2e_request_latency_seconds", "Time from taking a request to its last token."),
-        ("prompt_length", "vllm:request_prompt_tokens", "Prompt tokens per finished request."),
-        ("generation_length", "vllm:request_generation_tokens", "Generated tokens per finished request."),
-    )
-
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self._labels = [model_name]
         sizes = size_buckets(max_model_len)
@@ -339,13 +327,25 @@ class RequestHistograms(Collector):
         self.e2e_latency = BucketCounter(REQUEST_LATENCY_BUCKETS)
         self.prompt_length = BucketCounter(sizes)
         self.generation_length = BucketCounter(sizes)
+        self.exposed = (  # (name, help, counter), as /metrics shows them
+            ("vllm:time_to_first_token_seconds", "Time from taking a request to its first generated token.",
+             self.time_to_first_token),
+            ("vllm:inter_token_latency_seconds", "Time between a request's successive token events.",
+             self.inter_token_latency),
+            ("vllm:request_time_per_output_token_seconds",
+             "Per request: time from its first token to its last, over its tokens after the first.",
+             self.time_per_output_token),
+            ("vllm:e2e_request_latency_seconds", "Time from taking a request to its last token.", self.e2e_latency),
+            ("vllm:request_prompt_tokens", "Prompt tokens per finished request.", self.prompt_length),
+            ("vllm:request_generation_tokens", "Generated tokens per finished request.", self.generation_length),
+        )  # fmt: skip
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        for attribute, name, help_text in self._SHAPES:
-            yield _histogram(name, help_text, getattr(self, attribute).snapshot(), self._labels)
+        for name, help_text, counter in self.exposed:
+            yield _histogram(name, help_text, counter.snapshot(), self._labels)
 
 
 class Metrics:
