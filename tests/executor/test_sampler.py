@@ -168,10 +168,35 @@ def test_a_nucleus_wider_than_the_first_candidates_uses_the_wider_ones():
     assert out.token_ids.max().item() > 256
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def draw_path(request, monkeypatch):
+    """The CPU's filtered draw with its first round compiled (executor/_sampling.c), or numpy's
+    alone, as where no compiler built it."""
+    import executor.sampler
+
+    if request.param == "numpy":
+        monkeypatch.setattr(executor.sampler, "_sampling", None)
+    elif executor.sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here (test_the_compiled_round_is_built says where it must be)")
+    return request.param
+
+
+def test_the_compiled_round_is_built_where_a_compiler_is():
+    # The editable install (the README's commands, CI's) builds it wherever a C compiler is; the
+    # tests of the compiled path must not skip unseen there.
+    import shutil
+
+    import executor.sampler
+
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler: numpy draws alone")
+    assert executor.sampler._sampling is not None
+
+
 @pytest.mark.parametrize("peaked_only", [False, True, "confident"], ids=["every-widening", "first-round", "top-k-partition"])
-def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
-    # The CPU's draw among candidates (numpy) and a device's over the whole sorted row (_draw_sorted,
-    # torch), from the same probabilities.
+def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only, draw_path):
+    # The CPU's draw among candidates (compiled first round, then numpy; or numpy alone) and a
+    # device's over the whole sorted row (_draw_sorted, torch), from the same probabilities.
     from executor.sampler import _draw_candidates, _draw_sorted
 
     g = torch.Generator().manual_seed(11)
@@ -203,6 +228,67 @@ def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only):
     on_host = _draw_candidates(log_probs.numpy(), k.numpy(), top_p.numpy(), uniforms.numpy())
     assert on_host.dtype == np.int64
     np.testing.assert_array_equal(on_host, _draw_sorted(probs, k, top_p, uniforms).numpy())
+
+
+def test_the_compiled_round_draws_what_numpys_draws_and_leaves_it_the_rest():
+    # Row by row: a token where the compiled first round decides (the same as numpy's rounds give),
+    # -1 where numpy must (more candidates than its room, or a nucleus wider than its candidates:
+    # flat rows under a high top-p). Peaked, medium and flat rows, ties (rounded logits), top-k and
+    # top-p, -inf tokens (banned, masked), narrow and wide vocabularies.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    g = torch.Generator().manual_seed(21)
+    decided = left = 0
+    for vocab in (2, 7, 300, 3000, 20000):
+        rows = 48
+        scale = torch.tensor([12.0, 4.0, 1.0, 0.05])[torch.randint(4, (rows,), generator=g)][:, None]
+        logits = (torch.randn(rows, vocab, generator=g) * scale).round(decimals=1)
+        logits[torch.rand(rows, vocab, generator=g) < 0.1] = float("-inf")
+        logits[:, 0] = logits[:, 0].clamp(min=0.0)  # every row keeps a finite token
+        log_probs = torch.log_softmax(logits, dim=-1).numpy()
+        top_k = (torch.randint(1, 60, (rows,), generator=g) * (torch.rand(rows, generator=g) < 0.4)).numpy()
+        k = np.where(top_k > 0, top_k, vocab).astype(np.int64)
+        top_p = np.where(torch.rand(rows, generator=g).numpy() < 0.8, torch.rand(rows, generator=g).numpy() * 0.99 + 0.01, 1.0).astype(np.float32)
+        uniforms = torch.rand(rows, generator=g).numpy()
+        compiled = sampler._first_round_compiled(log_probs, k, top_p, uniforms)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sampler, "_sampling", None)
+            expected = sampler._draw_candidates(log_probs, k, top_p, uniforms)
+        mine = compiled >= 0
+        np.testing.assert_array_equal(compiled[mine], expected[mine])
+        assert (compiled[~mine] == -1).all()
+        np.testing.assert_array_equal(sampler._draw_candidates(log_probs, k, top_p, uniforms), expected)
+        decided, left = decided + int(mine.sum()), left + int((~mine).sum())
+    assert decided > 100 and left > 10  # both kinds of row were there
+
+
+def test_the_compiled_round_refuses_buffers_that_do_not_fit():
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    log_probs = np.zeros((3, 10), np.float32)
+    ids, values, counts = np.empty(30, np.int32), np.empty(33, np.float32), np.empty(3, np.int64)
+    assert sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, ids, values, counts) == 30
+    with pytest.raises(ValueError, match="whole rows"):
+        sampler._sampling.gather(log_probs, 7, -8.0, 0.001, 7, ids, values, counts)
+    with pytest.raises(ValueError, match="values"):
+        sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, ids, values[:32], counts)
+    with pytest.raises(ValueError, match="ids"):
+        sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, ids.astype(np.int64), values, counts)
+    with pytest.raises(BufferError, match="not writable"):
+        sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, b"read-only" * 20, values, counts)
+    out = np.empty(3, np.int64)
+    probs = np.full(33, 0.1, np.float32)
+    with pytest.raises(ValueError, match="uniforms"):
+        sampler._sampling.pick(ids, probs, counts, 2.0**-12, np.full(3, 10), np.ones(3, np.float32), np.ones(2, np.float32), out)
+    assert sampler._sampling.pick(ids, probs, counts, 2.0**-12, np.full(3, 10), np.ones(3, np.float32), np.full(3, 0.5, np.float32), out) == 0
+    # Ten ties of 0.1: u = 0.5 passes the fifth, whose sum is the target (searchsorted's right=True).
+    assert out.tolist() == [5, 5, 5]
+    numpys = sampler._pick_sorted(np.full((1, 10), 0.1, np.float32), np.arange(10)[None, :], np.array([10]), np.ones(1, np.float32), np.full(1, 0.5, np.float32))
+    assert numpys.tolist() == [5]
 
 
 def test_plain_rows_of_a_wide_vocabulary_are_drawn_through_block_sums():
@@ -320,10 +406,11 @@ def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
         assert [direct.tokens.dtype, direct.finite.dtype, direct.logprobs.dtype] == [np.int32, np.uint8, np.float32]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# draw_path is set once for all of the examples: that is all it does.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_the_cpus_path_samples_what_a_devices_path_samples(data):
-    # The CPU path (numpy draws among candidates, branches on values) and the device path (torch
+def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
+    # The CPU path (compiled and numpy draws among candidates, branches on values) and the device path (torch
     # only, rows sorted whole, nothing read back) run on the same CPU logits must give the same
     # tokens, logprobs, flags and alternatives for every kind of row: greedy, plain, top-k, top-p,
     # min_p, seeded and not, non-finite, with ties and flat rows, so that the two cannot drift.

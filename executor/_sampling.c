@@ -1,0 +1,253 @@
+/* The first round of a CPU's top-k / top-p draw (executor/sampler.py, _draw_candidates) in two calls
+ * instead of about thirty numpy operations: gather() finds each row's candidates, the caller
+ * exponentiates them with torch (so that the probabilities are torch's to the last bit, as a
+ * device's draw computes them), and pick() holds them to the floor, decides whether they hold the
+ * row's nucleus, sorts them and draws. Every step is the numpy round's, in the same float32
+ * operations and float64 sums (built with -ffp-contract=off, so that no multiply and add fuse):
+ * tests/executor/test_sampler.py holds the two to the same tokens. Rows it cannot decide (more
+ * candidates than the caller's room, or a nucleus wider than them) are left to numpy's later rounds.
+ *
+ * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    float prob;
+    int32_t id;
+} Candidate;
+
+/* Descending probability, ties in id order: numpy's stable argsort of the negated probabilities of
+ * candidates listed in id order. */
+static int by_prob_then_id(const void *a, const void *b) {
+    const Candidate *x = a, *y = b;
+    if (x->prob != y->prob) return x->prob > y->prob ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* Whole-vocabulary passes, vectorized for the widest instructions the CPU has (one clone each,
+ * chosen at load), in blocks of BLOCK columns. */
+#define BLOCK 16
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+/* The row's largest value. Exact in any order: a row here holds no NaN (non-finite rows were
+ * zeroed before log_softmax). */
+CLONES static float row_max(const float *row, Py_ssize_t vocab) {
+    float lane[BLOCK];
+    Py_ssize_t j = 0;
+    for (int i = 0; i < BLOCK; i++) lane[i] = row[0];
+    for (; j + BLOCK <= vocab; j += BLOCK)
+        for (int i = 0; i < BLOCK; i++) lane[i] = row[j + i] > lane[i] ? row[j + i] : lane[i];
+    float top = row[0];
+    for (int i = 0; i < BLOCK; i++) top = lane[i] > top ? lane[i] : top;
+    for (; j < vocab; j++) top = row[j] > top ? row[j] : top;
+    return top;
+}
+
+/* The columns at or above `threshold`, in id order, into ids and values; -1 when more than room. */
+CLONES static Py_ssize_t at_or_above(const float *row, Py_ssize_t vocab, float threshold, Py_ssize_t room, int32_t *ids, float *values) {
+    Py_ssize_t n = 0, j = 0;
+    for (; j < vocab; j += BLOCK) {
+        Py_ssize_t end = j + BLOCK <= vocab ? j + BLOCK : vocab;
+        if (end - j == BLOCK) {
+            int hit = 0;
+            for (int i = 0; i < BLOCK; i++) hit |= row[j + i] >= threshold;
+            if (!hit) continue;
+        }
+        for (Py_ssize_t c = j; c < end; c++) {
+            if (row[c] >= threshold) {
+                if (n == room) return -1;
+                ids[n] = (int32_t)c;
+                values[n] = row[c];
+                n++;
+            }
+        }
+    }
+    return n;
+}
+
+/* A C-contiguous buffer of `itemsize` items, at least `at_least` of them. */
+static int buffer_of(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, Py_ssize_t at_least, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (view->itemsize != itemsize || view->len < at_least * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected at least %zd items of %zd bytes", name, at_least, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* gather(log_probs, vocab, log_ratio, margin, room, ids, values, counts) -> total
+ *
+ * log_probs: float32[rows, vocab]. A row's candidates are its columns at or above
+ * (its largest + log_ratio) - margin, in id order: their ids go to ids and their logprobs to values,
+ * packed row after row; counts[row] is how many, or -1 for a row with more than `room` (none
+ * stored). After the `total` stored come the rows' largest logprobs, one a row, so that one
+ * torch.exp gives the floors' probabilities too. ids holds rows * room, values rows * (room + 1). */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *lp_obj, *ids_obj, *values_obj, *counts_obj;
+    Py_ssize_t vocab, room;
+    float log_ratio, margin;
+    if (!PyArg_ParseTuple(args, "OnffnOOO", &lp_obj, &vocab, &log_ratio, &margin, &room, &ids_obj, &values_obj, &counts_obj)) return NULL;
+    if (vocab <= 0 || room <= 0) return PyErr_Format(PyExc_ValueError, "vocab and room must be positive");
+    Py_buffer lp, ids, values, counts;
+    if (buffer_of(lp_obj, &lp, 0, sizeof(float), 0, "log_probs") < 0) return NULL;
+    Py_ssize_t rows = lp.len / (Py_ssize_t)sizeof(float) / vocab;
+    if (rows * vocab * (Py_ssize_t)sizeof(float) != lp.len) {
+        PyErr_Format(PyExc_ValueError, "log_probs does not hold whole rows of %zd", vocab);
+        goto fail_ids;
+    }
+    if (buffer_of(ids_obj, &ids, 1, sizeof(int32_t), rows * room, "ids") < 0) goto fail_ids;
+    if (buffer_of(values_obj, &values, 1, sizeof(float), rows * (room + 1), "values") < 0) goto fail_values;
+    if (buffer_of(counts_obj, &counts, 1, sizeof(int64_t), rows, "counts") < 0) goto fail_counts;
+
+    Py_ssize_t total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int32_t *id_out = ids.buf;
+    float *value_out = values.buf;
+    int64_t *count_out = counts.buf;
+    float *tops = value_out + rows * room; /* moved down to follow the candidates at the end */
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = (const float *)lp.buf + r * vocab;
+        float top = row_max(row, vocab);
+        float floor = top + log_ratio; /* numpy's float32 floor, then its margin */
+        Py_ssize_t n = at_or_above(row, vocab, floor - margin, room, id_out + total, value_out + total);
+        count_out[r] = n;
+        if (n > 0) total += n;
+        tops[r] = top;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) value_out[total + r] = tops[r]; /* total <= rows * room: never ahead of its source */
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&lp);
+    return PyLong_FromSsize_t(total);
+
+fail_counts:
+    PyBuffer_Release(&values);
+fail_values:
+    PyBuffer_Release(&ids);
+fail_ids:
+    PyBuffer_Release(&lp);
+    return NULL;
+}
+
+/* One row's draw among its candidates (id order, probabilities `probs`), or -1 when they do not
+ * hold its nucleus. `scratch` has room for all of them. */
+static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, float floor, int64_t k, float top_p, float uniform, Candidate *scratch) {
+    Py_ssize_t kept = 0;
+    double mass = 0.0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (probs[j] >= floor) {
+            scratch[kept].prob = probs[j];
+            scratch[kept].id = ids[j];
+            mass += (double)probs[j];
+            kept++;
+        }
+    }
+    /* numpy's `covered`: top-k cuts inside the candidates, or they hold more than top_p by more
+     * than a float32 prefix sum's rounding (1e-6) */
+    if (!(k <= kept || (top_p < 1.0f && mass > (double)top_p + 1e-6)) || kept == 0) return -1;
+    qsort(scratch, (size_t)kept, sizeof(Candidate), by_prob_then_id);
+    /* _pick_sorted: the mass before each (a float64 prefix sum rounded to float32, less itself),
+     * dropped past top_p, kept within k; then the draw's prefix sum over the kept ones and the
+     * first column whose sum passes u times the whole. */
+    double before = 0.0, cdf = 0.0;
+    float *sums = (float *)malloc((size_t)kept * sizeof(float));
+    if (sums == NULL) return -1;
+    for (Py_ssize_t j = 0; j < kept; j++) {
+        float p = scratch[j].prob;
+        before += (double)p;
+        float mass_before = (float)before - p;
+        int keep = j < k && !(top_p < 1.0f && mass_before > top_p);
+        cdf += (double)(p * (float)keep);
+        sums[j] = (float)cdf;
+    }
+    float target = uniform * sums[kept - 1];
+    Py_ssize_t at = 0;
+    while (at < kept && sums[at] <= target) at++;
+    free(sums);
+    if (at > kept - 1) at = kept - 1; /* numpy's clamp; u < 1 keeps every reachable target under the total */
+    return scratch[at].id;
+}
+
+/* pick(ids, probs, counts, ratio, k, top_p, uniforms, out) -> rows left undecided
+ *
+ * gather()'s candidates after torch.exp (probs: the candidates' probabilities, then each row's
+ * largest); each row's floor is its largest probability times `ratio`. out[row] is the token drawn,
+ * or -1 where numpy's later rounds must decide. */
+static PyObject *pick(PyObject *self, PyObject *args) {
+    PyObject *ids_obj, *probs_obj, *counts_obj, *k_obj, *top_p_obj, *u_obj, *out_obj;
+    float ratio;
+    if (!PyArg_ParseTuple(args, "OOOfOOOO", &ids_obj, &probs_obj, &counts_obj, &ratio, &k_obj, &top_p_obj, &u_obj, &out_obj)) return NULL;
+    Py_buffer counts, ids, probs, k, top_p, u, out;
+    if (buffer_of(counts_obj, &counts, 0, sizeof(int64_t), 0, "counts") < 0) return NULL;
+    Py_ssize_t rows = counts.len / (Py_ssize_t)sizeof(int64_t), total = 0, widest = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int64_t n = ((int64_t *)counts.buf)[r];
+        if (n > 0) total += n;
+        if (n > widest) widest = n;
+    }
+    PyObject *result = NULL;
+    if (buffer_of(ids_obj, &ids, 0, sizeof(int32_t), total, "ids") < 0) goto done_counts;
+    if (buffer_of(probs_obj, &probs, 0, sizeof(float), total + rows, "probs") < 0) goto done_ids;
+    if (buffer_of(k_obj, &k, 0, sizeof(int64_t), rows, "k") < 0) goto done_probs;
+    if (buffer_of(top_p_obj, &top_p, 0, sizeof(float), rows, "top_p") < 0) goto done_k;
+    if (buffer_of(u_obj, &u, 0, sizeof(float), rows, "uniforms") < 0) goto done_top_p;
+    if (buffer_of(out_obj, &out, 1, sizeof(int64_t), rows, "out") < 0) goto done_u;
+
+    Candidate *scratch = (Candidate *)malloc((size_t)(widest > 0 ? widest : 1) * sizeof(Candidate));
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done_out;
+    }
+    Py_ssize_t undecided = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const int32_t *id_at = ids.buf;
+    const float *prob_at = probs.buf;
+    const float *largest = (const float *)probs.buf + total;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        int64_t n = ((int64_t *)counts.buf)[r];
+        int64_t token = -1;
+        if (n > 0) {
+            token = pick_row(id_at, prob_at, n, largest[r] * ratio, ((int64_t *)k.buf)[r], ((float *)top_p.buf)[r], ((float *)u.buf)[r], scratch);
+            id_at += n;
+            prob_at += n;
+        }
+        ((int64_t *)out.buf)[r] = token;
+        undecided += token < 0;
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    result = PyLong_FromSsize_t(undecided);
+
+done_out:
+    PyBuffer_Release(&out);
+done_u:
+    PyBuffer_Release(&u);
+done_top_p:
+    PyBuffer_Release(&top_p);
+done_k:
+    PyBuffer_Release(&k);
+done_probs:
+    PyBuffer_Release(&probs);
+done_ids:
+    PyBuffer_Release(&ids);
+done_counts:
+    PyBuffer_Release(&counts);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS, "Each row's first-round candidates: ids, logprobs, counts (executor/_sampling.c)."},
+    {"pick", pick, METH_VARARGS, "Each row's draw among its candidates, -1 where they do not decide it (executor/_sampling.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sampling", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__sampling(void) { return PyModule_Create(&module); }
