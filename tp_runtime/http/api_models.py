@@ -237,7 +237,10 @@ class OpenAISampling(_Body):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: str | list[str] | list[int]
+    # Token ids first: in a smart-mode union pydantic tries each member strictly in order and takes
+    # the first exact match, and a list of 256 ids failed list[str] item by item first (37 us a
+    # request against 9.5). The same inputs validate to the same values in either order.
+    prompt: list[int] | str | list[str]
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None  # how many alternatives per token; 0: the sampled token's only
     # Extension (as vLLM's): the generated token ids in choices[].token_ids, for exact comparisons.
