@@ -1,5 +1,10 @@
-/* The first round of a CPU's top-k / top-p draw (executor/sampler.py, _draw_candidates) in two calls
- * instead of about thirty numpy operations: gather() finds each row's candidates, the caller
+/* The CPU sampler's steps that take many small numpy and torch calls (executor/sampler.py), each
+ * in one compiled call. finite_scaled() flags the rows holding a NaN or an infinity and divides the
+ * others by their temperature in one pass (IEEE division: torch's quotients to the bit), where torch
+ * took a sum, a finite check, a fill and a division.
+ *
+ * The first round of a top-k / top-p draw (_draw_candidates) takes two calls instead of about
+ * thirty numpy operations: gather() finds each row's candidates, the caller
  * exponentiates them with torch (so that the probabilities are torch's to the last bit, as a
  * device's draw computes them), and pick() holds them to the floor, decides whether they hold the
  * row's nucleus, sorts them and draws. Every step is the numpy round's, in the same float32
@@ -13,6 +18,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     float prob;
@@ -66,6 +72,19 @@ CLONES static Py_ssize_t at_or_above(const float *row, Py_ssize_t vocab, float t
         }
     }
     return n;
+}
+
+/* Whether a row holds no NaN and no infinity: its exponent bits, which are all ones only there. */
+CLONES static int row_finite(const float *row, Py_ssize_t vocab) {
+    const uint32_t *bits = (const uint32_t *)row;
+    uint32_t bad = 0;
+    for (Py_ssize_t j = 0; j < vocab; j++) bad |= (bits[j] & 0x7f800000u) == 0x7f800000u;
+    return !bad;
+}
+
+/* The row divided by its temperature: IEEE division, each quotient correctly rounded, as torch's. */
+CLONES static void row_scaled(const float *row, Py_ssize_t vocab, float temperature, float *out) {
+    for (Py_ssize_t j = 0; j < vocab; j++) out[j] = row[j] / temperature;
 }
 
 /* A C-contiguous buffer of `itemsize` items, at least `at_least` of them. */
@@ -134,6 +153,56 @@ fail_values:
 fail_ids:
     PyBuffer_Release(&lp);
     return NULL;
+}
+
+/* finite_scaled(logits, vocab, temperature, out, finite) -> rows not finite
+ *
+ * logits: float32[rows, vocab]. finite[row] (uint8) says whether the row holds no NaN and no
+ * infinity. With `out` (float32[rows, vocab], or None for no division), each finite row divided by
+ * its temperature, and every other row zeros, as _sample_on_host's torch passes make them. */
+static PyObject *finite_scaled(PyObject *self, PyObject *args) {
+    PyObject *logits_obj, *t_obj, *out_obj, *finite_obj;
+    Py_ssize_t vocab;
+    if (!PyArg_ParseTuple(args, "OnOOO", &logits_obj, &vocab, &t_obj, &out_obj, &finite_obj)) return NULL;
+    if (vocab <= 0) return PyErr_Format(PyExc_ValueError, "vocab must be positive");
+    Py_buffer logits, temperature, out, finite;
+    int dividing = out_obj != Py_None;
+    PyObject *result = NULL;
+    if (buffer_of(logits_obj, &logits, 0, sizeof(float), 0, "logits") < 0) return NULL;
+    Py_ssize_t rows = logits.len / (Py_ssize_t)sizeof(float) / vocab;
+    if (rows * vocab * (Py_ssize_t)sizeof(float) != logits.len) {
+        PyErr_Format(PyExc_ValueError, "logits does not hold whole rows of %zd", vocab);
+        goto done_logits;
+    }
+    if (buffer_of(t_obj, &temperature, 0, sizeof(float), rows, "temperature") < 0) goto done_logits;
+    if (buffer_of(finite_obj, &finite, 1, sizeof(uint8_t), rows, "finite") < 0) goto done_temperature;
+    if (dividing && buffer_of(out_obj, &out, 1, sizeof(float), rows * vocab, "out") < 0) goto done_finite;
+
+    Py_ssize_t bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = (const float *)logits.buf + r * vocab;
+        int ok = row_finite(row, vocab);
+        ((uint8_t *)finite.buf)[r] = (uint8_t)ok;
+        bad += !ok;
+        if (!dividing) continue;
+        float *dest = (float *)out.buf + r * vocab;
+        if (ok)
+            row_scaled(row, vocab, ((const float *)temperature.buf)[r], dest);
+        else
+            memset(dest, 0, (size_t)vocab * sizeof(float));
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(bad);
+
+    if (dividing) PyBuffer_Release(&out);
+done_finite:
+    PyBuffer_Release(&finite);
+done_temperature:
+    PyBuffer_Release(&temperature);
+done_logits:
+    PyBuffer_Release(&logits);
+    return result;
 }
 
 /* One row's draw among its candidates (id order, probabilities `probs`), or -1 when they do not
@@ -243,6 +312,7 @@ done_counts:
 }
 
 static PyMethodDef methods[] = {
+    {"finite_scaled", finite_scaled, METH_VARARGS, "Which rows are finite, and the finite ones over their temperature (executor/_sampling.c)."},
     {"gather", gather, METH_VARARGS, "Each row's first-round candidates: ids, logprobs, counts (executor/_sampling.c)."},
     {"pick", pick, METH_VARARGS, "Each row's draw among its candidates, -1 where they do not decide it (executor/_sampling.c)."},
     {NULL, NULL, 0, NULL},

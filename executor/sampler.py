@@ -243,15 +243,20 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     says why), with a branch wherever it saves a pass, since reading a value here waits for nothing."""
     host = params.host
     rows = logits.shape[0]
-    finite = _finite_rows(logits)
-    if params.processing is not None:
-        logits = process_logits(logits, params.processing)
-        finite &= np.isfinite(logits.amax(dim=-1).numpy())
-    safe = logits if finite.all() else logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0)
     random = np.flatnonzero(~host.greedy)
     scale = np.where(host.greedy, np.float32(1), params.temperature.numpy().astype(np.float32, copy=False))
-    # A batch at temperature 1 (OpenAI's default) and greedy rows skip a pass: x / 1 is x.
-    scaled = safe / torch.from_numpy(scale).unsqueeze(1) if (scale != 1).any() else safe
+    # A batch at temperature 1 (OpenAI's default) and greedy rows skip a pass: x / 1 is x. So greedy
+    # rows of `scaled` are their logits (non-finite rows zeroed), whichever way it is made.
+    dividing = bool((scale != 1).any())
+    if params.processing is None and _sampling is not None and logits.is_contiguous():
+        finite, scaled = _finite_scaled_compiled(logits, scale, dividing)
+    else:
+        finite = _finite_rows(logits)
+        if params.processing is not None:
+            logits = process_logits(logits, params.processing)
+            finite &= np.isfinite(logits.amax(dim=-1).numpy())
+        safe = logits if finite.all() else logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0)
+        scaled = safe / torch.from_numpy(scale).unsqueeze(1) if dividing else safe
     log_probs = torch.log_softmax(scaled, dim=-1)
     overflowed = _overflowed(log_probs.numpy()) & finite
     if overflowed.any():
@@ -259,7 +264,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
         # rows are flagged (their tokens 0, their logprobs NaN) like any other non-finite row.
         finite &= ~overflowed
         log_probs[torch.from_numpy(overflowed)] = -math.log(logits.shape[1])
-    tokens = argmax_rows(safe).numpy() if random.shape[0] < rows else np.zeros(rows, dtype=np.int64)
+    tokens = argmax_rows(scaled).numpy() if random.shape[0] < rows else np.zeros(rows, dtype=np.int64)
     if random.shape[0]:
         drawn = _rows(_min_p_filtered(log_probs, params.processing), torch.from_numpy(random))
         filtered = host.filtered[random]
@@ -360,6 +365,20 @@ def argmax_rows(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         return t.argmax(dim=-1)
     return torch.from_numpy(t.detach().numpy().argmax(axis=-1))
+
+
+def _finite_scaled_compiled(logits: torch.Tensor, scale: np.ndarray, dividing: bool) -> tuple[np.ndarray, torch.Tensor]:
+    """_finite_rows, the zeroing of non-finite rows and the division by the temperature, in one
+    compiled pass (a cold sum, isfinite and division were ~50 us for 16 rows of 256, and at 49152
+    columns the sum and division two passes of the vocabulary: ~200 us warm)."""
+    rows, vocab = logits.shape
+    finite = np.empty(rows, np.uint8)
+    out = np.empty((rows, vocab), np.float32) if dividing else None
+    bad = _sampling.finite_scaled(logits.detach().numpy(), vocab, scale, out, finite)
+    finite = finite.view(np.bool_)
+    if out is not None:
+        return finite, torch.from_numpy(out)
+    return finite, (logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0) if bad else logits)
 
 
 def _overflowed(log_probs: np.ndarray) -> np.ndarray:

@@ -264,6 +264,37 @@ def test_the_compiled_round_draws_what_numpys_draws_and_leaves_it_the_rest():
     assert decided > 100 and left > 10  # both kinds of row were there
 
 
+def test_the_compiled_finite_check_and_division_are_torchs_to_the_bit():
+    # finite_scaled() in place of _finite_rows, the zeroing of non-finite rows and torch's division
+    # by the temperature: wide and tiny logits, denormals, quotients that overflow to inf (finite
+    # logits at the lowest temperature: _overflowed flags those rows after log_softmax), NaN and
+    # infinities anywhere in a row, vocabularies that are not a multiple of the vector width.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    g = torch.Generator().manual_seed(8)
+    for vocab in (1, 5, 16, 17, 1000, 49152):
+        rows = 12
+        logits = torch.randn(rows, vocab, generator=g) * torch.tensor([1e-40, 1e-3, 1.0, 30.0, 1e30, 3e38] * 2)[:, None]
+        logits[1, -1] = float("nan")
+        logits[4, 0] = float("inf")
+        logits[7, vocab // 2] = float("-inf")
+        scale = np.array([1.0, 0.7, 1e-5, 2.5, 1.0, 0.3, 1e-5, 0.9, 1.0, 3.0, 1.7, 1e-5], np.float32)
+        finite, scaled = sampler._finite_scaled_compiled(logits, scale, True)
+        expected_finite = torch.isfinite(logits).all(dim=-1).numpy()
+        np.testing.assert_array_equal(finite, expected_finite)
+        safe = logits.masked_fill(torch.from_numpy(~expected_finite).unsqueeze(1), 0.0)
+        expected = (safe / torch.from_numpy(scale).unsqueeze(1)).numpy()
+        np.testing.assert_array_equal(scaled.numpy().view(np.uint32), expected.view(np.uint32))
+        finite, same = sampler._finite_scaled_compiled(logits, np.ones(rows, np.float32), False)
+        np.testing.assert_array_equal(finite, expected_finite)
+        np.testing.assert_array_equal(same.numpy().view(np.uint32), safe.numpy().view(np.uint32))
+        clean = logits.clone()
+        clean[~torch.from_numpy(expected_finite)] = 0.0
+        assert sampler._finite_scaled_compiled(clean, np.ones(rows, np.float32), False)[1] is clean  # nothing to zero: no copy
+
+
 def test_the_compiled_round_refuses_buffers_that_do_not_fit():
     import executor.sampler as sampler
 
@@ -280,6 +311,10 @@ def test_the_compiled_round_refuses_buffers_that_do_not_fit():
         sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, ids.astype(np.int64), values, counts)
     with pytest.raises(BufferError, match="not writable"):
         sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, b"read-only" * 20, values, counts)
+    with pytest.raises(ValueError, match="temperature"):
+        sampler._sampling.finite_scaled(log_probs, 10, np.ones(2, np.float32), None, np.empty(3, np.uint8))
+    with pytest.raises(ValueError, match="out"):
+        sampler._sampling.finite_scaled(log_probs, 10, np.ones(3, np.float32), np.empty(29, np.float32), np.empty(3, np.uint8))
     out = np.empty(3, np.int64)
     probs = np.full(33, 0.1, np.float32)
     with pytest.raises(ValueError, match="uniforms"):
