@@ -16,9 +16,14 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if FLT_EVAL_METHOD != 0
+#error "float arithmetic here must round to float32 at every step (x87's excess precision does not)"
+#endif
 
 typedef struct {
     float prob;
@@ -33,34 +38,59 @@ static int by_prob_then_id(const void *a, const void *b) {
     return (x->id > y->id) - (x->id < y->id);
 }
 
-/* Whole-vocabulary passes, vectorized for the widest instructions the CPU has (one clone each,
- * chosen at load), in blocks of BLOCK columns. */
-#define BLOCK 16
+/* Whole-vocabulary passes in GCC's vector types (VECTOR floats at once, lowered to the widest
+ * instructions of each clone, chosen at load), since the compiler does not vectorize the selects
+ * and early exits below from plain loops. */
+#define VECTOR 16
+#if defined(__x86_64__) || defined(__i386__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
+#endif
+typedef float floats __attribute__((vector_size(VECTOR * sizeof(float))));
+typedef int32_t ints __attribute__((vector_size(VECTOR * sizeof(float))));
+
+/* An unaligned load; a macro, since a function returning a vector would take the default
+ * clone's calling convention. */
+#define LOAD(v, at) memcpy(&(v), (at), sizeof(v))
 
 /* The row's largest value. Exact in any order: a row here holds no NaN (non-finite rows were
  * zeroed before log_softmax). */
 CLONES static float row_max(const float *row, Py_ssize_t vocab) {
-    float lane[BLOCK];
-    Py_ssize_t j = 0;
-    for (int i = 0; i < BLOCK; i++) lane[i] = row[0];
-    for (; j + BLOCK <= vocab; j += BLOCK)
-        for (int i = 0; i < BLOCK; i++) lane[i] = row[j + i] > lane[i] ? row[j + i] : lane[i];
     float top = row[0];
-    for (int i = 0; i < BLOCK; i++) top = lane[i] > top ? lane[i] : top;
+    Py_ssize_t j = 0;
+    if (vocab >= VECTOR) {
+        floats lanes, x;
+        LOAD(lanes, row);
+        for (j = VECTOR; j + VECTOR <= vocab; j += VECTOR) {
+            LOAD(x, row + j);
+            ints above = x > lanes;
+            lanes = (floats)(((ints)x & above) | ((ints)lanes & ~above));
+        }
+        for (int i = 0; i < VECTOR; i++) top = lanes[i] > top ? lanes[i] : top;
+    }
     for (; j < vocab; j++) top = row[j] > top ? row[j] : top;
     return top;
 }
 
-/* The columns at or above `threshold`, in id order, into ids and values; -1 when more than room. */
+/* The columns at or above `threshold`, in id order, into ids and values; -1 when more than room.
+ * A peaked row has a few such columns in tens of thousands: spans of CHUNK columns are compared
+ * whole and looked into only where one holds any. */
+#define CHUNK (16 * VECTOR)
 CLONES static Py_ssize_t at_or_above(const float *row, Py_ssize_t vocab, float threshold, Py_ssize_t room, int32_t *ids, float *values) {
-    Py_ssize_t n = 0, j = 0;
-    for (; j < vocab; j += BLOCK) {
-        Py_ssize_t end = j + BLOCK <= vocab ? j + BLOCK : vocab;
-        if (end - j == BLOCK) {
-            int hit = 0;
-            for (int i = 0; i < BLOCK; i++) hit |= row[j + i] >= threshold;
-            if (!hit) continue;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t j = 0; j < vocab; j += CHUNK) {
+        Py_ssize_t end = j + CHUNK <= vocab ? j + CHUNK : vocab;
+        if (end - j == CHUNK) {
+            ints hit = (ints){};
+            for (Py_ssize_t c = j; c < end; c += VECTOR) {
+                floats x;
+                LOAD(x, row + c);
+                hit |= x >= threshold;
+            }
+            int32_t any = 0;
+            for (int i = 0; i < VECTOR; i++) any |= hit[i];
+            if (!any) continue;
         }
         for (Py_ssize_t c = j; c < end; c++) {
             if (row[c] >= threshold) {
@@ -74,24 +104,42 @@ CLONES static Py_ssize_t at_or_above(const float *row, Py_ssize_t vocab, float t
     return n;
 }
 
-/* Whether a row holds no NaN and no infinity: its exponent bits, which are all ones only there. */
-CLONES static int row_finite(const float *row, Py_ssize_t vocab) {
-    const uint32_t *bits = (const uint32_t *)row;
-    uint32_t bad = 0;
-    for (Py_ssize_t j = 0; j < vocab; j++) bad |= (bits[j] & 0x7f800000u) == 0x7f800000u;
-    return !bad;
+/* Whether a row holds no NaN and no infinity (its exponent bits are all ones only there); with
+ * `out`, the row divided by its temperature as well, in the same pass: IEEE division, each
+ * quotient correctly rounded, as torch's. */
+CLONES static int row_finite_scaled(const float *row, Py_ssize_t vocab, float temperature, float *out) {
+    const ints exponent = (ints){} + 0x7f800000;
+    ints bad = (ints){};
+    Py_ssize_t j = 0;
+    for (; j + VECTOR <= vocab; j += VECTOR) {
+        floats x;
+        LOAD(x, row + j);
+        bad |= ((ints)x & exponent) == exponent;
+        if (out) {
+            floats q = x / temperature;
+            memcpy(out + j, &q, sizeof q);
+        }
+    }
+    int32_t any = 0;
+    for (int i = 0; i < VECTOR; i++) any |= bad[i];
+    for (; j < vocab; j++) {
+        uint32_t bits;
+        memcpy(&bits, row + j, sizeof bits);
+        any |= (bits & 0x7f800000u) == 0x7f800000u;
+        if (out) out[j] = row[j] / temperature;
+    }
+    return !any;
 }
 
-/* The row divided by its temperature: IEEE division, each quotient correctly rounded, as torch's. */
-CLONES static void row_scaled(const float *row, Py_ssize_t vocab, float temperature, float *out) {
-    for (Py_ssize_t j = 0; j < vocab; j++) out[j] = row[j] / temperature;
-}
-
-/* A C-contiguous buffer of `itemsize` items, at least `at_least` of them. */
-static int buffer_of(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, Py_ssize_t at_least, const char *name) {
+/* A C-contiguous buffer of at least `at_least` items of `kind`: 'f' float32, 'i' a signed integer or
+ * 'u' an unsigned one (bool included), `itemsize` bytes each. */
+static int buffer_of(PyObject *obj, Py_buffer *view, int writable, char kind, Py_ssize_t itemsize, Py_ssize_t at_least, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    if (view->itemsize != itemsize || view->len < at_least * itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: expected at least %zd items of %zd bytes", name, at_least, itemsize);
+    const char *format = view->format ? view->format : "B";
+    if (strchr("@=<>!", format[0]) && format[0] != '\0') format++;
+    int right = format[0] != '\0' && format[1] == '\0' && strchr(kind == 'f' ? "f" : kind == 'i' ? "bhilqn" : "BHILQN?", format[0]) != NULL;
+    if (!right || view->itemsize != itemsize || at_least > view->len / itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected at least %zd items of %c%zd bytes", name, at_least, kind, itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -110,17 +158,18 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_ssize_t vocab, room;
     float log_ratio, margin;
     if (!PyArg_ParseTuple(args, "OnffnOOO", &lp_obj, &vocab, &log_ratio, &margin, &room, &ids_obj, &values_obj, &counts_obj)) return NULL;
-    if (vocab <= 0 || room <= 0) return PyErr_Format(PyExc_ValueError, "vocab and room must be positive");
+    if (vocab <= 0 || room <= 0 || room > vocab) return PyErr_Format(PyExc_ValueError, "vocab must be positive, room in 1 to vocab");
     Py_buffer lp, ids, values, counts;
-    if (buffer_of(lp_obj, &lp, 0, sizeof(float), 0, "log_probs") < 0) return NULL;
+    if (buffer_of(lp_obj, &lp, 0, 'f', sizeof(float), 0, "log_probs") < 0) return NULL;
     Py_ssize_t rows = lp.len / (Py_ssize_t)sizeof(float) / vocab;
     if (rows * vocab * (Py_ssize_t)sizeof(float) != lp.len) {
         PyErr_Format(PyExc_ValueError, "log_probs does not hold whole rows of %zd", vocab);
         goto fail_ids;
     }
-    if (buffer_of(ids_obj, &ids, 1, sizeof(int32_t), rows * room, "ids") < 0) goto fail_ids;
-    if (buffer_of(values_obj, &values, 1, sizeof(float), rows * (room + 1), "values") < 0) goto fail_values;
-    if (buffer_of(counts_obj, &counts, 1, sizeof(int64_t), rows, "counts") < 0) goto fail_counts;
+    /* rows * vocab floats fit in memory, and room <= vocab: neither product overflows */
+    if (buffer_of(ids_obj, &ids, 1, 'i', sizeof(int32_t), rows * room, "ids") < 0) goto fail_ids;
+    if (buffer_of(values_obj, &values, 1, 'f', sizeof(float), rows * (room + 1), "values") < 0) goto fail_values;
+    if (buffer_of(counts_obj, &counts, 1, 'i', sizeof(int64_t), rows, "counts") < 0) goto fail_counts;
 
     Py_ssize_t total = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -168,29 +217,25 @@ static PyObject *finite_scaled(PyObject *self, PyObject *args) {
     Py_buffer logits, temperature, out, finite;
     int dividing = out_obj != Py_None;
     PyObject *result = NULL;
-    if (buffer_of(logits_obj, &logits, 0, sizeof(float), 0, "logits") < 0) return NULL;
+    if (buffer_of(logits_obj, &logits, 0, 'f', sizeof(float), 0, "logits") < 0) return NULL;
     Py_ssize_t rows = logits.len / (Py_ssize_t)sizeof(float) / vocab;
     if (rows * vocab * (Py_ssize_t)sizeof(float) != logits.len) {
         PyErr_Format(PyExc_ValueError, "logits does not hold whole rows of %zd", vocab);
         goto done_logits;
     }
-    if (buffer_of(t_obj, &temperature, 0, sizeof(float), rows, "temperature") < 0) goto done_logits;
-    if (buffer_of(finite_obj, &finite, 1, sizeof(uint8_t), rows, "finite") < 0) goto done_temperature;
-    if (dividing && buffer_of(out_obj, &out, 1, sizeof(float), rows * vocab, "out") < 0) goto done_finite;
+    if (buffer_of(t_obj, &temperature, 0, 'f', sizeof(float), rows, "temperature") < 0) goto done_logits;
+    if (buffer_of(finite_obj, &finite, 1, 'u', sizeof(uint8_t), rows, "finite") < 0) goto done_temperature;
+    if (dividing && buffer_of(out_obj, &out, 1, 'f', sizeof(float), rows * vocab, "out") < 0) goto done_finite;
 
     Py_ssize_t bad = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < rows; r++) {
         const float *row = (const float *)logits.buf + r * vocab;
-        int ok = row_finite(row, vocab);
+        float *dest = dividing ? (float *)out.buf + r * vocab : NULL;
+        int ok = row_finite_scaled(row, vocab, ((const float *)temperature.buf)[r], dest);
         ((uint8_t *)finite.buf)[r] = (uint8_t)ok;
         bad += !ok;
-        if (!dividing) continue;
-        float *dest = (float *)out.buf + r * vocab;
-        if (ok)
-            row_scaled(row, vocab, ((const float *)temperature.buf)[r], dest);
-        else
-            memset(dest, 0, (size_t)vocab * sizeof(float));
+        if (!ok && dest) memset(dest, 0, (size_t)vocab * sizeof(float));
     }
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(bad);
@@ -206,8 +251,8 @@ done_logits:
 }
 
 /* One row's draw among its candidates (id order, probabilities `probs`), or -1 when they do not
- * hold its nucleus. `scratch` has room for all of them. */
-static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, float floor, int64_t k, float top_p, float uniform, Candidate *scratch) {
+ * hold its nucleus. `scratch` and `sums` have room for all of them. */
+static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, float floor, int64_t k, float top_p, float uniform, Candidate *scratch, float *sums) {
     Py_ssize_t kept = 0;
     double mass = 0.0;
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -226,8 +271,6 @@ static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, fl
      * dropped past top_p, kept within k; then the draw's prefix sum over the kept ones and the
      * first column whose sum passes u times the whole. */
     double before = 0.0, cdf = 0.0;
-    float *sums = (float *)malloc((size_t)kept * sizeof(float));
-    if (sums == NULL) return -1;
     for (Py_ssize_t j = 0; j < kept; j++) {
         float p = scratch[j].prob;
         before += (double)p;
@@ -239,7 +282,6 @@ static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, fl
     float target = uniform * sums[kept - 1];
     Py_ssize_t at = 0;
     while (at < kept && sums[at] <= target) at++;
-    free(sums);
     if (at > kept - 1) at = kept - 1; /* numpy's clamp; u < 1 keeps every reachable target under the total */
     return scratch[at].id;
 }
@@ -254,23 +296,30 @@ static PyObject *pick(PyObject *self, PyObject *args) {
     float ratio;
     if (!PyArg_ParseTuple(args, "OOOfOOOO", &ids_obj, &probs_obj, &counts_obj, &ratio, &k_obj, &top_p_obj, &u_obj, &out_obj)) return NULL;
     Py_buffer counts, ids, probs, k, top_p, u, out;
-    if (buffer_of(counts_obj, &counts, 0, sizeof(int64_t), 0, "counts") < 0) return NULL;
+    if (buffer_of(counts_obj, &counts, 0, 'i', sizeof(int64_t), 0, "counts") < 0) return NULL;
+    PyObject *result = NULL;
+    if (buffer_of(ids_obj, &ids, 0, 'i', sizeof(int32_t), 0, "ids") < 0) goto done_counts;
     Py_ssize_t rows = counts.len / (Py_ssize_t)sizeof(int64_t), total = 0, widest = 0;
     for (Py_ssize_t r = 0; r < rows; r++) {
         int64_t n = ((int64_t *)counts.buf)[r];
+        if (n > ids.len / (Py_ssize_t)sizeof(int32_t) - total) {
+            PyErr_Format(PyExc_ValueError, "counts: more candidates than ids holds");
+            goto done_ids;
+        }
         if (n > 0) total += n;
         if (n > widest) widest = n;
     }
-    PyObject *result = NULL;
-    if (buffer_of(ids_obj, &ids, 0, sizeof(int32_t), total, "ids") < 0) goto done_counts;
-    if (buffer_of(probs_obj, &probs, 0, sizeof(float), total + rows, "probs") < 0) goto done_ids;
-    if (buffer_of(k_obj, &k, 0, sizeof(int64_t), rows, "k") < 0) goto done_probs;
-    if (buffer_of(top_p_obj, &top_p, 0, sizeof(float), rows, "top_p") < 0) goto done_k;
-    if (buffer_of(u_obj, &u, 0, sizeof(float), rows, "uniforms") < 0) goto done_top_p;
-    if (buffer_of(out_obj, &out, 1, sizeof(int64_t), rows, "out") < 0) goto done_u;
+    if (buffer_of(probs_obj, &probs, 0, 'f', sizeof(float), total + rows, "probs") < 0) goto done_ids;
+    if (buffer_of(k_obj, &k, 0, 'i', sizeof(int64_t), rows, "k") < 0) goto done_probs;
+    if (buffer_of(top_p_obj, &top_p, 0, 'f', sizeof(float), rows, "top_p") < 0) goto done_k;
+    if (buffer_of(u_obj, &u, 0, 'f', sizeof(float), rows, "uniforms") < 0) goto done_top_p;
+    if (buffer_of(out_obj, &out, 1, 'i', sizeof(int64_t), rows, "out") < 0) goto done_u;
 
     Candidate *scratch = (Candidate *)malloc((size_t)(widest > 0 ? widest : 1) * sizeof(Candidate));
-    if (scratch == NULL) {
+    float *sums = (float *)malloc((size_t)(widest > 0 ? widest : 1) * sizeof(float));
+    if (scratch == NULL || sums == NULL) {
+        free(scratch);
+        free(sums);
         PyErr_NoMemory();
         goto done_out;
     }
@@ -283,7 +332,7 @@ static PyObject *pick(PyObject *self, PyObject *args) {
         int64_t n = ((int64_t *)counts.buf)[r];
         int64_t token = -1;
         if (n > 0) {
-            token = pick_row(id_at, prob_at, n, largest[r] * ratio, ((int64_t *)k.buf)[r], ((float *)top_p.buf)[r], ((float *)u.buf)[r], scratch);
+            token = pick_row(id_at, prob_at, n, largest[r] * ratio, ((int64_t *)k.buf)[r], ((float *)top_p.buf)[r], ((float *)u.buf)[r], scratch, sums);
             id_at += n;
             prob_at += n;
         }
@@ -292,6 +341,7 @@ static PyObject *pick(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     free(scratch);
+    free(sums);
     result = PyLong_FromSsize_t(undecided);
 
 done_out:

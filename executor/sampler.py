@@ -532,7 +532,8 @@ def _first_round_compiled(log_probs: np.ndarray, k: np.ndarray, top_p: np.ndarra
     total = _sampling.gather(log_probs, vocab, float(np.float32(np.log(ratio))), float(np.float32(_LOG_MARGIN)), room, ids, values, counts)
     probs = torch.from_numpy(values[: total + rows]).exp().numpy()
     out = np.empty(rows, np.int64)
-    _sampling.pick(ids, probs, counts, ratio, np.ascontiguousarray(k, np.int64), np.ascontiguousarray(top_p, np.float32), np.ascontiguousarray(uniforms, np.float32), out)
+    # k int64, top_p and uniforms float32, as numpy's rounds compare them (the call refuses others)
+    _sampling.pick(ids, probs, counts, ratio, k, top_p, uniforms, out)
     return out
 
 

@@ -188,9 +188,16 @@ def test_the_compiled_round_is_built_where_a_compiler_is():
 
     import executor.sampler
 
-    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
-        pytest.skip("no C compiler: numpy draws alone")
+    import sysconfig
+    from pathlib import Path
+
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    if not headers or not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler or no Python headers: numpy draws alone")
     assert executor.sampler._sampling is not None
+    # A library older than its source runs what the source no longer says: `pip install -e .` again.
+    source = Path(executor.sampler.__file__).with_name("_sampling.c")
+    assert Path(executor.sampler._sampling.__file__).stat().st_mtime >= source.stat().st_mtime, "executor/_sampling.c changed since its build"
 
 
 @pytest.mark.parametrize("peaked_only", [False, True, "confident"], ids=["every-widening", "first-round", "top-k-partition"])
@@ -230,38 +237,164 @@ def test_candidates_pick_exactly_what_a_full_sort_picks(peaked_only, draw_path):
     np.testing.assert_array_equal(on_host, _draw_sorted(probs, k, top_p, uniforms).numpy())
 
 
-def test_the_compiled_round_draws_what_numpys_draws_and_leaves_it_the_rest():
-    # Row by row: a token where the compiled first round decides (the same as numpy's rounds give),
-    # -1 where numpy must (more candidates than its room, or a nucleus wider than its candidates:
-    # flat rows under a high top-p). Peaked, medium and flat rows, ties (rounded logits), top-k and
-    # top-p, -inf tokens (banned, masked), narrow and wide vocabularies.
+def _on_the_edges(log_probs: np.ndarray, rng: np.random.Generator) -> None:
+    """Puts, in some rows, a token exactly on the first round's logprob threshold and one whose
+    probability is exactly its floor (the largest's times the ratio), where >= and > part."""
+    import executor.sampler as sampler
+
+    ratio = sampler.CANDIDATE_RATIOS[0]
+    log_ratio, margin = np.float32(np.log(ratio)), np.float32(sampler._LOG_MARGIN)
+    exp = lambda x: torch.tensor([x]).exp().numpy()[0]  # noqa: E731
+    for row in log_probs:
+        top, column = row.max(), int(rng.integers(row.shape[0]))
+        if row.shape[0] > 2 and row[column] != top and rng.random() < 0.5:
+            row[column] = (top + log_ratio) - margin
+        column = int(rng.integers(row.shape[0]))
+        if row.shape[0] > 2 and row[column] != top and rng.random() < 0.5:
+            floor, x = np.float32(exp(top) * np.float32(ratio)), np.float32(top + log_ratio)
+            for _ in range(200):
+                if exp(x) == floor:
+                    row[column] = x
+                    break
+                x = np.nextafter(x, np.float32(np.inf if exp(x) < floor else -np.inf), dtype=np.float32)
+
+
+def test_the_compiled_round_is_numpys_first_round_step_by_step():
+    # gather()'s candidates, counts and largest logprobs are numpy's first-round candidates; the rows
+    # it decides are those numpy's first round covers (and that fit its room), to the same tokens;
+    # the rest are numpy's. Peaked, medium and flat rows, ties (rounded logits), tokens exactly on the
+    # threshold and on the floor, -inf tokens (banned, masked), top-k and top-p, vocabularies that
+    # are no multiple of the vector width, rows of more candidates than the room.
     import executor.sampler as sampler
 
     if sampler._sampling is None:
         pytest.skip("executor._sampling is not built here")
-    g = torch.Generator().manual_seed(21)
+    rng = np.random.default_rng(21)
+    ratio = sampler.CANDIDATE_RATIOS[0]
+    log_ratio, margin = np.float32(np.log(ratio)), np.float32(sampler._LOG_MARGIN)
     decided = left = 0
-    for vocab in (2, 7, 300, 3000, 20000):
-        rows = 48
-        scale = torch.tensor([12.0, 4.0, 1.0, 0.05])[torch.randint(4, (rows,), generator=g)][:, None]
-        logits = (torch.randn(rows, vocab, generator=g) * scale).round(decimals=1)
-        logits[torch.rand(rows, vocab, generator=g) < 0.1] = float("-inf")
-        logits[:, 0] = logits[:, 0].clamp(min=0.0)  # every row keeps a finite token
-        log_probs = torch.log_softmax(logits, dim=-1).numpy()
-        top_k = (torch.randint(1, 60, (rows,), generator=g) * (torch.rand(rows, generator=g) < 0.4)).numpy()
-        k = np.where(top_k > 0, top_k, vocab).astype(np.int64)
-        top_p = np.where(torch.rand(rows, generator=g).numpy() < 0.8, torch.rand(rows, generator=g).numpy() * 0.99 + 0.01, 1.0).astype(np.float32)
-        uniforms = torch.rand(rows, generator=g).numpy()
+    for vocab in (1, 2, 7, 17, 300, 1029, 3000, 20000):
+        rows = 240 if vocab < 5000 else 48
+        logits = (rng.standard_normal((rows, vocab)) * rng.choice([12.0, 4.0, 1.0, 0.05], (rows, 1))).round(1).astype(np.float32)
+        logits[rng.random((rows, vocab)) < 0.1] = -np.inf
+        logits[:, 0] = np.maximum(logits[:, 0], 0.0)  # every row keeps a finite token
+        log_probs = torch.log_softmax(torch.from_numpy(logits), dim=-1).numpy().copy()
+        _on_the_edges(log_probs, rng)
+        k = np.where(rng.random(rows) < 0.4, rng.integers(1, 60, rows), vocab).astype(np.int64)
+        top_p = np.where(rng.random(rows) < 0.8, rng.random(rows) * 0.99 + 0.01, 1.0).astype(np.float32)
+        uniforms = rng.random(rows).astype(np.float32)
+
+        room = min(vocab, sampler._COMPILED_ROOM)
+        ids, values, counts = np.empty(rows * room, np.int32), np.empty(rows * (room + 1), np.float32), np.empty(rows, np.int64)
+        total = sampler._sampling.gather(log_probs, vocab, float(log_ratio), float(margin), room, ids, values, counts)
+        threshold = (log_probs.max(axis=1) + log_ratio) - margin
+        at = 0
+        for row in range(rows):
+            expected = np.flatnonzero(log_probs[row] >= threshold[row])
+            if expected.shape[0] > room:
+                assert counts[row] == -1
+                continue
+            assert counts[row] == expected.shape[0]
+            assert ids[at : at + counts[row]].tolist() == expected.tolist()
+            np.testing.assert_array_equal(values[at : at + counts[row]], log_probs[row, expected])
+            at += counts[row]
+        assert total == at
+        np.testing.assert_array_equal(values[total : total + rows], log_probs.max(axis=1))
+
         compiled = sampler._first_round_compiled(log_probs, k, top_p, uniforms)
+        row_of, _, kept = sampler._candidates(log_probs, ratio, k)
+        count = np.bincount(row_of, minlength=rows)
+        mass = np.bincount(row_of, weights=kept, minlength=rows)
+        covered = (k <= count) | ((top_p < 1) & (mass > top_p.astype(np.float64) + sampler._MASS_ROUNDING))
+        np.testing.assert_array_equal(compiled >= 0, covered & (counts >= 0))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(sampler, "_sampling", None)
             expected = sampler._draw_candidates(log_probs, k, top_p, uniforms)
         mine = compiled >= 0
         np.testing.assert_array_equal(compiled[mine], expected[mine])
-        assert (compiled[~mine] == -1).all()
         np.testing.assert_array_equal(sampler._draw_candidates(log_probs, k, top_p, uniforms), expected)
         decided, left = decided + int(mine.sum()), left + int((~mine).sum())
-    assert decided > 100 and left > 10  # both kinds of row were there
+    assert decided > 500 and left > 100  # both kinds of row were there
+
+
+def _numpys_first_round_pick(ids, probs, largest, k, top_p, u):
+    """numpy's first round (_candidates' floor, _draw_candidates' coverage, _sorted_by_row,
+    _pick_sorted) for one row given its candidates' probabilities: the token, or -1 when the
+    round does not decide it."""
+    import executor.sampler as sampler
+
+    keep = probs >= np.float32(largest * np.float32(sampler.CANDIDATE_RATIOS[0]))
+    kept_ids, kept = ids[keep], probs[keep]
+    count = kept.shape[0]
+    mass = np.bincount(np.zeros(count, np.int64), weights=kept, minlength=1)[0]  # numpy's sum, in order
+    if not (k <= count or (top_p < 1 and mass > np.float64(top_p) + sampler._MASS_ROUNDING)):
+        return -1
+    sorted_probs, sorted_ids = sampler._sorted_by_row(np.zeros(count, np.int64), kept_ids, kept, np.array([count]))
+    return int(sampler._pick_sorted(sorted_probs, sorted_ids, np.array([k]), np.array([top_p], np.float32), np.array([u], np.float32))[0])
+
+
+def test_the_compiled_draw_rounds_where_numpy_rounds():
+    # pick() on candidates made to sit where one rounding or one comparison decides: a probability
+    # exactly on the floor or an ulp either side, a mass just over top_p (within the 1e-6 margin,
+    # and on it), top_p exactly a candidate's float32 mass before it, a uniform whose target is
+    # exactly a prefix sum; and the ties of dyadic probabilities.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    rng = np.random.default_rng(5)
+    ratio = np.float32(sampler.CANDIDATE_RATIOS[0])
+    up = lambda x, n=1: np.float32(x) if n == 0 else up(np.nextafter(np.float32(x), np.float32(1)), n - 1)  # noqa: E731
+    down = lambda x: np.nextafter(np.float32(x), np.float32(0))  # noqa: E731
+    rows = []
+    for _ in range(3000):
+        largest = np.float32(rng.choice([0.5, 0.375, 0.9, 0.61803]))
+        floor = np.float32(largest * ratio)
+        n = int(rng.integers(1, 40))
+        probs = rng.choice([rng.random() * largest, floor, down(floor), up(floor), largest / 2**rng.integers(1, 13)], n).astype(np.float32)
+        probs = np.minimum(probs, largest)
+        probs[rng.integers(n)] = largest
+        if rng.random() < 0.5:  # a mass just over, or on, top_p's margin
+            probs = np.array([largest, up(1 - largest, int(rng.integers(0, 40)))], np.float32)
+            n = 2
+        ids = np.sort(rng.choice(100000, n, replace=False)).astype(np.int32)
+        kept = np.sort(probs[probs >= floor])[::-1]
+        before = (np.cumsum(kept, dtype=np.float64).astype(np.float32) - kept) if kept.shape[0] else np.zeros(1, np.float32)
+        top_p = np.float32(rng.choice([1.0, rng.random(), before[rng.integers(before.shape[0])], np.float32(1 - largest)]))
+        top_p = np.float32(min(max(top_p, 1e-3), 1.0))
+        k = int(rng.choice([n, 100000, rng.integers(1, n + 1)]))
+        sums = np.cumsum(kept, dtype=np.float64).astype(np.float32)
+        u = np.float32(rng.random() if rng.random() < 0.5 or not sums.shape[0] else min(sums[rng.integers(sums.shape[0])] / sums[-1], down(1.0)))
+        rows.append((ids, probs, largest, k, top_p, u))
+    for _ in range(300):  # no top-k, and a mass that only the 1e-6 margin, or its float64 sum, keeps from covering top_p
+        n = int(rng.integers(2, 60))
+        probs = np.concatenate(([0.5], rng.uniform(2e-4, 0.5 / n, n - 1))).astype(np.float32)
+        exact = np.bincount(np.zeros(n, np.int64), weights=probs)[0]
+        rounded = np.add.accumulate(probs, dtype=np.float32)[-1]
+        if rng.random() < 0.5 or exact == rounded:
+            top_p = down(np.float32(exact))  # within the margin: not covered
+        else:
+            top_p = np.float32((exact + np.float64(rounded)) / 2 - sampler._MASS_ROUNDING)  # between the two sums
+        rows.append((np.arange(n, dtype=np.int32), probs, np.float32(0.5), 100000, np.float32(min(top_p, 1.0)), np.float32(rng.random())))
+    counts = np.array([r[0].shape[0] for r in rows])
+    all_ids = np.concatenate([r[0] for r in rows])
+    all_probs = np.concatenate([np.concatenate([r[1] for r in rows]), np.array([r[2] for r in rows], np.float32)])
+    drawn = np.empty(len(rows), np.int64)
+    ks, top_ps, us = np.array([r[3] for r in rows]), np.array([r[4] for r in rows], np.float32), np.array([r[5] for r in rows], np.float32)
+    sampler._sampling.pick(all_ids, all_probs, counts, float(ratio), ks, top_ps, us, drawn)
+    expected = [_numpys_first_round_pick(*row) for row in rows]
+    mismatched = [(i, drawn[i], expected[i]) for i in range(len(rows)) if drawn[i] != expected[i]]
+    assert not mismatched, mismatched[:5]
+    assert sum(e < 0 for e in expected) > 200 and sum(e >= 0 for e in expected) > 1000
+    for probs, k, top_p, u in [  # hand-made: ties at exactly top_p's mass, targets exactly on a sum
+        ([0.5, 0.25, 0.25], 3, 0.75, 0.5), ([0.5, 0.25, 0.25], 3, 0.5, 0.99), ([0.25] * 4, 4, 0.5, 0.5),
+        ([0.1] * 10, 10, 0.3, 0.2), ([0.1] * 10, 10, 1.0, 0.5), ([0.4, 0.3, 0.2, 0.1], 2, 1.0, 0.999999),
+        ([0.125] * 8, 8, 0.375, 1 - 2**-24), ([0.5, 0.5], 1, 1.0, 0.75),
+    ]:  # fmt: skip
+        p = np.array(probs, np.float32)
+        sampler._sampling.pick(np.arange(p.shape[0], dtype=np.int32), np.append(p, p.max()), np.array([p.shape[0]]), float(ratio),
+                               np.array([k]), np.array([top_p], np.float32), np.array([u], np.float32), drawn[:1])  # fmt: skip
+        assert drawn[0] == _numpys_first_round_pick(np.arange(p.shape[0]), p, p.max(), k, np.float32(top_p), np.float32(u))
 
 
 def test_the_compiled_finite_check_and_division_are_torchs_to_the_bit():
@@ -315,8 +448,16 @@ def test_the_compiled_round_refuses_buffers_that_do_not_fit():
         sampler._sampling.finite_scaled(log_probs, 10, np.ones(2, np.float32), None, np.empty(3, np.uint8))
     with pytest.raises(ValueError, match="out"):
         sampler._sampling.finite_scaled(log_probs, 10, np.ones(3, np.float32), np.empty(29, np.float32), np.empty(3, np.uint8))
+    with pytest.raises(ValueError, match="room"):
+        sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 2**62, ids, values, counts)
+    with pytest.raises(ValueError, match="values"):  # the dtype, not only the width
+        sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 10, ids, values.view(np.int32), counts)
     out = np.empty(3, np.int64)
     probs = np.full(33, 0.1, np.float32)
+    with pytest.raises(ValueError, match="more candidates than ids"):
+        sampler._sampling.pick(ids[:29], probs, counts, 2.0**-12, np.full(3, 10), np.ones(3, np.float32), np.ones(3, np.float32), out)
+    with pytest.raises(ValueError, match="uniforms"):
+        sampler._sampling.pick(ids, probs, counts, 2.0**-12, np.full(3, 10), np.ones(3, np.float32), np.ones(3), out)
     with pytest.raises(ValueError, match="uniforms"):
         sampler._sampling.pick(ids, probs, counts, 2.0**-12, np.full(3, 10), np.ones(3, np.float32), np.ones(2, np.float32), out)
     assert sampler._sampling.pick(ids, probs, counts, 2.0**-12, np.full(3, 10), np.ones(3, np.float32), np.full(3, 0.5, np.float32), out) == 0
