@@ -24,6 +24,13 @@
 #if FLT_EVAL_METHOD != 0
 #error "float arithmetic here must round to float32 at every step (x87's excess precision does not)"
 #endif
+#ifdef __FAST_MATH__
+#error "built with -ffast-math (-Ofast in CFLAGS?): it reorders the float64 sums numpy takes in order"
+#endif
+
+/* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
+ * call's arguments or meaning, so that a build of an older source is not used. */
+#define INTERFACE 2
 
 typedef struct {
     float prob;
@@ -136,7 +143,9 @@ CLONES static int row_finite_scaled(const float *row, Py_ssize_t vocab, float te
 static int buffer_of(PyObject *obj, Py_buffer *view, int writable, char kind, Py_ssize_t itemsize, Py_ssize_t at_least, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
     const char *format = view->format ? view->format : "B";
-    if (strchr("@=<>!", format[0]) && format[0] != '\0') format++;
+    const uint16_t one = 1;
+    const char native = *(const uint8_t *)&one ? '<' : '>';
+    if (format[0] == '@' || format[0] == '=' || format[0] == native) format++;  /* '>' or '!' on this host: another byte order */
     int right = format[0] != '\0' && format[1] == '\0' && strchr(kind == 'f' ? "f" : kind == 'i' ? "bhilqn" : "BHILQN?", format[0]) != NULL;
     if (!right || view->itemsize != itemsize || at_least > view->len / itemsize) {
         PyErr_Format(PyExc_ValueError, "%s: expected at least %zd items of %c%zd bytes", name, at_least, kind, itemsize);
@@ -370,4 +379,11 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sampling", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__sampling(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__sampling(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", INTERFACE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

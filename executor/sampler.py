@@ -27,32 +27,50 @@ queue. Both draw the same tokens from the same probabilities on the same CPU
 (tests/executor/test_sampler.py); a GPU's float32 sums may round otherwise at a draw's edge, as any
 two devices may. scripts/device_decode.py times the device's (sample_ms).
 
-On a CPU, torch runs the passes over the whole vocabulary (the finite check, temperature,
-log_softmax, a plain row's draw) and numpy everything else: the candidates' comparison and
-indices, their probabilities, sort and draw, the tokens' logprobs. A torch call costs 2-3 us
-before any work and gives up the GIL, which the executor's link thread then holds until it blocks;
-numpy's costs ~1 us and keeps the GIL on small arrays (a few hundred candidates), and its comparison
-and flat nonzero over a [16, 49152] batch take a quarter of torch's (docs/control_plane.md, change
-47). The first round of the candidates' draw, which decides every peaked row, is compiled where a C
-compiler was found at install (executor/_sampling.c: two calls and a torch.exp instead of ~30 numpy
-calls, each 3-7 us right after a sleeping forward); numpy's rounds draw the rows it leaves, and all
-of them where it was not built, to the same tokens.
+On a CPU, torch runs log_softmax, the exponentials and a plain row's draw, and numpy the rest: the
+candidates' comparison and indices, their sort and draw, the tokens' logprobs. A torch call costs
+2-3 us before any work and gives up the GIL, which the executor's link thread then holds until it
+blocks; numpy's costs ~1 us and keeps the GIL on small arrays (a few hundred candidates), and its
+comparison and flat nonzero over a [16, 49152] batch take a quarter of torch's (docs/control_plane.md,
+change 47). Where the install compiled executor/_sampling.c, two of those steps are compiled calls
+(each of the thirty-odd calls they replace cost 3-7 us right after a sleeping forward): the finite
+check with the division by the temperature, for batches with no logits processing, and the first
+round of the candidates' draw, which decides every peaked row (numpy's rounds draw the rows it
+leaves). Without it, torch checks and divides and numpy draws, to the same tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from protocol.errors import TPRuntimeError
 
-try:  # the first round of a CPU's filtered draw, compiled at install (executor/_sampling.c)
-    from executor import _sampling
-except ImportError:  # no C compiler built it: numpy draws the same tokens, in ~30 calls instead of 3
-    _sampling = None
+# The compiled calls of executor/_sampling.c, and the interface this file expects of them: a build
+# made from an older source (a checkout pulled without `pip install -e .` again) is not used.
+_SAMPLING_INTERFACE = 2
+
+
+def _usable(built: ModuleType | None) -> ModuleType | None:
+    if built is not None and getattr(built, "INTERFACE", None) != _SAMPLING_INTERFACE:
+        logging.getLogger(__name__).warning(
+            "%s was built from another executor/_sampling.c: sampling without it until `pip install -e .` rebuilds it",
+            built.__file__,
+        )
+        return None
+    return built
+
+
+try:
+    from executor import _sampling as _built
+except ImportError:  # no C compiler built it: torch and numpy take the same steps, to the same tokens
+    _built = None
+_sampling = _usable(_built)
 
 _MASK64 = (1 << 64) - 1
 # A top-k / top-p row's candidates are its tokens with at least this share of its most likely
@@ -239,8 +257,8 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
 
 
 def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
-    """The same rows on a CPU: the whole-vocabulary passes in torch, the rest in numpy (the module
-    says why), with a branch wherever it saves a pass, since reading a value here waits for nothing."""
+    """The same rows on a CPU, in torch, numpy and the compiled calls (the module says which does
+    what), with a branch wherever it saves a pass, since reading a value here waits for nothing."""
     host = params.host
     rows = logits.shape[0]
     random = np.flatnonzero(~host.greedy)
@@ -368,9 +386,10 @@ def argmax_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_scaled_compiled(logits: torch.Tensor, scale: np.ndarray, dividing: bool) -> tuple[np.ndarray, torch.Tensor]:
-    """_finite_rows, the zeroing of non-finite rows and the division by the temperature, in one
-    compiled pass (a cold sum, isfinite and division were ~50 us for 16 rows of 256, and at 49152
-    columns the sum and division two passes of the vocabulary: ~200 us warm)."""
+    """_finite_rows and the division by the temperature (non-finite rows zeroed) in one compiled
+    pass: torch's sum, isfinite and division were ~50 us for 16 rows of 256 right after a sleeping
+    forward, the compiled pass ~10. At 49,152 columns the two are alike (one pass on one thread
+    against two on two). Without a division, non-finite rows are zeroed by torch, as before."""
     rows, vocab = logits.shape
     finite = np.empty(rows, np.uint8)
     out = np.empty((rows, vocab), np.float32) if dividing else None
@@ -490,13 +509,14 @@ def _draw_candidates(log_probs: np.ndarray, k: np.ndarray, top_p: np.ndarray, un
     arithmetic is _draw_sorted's, in the same float32 steps (a cumulative sum accumulated in
     float64, as torch's CPU cumsum is), so that it picks the same tokens from the same
     probabilities."""
-    out = np.empty(log_probs.shape[0], dtype=np.int64)
-    pending = np.arange(log_probs.shape[0])  # the rows not drawn yet
     if _sampling is not None and log_probs.flags.c_contiguous:
         out = _first_round_compiled(log_probs, k, top_p, uniforms)
         pending = np.flatnonzero(out < 0)  # numpy's rounds take these from the first: a row's path is its own
         if not pending.shape[0]:
             return out
+    else:
+        out = np.empty(log_probs.shape[0], dtype=np.int64)
+        pending = np.arange(log_probs.shape[0])  # the rows not drawn yet
     for ratio in CANDIDATE_RATIOS:
         rows = _rows(log_probs, pending)
         row_k, row_p, row_u = k[pending], top_p[pending], uniforms[pending]
@@ -529,12 +549,18 @@ def _first_round_compiled(log_probs: np.ndarray, k: np.ndarray, top_p: np.ndarra
     room = min(vocab, _COMPILED_ROOM)
     ids, values, counts = np.empty(rows * room, np.int32), np.empty(rows * (room + 1), np.float32), np.empty(rows, np.int64)
     ratio = CANDIDATE_RATIOS[0]
-    total = _sampling.gather(log_probs, vocab, float(np.float32(np.log(ratio))), float(np.float32(_LOG_MARGIN)), room, ids, values, counts)
+    total = _sampling.gather(log_probs, vocab, float(_log_ratio(ratio)), float(np.float32(_LOG_MARGIN)), room, ids, values, counts)
     probs = torch.from_numpy(values[: total + rows]).exp().numpy()
     out = np.empty(rows, np.int64)
     # k int64, top_p and uniforms float32, as numpy's rounds compare them (the call refuses others)
     _sampling.pick(ids, probs, counts, ratio, k, top_p, uniforms, out)
     return out
+
+
+def _log_ratio(ratio: float) -> np.float32:
+    """A round's floor below a row's largest logprob: the same float32 in numpy's round and the
+    compiled one."""
+    return np.float32(np.log(ratio))
 
 
 def _candidates(log_probs: np.ndarray, ratio: float, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -549,7 +575,7 @@ def _candidates(log_probs: np.ndarray, ratio: float, k: np.ndarray) -> tuple[np.
     vocab = log_probs.shape[1]
     top = log_probs.max(axis=1)
     if ratio:
-        floor = top + np.float32(np.log(ratio))
+        floor = top + _log_ratio(ratio)
     else:
         floor = np.full(top.shape, -np.inf, dtype=np.float32)
         for row in np.flatnonzero(k < vocab).tolist():

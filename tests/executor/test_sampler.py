@@ -185,16 +185,16 @@ def test_the_compiled_round_is_built_where_a_compiler_is():
     # The editable install (the README's commands, CI's) builds it wherever a C compiler is; the
     # tests of the compiled path must not skip unseen there.
     import shutil
-
-    import executor.sampler
-
     import sysconfig
     from pathlib import Path
+
+    import executor.sampler
 
     headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
     if not headers or not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler or no Python headers: numpy draws alone")
     assert executor.sampler._sampling is not None
+    assert executor.sampler._sampling.INTERFACE == executor.sampler._SAMPLING_INTERFACE
     # A library older than its source runs what the source no longer says: `pip install -e .` again.
     source = Path(executor.sampler.__file__).with_name("_sampling.c")
     assert Path(executor.sampler._sampling.__file__).stat().st_mtime >= source.stat().st_mtime, "executor/_sampling.c changed since its build"
@@ -428,6 +428,31 @@ def test_the_compiled_finite_check_and_division_are_torchs_to_the_bit():
         assert sampler._finite_scaled_compiled(clean, np.ones(rows, np.float32), False)[1] is clean  # nothing to zero: no copy
 
 
+def test_sampling_leaves_the_callers_logits_as_they_were(draw_path):
+    # The compiled pass hands back the caller's logits themselves when there is nothing to divide
+    # or zero; nothing after it may write into them (a non-finite row, temperature 1, top-p).
+    logits = random_logits(4, vocab=300)
+    logits[2, 5] = float("nan")
+    before = logits.clone()
+    for temperature in (1.0, 0.7, 0.0):
+        sample(logits, batch(4, temperature=temperature, top_p=0.9, seeds=3))
+        assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
+
+
+def test_a_build_of_another_interface_is_not_used(caplog):
+    # A checkout pulled without `pip install -e .` again keeps the library of the older source:
+    # sampling then goes without it, said, instead of calling what it no longer has.
+    import types
+
+    import executor.sampler as sampler
+
+    with caplog.at_level("WARNING", logger="executor.sampler"):
+        assert sampler._usable(types.SimpleNamespace(INTERFACE=sampler._SAMPLING_INTERFACE - 1, __file__="old.so")) is None
+    assert "old.so was built from another executor/_sampling.c" in caplog.text
+    current = types.SimpleNamespace(INTERFACE=sampler._SAMPLING_INTERFACE, __file__="new.so")
+    assert sampler._usable(current) is current and sampler._usable(None) is None
+
+
 def test_the_compiled_round_refuses_buffers_that_do_not_fit():
     import executor.sampler as sampler
 
@@ -448,6 +473,8 @@ def test_the_compiled_round_refuses_buffers_that_do_not_fit():
         sampler._sampling.finite_scaled(log_probs, 10, np.ones(2, np.float32), None, np.empty(3, np.uint8))
     with pytest.raises(ValueError, match="out"):
         sampler._sampling.finite_scaled(log_probs, 10, np.ones(3, np.float32), np.empty(29, np.float32), np.empty(3, np.uint8))
+    with pytest.raises(ValueError, match="logits"):  # another byte order, read as this host's
+        sampler._sampling.finite_scaled(log_probs.astype(">f4"), 10, np.ones(3, np.float32), None, np.empty(3, np.uint8))
     with pytest.raises(ValueError, match="room"):
         sampler._sampling.gather(log_probs, 10, -8.0, 0.001, 2**62, ids, values, counts)
     with pytest.raises(ValueError, match="values"):  # the dtype, not only the width

@@ -1,0 +1,9 @@
+# The compiled calls of executor/_sampling.c (the C file documents each); executor/sampler.py
+# is their one caller, and passes numpy arrays of the kinds named here.
+import numpy as np
+
+INTERFACE: int
+
+def finite_scaled(logits: np.ndarray, vocab: int, temperature: np.ndarray, out: np.ndarray | None, finite: np.ndarray, /) -> int: ...
+def gather(log_probs: np.ndarray, vocab: int, log_ratio: float, margin: float, room: int, ids: np.ndarray, values: np.ndarray, counts: np.ndarray, /) -> int: ...
+def pick(ids: np.ndarray, probs: np.ndarray, counts: np.ndarray, ratio: float, k: np.ndarray, top_p: np.ndarray, uniforms: np.ndarray, out: np.ndarray, /) -> int: ...
