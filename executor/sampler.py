@@ -548,12 +548,11 @@ def _first_round_compiled(log_probs: np.ndarray, k: np.ndarray, top_p: np.ndarra
     rows, vocab = log_probs.shape
     room = min(vocab, _COMPILED_ROOM)
     ids, values, counts = np.empty(rows * room, np.int32), np.empty(rows * (room + 1), np.float32), np.empty(rows, np.int64)
-    ratio = CANDIDATE_RATIOS[0]
-    total = _sampling.gather(log_probs, vocab, float(_log_ratio(ratio)), float(np.float32(_LOG_MARGIN)), room, ids, values, counts)
+    total = _sampling.gather(log_probs, vocab, _FIRST_LOG_RATIO, _LOG_MARGIN_32, room, ids, values, counts)
     probs = torch.from_numpy(values[: total + rows]).exp().numpy()
     out = np.empty(rows, np.int64)
     # k int64, top_p and uniforms float32, as numpy's rounds compare them (the call refuses others)
-    _sampling.pick(ids, probs, counts, ratio, k, top_p, uniforms, out)
+    _sampling.pick(ids, probs, counts, CANDIDATE_RATIOS[0], k, top_p, uniforms, out)
     return out
 
 
@@ -561,6 +560,11 @@ def _log_ratio(ratio: float) -> np.float32:
     """A round's floor below a row's largest logprob: the same float32 in numpy's round and the
     compiled one."""
     return np.float32(np.log(ratio))
+
+
+# The compiled round's float32 constants, made once rather than at every step.
+_FIRST_LOG_RATIO = float(_log_ratio(CANDIDATE_RATIOS[0]))
+_LOG_MARGIN_32 = float(np.float32(_LOG_MARGIN))
 
 
 def _candidates(log_probs: np.ndarray, ratio: float, k: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
