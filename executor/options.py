@@ -39,6 +39,9 @@ class ExecutorOptions:
     cuda_graphs: bool = True
     # Decode batch sizes captured as CUDA graphs; a decode step pads up to the next one.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # A step's sample taken to the host only once the next forward is queued (executor/steps.py);
+    # None: on a CUDA device, whose forwards run asynchronously. False keeps the CPU's order there.
+    pipelined_readback: bool | None = None
     # Fault injection (DESIGN.md), all off by default.
     debug_poison_cache: bool = False  # fill the whole cache with 0xFF at allocation
     debug_poison_freed: bool = False  # honour Prepare.poison_pages (pages back in the free pool)

@@ -8,6 +8,16 @@ then the forward, then sampling on rank 0, after the logits processing its sampl
 broadcast starts exactly when the step has feedback rows, which every rank reads from the same
 PREPARE, and ends before the forward's first.
 
+When a step's sample comes to the host: on the CPU right after it is drawn, and the step is answered
+(RESULT on rank 0, DONE elsewhere) as run() ends. On a CUDA device, after the next forward is queued:
+the sample's one copy to the host waits on an event while forward N+1 runs, and step N is answered
+from there (or by settle(), when no step follows). Forward N+1 needs nothing of step N on the host
+(its feedback tokens are gathered on the device), so the GPU goes from sample N to forward N+1 with
+no Python between them: the H200 check measured 1.3-1.6 ms of the GPU idle there at batch 1, 15-18%
+of its step (docs/control_plane.md, "On a GPU"). On a CPU the forward is synchronous, and the same
+order would hold each RESULT back by a whole forward. Sample N+1 is drawn only after step N's tokens
+are on the host, since its penalties and grammar masks count them.
+
 Why the cache operations run here and not when the PREPARE is staged: with the scheduler planning
 ahead, step N+1 is staged while step N runs, and N+1's offload must read what N wrote. On CUDA these
 are queued on the model stream before the forward (and before a graph replay); on the CPU they run
@@ -66,31 +76,82 @@ class _Feeding:
 
 @dataclass
 class _Samples:
-    """The token each sampled row of the last step drew (rank 0 only), for the next step's feedback."""
+    """The token each sampled row of the last forward drew (rank 0 only), for the next feedback."""
 
-    tokens: torch.Tensor  # int64[m] on the model's device
-    host: np.ndarray  # the same, on the host (the RESULT's copy)
+    tokens: torch.Tensor  # int64[m] on the model's device, as soon as they are drawn
+    host: np.ndarray  # the same, on the host (the RESULT's copy), once the readback is taken
+
+
+@dataclass
+class _Readback:
+    """One forward's sample on its way to the host: on a device, its one copy (pack_sampled) queued
+    into pinned memory behind the sample, with an event after it; on the CPU, the sample itself."""
+
+    inputs: StepInputs  # the forward's: the sequences its rows sampled for
+    out: SampleOutput
+    copy: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, inputs: StepInputs, out: SampleOutput, on_device: bool) -> _Readback:
+        if not on_device or out.token_ids.device.type != "cuda":
+            return cls(inputs, out)
+        packed = pack_sampled(out)
+        copy = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        copy.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(inputs, out, copy, copied)
+
+    def take(self) -> HostSample:
+        if self.copy is None:
+            return sampled_to_host(self.out)
+        self.copied.synchronize()
+        return unpack_sampled(self.copy, self.out.token_ids.shape[0])
+
+
+@dataclass
+class _OpenStep:
+    """A step run whose answer is not given yet: its forwards' samples taken to the host so far,
+    and the last one's readback while it is on its way (pipelined)."""
+
+    step: int
+    started: float
+    gap_us: int
+    inputs: StepInputs  # its last forward's
+    samples: list[HostSample]
+    readback: _Readback | None = None
+
+
+# How a step is answered: (step, RESULT on rank 0 or None elsewhere, whether the next step's forward
+# is already running on the model's thread).
+Answer = Callable[[int, Result | None, bool], None]
 
 
 class StepRunner:
     def __init__(
         self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions,
         grammars: GrammarEngine | None = None, is_cut: Callable[[int], bool] = lambda step: False,
-        clear_ahead: ClearAhead | None = None,
+        clear_ahead: ClearAhead | None = None, pipelined: bool | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
         self.model = model
         self.cache = cache
         self.options = options
+        # Whether a sample is taken to the host only once the next forward is queued (the module says
+        # why): by default where the device runs asynchronously; the tests force either order.
+        self.pipelined = cache.device.type == "cuda" if pipelined is None else pipelined
         self._samples = _Samples(torch.zeros(0, dtype=torch.long, device=cache.device), np.zeros(0, dtype=np.int32))
         self.sampling_states = SamplingStates(grammars)  # rank 0's
         self._last_end: float | None = None
         self._is_cut = is_cut  # rank 0's: whether a CUT came for a step (SchedulerLink.is_cut)
         self._clear_ahead = clear_ahead
+        self._open: _OpenStep | None = None
 
-    def run(self, staged: StagedStep, before_forward: Callable[[], None] | None = None) -> Result | None:
-        """The step's RESULT on rank 0, None elsewhere. Raises whatever the forward raises.
+    def run(self, staged: StagedStep, answer: Answer, before_forward: Callable[[], None] | None = None) -> None:
+        """Runs a step and answers it, and any step before it still open, through `answer`: its
+        RESULT on rank 0, None elsewhere. Raises whatever the forward raises.
 
         A step of several forwards (Prepare.decode_steps) runs them back to back: each one's
         sequences decode the tokens rank 0 sampled in the forward before, broadcast to every rank
@@ -98,7 +159,9 @@ class StepRunner:
         A CUT for the step ends it after the forward running: rank 0 looks before each forward and
         sends its answer with the tokens, so that every rank stops at the same one.
         before_forward: called once the step's feed and cache operations are done, right before
-        its first forward (the worker sends the step before's answer there)."""
+        its first forward (the worker sends the step before's answer there).
+        Pipelined, the step is still open when this returns: the next run() answers it once its own
+        first forward is queued, or settle() does."""
         started = time.perf_counter()
         gap_us = 0 if self._last_end is None else int((started - self._last_end) * 1e6)
         inputs = staged.inputs
@@ -110,19 +173,57 @@ class StepRunner:
             feeding.land(staged.inputs)
         if before_forward is not None:
             before_forward()
-        samples: list[HostSample] = []
-        for forward in range(staged.prepare.decode_steps):
-            if forward:
-                tokens = self._next_tokens(staged.step, inputs.num_seqs)
-                if tokens is None:
-                    break
-                inputs = inputs.next_forward(tokens, self.cache.page_size)
-            logits = self.model.forward(inputs, self.cache)
-            if self.rank == 0:
-                samples.append(self._sample(staged, inputs, logits, first=forward == 0))
-        result = self._result(inputs, samples, started, gap_us) if self.rank == 0 else None
+        opened = _OpenStep(staged.step, started, gap_us, inputs, [])
+        try:
+            for forward in range(staged.prepare.decode_steps):
+                if forward:
+                    tokens = self._next_tokens(staged.step, inputs.num_seqs)
+                    if tokens is None:
+                        break
+                    inputs = inputs.next_forward(tokens, self.cache.page_size)
+                logits = self.model.forward(inputs, self.cache)
+                if forward == 0:  # pipelined: the step before is answered behind this forward
+                    self.settle(answer, next_running=True)
+                    self._open = opened
+                else:
+                    self._take(opened)
+                opened.inputs = inputs
+                if self.rank == 0:
+                    opened.readback = self._sample(staged, inputs, logits, first=forward == 0)
+                if not self.pipelined:
+                    self._take(opened)
+        except BaseException:
+            if self._open is opened:  # a failed step is refused, never answered
+                self._open = None
+            raise
+        if not self.pipelined:
+            self.settle(answer, next_running=False)
         self._last_end = time.perf_counter()
-        return result
+
+    @property
+    def open_step(self) -> int | None:
+        """The step run and not answered yet (pipelined only, between two run()s)."""
+        return None if self._open is None else self._open.step
+
+    def settle(self, answer: Answer, next_running: bool = False) -> None:
+        """Answers the step still open (pipelined: the last one run, once its sample is on the host)."""
+        opened, self._open = self._open, None
+        if opened is None:
+            return
+        self._take(opened)
+        result = self._result(opened) if self.rank == 0 else None
+        answer(opened.step, result, next_running)
+
+    def _take(self, opened: _OpenStep) -> None:
+        """The open step's last sample on the host: the next feedback's host copy, and the tokens its
+        sampling states count from now on."""
+        readback, opened.readback = opened.readback, None
+        if readback is None:
+            return
+        host = readback.take()
+        self._samples.host = host.tokens
+        self.sampling_states.append(readback.inputs.sample_seq_ids, host.tokens, host.finite)
+        opened.samples.append(host)
 
     def _next_tokens(self, step: int, rows: int) -> torch.Tensor | None:
         """Every rank's copy of the tokens rank 0 sampled in the forward just run (all rows
@@ -174,10 +275,10 @@ class StepRunner:
         rows = staged.prepare.feedback.nonzero()[0]
         return dict(zip(rows.tolist(), self._samples.host[staged.feedback_sources].tolist()))
 
-    def _sample(self, staged: StagedStep, inputs: StepInputs, logits: torch.Tensor | None, *, first: bool) -> HostSample:
-        """One forward's sample on the host. The step's sampling states are taken at its first
-        forward and extended with every forward's tokens, so a later forward's penalties and
-        grammar masks count the ones before it."""
+    def _sample(self, staged: StagedStep, inputs: StepInputs, logits: torch.Tensor | None, *, first: bool) -> _Readback:
+        """One forward's sample, on its way to the host. The step's sampling states are taken at
+        its first forward and extended with every forward's tokens (_take), so a later forward's
+        penalties and grammar masks count the ones before it."""
         if logits is None:
             raise RuntimeError("the model returned no logits on rank 0")
         prepare, states = staged.prepare, self.sampling_states
@@ -197,13 +298,12 @@ class StepRunner:
                 processing=states.processing(prepare, logits.device),
             ),
         )
-        host = sampled_to_host(out)
-        self._samples = _Samples(out.token_ids, host.tokens)
-        states.append(inputs.sample_seq_ids, host.tokens, host.finite)
-        return host
+        self._samples.tokens = out.token_ids
+        return _Readback.start(inputs, out, self.pipelined)
 
-    def _result(self, inputs: StepInputs, samples: list[HostSample], started: float, gap_us: int) -> Result:
+    def _result(self, opened: _OpenStep) -> Result:
         """The RESULT of the step's forwards, forward by forward (protocol.frames.Result)."""
+        inputs, samples = opened.inputs, opened.samples
         wanted = inputs.host_rows.num_logprobs
         tops = [_alternatives(host, wanted) for host in samples]
         return Result(
@@ -211,8 +311,8 @@ class StepRunner:
             token_ids=np.concatenate([host.tokens for host in samples]),
             logprobs=np.concatenate([host.logprobs for host in samples]),
             finite=np.concatenate([host.finite for host in samples]),
-            step_time_us=int((time.perf_counter() - started) * 1e6),
-            gap_us=gap_us,
+            step_time_us=int((time.perf_counter() - opened.started) * 1e6),
+            gap_us=opened.gap_us,
             top_token_ids=np.concatenate([ids for ids, _ in tops]),
             top_logprobs=np.concatenate([lps for _, lps in tops]),
         )

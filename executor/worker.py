@@ -94,15 +94,19 @@ class Worker:
         self.runner = StepRunner(
             rank=rank, world_size=world_size, model=model, cache=cache, options=options, grammars=grammars,
             is_cut=self.link.is_cut, clear_ahead=clear_ahead,
+            pipelined=options.pipelined_readback,
         )
+        self._held: _Answer | None = None  # the last step's answer, while the next step may be here already
 
     def run(self) -> int:
         link = self.link
         link.start()
-        held: _Answer | None = None  # the last step's answer, while the next step may be here already
         try:
             while True:
-                command, held = self._next_command(held)
+                try:
+                    command = self._next_command()
+                except _OpenStepFailed as failed:
+                    return self._failed(failed.step, failed.cause)
                 if isinstance(command, Stop):
                     if command.code != ExitCode.OK:
                         logger.error("[rank %d] %s", self.rank, command.reason)
@@ -113,36 +117,82 @@ class Worker:
                 assert isinstance(command, Run)
                 step = command.staged.step
                 link.mark_busy()
-                previous = held  # sent as this step's forward starts (or by the finally, on the way out)
+                previous, self._held = self._held, None  # sent as this step's forward starts (or below, on a failure)
                 try:
-                    result = self.runner.run(command.staged, before_forward=None if previous is None else previous.send_while_busy)
+                    self.runner.run(
+                        command.staged, self._answered, before_forward=None if previous is None else previous.send_while_busy
+                    )
                 except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
                     if previous is not None:
                         previous.send_while_busy()
-                    logger.exception("[rank %d] step %d failed in the forward; exiting", self.rank, step)
-                    link.fail(step, f"rank {self.rank} failed in the forward: {exc}")
-                    return ExitCode.STEP_FAILED
-                held = _Answer(link, step, result)
+                    self._answer_open_step_before_failing()
+                    return self._failed(step, exc)
         finally:
+            held, self._held = self._held, None
             if held is not None:
                 held.send()
             link.close()
 
-    def _next_command(self, held: _Answer | None) -> tuple[Command, _Answer | None]:
-        """The next command, and the answer still held: kept only when the next command is a step
-        that is here already (it goes out as that step's forward starts), sent before anything else."""
+    def _answered(self, step: int, result: Result | None, next_running: bool) -> None:
+        """The runner's answer of a step. On the CPU it comes as the step ends and is held until
+        the next step's forward starts, if that step is here (_Answer says why); pipelined, it comes
+        once the next step's forward is queued, or from settle(), and goes at once."""
+        answer = _Answer(self.link, step, result)
+        if not self.runner.pipelined:
+            self._held = answer
+        elif next_running:
+            answer.send_while_busy()
+        else:
+            answer.send()
+
+    def _next_command(self) -> Command:
+        """The next command. What is still to answer (the answer held, the step still open) waits
+        only when the next command is a step that is here already; otherwise it goes first."""
         commands = self.link.commands
-        if held is None:
-            return commands.get(), None
+        if self._held is None and self.runner.open_step is None:
+            return commands.get()
         try:
-            command = commands.get_nowait()
+            command: Command | None = commands.get_nowait()
         except queue.Empty:
-            held.send()
-            return commands.get(), None
+            command = None
         if isinstance(command, Run):
-            return command, held
-        held.send()
-        return command, None
+            return command
+        self._answer_now()
+        return commands.get() if command is None else command
+
+    def _answer_now(self) -> None:
+        """Pipelined: the open step answered once its sample is on the host; a device failure that
+        shows only there fails it. Then the answer held, if any."""
+        step = self.runner.open_step
+        try:
+            self.runner.settle(self._answered)
+        except Exception as exc:  # noqa: BLE001 - as a failed forward
+            raise _OpenStepFailed(step, exc) from exc
+        held, self._held = self._held, None
+        if held is not None:
+            held.send()
+
+    def _answer_open_step_before_failing(self) -> None:
+        """Pipelined: a forward that failed may have been the first of its step, queued behind the
+        step before, whose answer is then still to give."""
+        try:
+            self.runner.settle(self._answered, next_running=True)
+        except Exception:  # noqa: BLE001 - the failure being reported is the one that counts
+            logger.exception("[rank %d] the step before the failed one could not be answered", self.rank)
+
+    def _failed(self, step: int, exc: BaseException) -> int:
+        logger.error("[rank %d] step %d failed in the forward; exiting", self.rank, step, exc_info=exc)
+        self.link.fail(step, f"rank {self.rank} failed in the forward: {exc}")
+        return ExitCode.STEP_FAILED
+
+
+class _OpenStepFailed(Exception):
+    """Taking an open step's sample to the host failed: the device failed under its forward."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        super().__init__(step, cause)
+        self.step = step
+        self.cause = cause
 
 
 @dataclass

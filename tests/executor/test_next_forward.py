@@ -6,6 +6,7 @@ model's thread ending such a step where a CUT says."""
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from executor.cuda_graphs import StaticDecodeBatch
@@ -87,9 +88,11 @@ def options() -> ExecutorOptions:
     )
 
 
-def run_forwards(cut_after: int | None) -> tuple[Result, int]:
+def run_forwards(cut_after: int | None, *, pipelined: bool = False) -> tuple[Result, int]:
     """A step of FORWARDS forwards through the model's thread (StepRunner), cut after `cut_after` of
-    them as the link reports a CUT (None: not cut); its RESULT and the forwards the model ran."""
+    them as the link reports a CUT (None: not cut); its RESULT and the forwards the model ran.
+    pipelined: in the order a CUDA device takes (each sample taken once the next forward is queued),
+    the step answered by settle()."""
     model = StandInModel(0, 1)
     cache = make_cache(G, KV_HEADS, poison=False)
     cache.data.zero_()
@@ -97,19 +100,34 @@ def run_forwards(cut_after: int | None) -> tuple[Result, int]:
     def is_cut(step: int) -> bool:
         return step == 5 and cut_after is not None and model.forward_calls >= cut_after
 
-    runner = StepRunner(rank=0, world_size=1, model=model, cache=cache, options=options(), is_cut=is_cut)
+    runner = StepRunner(
+        rank=0, world_size=1, model=model, cache=cache, options=options(), is_cut=is_cut, pipelined=pipelined
+    )
     prepare = step(0, {1: 5, 2: 6, 3: 7}, FORWARDS)
-    result = runner.run(StagedStep(5, prepare, inputs_of(prepare), np.zeros(0, dtype=np.int64), None))
+    answers: list[tuple[int, Result | None, bool]] = []
+    runner.run(StagedStep(5, prepare, inputs_of(prepare), np.zeros(0, dtype=np.int64), None), lambda *a: answers.append(a))
+    assert (answers == []) == pipelined and runner.open_step == (5 if pipelined else None)
+    runner.settle(lambda *a: answers.append(a))
+    [(answered, result, next_running)] = answers
+    assert answered == 5 and not next_running and runner.open_step is None
     return result, model.forward_calls
 
 
-def test_a_cut_step_ends_after_the_forward_running_and_says_how_many_ran() -> None:
-    whole, calls = run_forwards(None)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_cut_step_ends_after_the_forward_running_and_says_how_many_ran(pipelined: bool) -> None:
+    whole, calls = run_forwards(None, pipelined=pipelined)
     assert calls == FORWARDS and whole.token_ids.shape[0] == FORWARDS * 3
     for after in range(1, FORWARDS):
-        cut, calls = run_forwards(after)
+        cut, calls = run_forwards(after, pipelined=pipelined)
         assert calls == after
         assert cut.seq_ids.tolist() == whole.seq_ids.tolist()
         # The forwards that ran sampled what the whole step's first ones did.
         assert cut.token_ids.tolist() == whole.token_ids[: after * 3].tolist()
         assert cut.finite.shape[0] == cut.logprobs.shape[0] == after * 3
+
+
+def test_the_pipelined_order_answers_what_the_cpus_order_does() -> None:
+    at_once, _ = run_forwards(None)
+    pipelined, _ = run_forwards(None, pipelined=True)
+    for name in ("seq_ids", "token_ids", "logprobs", "finite", "top_token_ids", "top_logprobs"):
+        assert np.array_equal(getattr(pipelined, name), getattr(at_once, name), equal_nan=name.endswith("logprobs")), name

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+import executor.steps
+import executor.worker
 from executor.options import ExecutorOptions
 from executor.worker import ExitCode, Worker
 from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
@@ -33,6 +35,17 @@ from protocol.frames import (
 
 RUN = "run-test"
 GEOMETRY = geometry()
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["answered-at-once", "pipelined"])
+def pipelined(request, monkeypatch) -> bool:
+    """Every test in both of the model thread's orders: the CPU's, and a CUDA device's (a step's
+    sample taken and the step answered once the next forward is queued, executor/steps.py)."""
+    def worker(*, options: ExecutorOptions, **kwargs) -> executor.worker.Worker:
+        return executor.worker.Worker(options=replace(options, pipelined_readback=request.param), **kwargs)
+
+    monkeypatch.setitem(globals(), "Worker", worker)
+    return request.param
 
 
 class ScriptedEndpoint:
@@ -619,11 +632,13 @@ def run_step_then_its_follower(endpoint, model, handed_over: threading.Event | N
     model.gate.set()
 
 
-def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here():
+def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here(pipelined):
     # Sent at once, RESULT 1 brought the scheduler's next PREPARE while step 2 got its feed and
     # cleared its pages, and the link thread staged it there, taking the GIL from the model's thread
     # between two forwards. So it waits for step 2's forward when step 2 is here already; with
-    # nothing queued (serial, or the last step) it goes at once.
+    # nothing queued (serial, or the last step) it goes at once. Pipelined, step 1's sample is taken
+    # to the host only once step 2's forward is queued (which decodes it from the device), and step
+    # 1 is answered from there.
     model = GatedModel(0, 1)
     order: list[tuple] = []
     cleared_ahead = threading.Event()
@@ -662,9 +677,8 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
     # Step 2 decodes step 1's sample (20 + 1): its feed landed before its forward. Its page was
     # cleared as it was staged, while step 1's forward ran (executor/clear_ahead.py); step 1's, the
     # first, by the model's thread.
-    assert order == [
-        ("clear", 0), ("forward", 20), ("clear ahead", 5), ("answer", 1, True), ("forward", 21), ("answer", 2, False)
-    ]
+    step_2 = [("forward", 21), ("answer", 1, True)] if pipelined else [("answer", 1, True), ("forward", 21)]
+    assert order == [("clear", 0), ("forward", 20), ("clear ahead", 5), *step_2, ("answer", 2, False)]
     assert [s for s, b in endpoint.replies() if isinstance(b, Result)] == [1, 2]
 
 
@@ -694,6 +708,40 @@ def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step
     answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
     assert answers == [(1, Result), (2, Reject)]
     assert "device error while clearing" in endpoint.replies()[-1][1].message
+
+
+def test_a_forward_that_fails_answers_the_step_before_it_first():
+    # Pipelined, step 1 is still open when step 2's forward fails: it is answered before the
+    # REJECT, as the CPU's order sends its held answer.
+    class FailsOnStep2(GatedModel):
+        def forward(self, inputs, cache):
+            if int(inputs.token_ids[0]) == 21:  # step 2 decodes step 1's sample, 20 + 1
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().forward(inputs, cache)
+
+    model = FailsOnStep2(0, 1)
+    endpoint, thread, codes = start_worker(model)
+    run_step_then_its_follower(endpoint, model)
+    thread.join(10)
+    assert codes == [ExitCode.STEP_FAILED]
+    answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    assert answers == [(1, Result), (2, Reject)]
+    assert "illegal memory access" in endpoint.replies()[-1][1].message
+
+
+def test_a_device_failure_that_shows_as_the_sample_is_read_back_fails_its_step(monkeypatch):
+    # On a GPU an asynchronous error surfaces at the first wait for the device: pipelined, that is
+    # the readback of the last step, taken after run() has returned.
+    def failing(readback):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(executor.steps._Readback, "take", failing)
+    prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())])
+    assert code == ExitCode.STEP_FAILED
+    [(step, reject)] = [(s, b) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    assert step == 1 and isinstance(reject, Reject) and reject.code == RejectCode.INTERNAL
+    assert "device-side assert" in reject.message
 
 
 def record_clears(worker, cleared_where: list[tuple[str, int]]) -> None:
