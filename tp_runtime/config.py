@@ -60,6 +60,8 @@ class RuntimeConfig:
     frontend_nice: int | None = None
     device: str = "auto"
     enforce_eager: bool = False
+    # A step's sample read back once the next forward is queued; None: on CUDA (ExecutorOptions).
+    pipelined_readback: bool | None = None
     # --deterministic (or VLLM_BATCH_INVARIANT=1): each request's output independent of its batch,
     # its chunking, the schedule and the TP size (docs/invariance.md).
     deterministic: bool = False

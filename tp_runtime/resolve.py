@@ -102,6 +102,7 @@ def executor_options(config: RuntimeConfig, use_cuda: bool):  # -> ExecutorOptio
         num_host_pages=config.num_host_pages,
         device="cuda" if use_cuda else "cpu",
         cuda_graphs=not config.enforce_eager,
+        pipelined_readback=config.pipelined_readback,
         debug_poison_cache=config.debug_poison_kv_cache,
         debug_poison_freed=config.debug_poison_freed_pages,
         debug_skip_clears=config.debug_skip_clears,

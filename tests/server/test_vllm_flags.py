@@ -194,3 +194,15 @@ def test_num_scheduler_steps_past_the_page_size_is_refused_with_a_sentence(value
     args, config = parse(f"vllm serve m --num-scheduler-steps {value}")
     with pytest.raises(ConfigError, match=r"--num-scheduler-steps must be 1 to 16 \(at most --page-size"):
         checks.validate(config, args)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [("", None), ("--pipelined-readback", True), ("--no-pipelined-readback", False)])
+def test_pipelined_readback_reaches_the_executors(flags: str, expected: bool | None) -> None:
+    # None: each executor decides by its device (on CUDA only: executor/steps.py).
+    from executor.default_model import default_model_path
+    from tp_runtime.resolve import executor_options, resolve
+
+    config = resolve(cli.config_from_args(cli.build_parser().parse_args(["serve", default_model_path(), *flags.split()])))
+    assert config.pipelined_readback is expected
+    for use_cuda in (False, True):
+        assert executor_options(config, use_cuda).pipelined_readback is expected

@@ -47,6 +47,11 @@ def _add_runtime_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument(
+        "--pipelined-readback", action=argparse.BooleanOptionalAction, default=None,
+        help="queue each forward before the step before's sample is read back, so that the GPU does not wait on "
+        "the host between two forwards (default: on CUDA; the CPU's forwards are synchronous)",
+    )
+    g.add_argument(
         "--deterministic", action=argparse.BooleanOptionalAction, default=None,
         help="each request's tokens and logprobs bitwise the same whatever its batch, chunking, schedule or TP size "
         f"(CPU; docs/invariance.md); default ${BATCH_INVARIANT_ENV} (vLLM's spelling), else off",
@@ -242,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         frontend_nice=getattr(args, "frontend_nice", None),
         device=args.device,
         enforce_eager=args.enforce_eager,
+        pipelined_readback=args.pipelined_readback,
         deterministic=_deterministic(args),
         host=getattr(args, "host", "127.0.0.1"),
         port=getattr(args, "port", 8000),
