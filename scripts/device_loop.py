@@ -31,6 +31,7 @@ class LoopSpec:
     kv_cache_dtype: str = "bf16"
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    pipelined_readback: bool | None = None  # None: on CUDA (ExecutorOptions)
     poison: bool = False  # the cache at allocation and every freed page, 0xFF
     skip_clears: bool = False
     num_kv_pages: int = 40
@@ -48,6 +49,7 @@ class LoopSpec:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len, dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype, weight_format="dense", device=self.device, cuda_graphs=self.cuda_graphs,
             cuda_graph_batch_sizes=self.cuda_graph_batch_sizes, num_host_pages=self.num_host_pages,
+            pipelined_readback=self.pipelined_readback,
             debug_poison_cache=self.poison, debug_poison_freed=self.poison, debug_skip_clears=self.skip_clears,
             heartbeat_interval_s=0.5,
         )  # fmt: skip
