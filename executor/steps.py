@@ -103,6 +103,10 @@ class _Readback:
         copied.record()
         return cls(inputs, out, copy, copied)
 
+    def landed(self) -> bool:
+        """Whether take() would return without waiting for the device."""
+        return self.copied is None or self.copied.query()
+
     def take(self) -> HostSample:
         if self.copy is None:
             return sampled_to_host(self.out)
@@ -204,6 +208,11 @@ class StepRunner:
     def open_step(self) -> int | None:
         """The step run and not answered yet (pipelined only, between two run()s)."""
         return None if self._open is None else self._open.step
+
+    def sample_landed(self) -> bool:
+        """Whether the open step's last sample is on the host already, or nothing of it is awaited."""
+        opened = self._open
+        return opened is None or opened.readback is None or opened.readback.landed()
 
     def settle(self, answer: Answer, next_running: bool = False) -> None:
         """Answers the step still open (pipelined: the last one run, once its sample is on the host)."""

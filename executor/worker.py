@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tp_runtime.executor")
 
 
+# How often the model's thread looks whether the device has finished the open step while it waits
+# for the next one (pipelined): a later look answers that step later, when no step came to follow it.
+_LANDING_POLL_S = 0.00025
+
+
 class ExitCode(enum.IntEnum):
     OK = 0  # SHUTDOWN received
     HANDSHAKE_REFUSED = 2  # WELCOME disagreed with this rank, or SHUTDOWN/timeout before it
@@ -147,18 +152,30 @@ class Worker:
 
     def _next_command(self) -> Command:
         """The next command. What is still to answer (the answer held, the step still open) waits
-        only when the next command is a step that is here already; otherwise it goes first."""
+        only when the next command is a step that is here already, or pipelined, one that comes
+        while the device still works on the open step; otherwise it goes first."""
         commands = self.link.commands
         if self._held is None and self.runner.open_step is None:
             return commands.get()
-        try:
-            command: Command | None = commands.get_nowait()
-        except queue.Empty:
-            command = None
+        command = self._command_before_landing(commands)
         if isinstance(command, Run):
             return command
         self._answer_now()
         return commands.get() if command is None else command
+
+    def _command_before_landing(self, commands: queue.Queue[Command]) -> Command | None:
+        """The next command if it is here before the open step's sample lands on the host, else
+        None. Pipelined, run() returns as soon as the step is queued: the scheduler's next step
+        (sent once the step before was answered, behind this step's first forward) usually comes
+        while the device still runs this one, and queued then, it follows with no gap. Answering
+        first would wait for the device and leave it idle until the next step came and was queued."""
+        while True:
+            landed = self.runner.sample_landed()
+            try:
+                return commands.get_nowait() if landed else commands.get(timeout=_LANDING_POLL_S)
+            except queue.Empty:
+                if landed:
+                    return None
 
     def _answer_now(self) -> None:
         """Pipelined: the open step answered once its sample is on the host; a device failure that

@@ -682,6 +682,49 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
     assert [s for s, b in endpoint.replies() if isinstance(b, Result)] == [1, 2]
 
 
+def test_pipelined_a_step_that_comes_while_the_device_works_is_queued_before_the_step_before_is_answered(
+    pipelined, monkeypatch
+):
+    # run() returns once the step is queued; the scheduler's next step comes a little later, while
+    # the device still runs this one. Answering first would wait for the device and leave it idle
+    # until the next step came; the worker waits for either instead.
+    if not pipelined:
+        pytest.skip("the CPU's order answers a step as it ends")
+    landed, waiting = threading.Event(), threading.Event()
+
+    def on_device(readback):
+        waiting.set()  # the worker asks, with step 1 run: it waits for a command or the landing
+        return landed.is_set()
+
+    monkeypatch.setattr(executor.steps._Readback, "landed", on_device)
+    order: list[tuple] = []
+
+    def record(worker):
+        finish, forward = worker.link.finish, worker.runner.model.forward
+
+        def finishing(step, result, still_busy=False):
+            order.append(("answer", step, still_busy))
+            finish(step, result, still_busy)
+
+        def forwarding(inputs, cache):
+            order.append(("forward", int(inputs.token_ids[0])))
+            return forward(inputs, cache)
+
+        worker.link.finish, worker.runner.model.forward = finishing, forwarding
+
+    endpoint, thread, codes = start_worker(StandInModel(0, 1), before_start=record)
+    endpoint.push(welcome(), frame(1, make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))), frame(1, Go()))
+    assert waiting.wait(10)
+    endpoint.push(frame(2, make_prepare([Seq(1, (0,), 1, (0, 5), held=1, feedback=True)], cleared=(5,))), frame(2, Go()))
+    endpoint.wait_for(lambda r: r[0] == 1 and isinstance(r[1], Result))
+    landed.set()  # step 2's sample lands with nothing after it: answered at once
+    endpoint.wait_for(lambda r: r[0] == 2 and isinstance(r[1], Result))
+    endpoint.push(frame(2, Shutdown("done")))
+    thread.join(10)
+    assert codes == [ExitCode.OK]
+    assert order == [("forward", 20), ("forward", 21), ("answer", 1, True), ("answer", 2, False)]
+
+
 def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step_before():
     model = GatedModel(0, 1)
 
