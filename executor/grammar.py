@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor.host_copy import to_device
 from executor.grammar_syntax import llguidance_grammar
 from protocol.grammar import GrammarSpec
 
@@ -110,7 +111,7 @@ def forbidden_tokens(bitmask: np.ndarray, vocab: int, device: torch.device | str
     """bool[rows, vocab], True where an int32 bitmask [rows, ceil(vocab / 32)] forbids the token
     (its bit is clear): one C pass on the host, then one copy to the device."""
     bits = np.unpackbits(np.invert(bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.bool_)).to(device)
+    return to_device(np.ascontiguousarray(bits).view(np.bool_), device)
 
 
 def new_bitmask(rows: int, vocab: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from executor.host_copy import to_device
 from executor.sampler import HostRows
 from protocol.errors import TPRuntimeError
 from protocol.frames import Prepare
@@ -109,7 +110,7 @@ class StepInputs:
         )
         m = int(sampled.shape[0])
         host_floats = np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
-        floats = torch.from_numpy(host_floats).to(device, non_blocking=True)
+        floats = to_device(host_floats, device)
         ints["page_table"] = ints["page_table"].view(n, width)
         return cls(
             **ints,
@@ -210,5 +211,5 @@ def _write_pages(
 
 def _int64_on_device(device: torch.device | str, **pieces: np.ndarray) -> dict[str, torch.Tensor]:
     """The named pieces in one host-to-device copy, as views of it under the same names."""
-    packed = torch.from_numpy(np.concatenate(list(pieces.values()))).to(device, non_blocking=True)
+    packed = to_device(np.concatenate(list(pieces.values())), device)
     return dict(zip(pieces, torch.split(packed, [piece.shape[0] for piece in pieces.values()])))

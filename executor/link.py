@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from executor.clear_ahead import ClearAhead, PendingClear
+from executor.host_copy import to_device
 from executor.inputs import StepInputs, StepInputsError
 from executor.sampling_state import StatefulSequences
 from protocol.conversation import (
@@ -343,7 +344,7 @@ class SchedulerLink:
             raise ProtocolError(RejectCode.LENGTH_MISMATCH, str(exc)) from exc
         on_device = None
         if feedback_tokens.shape[0]:
-            on_device = torch.from_numpy(np.stack((feedback_tokens, feedback_sources))).to(self._device, non_blocking=True)
+            on_device = to_device(np.stack((feedback_tokens, feedback_sources)), self._device)
         return StagedStep(step, prepare, inputs, feedback_sources, on_device)
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:

@@ -49,6 +49,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from executor.host_copy import to_device
 from protocol.errors import TPRuntimeError
 
 # The compiled calls of executor/_sampling.c, and the interface this file expects of them: a build
@@ -173,7 +174,7 @@ class SamplingBatch:
     ) -> SamplingBatch:  # fmt: skip
         """From host values (sequences, arrays, CPU tensors): the tensors on `device`, the host rows."""
         t, p, k = np.asarray(temperature, np.float32), np.asarray(top_p, np.float32), np.asarray(top_k, np.int64)
-        tensors = (torch.from_numpy(a).to(device) for a in (t, p, k))
+        tensors = (to_device(a, device) for a in (t, p, k))
         return cls(*tensors, HostRows.of(t, p, k, np.asarray(seeds), np.asarray(positions), num_logprobs), processing)
 
 
@@ -240,12 +241,12 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
     else:
         tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     if random.shape[0]:
-        random_rows = _on(logits.device, random)
+        random_rows = to_device(random, logits.device)
         drawn = _draw(
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
             params.top_k[random_rows],
             params.top_p[random_rows],
-            _uniforms(host.seeds[random], host.positions[random]).to(logits.device, non_blocking=True),
+            to_device(_uniforms(host.seeds[random], host.positions[random]).numpy(), logits.device),
             host.filtered[random],
         )
         tokens = tokens.index_put((random_rows,), drawn)
@@ -315,7 +316,7 @@ def process_logits(logits: torch.Tensor, p: LogitsProcessing) -> torch.Tensor:
     if p.bias_rows.numel():
         out.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
     if p.banned_rows.numel():
-        out.index_put_((p.banned_rows, p.banned_ids), torch.tensor(float("-inf"), device=out.device))
+        out.index_put_((p.banned_rows, p.banned_ids), out.new_full((), float("-inf")))  # no copy from the host
     if p.grammar_rows is not None:
         if p.grammar_rows.shape[0] == out.shape[0]:  # every row (ascending, unique): in place
             out.masked_fill_(p.forbidden, float("-inf"))
@@ -360,7 +361,7 @@ def _alternatives(
     k = int(wanted.max())
     if k == 0:
         return None, None
-    rows = _on(log_probs.device, wanted.nonzero()[0])
+    rows = to_device(wanted.nonzero()[0], log_probs.device)
     values, ids = _rows(log_probs, rows).topk(k, dim=-1)
     keep = finite[rows].unsqueeze(1)
     top_ids = torch.zeros(log_probs.shape[0], k, dtype=torch.long, device=log_probs.device)
@@ -420,12 +421,6 @@ def _finite_rows(logits: torch.Tensor) -> np.ndarray:
     return finite
 
 
-def _on(device: torch.device, index: np.ndarray) -> torch.Tensor:
-    """Host row indices on the device. non_blocking: torch then adds no stream synchronisation
-    after the copy, as it does after a blocking one (the GPU trace showed one after each)."""
-    return torch.from_numpy(index).to(device, non_blocking=True)
-
-
 def _uniforms(seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
     """One uniform in [0, 1) per row, on the CPU: an unseeded row's from torch's default generator
     (which --seed seeds), a seeded row's the top 24 bits of its row_seed, which a float32 holds
@@ -478,10 +473,10 @@ def _draw(
     """A device's random rows: plain ones over the whole row, top-k / top-p ones sorted whole."""
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     if not filtered.all():
-        plain = _on(probs.device, (~filtered).nonzero()[0])
+        plain = to_device((~filtered).nonzero()[0], probs.device)
         out[plain] = _draw_plain(_rows(probs, plain), uniforms[plain])
     if filtered.any():
-        rows = _on(probs.device, filtered.nonzero()[0])
+        rows = to_device(filtered.nonzero()[0], probs.device)
         row_k = top_k[rows].long()
         k = torch.where(row_k > 0, row_k, torch.full_like(row_k, probs.shape[1]))
         out[rows] = _draw_sorted(_rows(probs, rows), k, top_p[rows], uniforms[rows])

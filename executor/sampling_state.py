@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor.host_copy import to_device
 from executor.grammar import GrammarEngine, GrammarMatcher, forbidden_tokens, new_bitmask
 from executor.sampler import LogitsProcessing
 from protocol.errors import ProtocolError, RejectCode
@@ -233,10 +234,10 @@ class SamplingStates:
             forbidden = forbidden_tokens(bitmask, vocab, device)
 
         def longs(values: np.ndarray | list[np.ndarray]) -> torch.Tensor:
-            return torch.from_numpy(_cat(values, _NO_IDS).astype(np.int64, copy=False)).to(device)
+            return to_device(_cat(values, _NO_IDS).astype(np.int64, copy=False), device)
 
         def floats(values: np.ndarray | list[np.ndarray]) -> torch.Tensor:
-            return torch.from_numpy(_cat(values, _NO_VALUES).astype(np.float32)).to(device)
+            return to_device(_cat(values, _NO_VALUES).astype(np.float32), device)
 
         return LogitsProcessing(
             bias_rows=longs(bias_rows),

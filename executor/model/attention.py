@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.cache import from_storage
+from executor.host_copy import to_device
 from executor.inputs import StepInputs
 from executor.kernels import bmm_row_multiple
 
@@ -78,8 +79,8 @@ class AttentionMasks:
             seqs = np.flatnonzero(query_lens == 1)
             starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
             width = int(pages[seqs].max()) if seqs.size else 0
-            index = torch.from_numpy(seqs).to(device)
-            rows = torch.from_numpy(starts[seqs]).to(device)
+            index = to_device(seqs, device)
+            rows = to_device(starts[seqs], device)
             table = inputs.page_table[index, :width]
             context = inputs.context_lens[index]
         bias = None
@@ -341,7 +342,7 @@ class InvariantAttention:
 
         def items(seqs: np.ndarray, rows: torch.Tensor, per_item: int) -> InvariantItems:
             width = -(-int(pages[seqs].max()) // block_pages) * block_pages
-            table = inputs.page_table[torch.from_numpy(seqs).to(device)]
+            table = inputs.page_table[to_device(seqs, device)]
             table = F.pad(table[:, :width], (0, max(0, width - table.shape[1])), value=pad_page)
             padded = -(-per_item * group // multiple) * multiple
             positions = inputs.positions[rows].view(len(seqs), per_item)
@@ -351,7 +352,7 @@ class InvariantAttention:
         groups = []
         decodes = np.flatnonzero(query_lens == 1)
         if decodes.size:
-            groups.append(items(decodes, torch.from_numpy(starts[decodes]).to(device), 1))
+            groups.append(items(decodes, to_device(starts[decodes], device), 1))
         for seq in np.flatnonzero(query_lens > 1):
             start, length = int(starts[seq]), int(query_lens[seq])
             groups.append(items(np.array([seq]), torch.arange(start, start + length, device=device), length))
