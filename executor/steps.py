@@ -93,19 +93,26 @@ class _Readback:
     copied: torch.cuda.Event | None = None
 
     @classmethod
-    def start(cls, inputs: StepInputs, out: SampleOutput, on_device: bool) -> _Readback:
-        if not on_device or out.token_ids.device.type != "cuda":
+    def start(cls, inputs: StepInputs, out: SampleOutput, behind_event: bool) -> _Readback:
+        """behind_event: the device runs asynchronously, and the sample is read back later."""
+        if not behind_event:
             return cls(inputs, out)
         packed = pack_sampled(out)
         copy = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         copy.copy_(packed, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(packed.device))
         return cls(inputs, out, copy, copied)
 
     def landed(self) -> bool:
-        """Whether take() would return without waiting for the device."""
-        return self.copied is None or self.copied.query()
+        """Whether take() would return without waiting for the device. A device error counts as
+        landed: take() then raises it, where the step it belongs to is failed."""
+        if self.copied is None:
+            return True
+        try:
+            return self.copied.query()
+        except RuntimeError:
+            return True
 
     def take(self) -> HostSample:
         if self.copy is None:
@@ -125,6 +132,15 @@ class _OpenStep:
     inputs: StepInputs  # its last forward's
     samples: list[HostSample]
     readback: _Readback | None = None
+
+
+class ReadbackError(RuntimeError):
+    """A step's sample could not be taken to the host: the device failed under that step."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        super().__init__(f"step {step}'s sample could not be read back: {cause}")
+        self.step = step
+        self.cause = cause
 
 
 # How a step is answered: (step, RESULT on rank 0 or None elsewhere, whether the next step's forward
@@ -175,6 +191,8 @@ class StepRunner:
         self._cache_operations(staged)
         if feeding is not None:
             feeding.land(staged.inputs)
+        if self.sample_landed():  # pipelined: the step before goes out before this forward, as on the CPU
+            self.settle(answer, next_running=True)
         if before_forward is not None:
             before_forward()
         opened = _OpenStep(staged.step, started, gap_us, inputs, [])
@@ -215,11 +233,15 @@ class StepRunner:
         return opened is None or opened.readback is None or opened.readback.landed()
 
     def settle(self, answer: Answer, next_running: bool = False) -> None:
-        """Answers the step still open (pipelined: the last one run, once its sample is on the host)."""
+        """Answers the step still open (pipelined: the last one run, once its sample is on the host).
+        Raises ReadbackError, naming that step, when taking its sample fails."""
         opened, self._open = self._open, None
         if opened is None:
             return
-        self._take(opened)
+        try:
+            self._take(opened)
+        except Exception as exc:
+            raise ReadbackError(opened.step, exc) from exc
         result = self._result(opened) if self.rank == 0 else None
         answer(opened.step, result, next_running)
 
@@ -240,7 +262,8 @@ class StepRunner:
         if self.rank == 0:
             cut, tokens = self._is_cut(step), self._samples.tokens
             if self.world_size > 1:
-                flag = torch.tensor([int(cut)], dtype=torch.long, device=self.cache.device)
+                # Filled on the device: a copy from the host would wait for the forward running.
+                flag = torch.full((1,), int(cut), dtype=torch.long, device=self.cache.device)
                 dist.broadcast(torch.cat((tokens, flag)), src=0)
             return None if cut else tokens
         message = torch.empty(rows + 1, dtype=torch.long, device=self.cache.device)
@@ -308,7 +331,7 @@ class StepRunner:
             ),
         )
         self._samples.tokens = out.token_ids
-        return _Readback.start(inputs, out, self.pipelined)
+        return _Readback.start(inputs, out, self.pipelined and out.token_ids.device.type == "cuda")
 
     def _result(self, opened: _OpenStep) -> Result:
         """The RESULT of the step's forwards, forward by forward (protocol.frames.Result)."""

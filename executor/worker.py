@@ -26,7 +26,7 @@ from executor.clear_ahead import ClearAhead
 from executor.grammar import GrammarEngine, GrammarVocabulary
 from executor.link import Command, Endpoint, LinkTimings, Run, SchedulerLink, Started, Stop
 from executor.options import ExecutorOptions
-from executor.steps import StepModel, StepRunner
+from executor.steps import ReadbackError, StepModel, StepRunner
 from protocol.conversation import ExecutorConversation
 from protocol.errors import TPRuntimeError
 from protocol.frames import CacheGeometry, Result
@@ -110,7 +110,7 @@ class Worker:
             while True:
                 try:
                     command = self._next_command()
-                except _OpenStepFailed as failed:
+                except ReadbackError as failed:
                     return self._failed(failed.step, failed.cause)
                 if isinstance(command, Stop):
                     if command.code != ExitCode.OK:
@@ -127,6 +127,8 @@ class Worker:
                     self.runner.run(
                         command.staged, self._answered, before_forward=None if previous is None else previous.send_while_busy
                     )
+                except ReadbackError as failed:  # pipelined: the step before's, found as this one ran
+                    return self._failed(failed.step, failed.cause)
                 except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
                     if previous is not None:
                         previous.send_while_busy()
@@ -178,13 +180,9 @@ class Worker:
                     return None
 
     def _answer_now(self) -> None:
-        """Pipelined: the open step answered once its sample is on the host; a device failure that
-        shows only there fails it. Then the answer held, if any."""
-        step = self.runner.open_step
-        try:
-            self.runner.settle(self._answered)
-        except Exception as exc:  # noqa: BLE001 - as a failed forward
-            raise _OpenStepFailed(step, exc) from exc
+        """Pipelined: the open step answered once its sample is on the host (ReadbackError when
+        the device failed under it). Then the answer held, if any."""
+        self.runner.settle(self._answered)
         held, self._held = self._held, None
         if held is not None:
             held.send()
@@ -194,22 +192,13 @@ class Worker:
         step before, whose answer is then still to give."""
         try:
             self.runner.settle(self._answered, next_running=True)
-        except Exception:  # noqa: BLE001 - the failure being reported is the one that counts
+        except ReadbackError:  # the failure being reported is the one that counts
             logger.exception("[rank %d] the step before the failed one could not be answered", self.rank)
 
     def _failed(self, step: int, exc: BaseException) -> int:
         logger.error("[rank %d] step %d failed in the forward; exiting", self.rank, step, exc_info=exc)
         self.link.fail(step, f"rank {self.rank} failed in the forward: {exc}")
         return ExitCode.STEP_FAILED
-
-
-class _OpenStepFailed(Exception):
-    """Taking an open step's sample to the host failed: the device failed under its forward."""
-
-    def __init__(self, step: int, cause: BaseException) -> None:
-        super().__init__(step, cause)
-        self.step = step
-        self.cause = cause
 
 
 @dataclass

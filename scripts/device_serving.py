@@ -188,6 +188,7 @@ class Gaps:
     gap_us: dict[str, float]
     step_ms: float  # the median forward, on the GPU's clock
     forwards: int
+    tokens: tuple[int, ...] = ()  # the stream's, greedy: the same in either order
 
 
 @dataclass(frozen=True)
@@ -241,14 +242,15 @@ def _gaps(
         check(generated.error is None and len(generated.tokens) == STREAM_TOKENS, f"the loop's stream: {generated.error}")
         codes = loop.close(grace_s=30.0)
         check(codes == {0: 0}, f"the loop's executor exited with {codes}")
+    tokens = tuple(generated.tokens)
     times = np.load(forward_times_path(times_dir, 0))
     recorded = int((~np.isnan(times[:, 1])).sum())
     # The first forward is the prompt's prefill; the rest are decodes at batch 1.
     decodes = times[1:recorded]
     if not check(len(decodes) >= STREAM_TOKENS // 2, f"only {recorded} forwards were recorded"):
-        return Gaps({}, float("nan"), recorded)
+        return Gaps({}, float("nan"), recorded, tokens)
     gaps = forward_gaps([decodes], len(decodes))
-    return Gaps(quantiles_us(gaps), float(np.median(decodes[:, 1] - decodes[:, 0]) * 1e3), recorded)
+    return Gaps(quantiles_us(gaps), float(np.median(decodes[:, 1] - decodes[:, 0]) * 1e3), recorded, tokens)
 
 
 async def one_stream(url: str, prompt: list[int]):  # noqa: ANN201
@@ -303,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         served_future = pool.submit(measure_served, model, device, args.work, prompt, turns)
         orders, served = gaps_future.result(), served_future.result()
     gaps, at_once = orders["pipelined"], orders["at_once"]
+    check(gaps.tokens == at_once.tokens, "the pipelined readback's stream differs from the CPU order's (greedy, same forwards)")
     values: dict[str, object] = {"forwards": gaps.forwards, "step_ms": round(gaps.step_ms, 3)}
     if gaps.gap_us:
         values.update(

@@ -270,6 +270,7 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
 
     # Both of the model thread's orders, each in a loop of its own, before the server's turn.
     assert set(orders) == set(device_serving.READBACK_ORDERS) == {"pipelined", "at_once"}
+    assert len(orders["pipelined"].tokens) == 12 and orders["pipelined"].tokens == orders["at_once"].tokens
     for order, gaps in orders.items():
         ends = np.load(forward_times_path(tmp_path / order / "forward-times", 0))[:, 1]
         assert np.nanmax(ends) <= turns.loop_done.at

@@ -604,6 +604,16 @@ def test_the_sampling_state_is_held_across_steps_and_rebuilt_after_an_abort_and_
     assert results == {1: [10], 2: [11], 3: [10], 6: [11], 7: [10], 9: [10]}
 
 
+def test_each_forward_of_a_frame_counts_the_tokens_of_the_forwards_before_it():
+    # Forward k's penalties count forward k-1's token: pipelined, that sample is taken to the host
+    # once forward k is queued, and before forward k's own sample is drawn.
+    frame_of_3 = replace(with_presence(make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,)), 1), decode_steps=3)
+    code, endpoint, _ = run_worker([welcome(), frame(1, frame_of_3), frame(1, Go()), frame(1, Shutdown("x"))], model=FixedLogits(0, 1))
+    assert code == ExitCode.OK
+    (result,) = [b for _, b in endpoint.replies() if isinstance(b, Result)]
+    assert result.token_ids.tolist() == [10, 11, 10]
+
+
 def test_alternatives_come_back_with_the_sample():
     prepare = make_prepare([Seq(1, (20,), 0, (0,)), Seq(2, (30,), 0, (1,))], cleared=(0, 1))
     prepare = replace(prepare, num_logprobs=np.array([3, 0], dtype=np.uint8))
@@ -632,13 +642,13 @@ def run_step_then_its_follower(endpoint, model, handed_over: threading.Event | N
     model.gate.set()
 
 
-def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here(pipelined):
+def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here(pipelined, monkeypatch):
     # Sent at once, RESULT 1 brought the scheduler's next PREPARE while step 2 got its feed and
     # cleared its pages, and the link thread staged it there, taking the GIL from the model's thread
     # between two forwards. So it waits for step 2's forward when step 2 is here already; with
-    # nothing queued (serial, or the last step) it goes at once. Pipelined, step 1's sample is taken
-    # to the host only once step 2's forward is queued (which decodes it from the device), and step
-    # 1 is answered from there.
+    # nothing queued (serial, or the last step) it goes at once. Pipelined, on a device still running
+    # step 1's forward, step 1's sample is taken to the host only once step 2's forward is queued
+    # (which decodes it from the device), and step 1 is answered from there.
     model = GatedModel(0, 1)
     order: list[tuple] = []
     cleared_ahead = threading.Event()
@@ -667,6 +677,8 @@ def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_wh
         worker.link.finish, model.forward = finishing, forwarding
         cache.clear_pages, cache.clear_pages_beside = clearing, clearing_ahead
 
+    if pipelined:  # each sample lands once the forward after it is queued
+        read_back_behind(monkeypatch, lambda: ("forward", 21) in order or ("answer", 1, True) in order, lambda: None)
     endpoint, thread, codes = start_worker(model, before_start=record)
     run_step_then_its_follower(endpoint, model, handed_over=cleared_ahead)
     # Nothing comes after step 2: its RESULT goes out without another frame to end the wait.
@@ -772,19 +784,92 @@ def test_a_forward_that_fails_answers_the_step_before_it_first():
     assert "illegal memory access" in endpoint.replies()[-1][1].message
 
 
-def test_a_device_failure_that_shows_as_the_sample_is_read_back_fails_its_step(monkeypatch):
-    # On a GPU an asynchronous error surfaces at the first wait for the device: pipelined, that is
-    # the readback of the last step, taken after run() has returned.
-    def failing(readback):
-        raise RuntimeError("CUDA error: device-side assert triggered")
+class FakeCopyEvent:
+    """A CUDA event after a sample's copy to the host, stood in on the CPU: `query` and
+    `synchronize` as the test makes them."""
 
-    monkeypatch.setattr(executor.steps._Readback, "take", failing)
+    def __init__(self, query, synchronize) -> None:
+        self.query, self.synchronize = query, synchronize
+
+
+def read_back_behind(monkeypatch, query, synchronize) -> None:
+    """Every sample read back behind a FakeCopyEvent, as on a device (the copy itself is the packed
+    sample, which unpack_sampled reads as it reads the pinned one)."""
+
+    def start(inputs, out, behind_event):
+        return executor.steps._Readback(inputs, out, executor.steps.pack_sampled(out), FakeCopyEvent(query, synchronize))
+
+    monkeypatch.setattr(executor.steps._Readback, "start", staticmethod(start))
+
+
+def failing(message: str):
+    def fail():
+        raise RuntimeError(message)
+
+    return fail
+
+
+def test_a_device_failure_that_shows_as_the_sample_is_read_back_fails_its_step(pipelined, monkeypatch):
+    # On a GPU an asynchronous error surfaces at the first look at the device: pipelined, that is the
+    # readback of the last step, after run() has returned; the event's query may raise it first.
+    if not pipelined:
+        pytest.skip("the CPU's order reads every sample back as it is drawn")
+    read_back_behind(monkeypatch, failing("CUDA error: device-side assert triggered"), failing("CUDA error: device-side assert triggered"))
     prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
     code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())])
     assert code == ExitCode.STEP_FAILED
     [(step, reject)] = [(s, b) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
     assert step == 1 and isinstance(reject, Reject) and reject.code == RejectCode.INTERNAL
     assert "device-side assert" in reject.message
+
+
+def test_a_readback_that_fails_while_the_next_step_runs_fails_its_own_step(pipelined, monkeypatch):
+    if not pipelined:
+        pytest.skip("the CPU's order reads every sample back as it is drawn")
+    read_back_behind(monkeypatch, lambda: False, failing("CUDA error: an illegal memory access was encountered"))
+    model = GatedModel(0, 1)
+    endpoint, thread, codes = start_worker(model)
+    run_step_then_its_follower(endpoint, model)
+    thread.join(10)
+    assert codes == [ExitCode.STEP_FAILED]
+    answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    assert answers == [(1, Reject)]  # step 1's sample failed, found as step 2 ran: step 1 is named
+    assert "illegal memory access" in endpoint.replies()[-1][1].message
+
+
+def test_a_sample_read_back_behind_an_event_answers_as_the_cpus_own(pipelined, monkeypatch):
+    # The device's packing, copy and unpacking (pack_sampled, unpack_sampled) give the RESULT the
+    # CPU's arrays give, alternatives included.
+    synced: list[int] = []
+    if pipelined:
+        read_back_behind(monkeypatch, lambda: True, lambda: synced.append(1))
+    prepare = make_prepare([Seq(1, (20,), 0, (0,)), Seq(2, (30,), 0, (1,))], cleared=(0, 1))
+    prepare = replace(prepare, num_logprobs=np.array([3, 0], dtype=np.uint8))
+    code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go()), frame(1, Shutdown("x"))], model=FixedLogits(0, 1))
+    assert code == ExitCode.OK
+    (result,) = [b for _, b in endpoint.replies() if isinstance(b, Result)]
+    assert result.token_ids.tolist() == [10, 10] and result.finite.tolist() == [1, 1]
+    assert result.top_token_ids.tolist()[:2] == [10, 11] and len(result.top_token_ids) == 3
+    assert np.isfinite(result.logprobs).all() and result.logprobs[0] == result.top_logprobs[0]
+    assert synced == ([1] if pipelined else [])
+
+
+def test_a_whole_sampling_state_on_a_feedback_row_counts_the_fed_token():
+    # The fed token is the host copy of the step before's sample: pipelined, taken only as this
+    # step's first forward is queued, before its sampling states are built.
+    s1 = with_presence(make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,)), 1)
+    s2 = with_presence(make_prepare([Seq(1, (0,), 1, (0,), held=1, feedback=True)]), 1, ())
+    s3 = with_presence(make_prepare([Seq(1, (0,), 2, (0,), held=1, feedback=True)]), 1, (10,))
+    script = [
+        welcome(), frame(1, s1), frame(1, Go()), frame(2, s2), frame(2, Go()), frame(3, s3), frame(3, Go()),
+        frame(3, Shutdown("done")),
+    ]  # fmt: skip
+    code, endpoint, _ = run_worker(script, model=FixedLogits(0, 1))
+    assert code == ExitCode.OK
+    results = {s: b.token_ids.tolist() for s, b in endpoint.replies() if isinstance(b, Result)}
+    # Step 2 sends an empty output, and its feedback row brings 10: penalized, 11. Step 3 sends [10]
+    # and is fed 11: both penalized, 10 again.
+    assert results == {1: [10], 2: [11], 3: [10]}
 
 
 def record_clears(worker, cleared_where: list[tuple[str, int]]) -> None:
