@@ -577,7 +577,9 @@ def with_presence(prepare, state: int, output: tuple[int, ...] = ()):
     )
 
 
-def test_the_sampling_state_is_held_across_steps_and_rebuilt_after_an_abort_and_an_absence():
+def test_the_sampling_state_is_held_across_steps_and_rebuilt_after_an_abort_and_an_absence(pipelined, monkeypatch):
+    if pipelined:  # on a device still running each step when the next comes: its tokens are taken late
+        read_back_behind(monkeypatch, lambda: False, lambda: None)
     step = lambda start, held: make_prepare([Seq(1, (20,), start, (0,), held=held)], cleared=() if held else (0,))  # noqa: E731
     other = make_prepare([Seq(2, (30,), 0, (1,))], cleared=(1,))
     script = [
@@ -604,7 +606,9 @@ def test_the_sampling_state_is_held_across_steps_and_rebuilt_after_an_abort_and_
     assert results == {1: [10], 2: [11], 3: [10], 6: [11], 7: [10], 9: [10]}
 
 
-def test_each_forward_of_a_frame_counts_the_tokens_of_the_forwards_before_it():
+def test_each_forward_of_a_frame_counts_the_tokens_of_the_forwards_before_it(pipelined, monkeypatch):
+    if pipelined:
+        read_back_behind(monkeypatch, lambda: False, lambda: None)
     # Forward k's penalties count forward k-1's token: pipelined, that sample is taken to the host
     # once forward k is queued, and before forward k's own sample is drawn.
     frame_of_3 = replace(with_presence(make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,)), 1), decode_steps=3)
@@ -854,9 +858,11 @@ def test_a_sample_read_back_behind_an_event_answers_as_the_cpus_own(pipelined, m
     assert synced == ([1] if pipelined else [])
 
 
-def test_a_whole_sampling_state_on_a_feedback_row_counts_the_fed_token():
+def test_a_whole_sampling_state_on_a_feedback_row_counts_the_fed_token(pipelined, monkeypatch):
     # The fed token is the host copy of the step before's sample: pipelined, taken only as this
     # step's first forward is queued, before its sampling states are built.
+    if pipelined:
+        read_back_behind(monkeypatch, lambda: False, lambda: None)
     s1 = with_presence(make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,)), 1)
     s2 = with_presence(make_prepare([Seq(1, (0,), 1, (0,), held=1, feedback=True)]), 1, ())
     s3 = with_presence(make_prepare([Seq(1, (0,), 2, (0,), held=1, feedback=True)]), 1, (10,))
