@@ -646,6 +646,17 @@ def run_step_then_its_follower(endpoint, model, handed_over: threading.Event | N
     model.gate.set()
 
 
+def failed_follower(model, before_start=None) -> tuple[list[tuple[int, type]], str]:
+    """run_step_then_its_follower on a worker that fails there: the steps' answers (RESULT or
+    REJECT, in order) and the last one's message, once the worker exited STEP_FAILED."""
+    endpoint, thread, codes = start_worker(model, before_start=before_start)
+    run_step_then_its_follower(endpoint, model)
+    thread.join(10)
+    assert codes == [ExitCode.STEP_FAILED]
+    answers = [(s, b) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    return [(s, type(b)) for s, b in answers], answers[-1][1].message
+
+
 def test_a_steps_answer_goes_out_as_the_next_steps_forward_starts_and_at_once_when_none_is_here(pipelined, monkeypatch):
     # Sent at once, RESULT 1 brought the scheduler's next PREPARE while step 2 got its feed and
     # cleared its pages, and the link thread staged it there, taking the GIL from the model's thread
@@ -760,13 +771,9 @@ def test_a_step_that_fails_before_its_forward_still_sends_the_answer_of_the_step
 
         cache.clear_pages, cache.clear_pages_beside = failing(clear), failing(clear_beside)
 
-    endpoint, thread, codes = start_worker(model, before_start=failing_clear)
-    run_step_then_its_follower(endpoint, model)
-    thread.join(10)
-    assert codes == [ExitCode.STEP_FAILED]
-    answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    answers, message = failed_follower(model, before_start=failing_clear)
     assert answers == [(1, Result), (2, Reject)]
-    assert "device error while clearing" in endpoint.replies()[-1][1].message
+    assert "device error while clearing" in message
 
 
 def test_a_forward_that_fails_answers_the_step_before_it_first():
@@ -778,14 +785,9 @@ def test_a_forward_that_fails_answers_the_step_before_it_first():
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             return super().forward(inputs, cache)
 
-    model = FailsOnStep2(0, 1)
-    endpoint, thread, codes = start_worker(model)
-    run_step_then_its_follower(endpoint, model)
-    thread.join(10)
-    assert codes == [ExitCode.STEP_FAILED]
-    answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    answers, message = failed_follower(FailsOnStep2(0, 1))
     assert answers == [(1, Result), (2, Reject)]
-    assert "illegal memory access" in endpoint.replies()[-1][1].message
+    assert "illegal memory access" in message
 
 
 class FakeCopyEvent:
@@ -831,14 +833,9 @@ def test_a_readback_that_fails_while_the_next_step_runs_fails_its_own_step(pipel
     if not pipelined:
         pytest.skip("the CPU's order reads every sample back as it is drawn")
     read_back_behind(monkeypatch, lambda: False, failing("CUDA error: an illegal memory access was encountered"))
-    model = GatedModel(0, 1)
-    endpoint, thread, codes = start_worker(model)
-    run_step_then_its_follower(endpoint, model)
-    thread.join(10)
-    assert codes == [ExitCode.STEP_FAILED]
-    answers = [(s, type(b)) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    answers, message = failed_follower(GatedModel(0, 1))
     assert answers == [(1, Reject)]  # step 1's sample failed, found as step 2 ran: step 1 is named
-    assert "illegal memory access" in endpoint.replies()[-1][1].message
+    assert "illegal memory access" in message
 
 
 def test_a_sample_read_back_behind_an_event_answers_as_the_cpus_own(pipelined, monkeypatch):
