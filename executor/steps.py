@@ -46,6 +46,7 @@ from executor.link import StagedStep
 from executor.options import ExecutorOptions
 from executor.sampler import SampleOutput, SamplingBatch, sample
 from executor.sampling_state import SamplingStates
+from protocol.errors import TPRuntimeError
 from protocol.frames import Result
 
 logger = logging.getLogger("tp_runtime.executor")
@@ -134,7 +135,7 @@ class _OpenStep:
     readback: _Readback | None = None
 
 
-class ReadbackError(RuntimeError):
+class ReadbackError(TPRuntimeError, RuntimeError):
     """A step's sample could not be taken to the host: the device failed under that step."""
 
     def __init__(self, step: int, cause: BaseException) -> None:
