@@ -450,8 +450,23 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """What is still held back at the end: the text of the pending tokens, without a trailing
-        incomplete character (generation stopped inside it; its bytes can never form text)."""
+        incomplete character (generation stopped inside it; its bytes can never form text). A
+        U+FFFD the tokens spell whole (its own three bytes) is text, and stays."""
+        pending = self._ids[self._read_offset :]
         prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset :])[len(prefix) :]
         self._prefix_offset = self._read_offset = len(self._ids)
-        return text[len(prefix) :].rstrip(_REPLACEMENT)
+        if text.endswith(_REPLACEMENT) and _ends_inside_a_character(b"".join(map(self._tokenizer.token_bytes, pending))):
+            return text.rstrip(_REPLACEMENT)
+        return text
+
+
+def _ends_inside_a_character(data: bytes) -> bool:
+    """Whether `data` ends with the lead byte of a UTF-8 character and fewer continuation bytes
+    than it announces."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: ASCII or a lead byte
+            length = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return length > back
+    return False

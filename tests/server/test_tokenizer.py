@@ -95,6 +95,27 @@ def test_flush_drops_an_unfinished_character(tokenizer):
     assert "".join(deltas) + tail == "ok "
 
 
+def test_flush_keeps_a_replacement_character_the_tokens_spell_whole(tokenizer):
+    # Hypothesis found it: a text that is U+FFFD itself (its three bytes) ended with it, and flush
+    # took it for an unfinished character.
+    for text in ("\ufffd", "ok \ufffd", "\ufffd\ufffd"):
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text
+        deltas, tail = incremental(tokenizer, ids)
+        assert "".join(deltas) + tail == text
+
+
+@pytest.mark.parametrize(
+    ("data", "inside"),
+    [(b"ok", False), ("é".encode(), False), ("é".encode()[:1], True), ("🎉".encode()[:3], True), ("🎉".encode(), False),
+     (b"\x80\x80", False), (b"", False), ("\ufffd".encode(), False), ("中".encode()[:2], True)],
+)  # fmt: skip
+def test_an_open_character_is_a_lead_byte_without_all_its_continuation_bytes(data: bytes, inside: bool):
+    from tp_runtime.tokenizer import _ends_inside_a_character
+
+    assert _ends_inside_a_character(data) is inside
+
+
 def test_chat_template_is_chatml_with_default_system_prompt(tokenizer):
     prompt = render_chat(tokenizer, [{"role": "user", "content": "What is 2+2?"}])
     assert prompt == (
