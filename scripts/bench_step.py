@@ -1,7 +1,8 @@
 """Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
 
     python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only] [--forward-ms 10]
-                                 [--rows 16,256] [--forward sleep,gil] [--steady continue,prepare]
+                                 [--rows 16,256] [--forward sleep,gil,device] [--steady continue,prepare]
+                                 [--readback at-once,pipelined]
     python scripts/bench_step.py --frames --rows 16,256    # a steady step's frame both ways, in-process
 
 1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
@@ -11,7 +12,11 @@
 3. The step loop itself at 1, 2 and 3 ranks: PREPARE -> validate + stage -> READY -> GO -> forward
    -> RESULT/DONE, with a forward that is one all_reduce and --forward-ms of sleep (a GPU model's
    thread, waiting with the GIL released) or of tiny torch ops (`--forward gil`: a CPU model's many
-   small ops, which hold the GIL between kernels), and fixed peaked logits on rank 0, so what is
+   small ops, which hold the GIL between kernels) or of a simulated asynchronous device's time
+   (`--forward device`: the forward is queued and the call returns, a sample's readback waits for
+   the device's clock, and the forwards are stamped on that clock, so that the model thread's order,
+   `--readback at-once` as the CPU runs it or `pipelined` as a CUDA device does, shows in the gap
+   as it would on a GPU), and fixed peaked logits on rank 0, so what is
    measured is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
    steady decode steps of --rows rows (feedback tokens, page tables held), sent as the engine sends
    them (--steady continue: CONTINUE, and a PREPARE every PAGE_SIZE steps, when the rows' pages are
@@ -323,8 +328,11 @@ FORWARD_MS_ENV = "BENCH_STEP_FORWARD_MS"
 # model's thread waiting on its stream); `gil` runs tiny torch ops back to back, holding the GIL for
 # each op's Python dispatch and leaving it for each op's kernel, as a CPU model's many small ops
 # do: then the link thread's Python work and the model's contend for the GIL, and the gap shows it.
+# `device` stands in an asynchronous device (SimulatedDevice): the forward is queued and the call
+# returns, and each sample's readback waits for the device's clock, so that the model thread's order
+# (--readback) shows in the gap as it would on a GPU.
 FORWARD_KIND_ENV = "BENCH_STEP_FORWARD_KIND"
-FORWARD_KINDS = ("sleep", "gil")
+FORWARD_KINDS = ("sleep", "gil", "device")
 # A real model's loader ("module:function") that load_stamped wraps, for the gap around a real
 # forward (scripts/device_check.py on a GPU).
 INNER_LOAD_ENV = "BENCH_STEP_INNER_LOAD"
@@ -347,9 +355,48 @@ def _stamps(rank: int) -> np.ndarray:
     return times
 
 
+class SimulatedDevice:
+    """A device's clock for the `device` forward: each forward is queued behind the work before it
+    and takes forward_s; its span is on the device, not the host. A sample's readback (the runner's
+    _Readback, replaced in this process by `read_back_behind`) lands when the forward it samples
+    ends: the host waits for that in the CPU's order, and may queue the next forward first in the
+    pipelined one. Sampling itself takes no device time here, and at several ranks nothing ties one
+    rank's device to another's beyond the forward's all_reduce on the hosts."""
+
+    def __init__(self, forward_s: float) -> None:
+        self.forward_s = forward_s
+        self.free_at = 0.0
+
+    def queue_forward(self) -> tuple[float, float]:
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + self.forward_s
+        return start, self.free_at
+
+    def read_back_behind(self) -> None:
+        """Every sample of this process read back behind an event on this clock (both orders)."""
+        from executor import steps
+
+        device = self
+
+        class Landing:
+            def __init__(self) -> None:
+                self.at = device.free_at
+
+            def query(self) -> bool:
+                return time.perf_counter() >= self.at
+
+            def synchronize(self) -> None:
+                time.sleep(max(0.0, self.at - time.perf_counter()))
+
+        def start(inputs: StepInputs, out: object, behind_event: bool) -> object:
+            return steps._Readback(inputs, out, steps.pack_sampled(out), Landing())
+
+        steps._Readback.start = staticmethod(start)
+
+
 class CollectiveOnlyModel:
-    """A forward that is one all_reduce (the peers' rendezvous), --forward-ms of sleep or of tiny
-    torch ops, and zero logits on rank 0."""
+    """A forward that is one all_reduce (the peers' rendezvous), --forward-ms of sleep, of tiny
+    torch ops or of a simulated device's time, and zero logits on rank 0."""
 
     fingerprint = "bench-collective-only"
 
@@ -367,12 +414,16 @@ class CollectiveOnlyModel:
         # A model's rows are peaked (a few likely tokens), which the sampler's top-p takes by its fast
         # path; zeros would be its flat worst case, a cost of the sampler, not of the control plane.
         self._logits = torch.randn(DECODE_SEQS, BENCH_VOCAB, generator=torch.Generator().manual_seed(0)) * 4
+        self.device = SimulatedDevice(forward_s) if kind == "device" else None
+        self.span: tuple[float, float] | None = None  # the last forward's, on the device's clock
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         started = time.perf_counter()
         if self.world_size > 1:
             torch.distributed.all_reduce(self.token)
-        if self.kind == "sleep":
+        if self.device is not None:
+            self.span = self.device.queue_forward()
+        elif self.kind == "sleep":
             time.sleep(self.forward_s)
         else:
             end = started + self.forward_s
@@ -405,8 +456,10 @@ class StampedModel:
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         started = time.perf_counter()
         logits = self.inner.forward(inputs, cache)
+        # A simulated device's forward is stamped where it runs, on the device's clock.
+        start, end = getattr(self.inner, "span", None) or (started, time.perf_counter())
         if self.forwards < len(self.times):
-            self.times[self.forwards] = (started, time.perf_counter(), time.thread_time(), self._link_cpu())
+            self.times[self.forwards] = (start, end, time.thread_time(), self._link_cpu())
         self.forwards += 1
         return logits
 
@@ -421,6 +474,8 @@ def load_collective_only(path, *, rank, world_size, dtype, device, weight_format
     # No kernels to make deterministic: the forward is a collective and a wait.
     forward_s = float(os.environ.get(FORWARD_MS_ENV, "0")) / 1000
     inner = CollectiveOnlyModel(rank, world_size, forward_s, os.environ.get(FORWARD_KIND_ENV, "sleep"))
+    if inner.device is not None:
+        inner.device.read_back_behind()
     return StampedModel(inner, _stamps(rank), rank)
 
 
@@ -461,11 +516,18 @@ class LoopSpec:
     forward: str = "sleep"
     max_inflight: int = 2
     steady: str = "continue"
+    readback: str = "at-once"  # READBACKS: the model thread's order (ExecutorOptions.pipelined_readback)
 
 
-def loop_options(rows: int = DECODE_SEQS) -> ExecutorOptions:
+# The model thread's orders (executor/steps.py): each sample read back as it is drawn (the CPU's), or
+# after the next forward is queued (a CUDA device's).
+READBACKS = {"at-once": False, "pipelined": True}
+
+
+def loop_options(rows: int = DECODE_SEQS, readback: str = "at-once") -> ExecutorOptions:
     g = bench_geometry(rows)
     return ExecutorOptions(
+        pipelined_readback=READBACKS[readback],
         model="bench",
         num_kv_pages=g.num_kv_pages,
         page_size=g.page_size,
@@ -595,7 +657,7 @@ def measure_loop(
                 address=endpoint.address,
                 key=key,
                 run_id="bench",
-                options=options or loop_options(spec.rows),
+                options=options or loop_options(spec.rows, spec.readback),
                 load=load,
                 collective_timeout_s=60.0,
                 log_level="WARNING",
@@ -679,6 +741,11 @@ def main() -> None:
         "--forward", default="sleep", help=f"the fake forward: {' or '.join(FORWARD_KINDS)} (comma-separated: several runs)"
     )
     parser.add_argument(
+        "--readback", default="at-once",
+        help=f"the model thread's order: {' or '.join(READBACKS)} (comma-separated: several runs; pipelined is a "
+        "CUDA device's, and shows with --forward device)",
+    )
+    parser.add_argument(
         "--steady", default="continue",
         help=f"how steady decode steps travel: {' or '.join(STEADY_KINDS)} (comma-separated: several runs)",
     )
@@ -704,15 +771,20 @@ def main() -> None:
     steadies = args.steady.split(",")
     if set(steadies) - set(STEADY_KINDS):
         parser.error(f"--steady takes {' or '.join(STEADY_KINDS)}")
+    readbacks = args.readback.split(",")
+    if set(readbacks) - set(READBACKS):
+        parser.error(f"--readback takes {' or '.join(READBACKS)}")
     report["loop"] = {
-        f"{mode}/{w}/rows={rows}/{forward}" + (f"/{steady}" if len(steadies) > 1 else ""): measure_loop(
-            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode], steady)
+        f"{mode}/{w}/rows={rows}/{forward}" + (f"/{steady}" if len(steadies) > 1 else "")
+        + (f"/{readback}" if len(readbacks) > 1 else ""): measure_loop(
+            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode], steady, readback)
         )
         for w in args.ranks.split(",")
         for rows in args.rows.split(",")
         for forward in args.forward.split(",")
         for mode in args.modes.split(",")
         for steady in steadies
+        for readback in readbacks
     }
     if args.json:
         print(json.dumps(report, indent=2))

@@ -3,12 +3,15 @@ and reports what it says it does, for both fake forwards and more rows than one 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from scripts.bench_step import (
     DECODE_SEQS,
     PAGE_SIZE,
     LoopSpec,
+    SimulatedDevice,
     _LoopDriver,
     bench_geometry,
     decode_prepare,
@@ -19,10 +22,18 @@ from scripts.bench_step import (
 from protocol.validate import validate_prepare
 
 
-@pytest.mark.parametrize(("forward", "steady"), [("sleep", "continue"), ("gil", "continue"), ("sleep", "prepare")])
-def test_the_loop_measurement_reports_every_phase(forward: str, steady: str) -> None:
+@pytest.mark.parametrize(
+    ("forward", "steady", "readback"),
+    [
+        ("sleep", "continue", "at-once"), ("gil", "continue", "at-once"), ("sleep", "prepare", "at-once"),
+        ("device", "continue", "at-once"), ("device", "continue", "pipelined"),
+    ],
+)  # fmt: skip
+def test_the_loop_measurement_reports_every_phase(forward: str, steady: str, readback: str) -> None:
     steps = 12
-    report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=4, forward_ms=2.0, forward=forward, steady=steady))
+    report = measure_loop(
+        LoopSpec(world_size=1, steps=steps, rows=4, forward_ms=2.0, forward=forward, steady=steady, readback=readback)
+    )
     assert report["steps"] == steps - min(10, steps // 4)
     for phase in ("forward_gap_us", "model_idle_us", "go_to_all_done_us"):
         assert 0 <= report[phase]["median"] <= report[phase]["p90"], phase
@@ -79,3 +90,24 @@ def test_the_frame_costs_time_both_ways_of_sending_a_steady_step() -> None:
         f"{kind}_{what}_us" for kind in ("prepare", "continue") for what in ("encode", "decode", "validate")
     } | {"continue_expand_us"}
     assert all(value > 0 for value in report.values())
+
+
+def test_the_simulated_device_runs_one_forward_at_a_time_and_a_sample_lands_when_its_forward_ends(monkeypatch) -> None:
+    import numpy as np
+    import torch
+
+    from executor import steps
+    from executor.sampler import SampleOutput
+
+    monkeypatch.setattr(steps._Readback, "start", steps._Readback.__dict__["start"])  # restored after the test
+    device = SimulatedDevice(forward_s=0.05)
+    first, second = device.queue_forward(), device.queue_forward()
+    assert second[0] == first[1]  # queued behind it
+    assert second[1] - second[0] == pytest.approx(0.05) and first[1] - first[0] == pytest.approx(0.05)
+    device.read_back_behind()
+    out = SampleOutput(torch.tensor([7, 9]), torch.zeros(2), torch.ones(2, dtype=torch.bool))
+    readback = steps._Readback.start(None, out, False)  # the orders alike: behind the device's clock
+    assert not readback.landed()
+    host = readback.take()
+    assert readback.landed() and time.perf_counter() >= second[1]
+    assert host.tokens.tolist() == [7, 9] and np.array_equal(host.finite, [1, 1])
