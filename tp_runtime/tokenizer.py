@@ -9,6 +9,7 @@ ids match and encoding and decoding run in Rust. Nothing is downloaded.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
@@ -367,6 +368,21 @@ class Tokenizer:
         decoder = self._backend.decoder
         return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
 
+    def open_character(self, token_ids: list[int]) -> bytes:
+        """The bytes at the end of the tokens' text that begin a UTF-8 character and do not finish
+        it (b"" when the text ends on a whole character or on bytes that are no character's):
+        what decode() spells as U+FFFD only because a later token would have completed it.
+        Special tokens, which decode() leaves out, are left out here too."""
+        special = self._special_ids
+        data = b"".join(self.token_bytes(t) for t in token_ids if t not in special)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(data, final=False)
+        return decoder.getstate()[0]
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, token in self._backend.get_added_tokens_decoder().items() if token.special)
+
     def decode(self, token_ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
@@ -449,24 +465,18 @@ class IncrementalDetokenizer:
         return text[len(prefix) :]
 
     def flush(self) -> str:
-        """What is still held back at the end: the text of the pending tokens, without a trailing
-        incomplete character (generation stopped inside it; its bytes can never form text). A
-        U+FFFD the tokens spell whole (its own three bytes) is text, and stays."""
-        pending = self._ids[self._read_offset :]
+        """What is still held back at the end: the text of the pending tokens, without the
+        replacement characters of a trailing incomplete character (generation stopped inside it;
+        its bytes can never form text). A U+FFFD the tokens spell whole (its own three bytes), or
+        one that invalid bytes make, is text, and stays."""
+        window = self._ids[self._prefix_offset :]
         prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset :])[len(prefix) :]
+        text = self._tokenizer.decode(window)[len(prefix) :]
         self._prefix_offset = self._read_offset = len(self._ids)
-        if text.endswith(_REPLACEMENT) and _ends_inside_a_character(b"".join(map(self._tokenizer.token_bytes, pending))):
-            return text.rstrip(_REPLACEMENT)
-        return text
-
-
-def _ends_inside_a_character(data: bytes) -> bool:
-    """Whether `data` ends with the lead byte of a UTF-8 character and fewer continuation bytes
-    than it announces."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # not a continuation byte: ASCII or a lead byte
-            length = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
-            return length > back
-    return False
+        if not text.endswith(_REPLACEMENT):
+            return text
+        open_bytes = len(self._tokenizer.open_character(window))
+        # A byte-level decoder replaces an unfinished character with one U+FFFD, byte fallback
+        # (sentencepiece's) each of its bytes with one.
+        spelled = min(open_bytes, 1) if self._tokenizer.byte_level else open_bytes
+        return text[: len(text) - spelled] if text.endswith(_REPLACEMENT * spelled) else text

@@ -105,15 +105,38 @@ def test_flush_keeps_a_replacement_character_the_tokens_spell_whole(tokenizer):
         assert "".join(deltas) + tail == text
 
 
-@pytest.mark.parametrize(
-    ("data", "inside"),
-    [(b"ok", False), ("é".encode(), False), ("é".encode()[:1], True), ("🎉".encode()[:3], True), ("🎉".encode(), False),
-     (b"\x80\x80", False), (b"", False), ("\ufffd".encode(), False), ("中".encode()[:2], True)],
-)  # fmt: skip
-def test_an_open_character_is_a_lead_byte_without_all_its_continuation_bytes(data: bytes, inside: bool):
-    from tp_runtime.tokenizer import _ends_inside_a_character
+def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens(tokenizer):
+    lead = tokenizer.encode("中")  # its three bytes; a prefix of them is an unfinished character
+    stop = tokenizer.eos_token_ids[0]
+    byte_tokens = {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1}
+    first_byte = byte_tokens["中".encode()[:1]]
+    whole = tokenizer.encode("\ufffd")
+    for ids, want in (
+        ([*tokenizer.encode("ok"), first_byte], "ok"),  # stopped inside a character
+        ([*tokenizer.encode("ok"), first_byte, stop], "ok"),  # and then the stop token, which decode() skips
+        ([*whole, first_byte], "\ufffd"),  # a U+FFFD of its own before the unfinished one stays
+        ([*lead, *whole], "中\ufffd"),
+    ):
+        deltas, tail = incremental(tokenizer, ids)
+        assert "".join(deltas) + tail == want, ids
 
-    assert _ends_inside_a_character(data) is inside
+
+@pytest.mark.parametrize(
+    ("text", "open_bytes"),
+    [("ok", b""), ("é", b""), ("🎉", b""), ("\ufffd", b"")],
+)  # fmt: skip
+def test_open_character_is_empty_on_whole_characters(tokenizer, text: str, open_bytes: bytes):
+    assert tokenizer.open_character(tokenizer.encode(text)) == open_bytes
+
+
+def test_open_character_is_the_unfinished_prefix_and_not_invalid_bytes(tokenizer):
+    single = {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1}
+    for data, open_bytes in (
+        ("中".encode()[:2], "中".encode()[:2]), ("🎉".encode()[:3], "🎉".encode()[:3]), ("é".encode()[:1], "é".encode()[:1]),
+        (b"\xf4\x90", b""), (b"\xe0\x80", b""), (b"\x80\x80", b""),  # past U+10FFFF, overlong, stray ("ok".encode() + "中".encode()[:1], "中".encode()[:1]),
+    ):  # fmt: skip
+        ids = [single[bytes([b])] for b in data]
+        assert tokenizer.open_character(ids) == open_bytes, data
 
 
 def test_chat_template_is_chatml_with_default_system_prompt(tokenizer):
