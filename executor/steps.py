@@ -239,10 +239,7 @@ class StepRunner:
         opened, self._open = self._open, None
         if opened is None:
             return
-        try:
-            self._take(opened)
-        except Exception as exc:
-            raise ReadbackError(opened.step, exc) from exc
+        self._take(opened)
         result = self._result(opened) if self.rank == 0 else None
         answer(opened.step, result, next_running)
 
@@ -252,7 +249,12 @@ class StepRunner:
         readback, opened.readback = opened.readback, None
         if readback is None:
             return
-        host = readback.take()
+        try:
+            host = readback.take()
+        except Exception as exc:
+            # Best effort on a device: its errors stick to the whole context, so a fault of a
+            # forward queued later may surface here and be named as this step's.
+            raise ReadbackError(opened.step, exc) from exc
         self._samples.host = host.tokens
         self.sampling_states.append(readback.inputs.sample_seq_ids, host.tokens, host.finite)
         opened.samples.append(host)

@@ -127,11 +127,14 @@ class Worker:
                     self.runner.run(
                         command.staged, self._answered, before_forward=None if previous is None else previous.send_while_busy
                     )
-                except ReadbackError as failed:  # pipelined: the step before's, found as this one ran
-                    return self._failed(failed.step, failed.cause)
                 except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
                     if previous is not None:
                         previous.send_while_busy()
+                    if isinstance(exc, ReadbackError):
+                        # Its own step's sample, or (pipelined) the step before's, found as this one
+                        # ran: that step is named. A step queued after it is not answered; the rank
+                        # ends, and the scheduler fails every step in flight with it.
+                        return self._failed(exc.step, exc.cause)
                     self._answer_open_step_before_failing()
                     return self._failed(step, exc)
         finally:
