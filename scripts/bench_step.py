@@ -15,8 +15,9 @@
    small ops, which hold the GIL between kernels) or of a simulated asynchronous device's time
    (`--forward device`: the forward is queued and the call returns, a sample's readback waits for
    the device's clock, and the forwards are stamped on that clock, so that the model thread's order,
-   `--readback at-once` as the CPU runs it or `pipelined` as a CUDA device does, shows in the gap
-   as it would on a GPU), and fixed peaked logits on rank 0, so what is
+   `--readback at-once` as the CPU runs it or `pipelined` as a CUDA device does, shows in the
+   device's idle time; what the stand-in leaves out is in SimulatedDevice), and fixed peaked logits
+   on rank 0, so what is
    measured is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
    steady decode steps of --rows rows (feedback tokens, page tables held), sent as the engine sends
    them (--steady continue: CONTINUE, and a PREPARE every PAGE_SIZE steps, when the rows' pages are
@@ -330,7 +331,7 @@ FORWARD_MS_ENV = "BENCH_STEP_FORWARD_MS"
 # do: then the link thread's Python work and the model's contend for the GIL, and the gap shows it.
 # `device` stands in an asynchronous device (SimulatedDevice): the forward is queued and the call
 # returns, and each sample's readback waits for the device's clock, so that the model thread's order
-# (--readback) shows in the gap as it would on a GPU.
+# (--readback) shows in the device's idle time, with what the stand-in leaves out (SimulatedDevice).
 FORWARD_KIND_ENV = "BENCH_STEP_FORWARD_KIND"
 FORWARD_KINDS = ("sleep", "gil", "device")
 # A real model's loader ("module:function") that load_stamped wraps, for the gap around a real
@@ -355,13 +356,20 @@ def _stamps(rank: int) -> np.ndarray:
     return times
 
 
+_WAKE_MARGIN_S = 0.0003
+
+
 class SimulatedDevice:
     """A device's clock for the `device` forward: each forward is queued behind the work before it
     and takes forward_s; its span is on the device, not the host. A sample's readback (the runner's
     _Readback, replaced in this process by `read_back_behind`) lands when the forward it samples
     ends: the host waits for that in the CPU's order, and may queue the next forward first in the
-    pipelined one. Sampling itself takes no device time here, and at several ranks nothing ties one
-    rank's device to another's beyond the forward's all_reduce on the hosts."""
+    pipelined one. What it leaves out: the host's cost of launching a forward (nothing here; a CUDA
+    graph's replay is tens of microseconds, an eager forward's launches milliseconds), the device's
+    time for sampling, syncs inside a real device path (the sampler runs on host logits here), and
+    at several ranks any tie between the ranks' devices beyond the hosts' collectives (the forward's
+    all_reduce, the feedback broadcast); within a frame of several forwards a GPU's other ranks
+    would also wait for rank 0's sample, which here they get from its host at once."""
 
     def __init__(self, forward_s: float) -> None:
         self.forward_s = forward_s
@@ -386,7 +394,11 @@ class SimulatedDevice:
                 return time.perf_counter() >= self.at
 
             def synchronize(self) -> None:
-                time.sleep(max(0.0, self.at - time.perf_counter()))
+                # A sleep wakes ~0.1 ms late here, where a device's sync returns within microseconds:
+                # asleep until just before, then looking, the GIL given up between looks.
+                time.sleep(max(0.0, self.at - time.perf_counter() - _WAKE_MARGIN_S))
+                while time.perf_counter() < self.at:
+                    time.sleep(0)
 
         def start(inputs: StepInputs, out: object, behind_event: bool) -> object:
             return steps._Readback(inputs, out, steps.pack_sampled(out), Landing())
