@@ -262,7 +262,7 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
     turns = device_serving.Turns(server_up=threading.Event(), loop_done=Stamped())
     turns.server_up.set()
     trace = tmp_path / "trace.json"
-    orders = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), turns, trace)
+    orders = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), turns, trace, ("pipelined", "at_once"))
     assert device_serving.FAILURES == []
     import numpy as np
 
@@ -276,6 +276,15 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
         assert np.nanmax(ends) <= turns.loop_done.at
         assert gaps.forwards == 12 and gaps.step_ms > 0 and 0 < gaps.gap_us["median"] <= gaps.gap_us["p90"]
     assert any(e.get("name", "").startswith("aten::") for e in json.loads(trace.read_text())["traceEvents"])
+
+
+@pytest.mark.parametrize("readback", ["bogus", "pipelined,pipelined", "at_once,bogus"])
+def test_the_serving_part_refuses_an_order_it_does_not_know(readback: str) -> None:
+    from scripts import device_serving
+
+    with pytest.raises(SystemExit) as refused:
+        device_serving.main(["--device", "cpu", "--readback", readback])
+    assert refused.value.code == 2
 
 
 def test_the_serving_parts_gpu_stamps_bracket_each_graph_replay_alone(monkeypatch: pytest.MonkeyPatch) -> None:
