@@ -85,8 +85,11 @@ class _Samples:
 
 @dataclass
 class _Readback:
-    """One forward's sample on its way to the host: on a device, its one copy (pack_sampled) queued
-    into pinned memory behind the sample, with an event after it; on the CPU, the sample itself."""
+    """One forward's sample on its way to the host: on a GPU, its one copy (pack_sampled: each copy
+    waits for the device, and three waits between two forwards showed in the GPU check's trace)
+    queued into pinned memory behind the sample, with an event after it, which take() waits for at
+    once in the CPU's order and once the next forward is queued in the pipelined one; on the CPU,
+    the sample itself."""
 
     inputs: StepInputs  # the forward's: the sequences its rows sampled for
     out: SampleOutput
@@ -94,9 +97,8 @@ class _Readback:
     copied: torch.cuda.Event | None = None
 
     @classmethod
-    def start(cls, inputs: StepInputs, out: SampleOutput, behind_event: bool) -> _Readback:
-        """behind_event: the device runs asynchronously, and the sample is read back later."""
-        if not behind_event:
+    def start(cls, inputs: StepInputs, out: SampleOutput) -> _Readback:
+        if out.token_ids.device.type != "cuda":
             return cls(inputs, out)
         packed = pack_sampled(out)
         copy = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -334,7 +336,7 @@ class StepRunner:
             ),
         )
         self._samples.tokens = out.token_ids
-        return _Readback.start(inputs, out, self.pipelined and out.token_ids.device.type == "cuda")
+        return _Readback.start(inputs, out)
 
     def _result(self, opened: _OpenStep) -> Result:
         """The RESULT of the step's forwards, forward by forward (protocol.frames.Result)."""
@@ -365,11 +367,8 @@ class HostSample:
 
 
 def sampled_to_host(out: SampleOutput) -> HostSample:
-    """The sample on the host. From a GPU in one copy: each copy waits for the device, and three
-    waits between two forwards showed in the GPU check's trace. float64 holds every token id
-    exactly (ids < 2**53). On the CPU, numpy's casts (a torch call costs a few times one)."""
-    if out.token_ids.device.type != "cpu":
-        return unpack_sampled(pack_sampled(out).cpu(), out.token_ids.shape[0])
+    """A CPU's sample as a HostSample, by numpy's casts (a torch call costs a few times one); a
+    GPU's comes through pack_sampled's one copy (_Readback)."""
     alternatives = out.top_ids is not None
     return HostSample(
         out.token_ids.numpy().astype(np.int32), out.finite.numpy().astype(np.uint8), out.logprobs.numpy().astype(np.float32),
@@ -380,7 +379,8 @@ def sampled_to_host(out: SampleOutput) -> HostSample:
 
 def pack_sampled(out: SampleOutput) -> torch.Tensor:
     """Everything of the sample as one flat float64 tensor on its device, for one copy: tokens,
-    finite flags, logprobs, then the alternatives' ids and logprobs row by row, if any."""
+    finite flags, logprobs, then the alternatives' ids and logprobs row by row, if any (float64
+    holds every token id exactly: ids < 2**53)."""
     parts = [out.token_ids, out.finite, out.logprobs]
     if out.top_ids is not None:
         parts += [out.top_ids.flatten(), out.top_logprobs.flatten()]

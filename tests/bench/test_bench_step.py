@@ -106,7 +106,7 @@ def test_the_simulated_device_runs_one_forward_at_a_time_and_a_sample_lands_when
     assert second[1] - second[0] == pytest.approx(0.05) and first[1] - first[0] == pytest.approx(0.05)
     device.read_back_behind()
     out = SampleOutput(torch.tensor([7, 9]), torch.zeros(2), torch.ones(2, dtype=torch.bool))
-    readback = steps._Readback.start(None, out, False)  # the orders alike: behind the device's clock
+    readback = steps._Readback.start(None, out)  # the orders alike: behind the device's clock
     assert not readback.landed()
     host = readback.take()
     assert readback.landed() and time.perf_counter() >= second[1]

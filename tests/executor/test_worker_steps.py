@@ -802,13 +802,13 @@ def read_back_behind(monkeypatch, query, synchronize) -> None:
     """Every sample read back behind a FakeCopyEvent, as on a device (the copy itself is the packed
     sample, which unpack_sampled reads as it reads the pinned one)."""
 
-    def start(inputs, out, behind_event):
+    def start(inputs, out):
         return executor.steps._Readback(inputs, out, executor.steps.pack_sampled(out), FakeCopyEvent(query, synchronize))
 
     monkeypatch.setattr(executor.steps._Readback, "start", staticmethod(start))
 
 
-def failing(message: str):
+def raising(message: str):
     def fail():
         raise RuntimeError(message)
 
@@ -820,7 +820,7 @@ def test_a_device_failure_that_shows_as_the_sample_is_read_back_fails_its_step(p
     # readback of the last step, after run() has returned; the event's query may raise it first.
     if not pipelined:
         pytest.skip("the CPU's order reads every sample back as it is drawn")
-    read_back_behind(monkeypatch, failing("CUDA error: device-side assert triggered"), failing("CUDA error: device-side assert triggered"))
+    read_back_behind(monkeypatch, raising("CUDA error: device-side assert triggered"), raising("CUDA error: device-side assert triggered"))
     prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
     code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())])
     assert code == ExitCode.STEP_FAILED
@@ -832,7 +832,7 @@ def test_a_device_failure_that_shows_as_the_sample_is_read_back_fails_its_step(p
 def test_a_readback_that_fails_while_the_next_step_runs_fails_its_own_step(pipelined, monkeypatch):
     if not pipelined:
         pytest.skip("the CPU's order reads every sample back as it is drawn")
-    read_back_behind(monkeypatch, lambda: False, failing("CUDA error: an illegal memory access was encountered"))
+    read_back_behind(monkeypatch, lambda: False, raising("CUDA error: an illegal memory access was encountered"))
     answers, message = failed_follower(GatedModel(0, 1))
     assert answers == [(1, Reject)]  # step 1's sample failed, found as step 2 ran: step 1 is named
     assert "illegal memory access" in message
