@@ -17,6 +17,11 @@ WEIGHT_FORMATS = ("auto", "dense", "int4", "mixed")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+# The model thread's orders by name, as pipelined_readback sets them (executor/steps.py): each sample
+# read back once the next forward is queued (a CUDA device's), or as it is drawn (the CPU's).
+READBACK_ORDERS = {"pipelined": True, "at-once": False}
+
+
 class OptionsError(TPRuntimeError, ValueError):
     """An executor option is out of range or names something that does not exist."""
 

@@ -58,7 +58,7 @@ from executor.allocator import retain_freed_memory  # noqa: E402
 from executor.cache import KVCache, page_runs  # noqa: E402
 from executor.inputs import StepInputs  # noqa: E402
 from executor.link import link_thread_name  # noqa: E402
-from executor.options import ExecutorOptions  # noqa: E402
+from executor.options import READBACK_ORDERS, ExecutorOptions  # noqa: E402
 from executor.sampler import SamplingBatch, argmax_rows, sample  # noqa: E402
 from protocol.codec import decode, encode, to_message  # noqa: E402
 from protocol.continuation import expand  # noqa: E402
@@ -400,7 +400,7 @@ class SimulatedDevice:
                 while time.perf_counter() < self.at:
                     time.sleep(0)
 
-        def start(inputs: StepInputs, out: object, behind_event: bool) -> object:
+        def start(inputs: StepInputs, out: object) -> object:
             return steps._Readback(inputs, out, steps.pack_sampled(out), Landing())
 
         steps._Readback.start = staticmethod(start)
@@ -528,18 +528,13 @@ class LoopSpec:
     forward: str = "sleep"
     max_inflight: int = 2
     steady: str = "continue"
-    readback: str = "at-once"  # READBACKS: the model thread's order (ExecutorOptions.pipelined_readback)
-
-
-# The model thread's orders (executor/steps.py): each sample read back as it is drawn (the CPU's), or
-# after the next forward is queued (a CUDA device's).
-READBACKS = {"at-once": False, "pipelined": True}
+    readback: str = "at-once"  # a name of READBACK_ORDERS: the model thread's order
 
 
 def loop_options(rows: int = DECODE_SEQS, readback: str = "at-once") -> ExecutorOptions:
     g = bench_geometry(rows)
     return ExecutorOptions(
-        pipelined_readback=READBACKS[readback],
+        pipelined_readback=READBACK_ORDERS[readback],
         model="bench",
         num_kv_pages=g.num_kv_pages,
         page_size=g.page_size,
@@ -754,7 +749,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--readback", default="at-once",
-        help=f"the model thread's order: {' or '.join(READBACKS)} (comma-separated: several runs; pipelined is a "
+        help=f"the model thread's order: {' or '.join(READBACK_ORDERS)} (comma-separated: several runs; pipelined is a "
         "CUDA device's, and shows with --forward device)",
     )
     parser.add_argument(
@@ -784,8 +779,8 @@ def main() -> None:
     if set(steadies) - set(STEADY_KINDS):
         parser.error(f"--steady takes {' or '.join(STEADY_KINDS)}")
     readbacks = args.readback.split(",")
-    if set(readbacks) - set(READBACKS):
-        parser.error(f"--readback takes {' or '.join(READBACKS)}")
+    if set(readbacks) - set(READBACK_ORDERS):
+        parser.error(f"--readback takes {' or '.join(READBACK_ORDERS)}")
     report["loop"] = {
         f"{mode}/{w}/rows={rows}/{forward}" + (f"/{steady}" if len(steadies) > 1 else "")
         + (f"/{readback}" if len(readbacks) > 1 else ""): measure_loop(

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from executor.options import READBACK_ORDERS  # noqa: E402
 from protocol.frames import CacheGeometry  # noqa: E402
 from scripts.bench_step import TIMES_CAPACITY_ENV, TIMES_DIR_ENV, forward_gaps, forward_times_path, quantiles_us  # noqa: E402
 from scripts.device_env import TOKENIZER  # noqa: E402
@@ -55,11 +56,9 @@ from scripts.harness.runtime import RuntimeServer, ServerOptions  # noqa: E402
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
 STREAM_TOKENS = 128
 PROMPT_TOKENS = 64
-# The model thread's orders the gap can be measured in (executor/steps.py): a CUDA device's own (each
-# forward queued before the sample before it is read back) and the CPU's (each sample read back before
-# the next forward is queued). The device check measures the first; `--readback pipelined,at_once`
-# both, side by side, in a call of its own (the second loop takes ~40 s more than the part's budget).
-READBACK_ORDERS = {"pipelined": True, "at_once": False}
+# The device check measures the gap in the pipelined order (READBACK_ORDERS); `--readback
+# pipelined,at-once` in both, side by side, in a call of its own (the second loop takes ~40 s more
+# than the part's budget).
 GAP_TARGET_US = 150.0  # issue 22's median gap between two forwards
 TPOT_TARGET_RATIO = 1.05  # issue 22: a served token within 5% of the step
 POOL = {"num_kv_pages": 64, "page_size": 16, "max_num_seqs": 4, "max_model_len": 512}
@@ -328,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     for order, other in others.items():  # the same loop in another of the model thread's orders
         if other.gap_us:
             values.update(
-                {f"gap_{order}_us": {k: round(v, 1) for k, v in other.gap_us.items()}, f"step_{order}_ms": round(other.step_ms, 3)}
+                {
+                    f"gap_{order.replace('-', '_')}_us": {k: round(v, 1) for k, v in other.gap_us.items()},
+                    f"step_{order.replace('-', '_')}_ms": round(other.step_ms, 3),
+                }
             )
     if served:
         ratio = served["tpot_ms"] / gaps.step_ms

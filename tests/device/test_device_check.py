@@ -262,15 +262,15 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
     turns = device_serving.Turns(server_up=threading.Event(), loop_done=Stamped())
     turns.server_up.set()
     trace = tmp_path / "trace.json"
-    orders = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), turns, trace, ("pipelined", "at_once"))
+    orders = device_serving.measure_gaps(model, "cpu", tmp_path, list(range(100, 110)), turns, trace, ("pipelined", "at-once"))
     assert device_serving.FAILURES == []
     import numpy as np
 
     from scripts.bench_step import forward_times_path
 
     # Both of the model thread's orders, each in a loop of its own, before the server's turn.
-    assert set(orders) == set(device_serving.READBACK_ORDERS) == {"pipelined", "at_once"}
-    assert len(orders["pipelined"].tokens) == 12 and orders["pipelined"].tokens == orders["at_once"].tokens
+    assert set(orders) == set(device_serving.READBACK_ORDERS) == {"pipelined", "at-once"}
+    assert len(orders["pipelined"].tokens) == 12 and orders["pipelined"].tokens == orders["at-once"].tokens
     for order, gaps in orders.items():
         ends = np.load(forward_times_path(tmp_path / order / "forward-times", 0))[:, 1]
         assert np.nanmax(ends) <= turns.loop_done.at
@@ -278,7 +278,7 @@ def test_the_serving_parts_gap_is_bench_steps_measurement_around_a_real_forward(
     assert any(e.get("name", "").startswith("aten::") for e in json.loads(trace.read_text())["traceEvents"])
 
 
-@pytest.mark.parametrize("readback", ["bogus", "pipelined,pipelined", "at_once,bogus"])
+@pytest.mark.parametrize("readback", ["bogus", "pipelined,pipelined", "at-once,bogus", "at_once"])
 def test_the_serving_part_refuses_an_order_it_does_not_know(readback: str) -> None:
     from scripts import device_serving
 
