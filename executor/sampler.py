@@ -274,7 +274,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
         if params.processing is not None:
             logits = process_logits(logits, params.processing)
             finite &= np.isfinite(logits.amax(dim=-1).numpy())
-        safe = logits if finite.all() else logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0)
+        safe = _zero_rows(logits, finite)
         scaled = safe / torch.from_numpy(scale).unsqueeze(1) if dividing else safe
     log_probs = torch.log_softmax(scaled, dim=-1)
     overflowed = _overflowed(log_probs.numpy()) & finite
@@ -394,11 +394,16 @@ def _finite_scaled_compiled(logits: torch.Tensor, scale: np.ndarray, dividing: b
     rows, vocab = logits.shape
     finite = np.empty(rows, np.uint8)
     out = np.empty((rows, vocab), np.float32) if dividing else None
-    bad = _sampling.finite_scaled(logits.detach().numpy(), vocab, scale, out, finite)
+    bad = _sampling.finite_scaled(logits.detach().numpy(), vocab, scale, out, finite)  # the count of non-finite rows
     finite = finite.view(np.bool_)
     if out is not None:
         return finite, torch.from_numpy(out)
-    return finite, (logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0) if bad else logits)
+    return finite, (_zero_rows(logits, finite) if bad else logits)
+
+
+def _zero_rows(logits: torch.Tensor, finite: np.ndarray) -> torch.Tensor:
+    """logits with its non-finite rows zeroed (a new tensor only when there are any)."""
+    return logits if finite.all() else logits.masked_fill(torch.from_numpy(~finite).unsqueeze(1), 0.0)
 
 
 def _overflowed(log_probs: np.ndarray) -> np.ndarray:
