@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -853,6 +854,48 @@ def test_a_sample_read_back_behind_an_event_answers_as_the_cpus_own(pipelined, m
     assert result.top_token_ids.tolist()[:2] == [10, 11] and len(result.top_token_ids) == 3
     assert np.isfinite(result.logprobs).all() and result.logprobs[0] == result.top_logprobs[0]
     assert synced == ([1] if pipelined else [])
+
+
+def test_a_gpus_sample_is_copied_into_pinned_memory_behind_an_event_on_its_stream(monkeypatch, pipelined):
+    # What _Readback.start asks of CUDA, with torch's CUDA calls stood in on the CPU: one copy of the
+    # packed sample into pinned memory, queued (non_blocking), an event recorded on the current
+    # stream of the sample's device after it, and take() waiting on that event before unpacking.
+    if not pipelined:
+        pytest.skip("the same in either order")
+    calls: list[tuple] = []
+    packed = executor.steps.pack_sampled(
+        executor.steps.SampleOutput(torch.tensor([7, 9]), torch.tensor([-0.5, -1.5]), torch.tensor([True, False]))
+    )
+    monkeypatch.setattr(executor.steps, "pack_sampled", lambda out: packed)
+    empty = torch.empty
+
+    def pinned(shape, dtype, pin_memory):
+        calls.append(("empty", tuple(shape), dtype, pin_memory))
+        return empty(shape, dtype=dtype)
+
+    class Event:
+        def record(self, stream):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    copy_ = torch.Tensor.copy_
+
+    def copying(self, source, non_blocking=False):
+        calls.append(("copy", non_blocking))
+        return copy_(self, source)
+
+    monkeypatch.setattr(torch, "empty", pinned)
+    monkeypatch.setattr(torch.Tensor, "copy_", copying)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("stream of", device))
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 1), shape=(2,))
+    readback = executor.steps._Readback.start(None, SimpleNamespace(token_ids=on_gpu))
+    assert calls == [("empty", tuple(packed.shape), torch.float64, True), ("copy", True), ("record", ("stream of", packed.device))]
+    host = readback.take()
+    assert calls[-1] == ("synchronize",)
+    assert host.tokens.tolist() == [7, 9] and host.finite.tolist() == [1, 0] and host.logprobs.tolist() == [-0.5, -1.5]
 
 
 def test_a_whole_sampling_state_on_a_feedback_row_counts_the_fed_token(pipelined, monkeypatch):
