@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from types import ModuleType
 
 import numpy as np
@@ -127,25 +128,72 @@ class LogitsProcessing:
 
 @dataclass(frozen=True)
 class HostRows:
-    """What the PREPARE says of each row, on the host: the sampler branches on these and draws the
-    seeded uniforms from them without reading a device value (on a GPU each such read stalls the
-    host between two forwards). Only a CPU's path reads values (it has nothing to wait for)."""
+    """What the PREPARE says of each row, on the host, and what the draws derive from it: the
+    sampler branches on these and draws the seeded uniforms from them without reading a device
+    value (on a GPU each such read stalls the host between two forwards). Only a CPU's path reads
+    values (it has nothing to wait for). The derived arrays are made with the rows, where a
+    PREPARE is staged (a rank's link thread, while the forward before runs), so that the sample
+    between two forwards derives nothing: on a CPU that was ~15 numpy calls of 1-3 us each, cold,
+    right after the forward (docs/control_plane.md, fourteenth sitting)."""
 
-    greedy: np.ndarray  # bool[m]: temperature 0
-    filtered: np.ndarray  # bool[m]: top-k or top-p cuts the vocabulary
+    temperature: np.ndarray  # float32[m]; 0 means greedy
+    top_p: np.ndarray  # float32[m]; 1 means off
+    top_k: np.ndarray  # integer[m]; 0 means off
     seeds: np.ndarray  # int64[m]; -1 means unseeded
     positions: np.ndarray  # int64[m]: the position of the token whose logits the row holds
     num_logprobs: np.ndarray  # integer[m]: the logprob alternatives the row wants returned, 0 for none
+    greedy: np.ndarray = field(init=False)  # bool[m]: temperature 0
+    filtered: np.ndarray = field(init=False)  # bool[m]: top-k or top-p cuts the vocabulary
+    scale: np.ndarray = field(init=False)  # float32[m]: what a row's logits are divided by (1 when greedy)
+    dividing: bool = field(init=False)  # whether any row's scale is not 1 (x / 1 is x: no pass)
+    random: np.ndarray = field(init=False)  # int64: the rows drawn at a temperature, ascending
+    # Of the random rows (indices into `random`): those drawn over their whole row, those that top-k
+    # or top-p cuts, and those that carry a seed, with the uniform each seed gives at its position.
+    plain: np.ndarray = field(init=False)
+    cut: np.ndarray = field(init=False)
+    seeded: np.ndarray = field(init=False)
+    seeded_uniforms: np.ndarray = field(init=False)  # float32
+    # The plain and cut rows as logits rows, and the cut rows' top-k (0: off) and top-p.
+    plain_rows: np.ndarray = field(init=False)
+    cut_rows: np.ndarray = field(init=False)
+    cut_top_k: np.ndarray = field(init=False)  # int64
+    cut_top_p: np.ndarray = field(init=False)  # float32
+    most_logprobs: int = field(init=False)  # the most alternatives any row wants
 
     def __post_init__(self) -> None:
         # Checked where the rows are built (a rank's link thread), not in every sample() between
         # two forwards. An int array for a mask would pass a shape check, and then `~` would
         # select every row.
-        rows = self.greedy.shape if isinstance(self.greedy, np.ndarray) else None
-        for name, kind in (("greedy", "b"), ("filtered", "b"), ("seeds", "iu"), ("positions", "iu"), ("num_logprobs", "iu")):
+        rows = self.temperature.shape if isinstance(self.temperature, np.ndarray) else None
+        for name, kind in (
+            ("temperature", "f"), ("top_p", "f"), ("top_k", "iu"), ("seeds", "iu"), ("positions", "iu"), ("num_logprobs", "iu"),
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, np.ndarray) or value.dtype.kind not in kind or value.ndim != 1 or value.shape != rows:
-                raise SamplingError(f"host rows: {name} must be a one-dimensional numpy {'bool' if kind == 'b' else 'integer'} array, as long as greedy")
+                what = "floating-point" if kind == "f" else "integer"
+                raise SamplingError(f"host rows: {name} must be a one-dimensional numpy {what} array, as long as temperature")
+        derive = partial(object.__setattr__, self)
+        greedy = self.temperature <= 0
+        random = np.flatnonzero(~greedy)
+        filtered = (self.top_k > 0) | (self.top_p < 1)
+        cut_of_random = filtered[random]
+        plain, cut = np.flatnonzero(~cut_of_random), np.flatnonzero(cut_of_random)
+        scale = np.where(greedy, np.float32(1), self.temperature).astype(np.float32)
+        seeded = np.flatnonzero(self.seeds[random] >= 0)
+        derive("greedy", greedy)
+        derive("filtered", filtered)
+        derive("scale", scale)
+        derive("dividing", bool((scale != 1).any()))
+        derive("random", random)
+        derive("plain", plain)
+        derive("cut", cut)
+        derive("seeded", seeded)
+        derive("seeded_uniforms", _seeded_uniforms(self.seeds[random[seeded]], self.positions[random[seeded]]))
+        derive("plain_rows", random[plain])
+        derive("cut_rows", random[cut])
+        derive("cut_top_k", self.top_k[random[cut]].astype(np.int64))
+        derive("cut_top_p", self.top_p[random[cut]].astype(np.float32))
+        derive("most_logprobs", int(self.num_logprobs.max()) if rows[0] else 0)
 
     @classmethod
     def of(
@@ -153,18 +201,30 @@ class HostRows:
         num_logprobs: np.ndarray | None = None,
     ) -> HostRows:  # fmt: skip
         wanted = np.zeros(temperature.shape[0], dtype=np.uint8) if num_logprobs is None else num_logprobs
-        return cls(temperature <= 0, (top_k > 0) | (top_p < 1), seeds.astype(np.int64), positions.astype(np.int64), wanted)
+        return cls(
+            temperature.astype(np.float32), top_p.astype(np.float32), top_k.astype(np.int64), seeds.astype(np.int64),
+            positions.astype(np.int64), wanted,
+        )  # fmt: skip
+
+    def uniforms(self) -> torch.Tensor:
+        """One uniform in [0, 1) per random row, on the CPU: an unseeded row's from torch's default
+        generator (which --seed seeds), a seeded row's the one its seed gives at its position."""
+        uniforms = torch.rand(self.random.shape[0])
+        if self.seeded.shape[0]:
+            uniforms.numpy()[self.seeded] = self.seeded_uniforms
+        return uniforms
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row parameters, one entry per logits row: what the arithmetic reads on the logits'
-    device, what the branches and the seeded draws read on the host."""
+    """Per-row parameters, one entry per logits row: what a device's arithmetic reads on the logits'
+    device, and the same rows on the host, which the branches, the seeded draws and a CPU's
+    arithmetic read."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
     top_k: torch.Tensor  # int[m]; 0 means off
-    host: HostRows  # the same rows, with their seeds, positions and alternatives wanted
+    host: HostRows  # the same rows, with their seeds, positions, alternatives wanted and draws
     processing: LogitsProcessing | None = None  # None: no row asks for any
 
     @classmethod
@@ -226,7 +286,7 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
     # A non-finite row is flagged, not sampled; zeroing it keeps NaN out of every reduction below.
     # The zeroing pass costs less than the sync that asking whether it is needed would.
     safe = torch.where(finite.unsqueeze(1), logits, torch.zeros((), device=logits.device))
-    random = (~host.greedy).nonzero()[0]  # the rows drawn at a temperature
+    random = host.random
     if not random.shape[0]:
         scaled = safe  # greedy rows report the unscaled log-softmax
     else:
@@ -246,64 +306,60 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
             params.top_k[random_rows],
             params.top_p[random_rows],
-            to_device(_uniforms(host.seeds[random], host.positions[random]).numpy(), logits.device),
+            to_device(host.uniforms().numpy(), logits.device),
             host.filtered[random],
         )
         tokens = tokens.index_put((random_rows,), drawn)
     tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
     logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     logprobs = torch.where(finite, logprobs, torch.full_like(logprobs, float("nan")))
-    top_ids, top_logprobs = _alternatives(log_probs, host.num_logprobs, finite)
+    top_ids, top_logprobs = _alternatives(log_probs, host, finite)
     return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     """The same rows on a CPU, in torch, numpy and the compiled calls (the module says which does
-    what), with a branch wherever it saves a pass, since reading a value here waits for nothing."""
+    what), with a branch wherever it saves a pass, since reading a value here waits for nothing.
+    What the rows' parameters decide (which rows draw how, each row's scale, the seeded uniforms)
+    comes made with the host rows."""
     host = params.host
-    rows = logits.shape[0]
-    random = np.flatnonzero(~host.greedy)
-    scale = np.where(host.greedy, np.float32(1), params.temperature.numpy().astype(np.float32, copy=False))
+    rows, vocab = logits.shape
     # A batch at temperature 1 (OpenAI's default) and greedy rows skip a pass: x / 1 is x. So greedy
     # rows of `scaled` are their logits (non-finite rows zeroed), whichever way it is made.
-    dividing = bool((scale != 1).any())
     if params.processing is None and _sampling is not None and logits.is_contiguous():
-        finite, scaled = _finite_scaled_compiled(logits, scale, dividing)
+        finite, scaled = _finite_scaled_compiled(logits, host.scale, host.dividing)
     else:
         finite = _finite_rows(logits)
         if params.processing is not None:
             logits = process_logits(logits, params.processing)
             finite &= np.isfinite(logits.amax(dim=-1).numpy())
         safe = _zero_rows(logits, finite)
-        scaled = safe / torch.from_numpy(scale).unsqueeze(1) if dividing else safe
+        scaled = safe / torch.from_numpy(host.scale).unsqueeze(1) if host.dividing else safe
     log_probs = torch.log_softmax(scaled, dim=-1)
-    overflowed = _overflowed(log_probs.numpy()) & finite
+    table = log_probs.numpy()
+    overflowed = _overflowed(table) & finite
     if overflowed.any():
         # Nothing to sample in them: a uniform row keeps the draws below well defined, and the
         # rows are flagged (their tokens 0, their logprobs NaN) like any other non-finite row.
         finite &= ~overflowed
-        log_probs[torch.from_numpy(overflowed)] = -math.log(logits.shape[1])
+        log_probs[torch.from_numpy(overflowed)] = -math.log(vocab)
+    random = host.random
     tokens = argmax_rows(scaled).numpy() if random.shape[0] < rows else np.zeros(rows, dtype=np.int64)
     if random.shape[0]:
-        drawn = _rows(_min_p_filtered(log_probs, params.processing), torch.from_numpy(random))
-        filtered = host.filtered[random]
-        uniforms = _uniforms(host.seeds[random], host.positions[random]).numpy()
-        plain = np.flatnonzero(~filtered)
-        if plain.shape[0]:
-            weights = _rows(drawn, torch.from_numpy(plain)).exp()
-            tokens[random[plain]] = _draw_plain(weights, torch.from_numpy(uniforms[plain])).numpy()
-        cut = np.flatnonzero(filtered)
-        if cut.shape[0]:
-            vocab = logits.shape[1]
-            top_k = params.top_k.numpy()[random[cut]].astype(np.int64)
-            k = np.where(top_k > 0, top_k, vocab)
-            top_p = params.top_p.numpy()[random[cut]].astype(np.float32, copy=False)
-            tokens[random[cut]] = _draw_candidates(_rows(drawn.numpy(), cut), k, top_p, uniforms[cut])
-    tokens[~finite] = 0
-    logprobs = log_probs.numpy()[np.arange(rows), tokens]
-    logprobs[~finite] = np.nan
+        drawn = _min_p_filtered(log_probs, params.processing)
+        uniforms = host.uniforms().numpy()
+        if host.plain.shape[0]:
+            weights = _rows(drawn, host.plain_rows).exp()
+            tokens[host.plain_rows] = _draw_plain(weights, torch.from_numpy(uniforms[host.plain])).numpy()
+        if host.cut.shape[0]:
+            k = np.where(host.cut_top_k > 0, host.cut_top_k, vocab)
+            tokens[host.cut_rows] = _draw_candidates(_rows(drawn.numpy(), host.cut_rows), k, host.cut_top_p, uniforms[host.cut])
+    logprobs = table[np.arange(rows), tokens]
+    if not finite.all():
+        tokens[~finite] = 0
+        logprobs[~finite] = np.nan
     finite_rows = torch.from_numpy(finite)
-    top_ids, top_logprobs = _alternatives(log_probs, host.num_logprobs, finite_rows)
+    top_ids, top_logprobs = _alternatives(log_probs, host, finite_rows)
     return SampleOutput(
         token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=finite_rows,
         top_ids=top_ids, top_logprobs=top_logprobs,
@@ -351,17 +407,13 @@ def _min_p_filtered(log_probs: torch.Tensor, p: LogitsProcessing | None) -> torc
     return log_probs.index_copy(0, p.min_p_rows, rows.masked_fill(rows < floor, float("-inf")))
 
 
-def _alternatives(
-    log_probs: torch.Tensor, wanted: np.ndarray, finite: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _alternatives(log_probs: torch.Tensor, host: HostRows, finite: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The most likely tokens of each row that wants alternatives, and their logprobs, as many as
     the greediest row wants (a row that wants fewer reads a prefix; one that wants none, zeros)."""
-    if not wanted.size:
-        return None, None
-    k = int(wanted.max())
+    k = host.most_logprobs
     if k == 0:
         return None, None
-    rows = to_device(wanted.nonzero()[0], log_probs.device)
+    rows = to_device(host.num_logprobs.nonzero()[0], log_probs.device)
     values, ids = _rows(log_probs, rows).topk(k, dim=-1)
     keep = finite[rows].unsqueeze(1)
     top_ids = torch.zeros(log_probs.shape[0], k, dtype=torch.long, device=log_probs.device)
@@ -374,7 +426,9 @@ def _alternatives(
 def _rows(t: torch.Tensor | np.ndarray, index: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """t's rows at `index` (ascending, unique: from nonzero; a tensor's or an array's alike), without
     a copy when that is all of them: a copy of [rows, vocab] costs as much as a pass over it."""
-    return t if index.shape[0] == t.shape[0] else t[index]
+    if index.shape[0] == t.shape[0]:
+        return t
+    return t[torch.from_numpy(index)] if isinstance(t, torch.Tensor) and isinstance(index, np.ndarray) else t[index]
 
 
 def argmax_rows(t: torch.Tensor) -> torch.Tensor:
@@ -426,17 +480,11 @@ def _finite_rows(logits: torch.Tensor) -> np.ndarray:
     return finite
 
 
-def _uniforms(seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-    """One uniform in [0, 1) per row, on the CPU: an unseeded row's from torch's default generator
-    (which --seed seeds), a seeded row's the top 24 bits of its row_seed, which a float32 holds
+def _seeded_uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Each seeded row's uniform in [0, 1): the top 24 bits of its row_seed, which a float32 holds
     exactly (a generator of its own per row cost ~8 us a row)."""
-    uniforms = torch.rand(seeds.shape[0])
-    seeded = np.flatnonzero(seeds >= 0)
-    if seeded.shape[0]:
-        values = uniforms.numpy()
-        for row, seed, position in zip(seeded.tolist(), seeds[seeded].tolist(), positions[seeded].tolist()):
-            values[row] = (row_seed(seed, position) >> 40) * 2.0**-24
-    return uniforms
+    values = [(row_seed(seed, position) >> 40) * 2.0**-24 for seed, position in zip(seeds.tolist(), positions.tolist())]
+    return np.array(values, dtype=np.float32)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,10 @@ class _Feeding:
     def land(self, inputs: StepInputs) -> None:
         if self.work is not None:
             self.work.wait()
-        inputs.token_ids[self.rows] = self.tokens
+        if self.tokens.device.type == "cpu":
+            inputs.token_ids.numpy()[self.rows.numpy()] = self.tokens.numpy()  # _feed says why numpy
+        else:
+            inputs.token_ids[self.rows] = self.tokens
 
 
 @dataclass
@@ -285,7 +288,11 @@ class StepRunner:
         if on_device is None:
             return None
         rows, sources = on_device[0], on_device[1]
-        if self.rank == 0:
+        if self.rank == 0 and sources.device.type == "cpu":
+            # numpy's indexing of a few rows costs ~1 us where torch's costs several, right after a
+            # forward (bench_step's gap at one rank: _feed and land ~30 us in torch, ~5 in numpy).
+            tokens = torch.from_numpy(self._samples.tokens.numpy()[sources.numpy()])
+        elif self.rank == 0:
             tokens = self._samples.tokens[sources]
         else:
             tokens = torch.empty(rows.shape[0], dtype=torch.long, device=self.cache.device)
@@ -370,8 +377,9 @@ def sampled_to_host(out: SampleOutput) -> HostSample:
     """A CPU's sample as a HostSample, by numpy's casts (a torch call costs a few times one); a
     GPU's comes through pack_sampled's one copy (_Readback)."""
     alternatives = out.top_ids is not None
+    # The flags and logprobs as they are (bool's bytes are uint8's): nothing changes them once drawn.
     return HostSample(
-        out.token_ids.numpy().astype(np.int32), out.finite.numpy().astype(np.uint8), out.logprobs.numpy().astype(np.float32),
+        out.token_ids.numpy().astype(np.int32), out.finite.numpy().view(np.uint8), out.logprobs.numpy().astype(np.float32, copy=False),
         out.top_ids.numpy().astype(np.int32) if alternatives else None,
         out.top_logprobs.numpy().astype(np.float32) if alternatives else None,
     )  # fmt: skip

@@ -207,7 +207,7 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows)
     greedy = SamplingBatch(
         torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k,
-        replace(inputs.host_rows, greedy=np.ones(inputs.temperature.shape[0], dtype=bool)),
+        replace(inputs.host_rows, temperature=np.zeros(inputs.temperature.shape[0], dtype=np.float32)),
     )  # fmt: skip
     lone = SamplingBatch.of([0.0], [1.0], [0], [-1], [0])
     return {

@@ -551,14 +551,39 @@ def test_host_rows_that_do_not_describe_the_batch_are_refused():
     with pytest.raises(SamplingError, match="5 rows, expected 6"):
         sample(logits, replace(mixed, host=short.host))
     # Refused where they are built (a rank's link thread), not in every sample() call.
-    with pytest.raises(SamplingError, match="greedy"):
-        replace(mixed.host, filtered=np.ones(5, dtype=bool))
-    with pytest.raises(SamplingError, match="filtered"):  # ~ of ints would make every row filtered
-        replace(mixed.host, filtered=np.zeros(6, dtype=np.int64))
+    with pytest.raises(SamplingError, match="top_p must be .* as long as temperature"):
+        replace(mixed.host, top_p=np.ones(5, dtype=np.float32))
+    with pytest.raises(SamplingError, match="temperature must be .* floating-point"):  # 0.5 as an int is 0: greedy
+        replace(mixed.host, temperature=np.zeros(6, dtype=np.int64))
+    with pytest.raises(SamplingError, match="top_k must be .* integer"):
+        replace(mixed.host, top_k=np.zeros(6))
     with pytest.raises(SamplingError, match="seeds"):
         replace(mixed.host, seeds=np.zeros(6))
     with pytest.raises(SamplingError, match="num_logprobs"):
         replace(mixed.host, num_logprobs=np.ones(5, dtype=np.uint8))
+
+
+def test_host_rows_derive_each_rows_draw_where_they_are_built():
+    # What sample() reads of the rows comes made with them (a rank's link thread stages them while
+    # the forward before runs), and a later forward's rows (one position on) derive it afresh.
+    mixed = batch(
+        6, temperature=[0.0, 0.8, 0.0, 1.0, 0.5, 2.0], top_p=[1, 1, 1, 0.9, 1, 1], top_k=[0, 3, 0, 0, 0, 0],
+        seeds=[5, 2, -1, -1, 7, 9], positions=[10, 11, 12, 13, 14, 15],
+    ).host  # fmt: skip
+    assert mixed.random.tolist() == [1, 3, 4, 5]
+    assert mixed.scale.tolist() == pytest.approx([1.0, 0.8, 1.0, 1.0, 0.5, 2.0]) and mixed.dividing
+    assert mixed.plain_rows.tolist() == [4, 5] and mixed.random[mixed.plain].tolist() == [4, 5]
+    assert mixed.cut_rows.tolist() == [1, 3] and mixed.random[mixed.cut].tolist() == [1, 3]
+    assert mixed.cut_top_k.tolist() == [3, 0] and mixed.cut_top_p.tolist() == pytest.approx([1.0, 0.9])
+    assert mixed.random[mixed.seeded].tolist() == [1, 4, 5]  # row 0's seed is a greedy row's: never drawn
+    expected = [(row_seed(seed, position) >> 40) * 2.0**-24 for seed, position in ((2, 11), (7, 14), (9, 15))]
+    assert mixed.seeded_uniforms.tolist() == expected
+    torch.manual_seed(0)
+    uniforms = mixed.uniforms()
+    assert uniforms.shape == (4,) and uniforms[mixed.seeded].tolist() == expected
+    later = replace(mixed, positions=mixed.positions + 1)
+    assert later.seeded_uniforms.tolist() == [(row_seed(s, p + 1) >> 40) * 2.0**-24 for s, p in ((2, 11), (7, 14), (9, 15))]
+    assert not batch(3, temperature=[0.0, 1.0, 1.0]).host.dividing  # x / 1 is x: no pass
 
 
 def test_on_a_device_the_sampler_reads_nothing_back():
