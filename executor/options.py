@@ -57,7 +57,10 @@ class ExecutorOptions:
     # Seeds rank 0's default generator, which samples the rows of requests that bring no seed of
     # their own (vLLM's --seed); None: seeded by torch from the OS.
     seed: int | None = None
-    heartbeat_interval_s: float = 0.25  # the frontend calls a rank stopped after 2 s without a frame
+    # A rank sends a frame at least this often (a heartbeat only when nothing else went). The
+    # frontend calls a rank stopped after 1.5 s without one (tp_runtime.step_loop.Timeouts), and
+    # each heartbeat cost its engine thread ~0.4 ms, cold (docs/control_plane.md, fourteenth sitting).
+    heartbeat_interval_s: float = 0.5
     # Silence from the scheduler for this long, while idle, ends the executor.
     peer_timeout_s: float = 5.0
     # How long to wait for WELCOME after HELLO: other ranks may still be loading weights.

@@ -48,7 +48,7 @@ log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # A heartbeat due within this fraction of heartbeat_s goes out with a burst that a rank's frame
-# woke already (ranks send one at least every 0.25 s), rather than on a wake-up of its own.
+# woke already (ranks send one at least every 0.5 s), rather than on a wake-up of its own.
 EARLY_HEARTBEAT = 0.75
 # A rank whose collective failed reports it at once, while the peer that died under the collective
 # may have its connection's close still unread: this long for it, so that the error names the rank
@@ -73,13 +73,12 @@ class EngineTimeouts:
     first_step_s: float = 120.0
     step_floor_s: float = 5.0  # no measured deadline is shorter than this
     step_margin: float = 10.0  # a step may take this many times the longest like it measured so far
-    # No frame from a rank for this long: it stopped. Executors send a frame at least every 0.25 s
+    # No frame from a rank for this long: it stopped. Executors send a frame at least every 0.5 s
     # beside their forward, a heartbeat when nothing else went (ExecutorOptions.heartbeat_interval_s),
     # and frames that arrived while this process did not run count as heard when it reads them. The
-    # longest silence a live rank showed with the 2-core machine at load 5-6 was 0.29 s
-    # (tp_runtime_peer_longest_silence_seconds, docs/reports.md, then sampled by looks every 0.2 s;
-    # each frame measures it now): 1.5 s finds a stopped rank within the 2 s with five times
-    # that margin.
+    # longest silence a live rank showed with the 2-core machine at load 5-6 was 0.29 s with a frame
+    # every 0.25 s, 0.59 s with one every 0.5 s (tp_runtime_peer_longest_silence_seconds,
+    # docs/reports.md): 1.5 s finds a stopped rank within the 2 s with 2.5 times that margin.
     peer_silence_s: float = 1.5
     # A frame to every rank at least this often: a rank ends itself after ExecutorOptions.peer_timeout_s
     # (5 s) without one, five times this.

@@ -60,7 +60,7 @@ def test_a_frame_that_ends_a_silence_is_counted_as_the_longest_silence() -> None
 
 
 def test_a_heartbeat_nearly_due_goes_out_with_the_wake_up_a_ranks_frame_brought() -> None:
-    # The ranks send a frame at least every 0.25 s: the scheduler's heartbeat rides on the bursts
+    # The ranks send a frame at least every 0.5 s: the scheduler's heartbeat rides on the bursts
     # those wake rather than waking the engine thread on its own.
     timeouts = EngineTimeouts(heartbeat_s=20.0, peer_silence_s=60.0)  # wide margins on a loaded machine
     loop, wire, rank = lone_rank_loop(timeouts)
