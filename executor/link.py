@@ -165,11 +165,11 @@ class SchedulerLink:
     def start(self) -> None:
         self._thread.start()
 
-    def finish(self, step: int, result: Result | None, still_busy: bool = False) -> None:
-        """Step `step` ran: RESULT on rank 0 (`result`), DONE elsewhere. still_busy: the next step
-        already runs on the model's thread."""
+    def finish(self, step: int, result: Callable[[], Result] | None, still_busy: bool = False) -> None:
+        """Step `step` ran: RESULT on rank 0 (`result` makes it, on this thread), DONE elsewhere.
+        still_busy: the next step already runs on the model's thread."""
         conv = self.conversation
-        self._post(lambda: conv.result(step, result) if result is not None else conv.done(step), still_busy)
+        self._post(lambda: conv.result(step, result()) if result is not None else conv.done(step), still_busy)
 
     def fail(self, step: int, message: str) -> None:
         """The forward of `step` raised: the collectives are unusable, the rank ends after this."""

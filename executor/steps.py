@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -63,17 +64,18 @@ class StepModel(Protocol):
 @dataclass(frozen=True)
 class _Feeding:
     """A step's feedback tokens on their way: `work` is the broadcast still running (None on a
-    single rank), `rows` the token indices of the step's inputs they go to."""
+    single rank), `rows` the token indices of the step's inputs they go to (on the CPU a host
+    array: _feed says why)."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | np.ndarray
     tokens: torch.Tensor
     work: dist.Work | None
 
     def land(self, inputs: StepInputs) -> None:
         if self.work is not None:
             self.work.wait()
-        if self.tokens.device.type == "cpu":
-            inputs.token_ids.numpy()[self.rows.numpy()] = self.tokens.numpy()  # _feed says why numpy
+        if isinstance(self.rows, np.ndarray):
+            inputs.token_ids.numpy()[self.rows] = self.tokens.numpy()
         else:
             inputs.token_ids[self.rows] = self.tokens
 
@@ -149,9 +151,10 @@ class ReadbackError(TPRuntimeError, RuntimeError):
         self.cause = cause
 
 
-# How a step is answered: (step, RESULT on rank 0 or None elsewhere, whether the next step's forward
-# is already running on the model's thread).
-Answer = Callable[[int, Result | None, bool], None]
+# How a step is answered: (step, its RESULT on rank 0, made when called, or None elsewhere, whether
+# the next step's forward is already running on the model's thread). The link's thread makes the
+# RESULT as it sends it, so that its ~15 us (cold) are not between two forwards.
+Answer = Callable[[int, Callable[[], Result] | None, bool], None]
 
 
 class StepRunner:
@@ -245,7 +248,7 @@ class StepRunner:
         if opened is None:
             return
         self._take(opened)
-        result = self._result(opened) if self.rank == 0 else None
+        result = partial(_result, opened, time.perf_counter()) if self.rank == 0 else None
         answer(opened.step, result, next_running)
 
     def _take(self, opened: _OpenStep) -> None:
@@ -287,15 +290,17 @@ class StepRunner:
         on_device = staged.feedback_on_device
         if on_device is None:
             return None
-        rows, sources = on_device[0], on_device[1]
-        if self.rank == 0 and sources.device.type == "cpu":
-            # numpy's indexing of a few rows costs ~1 us where torch's costs several, right after a
-            # forward (bench_step's gap at one rank: _feed and land ~30 us in torch, ~5 in numpy).
-            tokens = torch.from_numpy(self._samples.tokens.numpy()[sources.numpy()])
-        elif self.rank == 0:
-            tokens = self._samples.tokens[sources]
-        else:
+        # On the CPU through numpy, whose indexing of a few rows costs ~1 us where torch's costs
+        # several right after a forward (bench_step at one rank: _feed and land ~30 us through
+        # torch, ~10 through numpy).
+        on_cpu = on_device.device.type == "cpu"
+        rows, sources = on_device.numpy() if on_cpu else (on_device[0], on_device[1])
+        if self.rank != 0:
             tokens = torch.empty(rows.shape[0], dtype=torch.long, device=self.cache.device)
+        elif on_cpu:
+            tokens = torch.from_numpy(self._samples.tokens.numpy()[sources])
+        else:
+            tokens = self._samples.tokens[sources]
         work = dist.broadcast(tokens, src=0, async_op=True) if self.world_size > 1 else None
         return _Feeding(rows, tokens, work)
 
@@ -345,23 +350,6 @@ class StepRunner:
         self._samples.tokens = out.token_ids
         return _Readback.start(inputs, out)
 
-    def _result(self, opened: _OpenStep) -> Result:
-        """The RESULT of the step's forwards, forward by forward (protocol.frames.Result)."""
-        inputs, samples = opened.inputs, opened.samples
-        wanted = inputs.host_rows.num_logprobs
-        tops = [_alternatives(host, wanted) for host in samples]
-        return Result(
-            seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
-            token_ids=np.concatenate([host.tokens for host in samples]),
-            logprobs=np.concatenate([host.logprobs for host in samples]),
-            finite=np.concatenate([host.finite for host in samples]),
-            step_time_us=int((time.perf_counter() - opened.started) * 1e6),
-            gap_us=opened.gap_us,
-            top_token_ids=np.concatenate([ids for ids, _ in tops]),
-            top_logprobs=np.concatenate([lps for _, lps in tops]),
-        )
-
-
 @dataclass(frozen=True)
 class HostSample:
     """A step's SampleOutput on the host, as RESULT carries it."""
@@ -406,6 +394,24 @@ def unpack_sampled(packed: torch.Tensor, rows: int) -> HostSample:
         alternatives[: rows * k].reshape(rows, k).astype(np.int32) if k else None,
         alternatives[rows * k :].reshape(rows, k).astype(np.float32) if k else None,
     )  # fmt: skip
+
+
+def _result(opened: _OpenStep, ended: float) -> Result:
+    """The RESULT of a step's forwards, forward by forward (protocol.frames.Result); nothing of
+    `opened` changes once it is answered."""
+    inputs, samples = opened.inputs, opened.samples
+    wanted = inputs.host_rows.num_logprobs
+    tops = [_alternatives(host, wanted) for host in samples]
+    return Result(
+        seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),
+        token_ids=np.concatenate([host.tokens for host in samples]),
+        logprobs=np.concatenate([host.logprobs for host in samples]),
+        finite=np.concatenate([host.finite for host in samples]),
+        step_time_us=int((ended - opened.started) * 1e6),
+        gap_us=opened.gap_us,
+        top_token_ids=np.concatenate([ids for ids, _ in tops]),
+        top_logprobs=np.concatenate([lps for _, lps in tops]),
+    )
 
 
 def _alternatives(host: HostSample, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -143,7 +143,7 @@ class Worker:
                 held.send()
             link.close()
 
-    def _answered(self, step: int, result: Result | None, next_running: bool) -> None:
+    def _answered(self, step: int, result: Callable[[], Result] | None, next_running: bool) -> None:
         """The runner's answer of a step. On the CPU it comes as the step ends and is held until
         the next step's forward starts, if that step is here (_Answer says why); pipelined, it comes
         once the next step's forward is queued, or from settle(), and goes at once."""
@@ -215,7 +215,7 @@ class _Answer:
 
     link: SchedulerLink
     step: int
-    result: Result | None
+    result: Callable[[], Result] | None  # makes the RESULT (rank 0), on the link's thread
     sent: bool = False
 
     def send(self) -> None:

@@ -3,6 +3,7 @@ the inputs the same forward gets as a step of its own, and through a CUDA graph'
 whose padding rules must take them as they take any decode step (checked on the CPU); and the
 model's thread ending such a step where a CUT says."""
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -104,13 +105,13 @@ def run_forwards(cut_after: int | None, *, pipelined: bool = False) -> tuple[Res
         rank=0, world_size=1, model=model, cache=cache, options=options(), is_cut=is_cut, pipelined=pipelined
     )
     prepare = step(0, {1: 5, 2: 6, 3: 7}, FORWARDS)
-    answers: list[tuple[int, Result | None, bool]] = []
+    answers: list[tuple[int, Callable[[], Result] | None, bool]] = []
     runner.run(StagedStep(5, prepare, inputs_of(prepare), np.zeros(0, dtype=np.int64), None), lambda *a: answers.append(a))
     assert (answers == []) == pipelined and runner.open_step == (5 if pipelined else None)
     runner.settle(lambda *a: answers.append(a))
     [(answered, result, next_running)] = answers
     assert answered == 5 and not next_running and runner.open_step is None
-    return result, model.forward_calls
+    return result(), model.forward_calls
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
