@@ -46,15 +46,20 @@ ENV = "TP_RUNTIME_WEIGHT_CACHE"
 _Q4_FIELDS = ("q", "scale", "low")
 
 
+# The code that decides what an entry holds (this module's included), by path under executor/:
+# its modules are read, not imported (executor.model.load imports this one).
+_DECIDING_FILES = (
+    "gguf_file.py", "model/config.py", "model/gguf_source.py", "model/load.py", "model/sharding.py", "model/source.py",
+    "weight_cache.py",
+)  # fmt: skip
+
+
 @functools.cache
 def _code_digest() -> str:
-    """The code that decides what an entry holds (this module's included): an edit to any of it
-    makes every key new."""
-    from executor import gguf_file
-    from executor.model import config, gguf_source, load, sharding, source
-
-    files = [Path(m.__file__) for m in (gguf_file, config, gguf_source, load, sharding, source)] + [Path(__file__)]
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    """A digest of the code that decides what an entry holds: an edit to any of it makes every key
+    new."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in _DECIDING_FILES)).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
