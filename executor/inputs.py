@@ -142,7 +142,7 @@ class StepInputs:
             context_lens=self.context_lens + 1,
             write_pages=self.page_table[rows, positions // page_size],
             write_offsets=positions % page_size,
-            host_rows=replace(host, positions=host.positions + 1),
+            host_rows=host.one_position_on(),
             context_lens_host=self.context_lens_host + 1,
         )
 

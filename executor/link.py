@@ -168,8 +168,10 @@ class SchedulerLink:
     def finish(self, step: int, result: Callable[[], Result] | None, still_busy: bool = False) -> None:
         """Step `step` ran: RESULT on rank 0 (`result` makes it, on this thread), DONE elsewhere.
         still_busy: the next step already runs on the model's thread."""
-        conv = self.conversation
-        self._post(lambda: conv.result(step, result()) if result is not None else conv.done(step), still_busy)
+        if result is None:
+            self._post(lambda: self.conversation.done(step), still_busy)
+        else:
+            self._post(lambda: self._result(step, result), still_busy)
 
     def fail(self, step: int, message: str) -> None:
         """The forward of `step` raised: the collectives are unusable, the rank ends after this."""
@@ -210,6 +212,18 @@ class SchedulerLink:
             self._stop(self._codes.TRANSPORT_FAILED, f"the link failed: {exc!r}")
         finally:
             self._flush()
+
+    def _result(self, step: int, make: Callable[[], Result]) -> Outgoing:
+        """Step `step`'s RESULT. One that cannot be made fails its step as a failed forward does: a
+        REJECT names it, and the rank ends."""
+        try:
+            result = make()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the scheduler must hear of the step
+            logger.exception("[rank %d] step %d's RESULT could not be made", self.rank, step)
+            self._stop(self._codes.STEP_FAILED, f"step {step}'s RESULT could not be made: {exc!r}")
+            error = ProtocolError(RejectCode.INTERNAL, f"rank {self.rank} could not make step {step}'s RESULT: {exc}")
+            return self.conversation.reject(step, error)
+        return self.conversation.result(step, result)
 
     def _send(self, outgoing: Outgoing) -> None:
         self.endpoint.send(*outgoing)

@@ -58,8 +58,9 @@ class ExecutorOptions:
     # their own (vLLM's --seed); None: seeded by torch from the OS.
     seed: int | None = None
     # A rank sends a frame at least this often (a heartbeat only when nothing else went). The
-    # frontend calls a rank stopped after 1.5 s without one (tp_runtime.step_loop.Timeouts), and
-    # each heartbeat cost its engine thread ~0.4 ms, cold (docs/control_plane.md, fourteenth sitting).
+    # frontend calls a rank stopped after 1.5 s without one (tp_runtime.step_loop.EngineTimeouts),
+    # and each heartbeat costs its engine thread ~0.25 ms, cold (docs/control_plane.md, fourteenth
+    # sitting).
     heartbeat_interval_s: float = 0.5
     # Silence from the scheduler for this long, while idle, ends the executor.
     peer_timeout_s: float = 5.0

@@ -41,6 +41,7 @@ leaves). Without it, torch checks and divides and numpy draws, to the same token
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass, field
@@ -162,8 +163,8 @@ class HostRows:
 
     def __post_init__(self) -> None:
         # Checked where the rows are built (a rank's link thread), not in every sample() between
-        # two forwards. An int array for a mask would pass a shape check, and then `~` would
-        # select every row.
+        # two forwards. An int array for the temperature would pass a shape check and make a row
+        # of temperature 0.5 greedy.
         rows = self.temperature.shape if isinstance(self.temperature, np.ndarray) else None
         for name, kind in (
             ("temperature", "f"), ("top_p", "f"), ("top_k", "iu"), ("seeds", "iu"), ("positions", "iu"), ("num_logprobs", "iu"),
@@ -205,6 +206,17 @@ class HostRows:
             temperature.astype(np.float32), top_p.astype(np.float32), top_k.astype(np.int64), seeds.astype(np.int64),
             positions.astype(np.int64), wanted,
         )  # fmt: skip
+
+    def one_position_on(self) -> HostRows:
+        """The same rows one position on: the next forward of a step of several, made between two
+        forwards on every rank. Only the seeded uniforms depend on the position, so only they are
+        derived again (all of it took ~30 us there, cold)."""
+        later = copy.copy(self)
+        positions = self.positions + 1
+        seeded = self.random[self.seeded]
+        object.__setattr__(later, "positions", positions)
+        object.__setattr__(later, "seeded_uniforms", _seeded_uniforms(self.seeds[seeded], positions[seeded]))
+        return later
 
     def uniforms(self) -> torch.Tensor:
         """One uniform in [0, 1) per random row, on the CPU: an unseeded row's from torch's default

@@ -350,6 +350,7 @@ class StepRunner:
         self._samples.tokens = out.token_ids
         return _Readback.start(inputs, out)
 
+
 @dataclass(frozen=True)
 class HostSample:
     """A step's SampleOutput on the host, as RESULT carries it."""

@@ -25,7 +25,7 @@ from scripts.harness.runtime import FRONTEND, RuntimeServer
 
 STREAM_TOKENS = 1500  # far more than the stream makes before the fault is noticed
 IN_FLIGHT = CompletionRequest(prompt_ids=(5, 6, 7), max_tokens=STREAM_TOKENS, ignore_eos=True)
-NOTICE_TIMEOUT_S = 15.0  # /health must leave 200 within this (a stopped rank: its silence, 2 s)
+NOTICE_TIMEOUT_S = 15.0  # /health must leave 200 within this (a stopped rank: its silence, 1.5 s)
 RECOVERY_TIMEOUT_S = 240.0  # a new group must serve within this (a loaded 2-core machine)
 
 

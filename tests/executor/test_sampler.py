@@ -1,5 +1,5 @@
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor.sampler import LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, row_seed, sample
+from executor.sampler import HostRows, LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
@@ -581,8 +581,13 @@ def test_host_rows_derive_each_rows_draw_where_they_are_built():
     torch.manual_seed(0)
     uniforms = mixed.uniforms()
     assert uniforms.shape == (4,) and uniforms[mixed.seeded].tolist() == expected
-    later = replace(mixed, positions=mixed.positions + 1)
+    later = mixed.one_position_on()  # a later forward of a step of several
     assert later.seeded_uniforms.tolist() == [(row_seed(s, p + 1) >> 40) * 2.0**-24 for s, p in ((2, 11), (7, 14), (9, 15))]
+    derived = replace(mixed, positions=mixed.positions + 1)
+    for name in (f.name for f in fields(HostRows)):
+        a, b = getattr(later, name), getattr(derived, name)
+        assert (a == b if not isinstance(a, np.ndarray) else a.dtype == b.dtype and np.array_equal(a, b)), name
+    assert mixed.positions.tolist() == [10, 11, 12, 13, 14, 15]  # the rows before are as they were
     assert not batch(3, temperature=[0.0, 1.0, 1.0]).host.dividing  # x / 1 is x: no pass
 
 

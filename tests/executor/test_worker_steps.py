@@ -357,6 +357,21 @@ def test_a_failing_forward_ends_the_executor_with_a_reject():
     assert step == 1 and reject.code == RejectCode.INTERNAL and "connection reset" in reject.message
 
 
+def test_a_result_that_cannot_be_made_fails_its_step(monkeypatch):
+    # The link's thread makes the RESULT as it sends it (off the model's thread): a failure there
+    # is the step's, named by a REJECT, as a failed forward's is, and the rank ends.
+    def broken(opened, ended):
+        raise ValueError("a sample of the wrong length")
+
+    monkeypatch.setattr(executor.steps, "_result", broken)
+    prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
+    code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())])
+    assert code == ExitCode.STEP_FAILED
+    [(step, reject)] = [(s, b) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
+    assert step == 1 and isinstance(reject, Reject) and reject.code == RejectCode.INTERNAL
+    assert "could not make step 1's RESULT: a sample of the wrong length" in reject.message
+
+
 class GatedModel(StandInModel):
     """A stand-in whose forwards wait until the test lets them go, so that frames can arrive while
     a step runs."""
