@@ -48,7 +48,10 @@ log = logging.getLogger("tp_runtime.engine")
 
 PAGES_CLEARED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # A heartbeat due within this fraction of heartbeat_s goes out with a burst that a rank's frame
-# woke already (ranks send one at least every 0.5 s), rather than on a wake-up of its own.
+# woke already, rather than on a wake-up of its own. Ranks send a frame at least every 0.5 s, so
+# an idle engine's heartbeat rides one only some of the time; 0.5 here (always riding, and twice
+# the heartbeats to the ranks) cost the idle frontend the same (1.06-1.17 ms a second on the
+# engine thread against 1.17-1.19, docs/control_plane.md's fourteenth sitting).
 EARLY_HEARTBEAT = 0.75
 # A rank whose collective failed reports it at once, while the peer that died under the collective
 # may have its connection's close still unread: this long for it, so that the error names the rank
