@@ -143,8 +143,6 @@ class HostRows:
     seeds: np.ndarray  # int64[m]; -1 means unseeded
     positions: np.ndarray  # int64[m]: the position of the token whose logits the row holds
     num_logprobs: np.ndarray  # integer[m]: the logprob alternatives the row wants returned, 0 for none
-    greedy: np.ndarray = field(init=False)  # bool[m]: temperature 0
-    filtered: np.ndarray = field(init=False)  # bool[m]: top-k or top-p cuts the vocabulary
     scale: np.ndarray = field(init=False)  # float32[m]: what a row's logits are divided by (1 when greedy)
     dividing: bool = field(init=False)  # whether any row's scale is not 1 (x / 1 is x: no pass)
     random: np.ndarray = field(init=False)  # int64: the rows drawn at a temperature, ascending
@@ -174,15 +172,12 @@ class HostRows:
                 what = "floating-point" if kind == "f" else "integer"
                 raise SamplingError(f"host rows: {name} must be a one-dimensional numpy {what} array, as long as temperature")
         derive = partial(object.__setattr__, self)
-        greedy = self.temperature <= 0
+        greedy = self.greedy
         random = np.flatnonzero(~greedy)
-        filtered = (self.top_k > 0) | (self.top_p < 1)
-        cut_of_random = filtered[random]
+        cut_of_random = self.filtered[random]
         plain, cut = np.flatnonzero(~cut_of_random), np.flatnonzero(cut_of_random)
         scale = np.where(greedy, np.float32(1), self.temperature).astype(np.float32)
         seeded = np.flatnonzero(self.seeds[random] >= 0)
-        derive("greedy", greedy)
-        derive("filtered", filtered)
         derive("scale", scale)
         derive("dividing", bool((scale != 1).any()))
         derive("random", random)
@@ -206,6 +201,16 @@ class HostRows:
             temperature.astype(np.float32), top_p.astype(np.float32), top_k.astype(np.int64), seeds.astype(np.int64),
             positions.astype(np.int64), wanted,
         )  # fmt: skip
+
+    @property
+    def greedy(self) -> np.ndarray:
+        """bool[m]: temperature 0."""
+        return self.temperature <= 0
+
+    @property
+    def filtered(self) -> np.ndarray:
+        """bool[m]: top-k or top-p cuts the vocabulary."""
+        return (self.top_k > 0) | (self.top_p < 1)
 
     def one_position_on(self) -> HostRows:
         """The same rows one position on: the next forward of a step of several, made between two
@@ -278,8 +283,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
         got = getattr(params, name).shape
         if got != (rows,):
             raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
-    if params.host.greedy.shape != (rows,):
-        raise SamplingError(f"the host rows describe {params.host.greedy.shape[0]} rows, expected {rows}")
+    if params.host.temperature.shape != (rows,):
+        raise SamplingError(f"the host rows describe {params.host.temperature.shape[0]} rows, expected {rows}")
     logits = logits.float()
     if logits.device.type == "cpu":
         return _sample_on_host(logits, params)
@@ -319,7 +324,7 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
             params.top_k[random_rows],
             params.top_p[random_rows],
             to_device(host.uniforms().numpy(), logits.device),
-            host.filtered[random],
+            host,
         )
         tokens = tokens.index_put((random_rows,), drawn)
     tokens = torch.where(finite, tokens, torch.zeros_like(tokens))
@@ -533,15 +538,16 @@ def _draw_plain(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor, filtered: np.ndarray
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor, host: HostRows
 ) -> torch.Tensor:
-    """A device's random rows: plain ones over the whole row, top-k / top-p ones sorted whole."""
+    """A device's random rows: plain ones over the whole row, top-k / top-p ones sorted whole
+    (host.plain and host.cut: which of the random rows are which)."""
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    if not filtered.all():
-        plain = to_device((~filtered).nonzero()[0], probs.device)
+    if host.plain.shape[0]:
+        plain = to_device(host.plain, probs.device)
         out[plain] = _draw_plain(_rows(probs, plain), uniforms[plain])
-    if filtered.any():
-        rows = to_device(filtered.nonzero()[0], probs.device)
+    if host.cut.shape[0]:
+        rows = to_device(host.cut, probs.device)
         row_k = top_k[rows].long()
         k = torch.where(row_k > 0, row_k, torch.full_like(row_k, probs.shape[1]))
         out[rows] = _draw_sorted(_rows(probs, rows), k, top_p[rows], uniforms[rows])
