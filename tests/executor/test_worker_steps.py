@@ -364,12 +364,18 @@ def test_a_result_that_cannot_be_made_fails_its_step(monkeypatch):
         raise ValueError("a sample of the wrong length")
 
     monkeypatch.setattr(executor.steps, "_result", broken)
+    assert "could not make step 1's RESULT: a sample of the wrong length" in lone_step_refused()
+
+
+def lone_step_refused() -> str:
+    """Runs one step whose answer must be a REJECT(INTERNAL) with the rank ending STEP_FAILED; the
+    REJECT's message."""
     prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
     code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())])
     assert code == ExitCode.STEP_FAILED
     [(step, reject)] = [(s, b) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
     assert step == 1 and isinstance(reject, Reject) and reject.code == RejectCode.INTERNAL
-    assert "could not make step 1's RESULT: a sample of the wrong length" in reject.message
+    return reject.message
 
 
 class GatedModel(StandInModel):
@@ -837,12 +843,7 @@ def test_a_device_failure_that_shows_as_the_sample_is_read_back_fails_its_step(p
     if not pipelined:
         pytest.skip("the CPU's order reads every sample back as it is drawn")
     read_back_behind(monkeypatch, raising("CUDA error: device-side assert triggered"), raising("CUDA error: device-side assert triggered"))
-    prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
-    code, endpoint, _ = run_worker([welcome(), frame(1, prepare), frame(1, Go())])
-    assert code == ExitCode.STEP_FAILED
-    [(step, reject)] = [(s, b) for s, b in endpoint.replies() if isinstance(b, (Result, Reject))]
-    assert step == 1 and isinstance(reject, Reject) and reject.code == RejectCode.INTERNAL
-    assert "device-side assert" in reject.message
+    assert "device-side assert" in lone_step_refused()
 
 
 def test_a_readback_that_fails_while_the_next_step_runs_fails_its_own_step(pipelined, monkeypatch):

@@ -50,7 +50,11 @@ class HttpServer(uvicorn.Server):
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: it ended already
-                loop.call_soon_threadsafe(lambda: self._tick is not None and _end_tick(self._tick))
+                loop.call_soon_threadsafe(self._end_current_tick)
+
+    def _end_current_tick(self) -> None:
+        if self._tick is not None:
+            _end_tick(self._tick)
 
 
 def _end_tick(tick: asyncio.Future[None]) -> None:
