@@ -1,11 +1,11 @@
 """The model's thread of an executor: runs each GOed step, in order, with its peers.
 
-For each step: the tokens of its feedback rows (the samples of the step run before it, broadcast
-from rank 0 while the cache operations run), the cache operations of its PREPARE in DESIGN.md's
+For each step: the tokens of its feedback rows (the samples of the step run before it, sent from
+rank 0 while the cache operations run, executor.feedback), the cache operations of its PREPARE in DESIGN.md's
 order (offload reads pages before anything in this step writes them, then poison, restore, clear),
 then the forward, then sampling on rank 0, after the logits processing its sampling states ask for
 (executor.sampling_state). Every rank runs the same collectives in the same order: the feedback
-broadcast starts exactly when the step has feedback rows, which every rank reads from the same
+message starts exactly when the step has feedback rows, which every rank reads from the same
 PREPARE, and ends before the forward's first.
 
 When a step's sample comes to the host: on the CPU right after it is drawn, and the step is answered
@@ -37,10 +37,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from executor.cache import KVCache
 from executor.clear_ahead import ClearAhead
+from executor.feedback import Feedback
 from executor.grammar import GrammarEngine
 from executor.inputs import StepInputs
 from executor.link import StagedStep
@@ -63,17 +63,17 @@ class StepModel(Protocol):
 
 @dataclass(frozen=True)
 class _Feeding:
-    """A step's feedback tokens on their way: `work` is the broadcast still running (None on a
-    single rank), `rows` the token indices of the step's inputs they go to (on the CPU a host
-    array: _feed says why)."""
+    """A step's feedback tokens on their way: `wait` for them to arrive (None on a single rank),
+    `rows` the token indices of the step's inputs they go to (on the CPU a host array: _feed says
+    why)."""
 
     rows: torch.Tensor | np.ndarray
     tokens: torch.Tensor
-    work: dist.Work | None
+    wait: Callable[[], None] | None
 
     def land(self, inputs: StepInputs) -> None:
-        if self.work is not None:
-            self.work.wait()
+        if self.wait is not None:
+            self.wait()
         if isinstance(self.rows, np.ndarray):
             inputs.token_ids.numpy()[self.rows] = self.tokens.numpy()
         else:
@@ -161,10 +161,13 @@ class StepRunner:
     def __init__(
         self, *, rank: int, world_size: int, model: StepModel, cache: KVCache, options: ExecutorOptions,
         grammars: GrammarEngine | None = None, is_cut: Callable[[int], bool] = lambda step: False,
-        clear_ahead: ClearAhead | None = None, pipelined: bool | None = None,
+        clear_ahead: ClearAhead | None = None, pipelined: bool | None = None, feedback: Feedback | None = None,
     ):
+        if (feedback is None) != (world_size == 1):
+            raise ValueError(f"a group of {world_size} ranks needs a feedback carrier exactly when it has several ranks")
         self.rank = rank
         self.world_size = world_size
+        self._feedback = feedback  # executor.feedback.open_feedback's
         self.model = model
         self.cache = cache
         self.options = options
@@ -272,20 +275,21 @@ class StepRunner:
         sampled), for the next forward; None on every rank when rank 0 was told to cut the step."""
         if self.rank == 0:
             cut, tokens = self._is_cut(step), self._samples.tokens
-            if self.world_size > 1:
+            if self._feedback is not None:
                 # Filled on the device: a copy from the host would wait for the forward running.
                 flag = torch.full((1,), int(cut), dtype=torch.long, device=self.cache.device)
-                dist.broadcast(torch.cat((tokens, flag)), src=0)
+                self._feedback.start(step, torch.cat((tokens, flag)))()
             return None if cut else tokens
+        assert self._feedback is not None
         message = torch.empty(rows + 1, dtype=torch.long, device=self.cache.device)
-        dist.broadcast(message, src=0)
+        self._feedback.start(step, message)()
         # The other ranks read the decision off the device: they cannot launch the next forward
         # before they know whether there is one.
         return None if int(message[rows]) else message[:rows]
 
     def _feed(self, staged: StagedStep) -> _Feeding | None:
         """Starts the feedback rows' tokens on their way to every rank; the step's cache operations
-        run while they travel (with two ranks on a CPU, the broadcast waited ~0.5 ms for the peer's
+        run while they travel (with two ranks on a CPU, gloo's broadcast waited ~0.5 ms for the peer's
         side), and _Feeding.land puts them in the step's inputs before its forward."""
         on_device = staged.feedback_on_device
         if on_device is None:
@@ -301,8 +305,8 @@ class StepRunner:
             tokens = torch.from_numpy(self._samples.tokens.numpy()[sources])
         else:
             tokens = self._samples.tokens[sources]
-        work = dist.broadcast(tokens, src=0, async_op=True) if self.world_size > 1 else None
-        return _Feeding(rows, tokens, work)
+        wait = self._feedback.start(staged.step, tokens) if self._feedback is not None else None
+        return _Feeding(rows, tokens, wait)
 
     def _cache_operations(self, staged: StagedStep) -> None:
         prepare, cache, options = staged.prepare, self.cache, self.options

@@ -23,6 +23,7 @@ import torch
 
 from executor.cache import KVCache
 from executor.clear_ahead import ClearAhead
+from executor.feedback import Feedback, open_feedback
 from executor.grammar import GrammarEngine, GrammarVocabulary
 from executor.link import Command, Endpoint, LinkTimings, Run, SchedulerLink, Started, Stop
 from executor.options import ExecutorOptions
@@ -68,6 +69,7 @@ class Worker:
         run_id: str,
         force_exit: Callable[[int], None] = os._exit,
         grammars: GrammarEngine | None = None,
+        feedback: Feedback | None = None,
     ) -> None:
         self.rank = rank
         conversation = ExecutorConversation(
@@ -99,7 +101,7 @@ class Worker:
         self.runner = StepRunner(
             rank=rank, world_size=world_size, model=model, cache=cache, options=options, grammars=grammars,
             is_cut=self.link.is_cut, clear_ahead=clear_ahead,
-            pipelined=options.pipelined_readback,
+            pipelined=options.pipelined_readback, feedback=feedback,
         )
         self._held: _Answer | None = None  # the last step's answer, while the next step may be here already
 
@@ -306,6 +308,7 @@ class LoadedExecutor:
     cache: KVCache
     model: StepModel
     geometry: CacheGeometry
+    feedback: Feedback | None
 
 
 def load_executor(
@@ -329,7 +332,8 @@ def load_executor(
     step_model = _step_model(options, model, cache, geometry, world_size=world_size)
     if options.seed is not None:
         torch.manual_seed(options.seed)
-    return LoadedExecutor(options, rank, world_size, cache, step_model, geometry)
+    feedback = open_feedback(rank, world_size, device)
+    return LoadedExecutor(options, rank, world_size, cache, step_model, geometry, feedback)
 
 
 def serve_executor(
@@ -359,10 +363,13 @@ def serve_executor(
             grammars=(
                 GrammarEngine(grammar_vocabulary, loaded.geometry.vocab_size) if rank == 0 and grammar_vocabulary else None
             ),
+            feedback=loaded.feedback,
         )
         return worker.run()
     finally:
         endpoint.close()
+        if loaded.feedback is not None:
+            loaded.feedback.close()
 
 
 def _load_shard(

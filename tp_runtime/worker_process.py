@@ -279,8 +279,10 @@ def _init_process_group(backend: str, rank: int, world: int, use_cuda: bool) -> 
     import torch
     import torch.distributed as dist
 
+    from executor.feedback import COLLECTIVE_TIMEOUT_S
+
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
-    timeout = timedelta(seconds=60)
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = _process_group_store(rank, world)
     if store is None:
         dist.init_process_group(backend, timeout=timeout, device_id=device)

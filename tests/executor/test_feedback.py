@@ -1,0 +1,174 @@
+"""The carriers of rank 0's feedback tokens (executor.feedback): a CPU group on one host connects its
+ranks' sockets and carries what gloo's broadcast carries; a rank that cannot reach rank 0's socket
+leaves the whole group on gloo; a message of another step, a rank 0 that has ended and a silent one
+fail the reader; a process that is not a rank of the group is refused; a GPU group keeps its
+broadcast."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import executor.feedback as feedback_module
+from executor.feedback import CONNECT_TIMEOUT_S, FeedbackError, GlooFeedback, SocketFeedback, open_feedback
+from executor.steps import StepRunner
+from protocol.transport.ipc import private_directory
+from tests.executor.executor_standin import KV_HEADS, StandInModel, geometry, make_cache
+from tests.model.tp_worker import free_port
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.arange(step % 5 + 1, dtype=torch.long) + 1000 * step
+
+
+def _rank_body(rank: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        if scenario == "unreached" and rank == 1:
+            feedback_module._reach = lambda path: None  # another host's rank, say
+        carrier = open_feedback(rank, 2, torch.device("cpu"))
+        outcome = type(carrier).__name__
+        if scenario in ("carry", "unreached"):
+            for each in (carrier, GlooFeedback()):
+                for step in range(1, 30):
+                    tokens = _tokens(step) if rank == 0 else torch.empty(step % 5 + 1, dtype=torch.long)
+                    each.start(step, tokens)()
+                    if not torch.equal(tokens, _tokens(step)):
+                        raise AssertionError(f"rank {rank} read {tokens.tolist()} at step {step}")
+        else:
+            assert isinstance(carrier, SocketFeedback)
+            if rank == 0:
+                if scenario == "wrong_step":
+                    carrier.start(7, _tokens(7))()
+                elif scenario == "ended":
+                    carrier.close()
+            else:
+                if scenario == "silent":
+                    carrier.peers[0].settimeout(0.3)
+                began = time.monotonic()
+                try:
+                    carrier.start(8, torch.empty(_tokens(7).shape[0], dtype=torch.long))()
+                except FeedbackError as exc:
+                    outcome = f"{exc} after {time.monotonic() - began:.1f} s"
+                else:
+                    outcome = "no error"
+            dist.barrier()
+        Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+        carrier.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_group(tmp_path: Path, scenario: str) -> tuple[str, str]:
+    context = mp.start_processes(
+        _rank_body, args=(free_port(), scenario, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the ranks of {scenario!r} did not finish")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return (tmp_path / "rank0.txt").read_text(), (tmp_path / "rank1.txt").read_text()
+
+
+def test_a_cpu_group_on_one_host_carries_its_feedback_over_sockets_as_gloo_would(tmp_path) -> None:
+    assert _run_group(tmp_path, "carry") == ("SocketFeedback", "SocketFeedback")
+
+
+def test_a_rank_that_cannot_reach_rank_0s_socket_leaves_the_group_on_gloo(tmp_path) -> None:
+    assert _run_group(tmp_path, "unreached") == ("GlooFeedback", "GlooFeedback")
+
+
+def test_a_message_of_another_step_fails_the_reader(tmp_path) -> None:
+    _, outcome = _run_group(tmp_path, "wrong_step")
+    assert "rank 0 sent step 7's 3 feedback tokens where step 8's 3 were due" in outcome
+
+
+def test_a_rank_0_that_has_ended_fails_the_reader_at_once(tmp_path) -> None:
+    _, outcome = _run_group(tmp_path, "ended")
+    assert outcome.startswith("rank 0 closed the feedback channel")
+    assert float(outcome.split(" after ")[1].split()[0]) < 30  # not the collective's timeout
+
+
+def test_a_silent_rank_0_fails_the_reader_after_its_timeout(tmp_path) -> None:
+    _, outcome = _run_group(tmp_path, "silent")
+    assert outcome.startswith("no feedback from rank 0 for 0.3 s")
+
+
+def _connecting(path: str) -> subprocess.Popen[str]:
+    """A process that connects to `path`, says so, and waits for the connection's end."""
+    code = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); print('in', flush=True); s.recv(1)"
+    child = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "in\n"
+    return child
+
+
+def test_rank_0_accepts_the_ranks_of_its_group_and_refuses_any_other_process() -> None:
+    directory = private_directory()
+    path = os.path.join(directory, "feedback.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    children: list[subprocess.Popen[str]] = []
+    try:
+        children.append(_connecting(path))  # a stranger, first in the queue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as own:
+            own.connect(path)  # rank 0's own process is not a peer either
+            children.append(_connecting(path))
+            began = time.monotonic()
+            peers = feedback_module._accept(listener, [os.getpid(), children[1].pid])
+            assert time.monotonic() - began < CONNECT_TIMEOUT_S
+        [peer] = peers
+        pid = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        assert pid == children[1].pid
+        assert children[0].wait(timeout=30) == 0  # its connection was closed: its recv returned
+        peer.close()
+    finally:
+        listener.close()
+        for child in children:
+            child.kill()
+            child.wait()
+        os.unlink(path)
+        os.rmdir(directory)
+
+
+def test_a_single_rank_has_no_carrier_and_a_gpu_group_keeps_its_broadcast() -> None:
+    assert open_feedback(0, 1, torch.device("cpu")) is None
+    assert isinstance(open_feedback(1, 2, torch.device("cuda", 1)), GlooFeedback)  # no collective on the way
+
+
+def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks() -> None:
+    cache = make_cache(geometry(), KV_HEADS, poison=False)
+    model = StandInModel(0, 1)
+    with pytest.raises(ValueError, match="needs a feedback carrier"):
+        StepRunner(rank=0, world_size=2, model=model, cache=cache, options=None)
+    with pytest.raises(ValueError, match="needs a feedback carrier"):
+        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=GlooFeedback())
+
+
+def test_a_message_is_its_step_its_length_and_its_tokens() -> None:
+    """The layout a reader checks, as rank 0 writes it."""
+    left, right = socket.socketpair()
+    with left, right:
+        SocketFeedback(0, [left]).start(12, torch.tensor([5, 6, 7]))()
+        raw = right.recv(1024)
+    assert np.frombuffer(raw, dtype="<i8").tolist() == [12, 3, 5, 6, 7]
