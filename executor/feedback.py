@@ -4,7 +4,7 @@ Every rank of a group reads a step's feedback from the same PREPARE, so every ra
 message at the same point of the same step (executor.steps), the way a collective is entered. Two
 carriers take it:
 
-- `GlooFeedback`: a broadcast in the group's own process group. On a GPU (NCCL) the tokens stay on
+- `ProcessGroupFeedback`: a broadcast in the group's own process group. On a GPU (NCCL) the tokens stay on
   the device; across hosts it is the group's one channel.
 - `SocketFeedback`: a Unix socket from rank 0 to each other rank, for a CPU group on one host. On a
   2-core VM gloo's broadcast took 150-200 us one way and ~100 us to post on each side (its worker
@@ -16,9 +16,11 @@ carriers take it:
 rank 0 must recognise each of them, or the whole group keeps gloo. A peer is recognised by its
 process id, which the kernel reports for a Unix socket (SO_PEERCRED) and which every rank
 announced through the process group beforehand; the socket lies in a directory only this user can
-enter and is unlinked once the group is connected. A message carries its step and its length, so a
-rank that would read another step's tokens fails instead; a closed socket (its peer ended) fails at
-once, a silent one after the process group's own timeout, as gloo would.
+enter and is unlinked once the group is connected. A message names the step and the forward of it
+whose input its tokens are, and their count, so a rank that would read another forward's tokens
+fails instead;
+a closed socket (its peer ended) fails at once, a silent one after the process group's own
+timeout, as gloo would.
 """
 
 from __future__ import annotations
@@ -31,43 +33,46 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from executor.options import COLLECTIVE_TIMEOUT_S
+from protocol.errors import TPRuntimeError
 from protocol.transport.ipc import private_directory
 
 logger = logging.getLogger("tp_runtime.executor")
 
-# The process group's timeout (tp_runtime.worker_process): a silent rank 0 fails a socket's reader
-# when it would fail gloo's.
-COLLECTIVE_TIMEOUT_S = 60.0
-# How long rank 0 waits for every other rank's connection once each has said it connected.
+# How long a rank may take to connect to rank 0's socket, and rank 0 to accept every rank once each
+# has said it connected.
 CONNECT_TIMEOUT_S = 10.0
 _PATH_BYTES = 256
-_HEADER = np.dtype([("step", "<i8"), ("count", "<i8")])
+_HEADER_WORDS = 3  # int64: the step, the forward of it the tokens go into, their count
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
-class FeedbackError(RuntimeError):
-    """The feedback could not be carried: its peer ended, stayed silent, or sent another step's."""
+class FeedbackError(TPRuntimeError, RuntimeError):
+    """The feedback could not be carried: its peer ended, stayed silent, or sent another forward's."""
 
 
 class Feedback(Protocol):
-    def start(self, step: int, tokens: torch.Tensor) -> Callable[[], None]:
-        """Rank 0: sends `tokens` (int64, contiguous) to every other rank; elsewhere: receives them
-        into `tokens`, of the same length. Returns the wait: once it returns, `tokens` holds rank 0's
-        on every rank. Raises (at once or from the wait) what leaves the group unusable."""
+    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
+        """Rank 0: sends `tokens` (int64, contiguous), the input of forward `forward` of `step`, to
+        every other rank; elsewhere: receives them into `tokens`, of the same length. Returns the
+        wait: once it returns, `tokens` holds rank 0's on every rank. Raises (at once or from the
+        wait) what leaves the group unusable."""
         ...
 
     def close(self) -> None: ...
 
 
-class GlooFeedback:
-    """A broadcast in the default process group (gloo's on a CPU, NCCL's on a GPU)."""
+class ProcessGroupFeedback:
+    """A broadcast in the default process group: NCCL's on a GPU, gloo's on a CPU."""
 
-    def start(self, step: int, tokens: torch.Tensor) -> Callable[[], None]:
+    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         return dist.broadcast(tokens, src=0, async_op=True).wait
 
     def close(self) -> None:
@@ -81,25 +86,25 @@ class SocketFeedback:
     rank: int
     peers: list[socket.socket]
 
-    def start(self, step: int, tokens: torch.Tensor) -> Callable[[], None]:
+    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         values = tokens.numpy()
         if self.rank == 0:
-            header = np.array([(step, values.shape[0])], dtype=_HEADER)
+            header = np.array([step, forward, values.shape[0]], dtype=np.int64)
             for peer in self.peers:
                 _send(peer, header, values)
             return _sent
-        return lambda: self._receive(step, values)
+        return partial(self._receive, (step, forward, values.shape[0]), values)
 
-    def _receive(self, step: int, into: np.ndarray) -> None:
-        message = np.empty(_HEADER.itemsize + into.nbytes, dtype=np.uint8)
-        _receive_exactly(self.peers[0], memoryview(message))
-        header = message[: _HEADER.itemsize].view(_HEADER)[0]
-        if (int(header["step"]), int(header["count"])) != (step, into.shape[0]):
+    def _receive(self, due: tuple[int, int, int], into: np.ndarray) -> None:
+        header = np.empty(_HEADER_WORDS, dtype=np.int64)
+        _receive_exactly(self.peers[0], memoryview(header).cast("B"))
+        got = tuple(header.tolist())
+        if got != due:
             raise FeedbackError(
-                f"rank 0 sent step {int(header['step'])}'s {int(header['count'])} feedback tokens where step "
-                f"{step}'s {into.shape[0]} were due: the ranks disagree on the steps they run"
+                f"rank 0 sent {got[2]} tokens for forward {got[1]} of step {got[0]} where {due[2]} for forward "
+                f"{due[1]} of step {due[0]} were due: the ranks disagree on the forwards they run"
             )
-        into[:] = message[_HEADER.itemsize :].view(np.int64)
+        _receive_exactly(self.peers[0], memoryview(into).cast("B"))
 
     def close(self) -> None:
         for peer in self.peers:
@@ -115,15 +120,19 @@ def _send(peer: socket.socket, header: np.ndarray, values: np.ndarray) -> None:
         sent = peer.sendmsg([header, values], [], socket.MSG_NOSIGNAL)
         if sent < header.nbytes + values.nbytes:  # the socket's buffer full: a peer far behind
             peer.sendall(memoryview(header.tobytes() + values.tobytes())[sent:])
+    except TimeoutError as exc:
+        raise FeedbackError(f"a rank read no feedback for {peer.gettimeout():g} s") from exc
     except OSError as exc:
         raise FeedbackError(f"the feedback could not reach a rank: {exc!r} (it has ended)") from exc
 
 
 def _receive_exactly(peer: socket.socket, into: memoryview) -> None:
+    # A loop, not MSG_WAITALL: a socket with a timeout is non-blocking underneath, and a receive
+    # returns what has arrived.
     got = 0
     while got < len(into):
         try:
-            n = peer.recv_into(into[got:], len(into) - got, socket.MSG_WAITALL)
+            n = peer.recv_into(into[got:])
         except TimeoutError as exc:
             raise FeedbackError(f"no feedback from rank 0 for {peer.gettimeout():g} s") from exc
         except OSError as exc:
@@ -134,104 +143,113 @@ def _receive_exactly(peer: socket.socket, into: memoryview) -> None:
 
 
 def open_feedback(rank: int, world_size: int, device: torch.device) -> Feedback | None:
-    """The group's feedback carrier (None for a single rank). Collective: every rank of the group
-    calls it at the same point of its start."""
+    """The group's feedback carrier (None for a single rank). Collective on a CPU: every rank of the
+    group calls it at the same point of its start, and every rank enters each of its collectives
+    whatever failed locally (a local failure is a vote for gloo)."""
     if world_size == 1:
         return None
-    if device.type != "cpu" or not hasattr(socket, "SO_PEERCRED"):
-        return GlooFeedback()
+    if device.type != "cpu":
+        return ProcessGroupFeedback()
     connected = _connect_sockets(rank, world_size)
     if connected is None:
         logger.info("[rank %d] the feedback goes through gloo: not every rank reached rank 0's socket", rank)
-        return GlooFeedback()
+        return ProcessGroupFeedback()
     return connected
 
 
 def _connect_sockets(rank: int, world_size: int) -> SocketFeedback | None:
-    directory = private_directory() if rank == 0 else None
+    directory: str | None = None
     listener: socket.socket | None = None
     peers: list[socket.socket] = []
     try:
         path = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
-        if directory is not None:
-            listener = _listen(os.path.join(directory, "feedback.sock"), world_size, path)
+        if rank == 0:
+            directory, listener = _listen(world_size, path)
         dist.broadcast(path, src=0)
         pids = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
         dist.all_gather(pids, torch.tensor([os.getpid()]))
-        reached = torch.tensor([1 if listener is not None else 0])
+        reached = torch.tensor([int(listener is not None)])
         if rank != 0:
-            to_rank0 = _reach(bytes(path.numpy()).rstrip(b"\0").decode())
-            peers = [to_rank0] if to_rank0 is not None else []
+            peers = _reach(bytes(path.numpy()).rstrip(b"\0").decode())
             reached[0] = len(peers)
         dist.all_reduce(reached, op=dist.ReduceOp.MIN)
         accepted = torch.tensor([0])
-        if rank == 0 and int(reached[0]):
+        if listener is not None and int(reached[0]):
             peers = _accept(listener, [int(pid) for pid in pids])
             accepted[0] = int(len(peers) == world_size - 1)
         dist.broadcast(accepted, src=0)
         if not int(accepted[0]):
-            for peer in peers:
-                peer.close()
             return None
         for peer in peers:
             peer.settimeout(COLLECTIVE_TIMEOUT_S)
-        return SocketFeedback(rank, peers)
+        connected, peers = SocketFeedback(rank, peers), []
+        return connected
     finally:
+        for peer in peers:  # only those of a group that keeps gloo
+            peer.close()
         if listener is not None:
             listener.close()
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _listen(path: str, world_size: int, into: torch.Tensor) -> socket.socket | None:
-    encoded = path.encode()
-    if len(encoded) >= _PATH_BYTES:
-        return None
+def _listen(world_size: int, into: torch.Tensor) -> tuple[str | None, socket.socket | None]:
+    """Rank 0's listening socket in a private directory, its path written into `into`; (None, None)
+    where it cannot be made, which the other ranks read as an empty path."""
+    if not hasattr(socket, "SO_PEERCRED"):  # no way to recognise a peer
+        return None, None
+    try:
+        directory = private_directory()
+    except OSError as exc:
+        logger.warning("no directory for the feedback socket: %r", exc)
+        return None, None
+    path = os.path.join(directory, "feedback.sock").encode()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        if len(path) >= _PATH_BYTES:
+            raise OSError(f"{len(path)} bytes of path")
         listener.bind(path)
         listener.listen(world_size)
     except OSError as exc:
-        logger.warning("the feedback socket could not be bound at %s: %r", path, exc)
+        logger.warning("the feedback socket could not be bound at %s: %r", path.decode(), exc)
         listener.close()
-        return None
-    into[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    return listener
+        return directory, None
+    into[: len(path)] = torch.frombuffer(bytearray(path), dtype=torch.uint8)
+    return directory, listener
 
 
-def _reach(path: str) -> socket.socket | None:
-    if not path:
-        return None
+def _reach(path: str) -> list[socket.socket]:
+    """Another rank's connection to rank 0's socket, or none."""
+    if not path or not hasattr(socket, "SO_PEERCRED"):
+        return []
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer.settimeout(CONNECT_TIMEOUT_S)
     try:
         peer.connect(path)
     except OSError:  # another host, or another mount namespace: gloo carries it
         peer.close()
-        return None
-    return peer
+        return []
+    return [peer]
 
 
-def _accept(listener: socket.socket | None, pids: list[int]) -> list[socket.socket]:
+def _accept(listener: socket.socket, pids: list[int]) -> list[socket.socket]:
     """The other ranks' connections in rank order, each recognised by its process id; a connection
-    from any other process is closed. Fewer than all of them when the time runs out."""
-    assert listener is not None
+    from any other process is closed. Fewer than all of them when the time runs out or accepting
+    fails (ranks in another PID namespace are never recognised: the group keeps gloo after
+    CONNECT_TIMEOUT_S)."""
     by_rank: dict[int, socket.socket] = {}
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while len(by_rank) < len(pids) - 1:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        listener.settimeout(left)
-        try:
+    try:
+        while len(by_rank) < len(pids) - 1 and (left := deadline - time.monotonic()) > 0:
+            listener.settimeout(left)
             peer, _ = listener.accept()
-        except TimeoutError:
-            break
-        pid, uid, _gid = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        rank = pids.index(pid) if pid in pids else 0
-        if rank == 0 or uid != os.getuid() or rank in by_rank:
-            logger.warning("refused a connection to the feedback socket from process %d (uid %d): not a rank of this group", pid, uid)
-            peer.close()
-            continue
-        by_rank[rank] = peer
+            pid, uid, _gid = _UCRED.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            rank = pids.index(pid) if pid in pids[1:] else None
+            if rank is None or uid != os.getuid() or rank in by_rank:
+                logger.warning("refused a connection to the feedback socket from process %d (uid %d): not a rank of this group", pid, uid)
+                peer.close()
+                continue
+            by_rank[rank] = peer
+    except OSError as exc:  # TimeoutError among them
+        logger.warning("the feedback socket accepted %d of %d ranks: %r", len(by_rank), len(pids) - 1, exc)
     return [by_rank[r] for r in sorted(by_rank)]

@@ -15,6 +15,9 @@ MODEL_DTYPES = ("fp32", "bf16", "fp16")
 # int4 for steps of few rows; auto: mixed where the int4 kernel is fast (docs/model.md).
 WEIGHT_FORMATS = ("auto", "dense", "int4", "mixed")
 DEVICES = ("auto", "cpu", "cuda")
+# The process group's timeout (tp_runtime.worker_process): a collective whose peer stays silent
+# fails after it, and so does a read of rank 0's feedback (executor.feedback).
+COLLECTIVE_TIMEOUT_S = 60.0
 
 
 # The model thread's orders by name, as pipelined_readback sets them (executor/steps.py): each sample

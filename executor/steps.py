@@ -211,7 +211,7 @@ class StepRunner:
         try:
             for forward in range(staged.prepare.decode_steps):
                 if forward:
-                    tokens = self._next_tokens(staged.step, inputs.num_seqs)
+                    tokens = self._next_tokens(staged.step, forward, inputs.num_seqs)
                     if tokens is None:
                         break
                     inputs = inputs.next_forward(tokens, self.cache.page_size)
@@ -270,7 +270,7 @@ class StepRunner:
         self.sampling_states.append(readback.inputs.sample_seq_ids, host.tokens, host.finite)
         opened.samples.append(host)
 
-    def _next_tokens(self, step: int, rows: int) -> torch.Tensor | None:
+    def _next_tokens(self, step: int, forward: int, rows: int) -> torch.Tensor | None:
         """Every rank's copy of the tokens rank 0 sampled in the forward just run (all rows
         sampled), for the next forward; None on every rank when rank 0 was told to cut the step."""
         if self.rank == 0:
@@ -278,11 +278,11 @@ class StepRunner:
             if self._feedback is not None:
                 # Filled on the device: a copy from the host would wait for the forward running.
                 flag = torch.full((1,), int(cut), dtype=torch.long, device=self.cache.device)
-                self._feedback.start(step, torch.cat((tokens, flag)))()
+                self._feedback.start(step, forward, torch.cat((tokens, flag)))()
             return None if cut else tokens
         assert self._feedback is not None
         message = torch.empty(rows + 1, dtype=torch.long, device=self.cache.device)
-        self._feedback.start(step, message)()
+        self._feedback.start(step, forward, message)()
         # The other ranks read the decision off the device: they cannot launch the next forward
         # before they know whether there is one.
         return None if int(message[rows]) else message[:rows]
@@ -305,7 +305,7 @@ class StepRunner:
             tokens = torch.from_numpy(self._samples.tokens.numpy()[sources])
         else:
             tokens = self._samples.tokens[sources]
-        wait = self._feedback.start(staged.step, tokens) if self._feedback is not None else None
+        wait = self._feedback.start(staged.step, 0, tokens) if self._feedback is not None else None
         return _Feeding(rows, tokens, wait)
 
     def _cache_operations(self, staged: StagedStep) -> None:

@@ -279,7 +279,7 @@ def _init_process_group(backend: str, rank: int, world: int, use_cuda: bool) -> 
     import torch
     import torch.distributed as dist
 
-    from executor.feedback import COLLECTIVE_TIMEOUT_S
+    from executor.options import COLLECTIVE_TIMEOUT_S
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)

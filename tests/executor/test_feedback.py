@@ -1,8 +1,8 @@
 """The carriers of rank 0's feedback tokens (executor.feedback): a CPU group on one host connects its
-ranks' sockets and carries what gloo's broadcast carries; a rank that cannot reach rank 0's socket
-leaves the whole group on gloo; a message of another step, a rank 0 that has ended and a silent one
-fail the reader; a process that is not a rank of the group is refused; a GPU group keeps its
-broadcast."""
+ranks' sockets and carries what gloo's broadcast carries; a rank that cannot reach rank 0's socket,
+or a rank 0 that cannot listen, leaves the whole group on gloo; a message for another forward, a
+rank 0 that has ended and a silent one fail the reader, a reader that has ended fails rank 0; a
+process that is not a rank of the group is refused; a GPU group keeps its broadcast."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import executor.feedback as feedback_module
-from executor.feedback import CONNECT_TIMEOUT_S, FeedbackError, GlooFeedback, SocketFeedback, open_feedback
+from executor.feedback import CONNECT_TIMEOUT_S, FeedbackError, ProcessGroupFeedback, SocketFeedback, open_feedback
+from executor.options import COLLECTIVE_TIMEOUT_S
 from executor.steps import StepRunner
 from protocol.transport.ipc import private_directory
 from tests.executor.executor_standin import KV_HEADS, StandInModel, geometry, make_cache
@@ -33,35 +34,40 @@ def _tokens(step: int) -> torch.Tensor:
     return torch.arange(step % 5 + 1, dtype=torch.long) + 1000 * step
 
 
-def _rank_body(rank: int, port: int, scenario: str, out_dir: str) -> None:
+def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         if scenario == "unreached" and rank == 1:
-            feedback_module._reach = lambda path: None  # another host's rank, say
-        carrier = open_feedback(rank, 2, torch.device("cpu"))
+            feedback_module._reach = lambda path: []  # another host's rank, say
+        if scenario == "no_listener" and rank == 0:
+            feedback_module._listen = lambda world_size, into: (None, None)  # a path too long, say
+        carrier = open_feedback(rank, world_size, torch.device("cpu"))
         outcome = type(carrier).__name__
-        if scenario in ("carry", "unreached"):
-            for each in (carrier, GlooFeedback()):
+        if scenario in ("carry", "unreached", "no_listener"):
+            if isinstance(carrier, SocketFeedback):
+                assert [peer.gettimeout() for peer in carrier.peers] == [COLLECTIVE_TIMEOUT_S] * len(carrier.peers)
+            for each in (carrier, ProcessGroupFeedback()):
                 for step in range(1, 30):
                     tokens = _tokens(step) if rank == 0 else torch.empty(step % 5 + 1, dtype=torch.long)
-                    each.start(step, tokens)()
+                    each.start(step, step % 3, tokens)()
                     if not torch.equal(tokens, _tokens(step)):
                         raise AssertionError(f"rank {rank} read {tokens.tolist()} at step {step}")
         else:
             assert isinstance(carrier, SocketFeedback)
             if rank == 0:
-                if scenario == "wrong_step":
-                    carrier.start(7, _tokens(7))()
+                if scenario == "wrong_forward":
+                    carrier.start(8, 1, _tokens(7))()
                 elif scenario == "ended":
                     carrier.close()
             else:
                 if scenario == "silent":
+                    assert carrier.peers[0].gettimeout() == COLLECTIVE_TIMEOUT_S
                     carrier.peers[0].settimeout(0.3)
                 began = time.monotonic()
                 try:
-                    carrier.start(8, torch.empty(_tokens(7).shape[0], dtype=torch.long))()
+                    carrier.start(8, 2, torch.empty(_tokens(7).shape[0], dtype=torch.long))()
                 except FeedbackError as exc:
                     outcome = f"{exc} after {time.monotonic() - began:.1f} s"
                 else:
@@ -73,9 +79,10 @@ def _rank_body(rank: int, port: int, scenario: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _run_group(tmp_path: Path, scenario: str) -> tuple[str, str]:
+def _run_group(tmp_path: Path, scenario: str, world_size: int = 2) -> list[str]:
     context = mp.start_processes(
-        _rank_body, args=(free_port(), scenario, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+        _rank_body, args=(world_size, free_port(), scenario, str(tmp_path)), nprocs=world_size, join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + 120
     try:
@@ -87,20 +94,21 @@ def _run_group(tmp_path: Path, scenario: str) -> tuple[str, str]:
             if process.is_alive():
                 process.kill()
                 process.join()
-    return (tmp_path / "rank0.txt").read_text(), (tmp_path / "rank1.txt").read_text()
+    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(world_size)]
 
 
 def test_a_cpu_group_on_one_host_carries_its_feedback_over_sockets_as_gloo_would(tmp_path) -> None:
-    assert _run_group(tmp_path, "carry") == ("SocketFeedback", "SocketFeedback")
+    assert _run_group(tmp_path, "carry", world_size=3) == ["SocketFeedback"] * 3
 
 
-def test_a_rank_that_cannot_reach_rank_0s_socket_leaves_the_group_on_gloo(tmp_path) -> None:
-    assert _run_group(tmp_path, "unreached") == ("GlooFeedback", "GlooFeedback")
+@pytest.mark.parametrize("scenario", ["unreached", "no_listener"])
+def test_a_rank_that_cannot_reach_rank_0s_socket_leaves_the_group_on_gloo(tmp_path, scenario: str) -> None:
+    assert _run_group(tmp_path, scenario) == ["ProcessGroupFeedback"] * 2
 
 
-def test_a_message_of_another_step_fails_the_reader(tmp_path) -> None:
-    _, outcome = _run_group(tmp_path, "wrong_step")
-    assert "rank 0 sent step 7's 3 feedback tokens where step 8's 3 were due" in outcome
+def test_a_message_for_another_forward_fails_the_reader(tmp_path) -> None:
+    _, outcome = _run_group(tmp_path, "wrong_forward")
+    assert "rank 0 sent 3 tokens for forward 1 of step 8 where 3 for forward 2 of step 8 were due" in outcome
 
 
 def test_a_rank_0_that_has_ended_fails_the_reader_at_once(tmp_path) -> None:
@@ -153,7 +161,7 @@ def test_rank_0_accepts_the_ranks_of_its_group_and_refuses_any_other_process() -
 
 def test_a_single_rank_has_no_carrier_and_a_gpu_group_keeps_its_broadcast() -> None:
     assert open_feedback(0, 1, torch.device("cpu")) is None
-    assert isinstance(open_feedback(1, 2, torch.device("cuda", 1)), GlooFeedback)  # no collective on the way
+    assert isinstance(open_feedback(1, 2, torch.device("cuda", 1)), ProcessGroupFeedback)  # no collective on the way
 
 
 def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks() -> None:
@@ -162,13 +170,20 @@ def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks(
     with pytest.raises(ValueError, match="needs a feedback carrier"):
         StepRunner(rank=0, world_size=2, model=model, cache=cache, options=None)
     with pytest.raises(ValueError, match="needs a feedback carrier"):
-        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=GlooFeedback())
+        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=ProcessGroupFeedback())
 
 
-def test_a_message_is_its_step_its_length_and_its_tokens() -> None:
+def test_a_message_is_its_step_its_forward_its_length_and_its_tokens() -> None:
     """The layout a reader checks, as rank 0 writes it."""
     left, right = socket.socketpair()
     with left, right:
-        SocketFeedback(0, [left]).start(12, torch.tensor([5, 6, 7]))()
+        SocketFeedback(0, [left]).start(12, 1, torch.tensor([5, 6, 7]))()
         raw = right.recv(1024)
-    assert np.frombuffer(raw, dtype="<i8").tolist() == [12, 3, 5, 6, 7]
+    assert np.frombuffer(raw, dtype="<i8").tolist() == [12, 1, 3, 5, 6, 7]
+
+
+def test_a_reader_that_has_ended_fails_rank_0() -> None:
+    left, right = socket.socketpair()
+    right.close()
+    with left, pytest.raises(FeedbackError, match="could not reach a rank"):
+        SocketFeedback(0, [left]).start(3, 0, torch.tensor([1]))()

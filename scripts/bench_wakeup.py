@@ -1,0 +1,149 @@
+"""What one message between two processes costs on this machine, by where the two run.
+
+A Unix socket with a blocked reader wakes one thread; a ZeroMQ message passes through the sender's
+and the receiver's I/O threads as well. Where the reader's core is idle (halted), waking it is an
+inter-processor interrupt, which on a virtual machine without guest halt-polling costs tens of
+microseconds: that, not the transport's code, is what sets the floor of a hop between two ranks
+whose cores both run (docs/control_plane.md, fifteenth sitting).
+
+Each case sends --messages messages --gap-ms apart (long enough for the reader's core to go idle,
+as between two forwards) and reports the median and p90 one-way time, from the sender's clock
+before the send to the reader's after its receive (perf_counter: one clock for every process):
+unpinned (the kernel places both), both processes on one core, each on a core of its own.
+
+    python scripts/bench_wakeup.py            # prints one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import numpy as np
+import zmq
+
+
+def _pin(core: int | None) -> None:
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def _socket_reader(path: str, core: int | None, count: int, out: Connection) -> None:
+    _pin(core)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+        peer.connect(path)
+        arrived = []
+        for _ in range(count):
+            peer.recv(8)
+            arrived.append(time.perf_counter())
+            peer.sendall(b"k")
+    out.send(arrived)
+
+
+def _zmq_reader(address: str, core: int | None, count: int, out: Connection) -> None:
+    _pin(core)
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    try:
+        peer.connect(address)
+        peer.send(b"hello")
+        arrived = []
+        for _ in range(count):
+            peer.recv()
+            arrived.append(time.perf_counter())
+            peer.send(b"k")
+        out.send(arrived)
+    finally:
+        peer.close(0)
+        context.term()
+
+
+def _one_way(reader: Callable[..., None], serve: Callable[[str, Callable[[], None]], list[float]], where: str,
+             cores: tuple[int | None, int | None], count: int) -> list[float]:
+    receive, send = mp.Pipe(duplex=False)
+    child = mp.get_context("spawn").Process(target=reader, args=(where, cores[1], count, send))
+    child.start()
+    try:
+        sent = serve(where, lambda: _pin(cores[0]))
+        arrived = receive.recv()
+    finally:
+        child.kill()
+        child.join()
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    return [(a - s) * 1e6 for s, a in zip(sent, arrived)]
+
+
+def _socket_case(directory: str, cores: tuple[int | None, int | None], count: int, gap_s: float) -> list[float]:
+    path = os.path.join(directory, f"wake-{cores}.sock")
+
+    def serve(where: str, pin: Callable[[], None]) -> list[float]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(where)
+            listener.listen(1)
+            pin()
+            peer, _ = listener.accept()
+            with peer:
+                sent = []
+                for _ in range(count):
+                    time.sleep(gap_s)
+                    sent.append(time.perf_counter())
+                    peer.sendall(b"12345678")
+                    peer.recv(1)
+                return sent
+
+    return _one_way(_socket_reader, serve, path, cores, count)
+
+
+def _zmq_case(directory: str, cores: tuple[int | None, int | None], count: int, gap_s: float) -> list[float]:
+    address = f"ipc://{directory}/wake-zmq-{cores[0]}-{cores[1]}.sock"
+
+    def serve(where: str, pin: Callable[[], None]) -> list[float]:
+        context = zmq.Context()
+        router = context.socket(zmq.ROUTER)
+        try:
+            router.bind(where)
+            pin()
+            identity, _ = router.recv_multipart()
+            sent = []
+            for _ in range(count):
+                time.sleep(gap_s)
+                sent.append(time.perf_counter())
+                router.send_multipart([identity, b"12345678"])
+                router.recv_multipart()
+            return sent
+        finally:
+            router.close(0)
+            context.term()
+
+    return _one_way(_zmq_reader, serve, address, cores, count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=300)
+    parser.add_argument("--gap-ms", type=float, default=3.0)
+    args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    placements: dict[str, tuple[int | None, int | None]] = {"unpinned": (None, None), "one_core": (cpus[0], cpus[0])}
+    if len(cpus) > 1:
+        placements["two_cores"] = (cpus[0], cpus[1])
+    report: dict[str, object] = {"cpus": len(cpus), "messages": args.messages, "gap_ms": args.gap_ms}
+    with tempfile.TemporaryDirectory() as directory:
+        for transport, case in (("unix_socket", _socket_case), ("zeromq_ipc", _zmq_case)):
+            for name, cores in placements.items():
+                times = np.asarray(case(directory, cores, args.messages, args.gap_ms / 1e3))
+                report[f"{transport}/{name}_us"] = {
+                    "median": round(float(np.median(times)), 1), "p90": round(float(np.percentile(times, 90)), 1)
+                }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
