@@ -1,19 +1,26 @@
 """How the tokens rank 0 samples reach the other ranks of its group before their next forward.
 
 Every rank of a group reads a step's feedback from the same PREPARE, so every rank starts the same
-message at the same point of the same step (executor.steps), the way a collective is entered. Two
-carriers take it:
+message at the same point of the same step (executor.steps), the way a collective is entered. Before
+each later forward of a step of several, the message also says whether rank 0 cut the step there.
+Three carriers take it:
 
-- `ProcessGroupFeedback`: a broadcast in the group's own process group. On a GPU (NCCL) the tokens stay on
-  the device; across hosts it is the group's one channel.
+- `ProcessGroupFeedback`: a broadcast in the group's own process group, the cut flag after the
+  tokens. Across hosts it is the group's one channel; there the other ranks of a GPU group read
+  the flag off the device, which waits for the forward before it.
 - `SocketFeedback`: a Unix socket from rank 0 to each other rank, for a CPU group on one host. On a
   2-core VM gloo's broadcast took 150-200 us one way and ~100 us to post on each side (its worker
   and loop threads wake one after another, on whichever core is free), where a socket's blocked
   reader takes one wake-up (docs/control_plane.md, fifteenth sitting). The other ranks start their
   forward that much sooner; on the CPU their forward waits for nothing else of rank 0's.
+- `HostFlagFeedback`, for a GPU group on one host: the tokens through NCCL (they stay on the
+  device), the cut flag through the same sockets, decided on rank 0's host. The other ranks then
+  know whether a later forward runs as soon as rank 0's host does, and queue it behind the tokens'
+  broadcast without waiting for the device (read off the device, the flag held every rank's GPU
+  idle for that read and a launch before each later forward of a frame).
 
-`open_feedback` picks one, collectively: every rank of a CPU group must reach rank 0's socket and
-rank 0 must recognise each of them, or the whole group keeps gloo. A peer is recognised by its
+`open_feedback` picks one, collectively: every rank must reach rank 0's socket and rank 0 must
+recognise each of them, or the whole group keeps its process group's broadcast. A peer is recognised by its
 process id, which the kernel reports for a Unix socket (SO_PEERCRED) and which every rank
 announced through the process group beforehand; the socket lies in a directory only this user can
 enter and is unlinked once the group is connected. A message names the step and the forward of it
@@ -66,14 +73,27 @@ class Feedback(Protocol):
         wait) what leaves the group unusable."""
         ...
 
+    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
+        """Before forward `forward` (1 or more) of `step`: every rank's copy of the tokens rank 0
+        sampled in the forward before, or None on every rank where rank 0 cut the step. Rank 0
+        passes its tokens and its decision; elsewhere `tokens` is a buffer of their length on the
+        device, and `cut` is not read."""
+        ...
+
     def close(self) -> None: ...
 
 
+@dataclass
 class ProcessGroupFeedback:
     """A broadcast in the default process group: NCCL's on a GPU, gloo's on a CPU."""
 
+    rank: int
+
     def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         return dist.broadcast(tokens, src=0, async_op=True).wait
+
+    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
+        return _tokens_then_flag(self, step, forward, tokens, cut)
 
     def close(self) -> None:
         pass
@@ -85,6 +105,9 @@ class SocketFeedback:
 
     rank: int
     peers: list[socket.socket]
+
+    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
+        return _tokens_then_flag(self, step, forward, tokens, cut)
 
     def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         values = tokens.numpy()
@@ -109,6 +132,43 @@ class SocketFeedback:
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
+
+
+@dataclass
+class HostFlagFeedback:
+    """A GPU group on one host: the tokens through the process group, the cut flag through the
+    host's sockets (the module says why)."""
+
+    tokens: ProcessGroupFeedback
+    flags: SocketFeedback
+
+    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
+        return self.tokens.start(step, forward, tokens)
+
+    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
+        flag = torch.tensor([int(cut)])
+        self.flags.start(step, forward, flag)()
+        if int(flag[0]):  # every rank skips the broadcast alike
+            return None
+        self.tokens.start(step, forward, tokens)()
+        return tokens
+
+    def close(self) -> None:
+        self.flags.close()
+
+
+def _tokens_then_flag(
+    carrier: ProcessGroupFeedback | SocketFeedback, step: int, forward: int, tokens: torch.Tensor, cut: bool
+) -> torch.Tensor | None:
+    """One message: the tokens, then rank 0's decision whether the step goes on."""
+    if carrier.rank == 0:
+        # Filled on the device: a copy from the host would wait for the forward running.
+        flag = torch.full((1,), int(cut), dtype=torch.long, device=tokens.device)
+        carrier.start(step, forward, torch.cat((tokens, flag)))()
+        return None if cut else tokens
+    message = torch.empty(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)
+    carrier.start(step, forward, message)()
+    return None if int(message[-1]) else message[:-1]
 
 
 def _sent() -> None:
@@ -142,22 +202,27 @@ def _receive_exactly(peer: socket.socket, into: memoryview) -> None:
         got += n
 
 
-def open_feedback(rank: int, world_size: int, device: torch.device) -> Feedback | None:
-    """The group's feedback carrier (None for a single rank). Collective on a CPU: every rank of the
-    group calls it at the same point of its start, and every rank enters each of its collectives
-    whatever failed locally (a local failure is a vote for gloo)."""
+def open_feedback(
+    rank: int, world_size: int, device: torch.device, host_group: dist.ProcessGroup | None = None
+) -> Feedback | None:
+    """The group's feedback carrier (None for a single rank). Collective: every rank of the group
+    calls it at the same point of its start, and every rank enters each of its collectives whatever
+    failed locally (a local failure is a vote for the process group's broadcast). The sockets are
+    connected through a gloo group: on a CPU the default one, on a GPU `host_group` (a GPU group
+    without one keeps NCCL's broadcast alone)."""
     if world_size == 1:
         return None
-    if device.type != "cpu":
-        return ProcessGroupFeedback()
-    connected = _connect_sockets(rank, world_size)
+    on_cpu = device.type == "cpu"
+    if not on_cpu and host_group is None:
+        return ProcessGroupFeedback(rank)
+    connected = _connect_sockets(rank, world_size, None if on_cpu else host_group)
     if connected is None:
-        logger.info("[rank %d] the feedback goes through gloo: not every rank reached rank 0's socket", rank)
-        return ProcessGroupFeedback()
-    return connected
+        logger.info("[rank %d] the feedback goes through the process group: not every rank reached rank 0's socket", rank)
+        return ProcessGroupFeedback(rank)
+    return connected if on_cpu else HostFlagFeedback(ProcessGroupFeedback(rank), connected)
 
 
-def _connect_sockets(rank: int, world_size: int) -> SocketFeedback | None:
+def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None) -> SocketFeedback | None:
     directory: str | None = None
     listener: socket.socket | None = None
     peers: list[socket.socket] = []
@@ -165,19 +230,19 @@ def _connect_sockets(rank: int, world_size: int) -> SocketFeedback | None:
         path = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
         if rank == 0:
             directory, listener = _listen(world_size, path)
-        dist.broadcast(path, src=0)
+        dist.broadcast(path, src=0, group=group)
         pids = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
-        dist.all_gather(pids, torch.tensor([os.getpid()]))
+        dist.all_gather(pids, torch.tensor([os.getpid()]), group=group)
         reached = torch.tensor([int(listener is not None)])
         if rank != 0:
             peers = _reach(bytes(path.numpy()).rstrip(b"\0").decode())
             reached[0] = len(peers)
-        dist.all_reduce(reached, op=dist.ReduceOp.MIN)
+        dist.all_reduce(reached, op=dist.ReduceOp.MIN, group=group)
         accepted = torch.tensor([0])
         if listener is not None and int(reached[0]):
             peers = _accept(listener, [int(pid) for pid in pids])
             accepted[0] = int(len(peers) == world_size - 1)
-        dist.broadcast(accepted, src=0)
+        dist.broadcast(accepted, src=0, group=group)
         if not int(accepted[0]):
             return None
         for peer in peers:

@@ -275,17 +275,12 @@ class StepRunner:
         sampled), for the next forward; None on every rank when rank 0 was told to cut the step."""
         if self.rank == 0:
             cut, tokens = self._is_cut(step), self._samples.tokens
-            if self._feedback is not None:
-                # Filled on the device: a copy from the host would wait for the forward running.
-                flag = torch.full((1,), int(cut), dtype=torch.long, device=self.cache.device)
-                self._feedback.start(step, forward, torch.cat((tokens, flag)))()
+        else:
+            cut, tokens = False, torch.empty(rows, dtype=torch.long, device=self.cache.device)
+        if self._feedback is None:
             return None if cut else tokens
-        assert self._feedback is not None
-        message = torch.empty(rows + 1, dtype=torch.long, device=self.cache.device)
-        self._feedback.start(step, forward, message)()
-        # The other ranks read the decision off the device: they cannot launch the next forward
-        # before they know whether there is one.
-        return None if int(message[rows]) else message[:rows]
+        # No rank launches a later forward before it knows that there is one (executor.feedback).
+        return self._feedback.later_forward(step, forward, tokens, cut)
 
     def _feed(self, staged: StagedStep) -> _Feeding | None:
         """Starts the feedback rows' tokens on their way to every rank; the step's cache operations

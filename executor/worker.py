@@ -312,9 +312,11 @@ class LoadedExecutor:
 
 
 def load_executor(
-    options: ExecutorOptions, *, rank: int, world_size: int, load: Callable[..., Any] | None = None
+    options: ExecutorOptions, *, rank: int, world_size: int, load: Callable[..., Any] | None = None,
+    host_group: torch.distributed.ProcessGroup | None = None,
 ) -> LoadedExecutor:
-    """This rank's shard on its device and its KV cache: everything before the connection."""
+    """This rank's shard on its device and its KV cache: everything before the connection.
+    `host_group`: a gloo group of the ranks where the default group is NCCL's (executor.feedback)."""
     if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ExecutorStartError(
             f"world size {world_size} needs torch.distributed initialized before run_executor"
@@ -332,7 +334,7 @@ def load_executor(
     step_model = _step_model(options, model, cache, geometry, world_size=world_size)
     if options.seed is not None:
         torch.manual_seed(options.seed)
-    feedback = open_feedback(rank, world_size, device)
+    feedback = open_feedback(rank, world_size, device, host_group)
     return LoadedExecutor(options, rank, world_size, cache, step_model, geometry, feedback)
 
 

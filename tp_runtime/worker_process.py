@@ -121,7 +121,7 @@ def run_worker(config: RuntimeConfig, mode: str, job: list[str]) -> int:
         started = spawn_frontend(config, mode, job, client_keys, frontend_nice(config, use_cuda))
         frontend, pipe_fd = started.process, started.bootstrap_fd
     try:
-        loaded = load_executor(executor_options(config, use_cuda), rank=rank, world_size=world)
+        loaded = load_executor(executor_options(config, use_cuda), rank=rank, world_size=world, host_group=bootstrap_group)
     except BaseException:
         if frontend is not None:  # it would wait for a rank that never comes
             frontend.kill()

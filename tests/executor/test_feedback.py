@@ -1,8 +1,10 @@
 """The carriers of rank 0's feedback tokens (executor.feedback): a CPU group on one host connects its
 ranks' sockets and carries what gloo's broadcast carries; a rank that cannot reach rank 0's socket,
-or a rank 0 that cannot listen, leaves the whole group on gloo; a message for another forward, a
-rank 0 that has ended and a silent one fail the reader, a reader that has ended fails rank 0; a
-process that is not a rank of the group is refused; a GPU group keeps its broadcast."""
+or a rank 0 that cannot listen, leaves the whole group on gloo; every carrier says alike, before a later
+forward of a step, whether rank 0 cut it there; a GPU group on one host takes the cut flag over the
+sockets and its tokens through the process group; a message for another forward, a rank 0 that has
+ended and a silent one fail the reader, a reader that has ended fails rank 0; a process that is
+not a rank of the group is refused."""
 
 from __future__ import annotations
 
@@ -22,7 +24,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import executor.feedback as feedback_module
-from executor.feedback import CONNECT_TIMEOUT_S, FeedbackError, ProcessGroupFeedback, SocketFeedback, open_feedback
+from executor.feedback import (
+    CONNECT_TIMEOUT_S,
+    FeedbackError,
+    HostFlagFeedback,
+    ProcessGroupFeedback,
+    SocketFeedback,
+    open_feedback,
+)
 from executor.options import COLLECTIVE_TIMEOUT_S
 from executor.steps import StepRunner
 from protocol.transport.ipc import private_directory
@@ -43,18 +52,36 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
             feedback_module._reach = lambda path: []  # another host's rank, say
         if scenario == "no_listener" and rank == 0:
             feedback_module._listen = lambda world_size, into: (None, None)  # a path too long, say
-        carrier = open_feedback(rank, world_size, torch.device("cpu"))
+        if scenario == "gpu_selection":  # open_feedback reads the device's type only
+            carrier = open_feedback(rank, world_size, torch.device("cuda", rank), host_group=dist.group.WORLD)
+        else:
+            carrier = open_feedback(rank, world_size, torch.device("cpu"))
         outcome = type(carrier).__name__
-        if scenario in ("carry", "unreached", "no_listener"):
+        if scenario == "later":
+            assert isinstance(carrier, SocketFeedback)
+            pg = ProcessGroupFeedback(rank)
+            decisions = []
+            for each in (carrier, pg, HostFlagFeedback(pg, carrier)):
+                for step in range(1, 13):
+                    for forward in range(1, 4):
+                        cut = (step + forward) % 4 == 0
+                        # Elsewhere than rank 0 the decision passed is the wrong one: it is not read.
+                        tokens = _tokens(step + forward) if rank == 0 else torch.empty((step + forward) % 5 + 1, dtype=torch.long)
+                        got = each.later_forward(step, forward, tokens, cut if rank == 0 else not cut)
+                        if (got is None) != cut or (got is not None and not torch.equal(got, _tokens(step + forward))):
+                            raise AssertionError(f"{type(each).__name__} on rank {rank}: {got} at {step}/{forward}")
+                        decisions.append(got is None)
+            outcome = f"{sum(decisions)} cut of {len(decisions)}"
+        elif scenario in ("carry", "unreached", "no_listener"):
             if isinstance(carrier, SocketFeedback):
                 assert [peer.gettimeout() for peer in carrier.peers] == [COLLECTIVE_TIMEOUT_S] * len(carrier.peers)
-            for each in (carrier, ProcessGroupFeedback()):
+            for each in (carrier, ProcessGroupFeedback(rank)):
                 for step in range(1, 30):
                     tokens = _tokens(step) if rank == 0 else torch.empty(step % 5 + 1, dtype=torch.long)
                     each.start(step, step % 3, tokens)()
                     if not torch.equal(tokens, _tokens(step)):
                         raise AssertionError(f"rank {rank} read {tokens.tolist()} at step {step}")
-        else:
+        elif scenario != "gpu_selection":
             assert isinstance(carrier, SocketFeedback)
             if rank == 0:
                 if scenario == "wrong_forward":
@@ -104,6 +131,14 @@ def test_a_cpu_group_on_one_host_carries_its_feedback_over_sockets_as_gloo_would
 @pytest.mark.parametrize("scenario", ["unreached", "no_listener"])
 def test_a_rank_that_cannot_reach_rank_0s_socket_leaves_the_group_on_gloo(tmp_path, scenario: str) -> None:
     assert _run_group(tmp_path, scenario) == ["ProcessGroupFeedback"] * 2
+
+
+def test_every_carrier_says_alike_whether_rank_0_cut_a_step_before_a_later_forward(tmp_path) -> None:
+    assert _run_group(tmp_path, "later") == ["27 cut of 108"] * 2
+
+
+def test_a_gpu_group_on_one_host_takes_the_cut_flag_over_the_sockets(tmp_path) -> None:
+    assert _run_group(tmp_path, "gpu_selection") == ["HostFlagFeedback"] * 2
 
 
 def test_a_message_for_another_forward_fails_the_reader(tmp_path) -> None:
@@ -159,9 +194,9 @@ def test_rank_0_accepts_the_ranks_of_its_group_and_refuses_any_other_process() -
         os.rmdir(directory)
 
 
-def test_a_single_rank_has_no_carrier_and_a_gpu_group_keeps_its_broadcast() -> None:
+def test_a_single_rank_has_no_carrier_and_a_gpu_group_without_a_host_group_keeps_its_broadcast() -> None:
     assert open_feedback(0, 1, torch.device("cpu")) is None
-    assert isinstance(open_feedback(1, 2, torch.device("cuda", 1)), ProcessGroupFeedback)  # no collective on the way
+    assert open_feedback(1, 2, torch.device("cuda", 1)) == ProcessGroupFeedback(1)  # no collective on the way
 
 
 def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks() -> None:
@@ -170,7 +205,7 @@ def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks(
     with pytest.raises(ValueError, match="needs a feedback carrier"):
         StepRunner(rank=0, world_size=2, model=model, cache=cache, options=None)
     with pytest.raises(ValueError, match="needs a feedback carrier"):
-        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=ProcessGroupFeedback())
+        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=ProcessGroupFeedback(0))
 
 
 def test_a_message_is_its_step_its_forward_its_length_and_its_tokens() -> None:
