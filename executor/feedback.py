@@ -20,14 +20,13 @@ Three carriers take it:
   idle for that read and a launch before each later forward of a frame).
 
 `open_feedback` picks one, collectively: every rank must reach rank 0's socket and rank 0 must
-recognise each of them, or the whole group keeps its process group's broadcast. A peer is recognised by its
-process id, which the kernel reports for a Unix socket (SO_PEERCRED) and which every rank
-announced through the process group beforehand; the socket lies in a directory only this user can
-enter and is unlinked once the group is connected. A message names the step and the forward of it
-whose input its tokens are, and their count, so a rank that would read another forward's tokens
-fails instead;
-a closed socket (its peer ended) fails at once, a silent one after the process group's own
-timeout, as gloo would.
+recognise each of them, or the whole group keeps its process group's broadcast. A peer is
+recognised by its process id, which the kernel reports for a Unix socket (SO_PEERCRED) and which
+every rank announced through the process group beforehand; the socket lies in a directory only
+this user can enter and is unlinked once the group is connected. A message names the step and the
+forward of it whose input its tokens are, and their count, so a rank that would read another
+forward's tokens fails instead; a closed socket (its peer ended) fails at once, a silent one after
+the process group's own timeout, as gloo would.
 """
 
 from __future__ import annotations
@@ -106,9 +105,6 @@ class SocketFeedback:
     rank: int
     peers: list[socket.socket]
 
-    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
-        return _tokens_then_flag(self, step, forward, tokens, cut)
-
     def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         values = tokens.numpy()
         if self.rank == 0:
@@ -128,6 +124,9 @@ class SocketFeedback:
                 f"{due[1]} of step {due[0]} were due: the ranks disagree on the forwards they run"
             )
         _receive_exactly(self.peers[0], memoryview(into).cast("B"))
+
+    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
+        return _tokens_then_flag(self, step, forward, tokens, cut)
 
     def close(self) -> None:
         for peer in self.peers:
@@ -230,7 +229,7 @@ def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None
         path = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
         if rank == 0:
             directory, listener = _listen(world_size, path)
-        dist.broadcast(path, src=0, group=group)
+        dist.broadcast(path, group=group, group_src=0)
         pids = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
         dist.all_gather(pids, torch.tensor([os.getpid()]), group=group)
         reached = torch.tensor([int(listener is not None)])
@@ -242,7 +241,7 @@ def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None
         if listener is not None and int(reached[0]):
             peers = _accept(listener, [int(pid) for pid in pids])
             accepted[0] = int(len(peers) == world_size - 1)
-        dist.broadcast(accepted, src=0, group=group)
+        dist.broadcast(accepted, group=group, group_src=0)
         if not int(accepted[0]):
             return None
         for peer in peers:

@@ -282,6 +282,7 @@ def run_executor(
     load: Callable[..., Any] | None = None,
     curve: ClientCurve | None = None,
     grammar_vocabulary: Callable[[], GrammarVocabulary] | None = None,
+    host_group: torch.distributed.ProcessGroup | None = None,
 ) -> int:
     """Load this rank's shard, allocate its cache, connect to the scheduler and serve steps
     (load_executor, then serve_executor: a launcher that learns the scheduler's address while the
@@ -291,8 +292,9 @@ def run_executor(
     `load` replaces executor.model.load_model (same signature); the loop tests pass a stand-in.
     `curve` (protocol.curve.ClientCurve) makes the connection a CurveZMQ client, across hosts.
     `grammar_vocabulary` loads the tokenizer's view for rank 0's grammar engine (structured output).
+    `host_group`: load_executor's.
     """
-    loaded = load_executor(options, rank=rank, world_size=world_size, load=load)
+    loaded = load_executor(options, rank=rank, world_size=world_size, load=load, host_group=host_group)
     return serve_executor(
         loaded, address=address, key=key, run_id=run_id, curve=curve, grammar_vocabulary=grammar_vocabulary
     )

@@ -175,6 +175,9 @@ def _run_rank(spec: RankSpec) -> None:
         key=bytes.fromhex(spec.key_hex),
         run_id=spec.run_id,
         load=getattr(importlib.import_module(module), name),
+        # The group is gloo's here, CUDA or not: on the device check's TP=2 (two ranks on one GPU)
+        # the cut flags go over the sockets and the tokens through gloo (executor.feedback).
+        host_group=dist.group.WORLD if spec.world_size > 1 else None,
     )
     logging.shutdown()
     sys.stdout.flush()

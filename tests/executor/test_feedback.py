@@ -53,7 +53,18 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
         if scenario == "no_listener" and rank == 0:
             feedback_module._listen = lambda world_size, into: (None, None)  # a path too long, say
         if scenario == "gpu_selection":  # open_feedback reads the device's type only
-            carrier = open_feedback(rank, world_size, torch.device("cuda", rank), host_group=dist.group.WORLD)
+            host_group = dist.new_group(backend="gloo")
+            groups = []
+            for name in ("broadcast", "all_gather", "all_reduce"):
+                collective = getattr(dist, name)
+
+                def recorded(*args, _collective=collective, **kwargs):
+                    groups.append(kwargs.get("group"))
+                    return _collective(*args, **kwargs)
+
+                setattr(feedback_module.dist, name, recorded)
+            carrier = open_feedback(rank, world_size, torch.device("cuda", rank), host_group=host_group)
+            assert groups and all(group is host_group for group in groups), groups  # never the default (NCCL's) group
         else:
             carrier = open_feedback(rank, world_size, torch.device("cpu"))
         outcome = type(carrier).__name__
@@ -206,6 +217,37 @@ def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks(
         StepRunner(rank=0, world_size=2, model=model, cache=cache, options=None)
     with pytest.raises(ValueError, match="needs a feedback carrier"):
         StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=ProcessGroupFeedback(0))
+
+
+class _Recorded:
+    """A process group's carrier that records what goes through it."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[int, int, list[int]]] = []
+
+    def start(self, step: int, forward: int, tokens: torch.Tensor):
+        self.started.append((step, forward, tokens.tolist()))
+        return lambda: None
+
+
+def test_a_gpu_groups_flag_goes_over_the_socket_alone_and_its_tokens_through_the_process_group() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        group = _Recorded()
+        rank0 = HostFlagFeedback(group, SocketFeedback(0, [left]))
+        assert torch.equal(rank0.later_forward(5, 1, torch.tensor([7, 8]), cut=False), torch.tensor([7, 8]))
+        assert rank0.later_forward(5, 2, torch.tensor([9, 9]), cut=True) is None
+        assert group.started == [(5, 1, [7, 8])]  # nothing after a cut
+        assert np.frombuffer(right.recv(1024), dtype="<i8").tolist() == [5, 1, 1, 0, 5, 2, 1, 1]
+
+        SocketFeedback(0, [left]).start(6, 1, torch.tensor([0]))()
+        SocketFeedback(0, [left]).start(6, 2, torch.tensor([1]))()
+        group = _Recorded()
+        rank1 = HostFlagFeedback(group, SocketFeedback(1, [right]))
+        buffer = torch.empty(2, dtype=torch.long)
+        assert rank1.later_forward(6, 1, buffer, cut=True) is buffer  # its own decision is not read
+        assert rank1.later_forward(6, 2, buffer, cut=False) is None
+        assert [(step, forward) for step, forward, _ in group.started] == [(6, 1)]
 
 
 def test_a_message_is_its_step_its_forward_its_length_and_its_tokens() -> None:
