@@ -36,7 +36,7 @@ from executor.options import COLLECTIVE_TIMEOUT_S
 from executor.steps import StepRunner
 from protocol.transport.ipc import private_directory
 from tests.executor.executor_standin import KV_HEADS, StandInModel, geometry, make_cache
-from tests.model.tp_worker import free_port
+from tests.model.tp_worker import free_port, join_ranks
 
 
 def _tokens(step: int) -> torch.Tensor:
@@ -122,16 +122,7 @@ def _run_group(tmp_path: Path, scenario: str, world_size: int = 2) -> list[str]:
         _rank_body, args=(world_size, free_port(), scenario, str(tmp_path)), nprocs=world_size, join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + 120
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"the ranks of {scenario!r} did not finish")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    join_ranks(context, 120, f"the ranks of {scenario!r}")
     return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(world_size)]
 
 

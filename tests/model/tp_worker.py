@@ -90,12 +90,18 @@ def run_tp(
         join=False,
         start_method="spawn",
     )
+    join_ranks(context, timeout_s, f"TP={world_size} ranks")
+
+
+def join_ranks(context: mp.ProcessContext, timeout_s: float, what: str) -> None:
+    """Waits for spawned ranks to end; raises what a rank raised, or TimeoutError, after killing
+    every rank still running."""
     deadline = time.monotonic() + timeout_s
     try:
         # join() returns after any one rank exits; it raises if that rank failed.
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"TP={world_size} ranks did not finish within {timeout_s} s")
+                raise TimeoutError(f"{what} did not finish within {timeout_s} s")
     finally:
         for process in context.processes:
             if process.is_alive():
