@@ -26,7 +26,8 @@ every rank announced through the process group beforehand; the socket lies in a 
 this user can enter and is unlinked once the group is connected. A message names the step and the
 forward of it whose input its tokens are, and their count, so a rank that would read another
 forward's tokens fails instead; a closed socket (its peer ended) fails at once, a silent one after
-the process group's own timeout, as gloo would.
+COLLECTIVE_TIMEOUT_S, the timeout tp_runtime's launch gives the process group, as a collective
+would there.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def open_feedback(
         return ProcessGroupFeedback(rank)
     connected = _connect_sockets(rank, world_size, None if on_cpu else host_group)
     if connected is None:
-        logger.info("[rank %d] the feedback goes through the process group: not every rank reached rank 0's socket", rank)
+        logger.info("[rank %d] the feedback goes through the process group: not every rank could be connected to rank 0's socket", rank)
         return ProcessGroupFeedback(rank)
     return connected if on_cpu else HostFlagFeedback(ProcessGroupFeedback(rank), connected)
 
@@ -249,7 +250,7 @@ def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None
         connected, peers = SocketFeedback(rank, peers), []
         return connected
     finally:
-        for peer in peers:  # only those of a group that keeps gloo
+        for peer in peers:  # a group that keeps its process group's broadcast closes them
             peer.close()
         if listener is not None:
             listener.close()
@@ -258,8 +259,8 @@ def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None
 
 
 def _listen(world_size: int, into: torch.Tensor) -> tuple[str | None, socket.socket | None]:
-    """Rank 0's listening socket in a private directory, its path written into `into`; (None, None)
-    where it cannot be made, which the other ranks read as an empty path."""
+    """Rank 0's private directory (to remove) and listening socket in it, its path written into
+    `into`; no socket where it cannot be made, which the other ranks read as an empty path."""
     if not hasattr(socket, "SO_PEERCRED"):  # no way to recognise a peer
         return None, None
     try:
@@ -268,15 +269,17 @@ def _listen(world_size: int, into: torch.Tensor) -> tuple[str | None, socket.soc
         logger.warning("no directory for the feedback socket: %r", exc)
         return None, None
     path = os.path.join(directory, "feedback.sock").encode()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = None
     try:
         if len(path) >= _PATH_BYTES:
             raise OSError(f"{len(path)} bytes of path")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(world_size)
     except OSError as exc:
         logger.warning("the feedback socket could not be bound at %s: %r", path.decode(), exc)
-        listener.close()
+        if listener is not None:
+            listener.close()
         return directory, None
     into[: len(path)] = torch.frombuffer(bytearray(path), dtype=torch.uint8)
     return directory, listener
@@ -286,11 +289,14 @@ def _reach(path: str) -> list[socket.socket]:
     """Another rank's connection to rank 0's socket, or none."""
     if not path or not hasattr(socket, "SO_PEERCRED"):
         return []
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return []
     peer.settimeout(CONNECT_TIMEOUT_S)
     try:
         peer.connect(path)
-    except OSError:  # another host, or another mount namespace: gloo carries it
+    except OSError:  # another host, or another mount namespace: the process group carries it
         peer.close()
         return []
     return [peer]
@@ -299,16 +305,20 @@ def _reach(path: str) -> list[socket.socket]:
 def _accept(listener: socket.socket, pids: list[int]) -> list[socket.socket]:
     """The other ranks' connections in rank order, each recognised by its process id; a connection
     from any other process is closed. Fewer than all of them when the time runs out or accepting
-    fails (ranks in another PID namespace are never recognised: the group keeps gloo after
-    CONNECT_TIMEOUT_S)."""
+    fails (ranks in another PID namespace are never recognised: the group keeps its process group's
+    broadcast after CONNECT_TIMEOUT_S)."""
     by_rank: dict[int, socket.socket] = {}
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     try:
         while len(by_rank) < len(pids) - 1 and (left := deadline - time.monotonic()) > 0:
             listener.settimeout(left)
             peer, _ = listener.accept()
-            pid, uid, _gid = _UCRED.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            rank = pids.index(pid) if pid in pids[1:] else None
+            try:
+                pid, uid, _gid = _UCRED.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            except OSError:
+                peer.close()
+                raise
+            rank = pids.index(pid, 1) if pid in pids[1:] else None
             if rank is None or uid != os.getuid() or rank in by_rank:
                 logger.warning("refused a connection to the feedback socket from process %d (uid %d): not a rank of this group", pid, uid)
                 peer.close()

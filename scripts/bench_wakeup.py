@@ -30,6 +30,10 @@ import numpy as np
 import zmq
 
 
+# Every wait has a bound: a reader that died leaves the benchmark with an error, not a hang.
+WAIT_S = 30.0
+
+
 def _pin(core: int | None) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})
@@ -38,6 +42,7 @@ def _pin(core: int | None) -> None:
 def _socket_reader(path: str, core: int | None, count: int, out: Connection) -> None:
     _pin(core)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+        peer.settimeout(WAIT_S)
         peer.connect(path)
         arrived = []
         for _ in range(count):
@@ -51,6 +56,7 @@ def _zmq_reader(address: str, core: int | None, count: int, out: Connection) -> 
     _pin(core)
     context = zmq.Context()
     peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
     try:
         peer.connect(address)
         peer.send(b"hello")
@@ -65,30 +71,39 @@ def _zmq_reader(address: str, core: int | None, count: int, out: Connection) -> 
         context.term()
 
 
-def _one_way(reader: Callable[..., None], serve: Callable[[str, Callable[[], None]], list[float]], where: str,
+def _one_way(reader: Callable[..., None], serve: Callable[[Callable[[], None]], list[float]], where: str,
              cores: tuple[int | None, int | None], count: int) -> list[float]:
-    receive, send = mp.Pipe(duplex=False)
-    child = mp.get_context("spawn").Process(target=reader, args=(where, cores[1], count, send))
-    child.start()
+    """`serve` binds `where` before the reader starts and sends it `count` messages; the reader
+    reports when each arrived."""
+    spawn = mp.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    started = spawn.Process(target=reader, args=(where, cores[1], count, send))
+    own = os.sched_getaffinity(0)
     try:
-        sent = serve(where, lambda: _pin(cores[0]))
+        sent = serve(lambda: (started.start(), send.close(), _pin(cores[0])))
+        if not receive.poll(WAIT_S):
+            raise TimeoutError(f"the reader of {where} reported nothing")
         arrived = receive.recv()
     finally:
-        child.kill()
-        child.join()
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        if started.is_alive():
+            started.kill()
+        if started.pid is not None:
+            started.join()
+        os.sched_setaffinity(0, own)
     return [(a - s) * 1e6 for s, a in zip(sent, arrived)]
 
 
 def _socket_case(directory: str, cores: tuple[int | None, int | None], count: int, gap_s: float) -> list[float]:
     path = os.path.join(directory, f"wake-{cores}.sock")
 
-    def serve(where: str, pin: Callable[[], None]) -> list[float]:
+    def serve(begin: Callable[[], None]) -> list[float]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-            listener.bind(where)
+            listener.bind(path)
             listener.listen(1)
-            pin()
+            listener.settimeout(WAIT_S)
+            begin()
             peer, _ = listener.accept()
+            peer.settimeout(WAIT_S)
             with peer:
                 sent = []
                 for _ in range(count):
@@ -104,12 +119,13 @@ def _socket_case(directory: str, cores: tuple[int | None, int | None], count: in
 def _zmq_case(directory: str, cores: tuple[int | None, int | None], count: int, gap_s: float) -> list[float]:
     address = f"ipc://{directory}/wake-zmq-{cores[0]}-{cores[1]}.sock"
 
-    def serve(where: str, pin: Callable[[], None]) -> list[float]:
+    def serve(begin: Callable[[], None]) -> list[float]:
         context = zmq.Context()
         router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
         try:
-            router.bind(where)
-            pin()
+            router.bind(address)
+            begin()
             identity, _ = router.recv_multipart()
             sent = []
             for _ in range(count):

@@ -174,6 +174,7 @@ def test_rank_0_accepts_the_ranks_of_its_group_and_refuses_any_other_process() -
     listener.bind(path)
     listener.listen(4)
     children: list[subprocess.Popen[str]] = []
+    peers: list[socket.socket] = []
     try:
         children.append(_connecting(path))  # a stranger, first in the queue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as own:
@@ -182,12 +183,14 @@ def test_rank_0_accepts_the_ranks_of_its_group_and_refuses_any_other_process() -
             began = time.monotonic()
             peers = feedback_module._accept(listener, [os.getpid(), children[1].pid])
             assert time.monotonic() - began < CONNECT_TIMEOUT_S
-        [peer] = peers
-        pid = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-        assert pid == children[1].pid
+        ucred = struct.Struct("iII")
+        assert [ucred.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size))[0] for peer in peers] == [
+            children[1].pid
+        ]
         assert children[0].wait(timeout=30) == 0  # its connection was closed: its recv returned
-        peer.close()
     finally:
+        for peer in peers:
+            peer.close()
         listener.close()
         for child in children:
             child.kill()
