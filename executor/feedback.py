@@ -73,11 +73,10 @@ class Feedback(Protocol):
         wait) what leaves the group unusable."""
         ...
 
-    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
-        """Before forward `forward` (1 or more) of `step`: every rank's copy of the tokens rank 0
-        sampled in the forward before, or None on every rank where rank 0 cut the step. Rank 0
-        passes its tokens and its decision; elsewhere `tokens` is a buffer of their length on the
-        device, and `cut` is not read."""
+    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+        """Before forward `forward` (1 or more) of `step`: every rank's copy of the `rows` tokens
+        rank 0 sampled in the forward before, or None on every rank where rank 0 cut the step. Rank
+        0 passes its tokens and its decision; elsewhere `tokens` is None and `cut` is not read."""
         ...
 
     def close(self) -> None: ...
@@ -88,12 +87,13 @@ class ProcessGroupFeedback:
     """A broadcast in the default process group: NCCL's on a GPU, gloo's on a CPU."""
 
     rank: int
+    device: torch.device  # the tokens'
 
     def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         return dist.broadcast(tokens, src=0, async_op=True).wait
 
-    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
-        return _tokens_then_flag(self, step, forward, tokens, cut)
+    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+        return _tokens_then_flag(self, self.device, step, forward, rows, tokens, cut)
 
     def close(self) -> None:
         pass
@@ -126,8 +126,8 @@ class SocketFeedback:
             )
         _receive_exactly(self.peers[0], memoryview(into).cast("B"))
 
-    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
-        return _tokens_then_flag(self, step, forward, tokens, cut)
+    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+        return _tokens_then_flag(self, torch.device("cpu"), step, forward, rows, tokens, cut)
 
     def close(self) -> None:
         for peer in self.peers:
@@ -145,11 +145,13 @@ class HostFlagFeedback:
     def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         return self.tokens.start(step, forward, tokens)
 
-    def later_forward(self, step: int, forward: int, tokens: torch.Tensor, cut: bool) -> torch.Tensor | None:
+    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
         flag = torch.tensor([int(cut)])
         self.flags.start(step, forward, flag)()
         if int(flag[0]):  # every rank skips the broadcast alike
             return None
+        if tokens is None:
+            tokens = torch.empty(rows, dtype=torch.long, device=self.tokens.device)
         self.tokens.start(step, forward, tokens)()
         return tokens
 
@@ -158,15 +160,16 @@ class HostFlagFeedback:
 
 
 def _tokens_then_flag(
-    carrier: ProcessGroupFeedback | SocketFeedback, step: int, forward: int, tokens: torch.Tensor, cut: bool
+    carrier: ProcessGroupFeedback | SocketFeedback, device: torch.device, step: int, forward: int, rows: int,
+    tokens: torch.Tensor | None, cut: bool,
 ) -> torch.Tensor | None:
     """One message: the tokens, then rank 0's decision whether the step goes on."""
-    if carrier.rank == 0:
+    if tokens is not None:  # rank 0
         # Filled on the device: a copy from the host would wait for the forward running.
-        flag = torch.full((1,), int(cut), dtype=torch.long, device=tokens.device)
+        flag = torch.full((1,), int(cut), dtype=torch.long, device=device)
         carrier.start(step, forward, torch.cat((tokens, flag)))()
         return None if cut else tokens
-    message = torch.empty(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)
+    message = torch.empty(rows + 1, dtype=torch.long, device=device)
     carrier.start(step, forward, message)()
     return None if int(message[-1]) else message[:-1]
 
@@ -214,12 +217,12 @@ def open_feedback(
         return None
     on_cpu = device.type == "cpu"
     if not on_cpu and host_group is None:
-        return ProcessGroupFeedback(rank)
+        return ProcessGroupFeedback(rank, device)
     connected = _connect_sockets(rank, world_size, None if on_cpu else host_group)
     if connected is None:
         logger.info("[rank %d] the feedback goes through the process group: not every rank could be connected to rank 0's socket", rank)
-        return ProcessGroupFeedback(rank)
-    return connected if on_cpu else HostFlagFeedback(ProcessGroupFeedback(rank), connected)
+        return ProcessGroupFeedback(rank, device)
+    return connected if on_cpu else HostFlagFeedback(ProcessGroupFeedback(rank, device), connected)
 
 
 def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None) -> SocketFeedback | None:

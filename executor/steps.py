@@ -166,7 +166,6 @@ class StepRunner:
         if (feedback is None) != (world_size == 1):
             raise ValueError(f"a group of {world_size} ranks needs a feedback carrier exactly when it has several ranks")
         self.rank = rank
-        self.world_size = world_size
         self._feedback = feedback  # executor.feedback.open_feedback's
         self.model = model
         self.cache = cache
@@ -273,14 +272,11 @@ class StepRunner:
     def _next_tokens(self, step: int, forward: int, rows: int) -> torch.Tensor | None:
         """Every rank's copy of the tokens rank 0 sampled in the forward just run (all rows
         sampled), for the next forward; None on every rank when rank 0 was told to cut the step."""
-        if self.rank == 0:
-            cut, tokens = self._is_cut(step), self._samples.tokens
-        else:
-            cut, tokens = False, torch.empty(rows, dtype=torch.long, device=self.cache.device)
+        cut, tokens = (self._is_cut(step), self._samples.tokens) if self.rank == 0 else (False, None)
         if self._feedback is None:
             return None if cut else tokens
         # No rank launches a later forward before it knows that there is one (executor.feedback).
-        return self._feedback.later_forward(step, forward, tokens, cut)
+        return self._feedback.later_forward(step, forward, rows, tokens, cut)
 
     def _feed(self, staged: StagedStep) -> _Feeding | None:
         """Starts the feedback rows' tokens on their way to every rank; the step's cache operations

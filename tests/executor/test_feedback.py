@@ -70,15 +70,15 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
         outcome = type(carrier).__name__
         if scenario == "later":
             assert isinstance(carrier, SocketFeedback)
-            pg = ProcessGroupFeedback(rank)
+            pg = ProcessGroupFeedback(rank, torch.device("cpu"))
             decisions = []
             for each in (carrier, pg, HostFlagFeedback(pg, carrier)):
                 for step in range(1, 13):
                     for forward in range(1, 4):
                         cut = (step + forward) % 4 == 0
                         # Elsewhere than rank 0 the decision passed is the wrong one: it is not read.
-                        tokens = _tokens(step + forward) if rank == 0 else torch.empty((step + forward) % 5 + 1, dtype=torch.long)
-                        got = each.later_forward(step, forward, tokens, cut if rank == 0 else not cut)
+                        rows, tokens = (step + forward) % 5 + 1, _tokens(step + forward) if rank == 0 else None
+                        got = each.later_forward(step, forward, rows, tokens, cut if rank == 0 else not cut)
                         if (got is None) != cut or (got is not None and not torch.equal(got, _tokens(step + forward))):
                             raise AssertionError(f"{type(each).__name__} on rank {rank}: {got} at {step}/{forward}")
                         decisions.append(got is None)
@@ -86,7 +86,7 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
         elif scenario in ("carry", "unreached", "no_listener"):
             if isinstance(carrier, SocketFeedback):
                 assert [peer.gettimeout() for peer in carrier.peers] == [COLLECTIVE_TIMEOUT_S] * len(carrier.peers)
-            for each in (carrier, ProcessGroupFeedback(rank)):
+            for each in (carrier, ProcessGroupFeedback(rank, torch.device("cpu"))):
                 for step in range(1, 30):
                     tokens = _tokens(step) if rank == 0 else torch.empty(step % 5 + 1, dtype=torch.long)
                     each.start(step, step % 3, tokens)()
@@ -201,7 +201,8 @@ def test_rank_0_accepts_the_ranks_of_its_group_and_refuses_any_other_process() -
 
 def test_a_single_rank_has_no_carrier_and_a_gpu_group_without_a_host_group_keeps_its_broadcast() -> None:
     assert open_feedback(0, 1, torch.device("cpu")) is None
-    assert open_feedback(1, 2, torch.device("cuda", 1)) == ProcessGroupFeedback(1)  # no collective on the way
+    gpu = torch.device("cuda", 1)
+    assert open_feedback(1, 2, gpu) == ProcessGroupFeedback(1, gpu)  # no collective on the way
 
 
 def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks() -> None:
@@ -210,7 +211,7 @@ def test_a_step_runner_takes_a_carrier_exactly_when_its_group_has_several_ranks(
     with pytest.raises(ValueError, match="needs a feedback carrier"):
         StepRunner(rank=0, world_size=2, model=model, cache=cache, options=None)
     with pytest.raises(ValueError, match="needs a feedback carrier"):
-        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=ProcessGroupFeedback(0))
+        StepRunner(rank=0, world_size=1, model=model, cache=cache, options=None, feedback=ProcessGroupFeedback(0, torch.device("cpu")))
 
 
 class _Recorded:
@@ -218,6 +219,7 @@ class _Recorded:
 
     def __init__(self) -> None:
         self.started: list[tuple[int, int, list[int]]] = []
+        self.device = torch.device("cpu")
 
     def start(self, step: int, forward: int, tokens: torch.Tensor):
         self.started.append((step, forward, tokens.tolist()))
@@ -229,8 +231,8 @@ def test_a_gpu_groups_flag_goes_over_the_socket_alone_and_its_tokens_through_the
     with left, right:
         group = _Recorded()
         rank0 = HostFlagFeedback(group, SocketFeedback(0, [left]))
-        assert torch.equal(rank0.later_forward(5, 1, torch.tensor([7, 8]), cut=False), torch.tensor([7, 8]))
-        assert rank0.later_forward(5, 2, torch.tensor([9, 9]), cut=True) is None
+        assert torch.equal(rank0.later_forward(5, 1, 2, torch.tensor([7, 8]), cut=False), torch.tensor([7, 8]))
+        assert rank0.later_forward(5, 2, 2, torch.tensor([9, 9]), cut=True) is None
         assert group.started == [(5, 1, [7, 8])]  # nothing after a cut
         assert np.frombuffer(right.recv(1024), dtype="<i8").tolist() == [5, 1, 1, 0, 5, 2, 1, 1]
 
@@ -238,10 +240,10 @@ def test_a_gpu_groups_flag_goes_over_the_socket_alone_and_its_tokens_through_the
         SocketFeedback(0, [left]).start(6, 2, torch.tensor([1]))()
         group = _Recorded()
         rank1 = HostFlagFeedback(group, SocketFeedback(1, [right]))
-        buffer = torch.empty(2, dtype=torch.long)
-        assert rank1.later_forward(6, 1, buffer, cut=True) is buffer  # its own decision is not read
-        assert rank1.later_forward(6, 2, buffer, cut=False) is None
-        assert [(step, forward) for step, forward, _ in group.started] == [(6, 1)]
+        got = rank1.later_forward(6, 1, 2, None, cut=True)  # its own decision is not read
+        assert got is not None and got.shape == (2,)
+        assert rank1.later_forward(6, 2, 2, None, cut=False) is None
+        assert [(step, forward, len(tokens)) for step, forward, tokens in group.started] == [(6, 1, 2)]
 
 
 def test_a_message_is_its_step_its_forward_its_length_and_its_tokens() -> None:
