@@ -22,6 +22,11 @@ from protocol.errors import TPRuntimeError
 from protocol.frames import Prepare
 
 
+# The sampler's rows of a rank that does not sample: none (one instance, never written).
+_NONE = np.zeros(0, dtype=np.int64)
+NO_SAMPLER_ROWS = HostRows.of(np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.float32), _NONE, _NONE, _NONE)
+
+
 class StepInputsError(TPRuntimeError, ValueError):
     """A PREPARE whose arrays cannot describe a step (lengths or page tables disagree)."""
 
@@ -73,10 +78,13 @@ class StepInputs:
 
     @classmethod
     def from_prepare(
-        cls, p: Prepare, *, pad_page: int, page_size: int, device: torch.device | str, page_table: np.ndarray | None = None
+        cls, p: Prepare, *, pad_page: int, page_size: int, device: torch.device | str, page_table: np.ndarray | None = None,
+        samples: bool = True,
     ) -> StepInputs:
         """`page_table`: the whole page tables, concatenated, that protocol.page_tables resolved
-        from p's deltas; without it p must carry whole tables (every page_table_base 0)."""
+        from p's deltas; without it p must carry whole tables (every page_table_base 0).
+        `samples`: whether this rank samples (rank 0). Elsewhere the sampler's parameters stay
+        empty (NO_SAMPLER_ROWS), sparing every other rank their derivation each step."""
         if page_table is None:
             if p.page_table_base.any():
                 raise StepInputsError("a PREPARE with page-table deltas needs the held page tables")
@@ -95,6 +103,7 @@ class StepInputs:
         positions = p.positions.astype(np.int64)
         sampled = p.sample.nonzero()[0]
         sample_rows = query_start[sampled + 1] - 1
+        drawn = sampled if samples else sampled[:0]  # the rows whose sampler parameters this rank keeps
         ints = _int64_on_device(
             device,
             token_ids=p.token_ids.astype(np.int64),
@@ -106,10 +115,10 @@ class StepInputs:
             write_pages=_write_pages(flat_table, table_start, query_lens, positions, page_size),
             write_offsets=positions % page_size,
             sample_rows=sample_rows,
-            top_k=p.top_k[sampled].astype(np.int64),
+            top_k=p.top_k[drawn].astype(np.int64),
         )
-        m = int(sampled.shape[0])
-        host_floats = np.concatenate((p.temperature[sampled], p.top_p[sampled])).astype(np.float32)
+        m = int(drawn.shape[0])
+        host_floats = np.concatenate((p.temperature[drawn], p.top_p[drawn])).astype(np.float32)
         floats = to_device(host_floats, device)
         ints["page_table"] = ints["page_table"].view(n, width)
         return cls(
@@ -119,8 +128,8 @@ class StepInputs:
             top_p=floats[m:],
             # From the same float32 values as the tensors, so that the two agree on every row.
             host_rows=HostRows.of(
-                host_floats[:m], host_floats[m:], p.top_k[sampled], p.seeds[sampled], positions[sample_rows], p.num_logprobs[sampled]
-            ),
+                host_floats[:m], host_floats[m:], p.top_k[drawn], p.seeds[drawn], positions[sample_rows], p.num_logprobs[drawn]
+            ) if samples else NO_SAMPLER_ROWS,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,

@@ -352,7 +352,8 @@ class SchedulerLink:
         self._stateful.accept(prepare)
         try:
             inputs = StepInputs.from_prepare(
-                prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=table
+                prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=table,
+                samples=self.rank == 0,
             )
         except StepInputsError as exc:
             raise ProtocolError(RejectCode.LENGTH_MISMATCH, str(exc)) from exc

@@ -4,14 +4,14 @@ whose padding rules must take them as they take any decode step (checked on the 
 model's thread ending such a step where a CUT says."""
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
 import torch
 
 from executor.cuda_graphs import StaticDecodeBatch
-from executor.inputs import StepInputs
+from executor.inputs import Pad, StepInputs
 from executor.link import StagedStep
 from executor.options import ExecutorOptions
 from executor.steps import StepRunner
@@ -132,3 +132,25 @@ def test_the_pipelined_order_answers_what_the_cpus_order_does() -> None:
     pipelined, _ = run_forwards(None, pipelined=True)
     for name in ("seq_ids", "token_ids", "logprobs", "finite", "top_token_ids", "top_logprobs"):
         assert np.array_equal(getattr(pipelined, name), getattr(at_once, name), equal_nan=name.endswith("logprobs")), name
+
+
+def test_a_rank_that_does_not_sample_gets_every_input_but_the_samplers_parameters() -> None:
+    """Ranks other than 0 stage no sampler rows (StepInputs.from_prepare(samples=False)); what the
+    model and the link read must stay what rank 0 gets, forward after forward."""
+    prepare = replace(step(0, {1: 11, 2: 12, 3: 13}, FORWARDS), seeds=np.array([7, -1, 9], dtype=np.int64))
+    sampling = inputs_of(prepare)
+    other = StepInputs.from_prepare(prepare, pad_page=G.num_kv_pages, page_size=G.page_size, device="cpu", samples=False)
+    for forward in range(FORWARDS):
+        for f in fields(StepInputs):
+            ours, theirs = getattr(sampling, f.name), getattr(other, f.name)
+            if f.metadata["pad"] is Pad.SAMPLER and f.name != "sample_seq_ids":
+                assert len(theirs.temperature if f.name == "host_rows" else theirs) == 0, f.name
+                assert len(ours.temperature if f.name == "host_rows" else ours) == 3, f.name
+            elif isinstance(ours, torch.Tensor):
+                assert torch.equal(ours, theirs), (forward, f.name)
+            elif isinstance(ours, np.ndarray):
+                assert np.array_equal(ours, theirs), (forward, f.name)
+            else:
+                assert ours == theirs, (forward, f.name)
+        tokens = torch.tensor([20 + forward, 30 + forward, 40 + forward])
+        sampling, other = sampling.next_forward(tokens, G.page_size), other.next_forward(tokens, G.page_size)
