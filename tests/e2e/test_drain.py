@@ -2,40 +2,33 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.serving import SERVER_OPTIONS, RecordedStream, Server, alive, descendants
+from tests.e2e.serving import RecordedStream, Server, alive, descendants
 
 
 def test_sigterm_lets_running_requests_finish_then_exits_cleanly(tiny_model: Path) -> None:
-    server = Server(tiny_model, tp=2, extra=SERVER_OPTIONS)
+    # Long enough that the stream is still running when SIGTERM lands even on a quiet machine: the
+    # test waits for its first token (an event), not for a metrics poll that a fast request can
+    # slip between.
+    options = ("--dtype", "fp32", "--num-kv-pages", "256", "--max-model-len", "2048", "--max-num-seqs", "4")
+    server = Server(tiny_model, tp=2, extra=options)
     try:
         group = [server.pid, *descendants(server.pid)]
-        results: list[httpx.Response] = []
-        started = threading.Event()
-
-        def long_request() -> None:
-            started.set()
-            body = {"prompt": "drain me", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
-            results.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=120))
-
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        started.wait()
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{server.url}/metrics", timeout=5).text.find("tp_runtime_requests_running 1.0") < 0:
-            assert time.monotonic() < deadline, "the request never started running"
-            time.sleep(0.05)
+        stream = RecordedStream(
+            server.url, "drain me", 1500, timeout_s=120, temperature=0, stream_options={"include_usage": True}
+        )
+        stopped_at = time.monotonic()
         os.kill(server.pid, signal.SIGTERM)
         refused = None
-        while worker.is_alive():
+        while stream.ended_at is None:
             try:
                 late = httpx.post(f"{server.url}/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
                 if late.status_code != 200:
@@ -44,9 +37,14 @@ def test_sigterm_lets_running_requests_finish_then_exits_cleanly(tiny_model: Pat
             except httpx.HTTPError:
                 break
             time.sleep(0.05)
-        worker.join(timeout=120)
-        assert results and results[0].status_code == 200, results[0].text if results else "no answer"
-        assert results[0].json()["usage"]["completion_tokens"] == 120
+        stream.join(120)
+        assert stream.ended_at is not None and stream.ended_at > stopped_at, "the stream ended before SIGTERM"
+        data = [line for line in stream.lines if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]", data[-3:]
+        assert not any('"error"' in line for line in data), [line for line in data if '"error"' in line][:1]
+        assert any('"finish_reason":"length"' in line.replace(" ", "") for line in data[-3:]), data[-3:]
+        usage = json.loads(data[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 1500, usage
         if refused is not None:
             assert refused.status_code == 503, refused.text
         assert server.process.wait(timeout=60) == 0
