@@ -40,7 +40,7 @@ STATS_INTERVAL_S = 1.0
 
 __all__ = [
     "Engine", "EngineOverloaded", "EngineStats", "EngineTimeouts", "EngineUnavailable", "HandshakeError", "Health",
-    "RequestStream", "TokenEvent",
+    "RequestStream",
 ]
 
 
@@ -62,26 +62,14 @@ class EngineOverloaded(TPRuntimeError):
 
 
 @dataclass(frozen=True)
-class TokenEvent:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
-    # Per token, the alternatives the request asked for: ((token id, logprob), ...), most likely
-    # first; empty when it asked for none (SamplingParams.top_logprobs).
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
-    fault: str | None = None  # with an error: why (tp_runtime.recovery.Fault), the label it is counted under
-
-
-@dataclass(frozen=True)
 class Health:
     ok: bool
     reason: str
 
 
 class RequestStream:
-    """Token events of one request, readable with `async for` (server) or `for` (CLI)."""
+    """One request's outputs (scheduler.RequestOutput, as the scheduler made them), readable with
+    `async for` (server) or `for` (CLI)."""
 
     def __init__(self, request_id: int, prompt_len: int, loop: asyncio.AbstractEventLoop | None):
         self.request_id = request_id
@@ -89,22 +77,22 @@ class RequestStream:
         self._loop = loop
         # A reader on an event loop: events arrive on the loop (_arrive) and wake the one reader's
         # future; asyncio.Queue's general getters and putters were 12 calls of every streamed token.
-        self._arrived: deque[TokenEvent] = deque()
+        self._arrived: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._queue: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
 
-    def push(self, event: TokenEvent) -> None:
+    def push(self, event: RequestOutput) -> None:
         """Called on the engine thread."""
         hand_off([(self, event)])
 
-    def _arrive(self, event: TokenEvent) -> None:
+    def _arrive(self, event: RequestOutput) -> None:
         """On the reader's loop."""
         self._arrived.append(event)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         assert self._loop is not None, "submitted outside an event loop: iterate with `for`"
         arrived = self._arrived
         while True:
@@ -116,7 +104,7 @@ class RequestStream:
             if event.finished:
                 return
 
-    def __iter__(self) -> Iterator[TokenEvent]:
+    def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             event = self._queue.get()
             yield event
@@ -124,11 +112,11 @@ class RequestStream:
                 return
 
 
-def hand_off(events: Sequence[tuple[RequestStream, TokenEvent]]) -> None:
+def hand_off(events: Sequence[tuple[RequestStream, RequestOutput]]) -> None:
     """Gives each stream its event, on the engine thread: one wake-up of each reader's event loop
     for all of its streams (call_soon_threadsafe writes to the loop's self-pipe, and with 32 streams
     a step that was 32 writes and 32 wake-ups), a plain queue put for a reader with no loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
     for stream, event in events:
         if stream._loop is None:
             stream._queue.put(event)
@@ -141,7 +129,7 @@ def hand_off(events: Sequence[tuple[RequestStream, TokenEvent]]) -> None:
             pass
 
 
-def _arrive_all(items: list[tuple[RequestStream, TokenEvent]]) -> None:
+def _arrive_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, event in items:
         stream._arrive(event)
 
@@ -476,7 +464,7 @@ class Engine:
         keep = set(untouched)
         for request_id, stream in list(self._streams.items()):
             if request_id not in keep:
-                stream.push(TokenEvent((), (), True, "error", cause, fault=Fault.RANK_FAILURE))
+                stream.push(RequestOutput(request_id, (), (), True, "error", cause, fault=Fault.RANK_FAILURE))
                 self._forget(request_id)
         return [self._submits[rid] for rid in untouched]
 
@@ -548,7 +536,7 @@ class Engine:
                     stream.request_id, command.prompt_token_ids, command.params, prompt_leader=command.prompt_leader
                 )
             except Exception as exc:  # admission checks raced with the pool's state: say why
-                stream.push(TokenEvent((), (), True, "error", str(exc)))
+                stream.push(RequestOutput(stream.request_id, (), (), True, "error", str(exc)))
             else:
                 self._streams[stream.request_id] = stream
                 self._waiting_since[stream.request_id] = command.submitted_at
@@ -583,15 +571,9 @@ class Engine:
             if stream is None:
                 continue
             tokens += len(out.token_ids)
-            events.append(
-                (
-                    stream,
-                    TokenEvent(
-                        out.token_ids, out.logprobs, out.finished, out.finish_reason, out.error, out.top_logprobs,
-                        Fault.STEP if out.error else None,
-                    ),
-                )
-            )
+            if out.error is not None and out.fault is None:  # the scheduler failed it: its own step
+                out.fault = Fault.STEP
+            events.append((stream, out))
             if out.finished:
                 finished += 1
                 self._forget(out.request_id)
@@ -601,7 +583,7 @@ class Engine:
 
     def _fail_all(self, reason: str, fault: str) -> None:
         for request_id, stream in list(self._streams.items()):
-            stream.push(TokenEvent((), (), True, "error", reason, fault=fault))
+            stream.push(RequestOutput(request_id, (), (), True, "error", reason, fault=fault))
             self._forget(request_id)
         while True:
             try:
@@ -609,5 +591,5 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
-                command.stream.push(TokenEvent((), (), True, "error", reason, fault=fault))
+                command.stream.push(RequestOutput(command.stream.request_id, (), (), True, "error", reason, fault=fault))
                 self._applied += 1

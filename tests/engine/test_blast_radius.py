@@ -25,6 +25,7 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from scripts.harness.executors import ExecutorCluster
 from tests.tiny_models import write_tiny_llama
 from tp_runtime.engine import Engine, RequestStream
+from tp_runtime.recovery import Fault
 
 RUN_ID = "blast-radius"
 WORLD = 2
@@ -88,6 +89,7 @@ class Outcome:
     tokens: list[int]
     finish_reason: str | None
     error: str | None
+    fault: str | None
 
 
 def read(stream: RequestStream, first: list[int] | None = None) -> Outcome:
@@ -95,7 +97,7 @@ def read(stream: RequestStream, first: list[int] | None = None) -> Outcome:
     for event in stream:
         tokens.extend(event.token_ids)
         if event.finished:
-            return Outcome(tokens, event.finish_reason, event.error)
+            return Outcome(tokens, event.finish_reason, event.error, event.fault)
     raise AssertionError("the stream ended without a finished event")
 
 
@@ -134,8 +136,9 @@ def test_a_request_that_fails_a_step_fails_alone_and_the_others_are_unchanged(
     outcomes, failed = serve(live, bad)
     assert failed is not None and failed.finish_reason == "error" and failed.tokens == [], failed
     assert field in (failed.error or ""), failed.error
+    assert failed.fault == Fault.STEP, "a request its own step failed is counted under the step's label"
     assert live.rejects(above=rejects) > rejects, "no step was refused: the bad request never reached the executors"
     assert [o.tokens for o in outcomes] == [o.tokens for o in reference]
-    assert all(o.error is None and o.finish_reason == "length" for o in outcomes), outcomes
+    assert all(o.error is None and o.fault is None and o.finish_reason == "length" for o in outcomes), outcomes
     assert len(live.cluster.survivors()) == WORLD, "a rank exited"
     assert live.engine.health().ok, live.engine.health()

@@ -17,11 +17,11 @@ import pytest
 
 from protocol.auth import new_key
 from protocol.transport import SchedulerEndpoint, ipc_address
-from scheduler.request import SamplingParams
+from scheduler.request import RequestOutput, SamplingParams
 from tests.server.fake_rank import GEOMETRY, MAX_MODEL_LEN, FakeRank, fake_scheduler
 from tp_runtime.bootstrap import Bootstrap, BootstrapRequest, request_bootstrap
 from tp_runtime.config import RuntimeConfig
-from tp_runtime.engine import Engine, EngineTimeouts, EngineUnavailable, TokenEvent
+from tp_runtime.engine import Engine, EngineTimeouts, EngineUnavailable
 from tp_runtime.group_broker import BootstrapServer, DeathReport, GroupBroker
 from tp_runtime.recovery import CrashLoop, Fault, GroupDeath, Recovery, RecoveryPolicy, RestartWindow, carry_totals
 
@@ -101,7 +101,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def first_event(stream) -> TokenEvent:  # noqa: ANN001 (RequestStream)
+def first_event(stream) -> RequestOutput:  # noqa: ANN001 (RequestStream)
     return next(iter(stream))
 
 

@@ -1,7 +1,7 @@
 """A fake engine for the HTTP-layer tests.
 
 It keeps the Engine contract of tp_runtime/engine.py (submit/cancel/finish/health/
-stats, streams of TokenEvent) and is deterministic: it echoes the prompt's tokens back, cycling,
+stats, streams of RequestOutput) and is deterministic: it echoes the prompt's tokens back, cycling,
 one token per step, so every expected output can be computed from the prompt (a stop token that
 min_tokens holds back is replaced by the next id that is not one, as the executor would never
 sample it; alternatives are `alternatives_of`). Like the real
@@ -35,9 +35,9 @@ from protocol.sampling_limits import (
     TOP_LOGPROBS_MAX,
     TOP_P_MIN,
 )
-from scheduler.request import SamplingParams
+from scheduler.request import RequestOutput, SamplingParams
 from scheduler.scheduler import AdmissionError, SchedulerStats
-from tp_runtime.engine import EngineOverloaded, EngineStats, EngineUnavailable, Health, TokenEvent
+from tp_runtime.engine import EngineOverloaded, EngineStats, EngineUnavailable, Health
 from tp_runtime.stats import STEP_LATENCY_BUCKETS, BucketCounter, HistogramSnapshot
 
 MODEL_NAME = "smollm2-test"
@@ -111,14 +111,14 @@ class FakeStream:
         self._prompt = prompt
         self._params = params
 
-    def planned_events(self) -> Iterator[TokenEvent]:
+    def planned_events(self) -> Iterator[RequestOutput]:
         engine = self._engine
         if engine.reply is not None:
             yield from self._reply_events(engine.reply)
             return
         for i in range(self._params.max_tokens):
             if engine.fail_after is not None and i == engine.fail_after:
-                yield TokenEvent((), (), True, engine.failure_reason, engine.failure_message)
+                yield RequestOutput(self.request_id, (), (), True, engine.failure_reason, engine.failure_message)
                 return
             params = self._params
             token = self._prompt[i % len(self._prompt)]
@@ -128,11 +128,11 @@ class FakeStream:
             stop = token in params.stop_token_ids and not params.ignore_eos
             reason = "stop" if stop else ("length" if last else None)
             top = (alternatives_of(token, i, params.top_logprobs),) if params.top_logprobs else ()
-            yield TokenEvent((token,), (logprob_of(i),), reason is not None, reason, None, top)
+            yield RequestOutput(self.request_id, (token,), (logprob_of(i),), reason is not None, reason, None, top)
             if reason is not None:
                 return
 
-    def _reply_events(self, reply: list[int]) -> Iterator[TokenEvent]:
+    def _reply_events(self, reply: list[int]) -> Iterator[RequestOutput]:
         """The engine's scripted reply, then "stop" (or "length" where max_tokens cuts it), in
         events of tokens_per_event tokens."""
         tokens = reply[: self._params.max_tokens]
@@ -141,25 +141,25 @@ class FakeStream:
             chunk = tokens[start : start + size]
             last = start + size >= len(tokens)
             reason = ("stop" if len(tokens) == len(reply) else "length") if last else None
-            yield TokenEvent(tuple(chunk), tuple(logprob_of(start + i) for i in range(len(chunk))), last, reason, None)
+            yield RequestOutput(self.request_id, tuple(chunk), tuple(logprob_of(start + i) for i in range(len(chunk))), last, reason, None)
 
     def _ended_by_client(self) -> bool:
         return self.request_id in self._engine.cancelled or self.request_id in self._engine.finished
 
-    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         self._engine.active.add(self.request_id)
         try:
             for event in self.planned_events():
                 await asyncio.sleep(self._engine.token_delay_s)
                 if self._ended_by_client():
-                    yield TokenEvent((), (), True, "cancelled", None)
+                    yield RequestOutput(self.request_id, (), (), True, "cancelled", None)
                     return
                 self._engine.record_step(len(event.token_ids))
                 yield event
         finally:
             self._engine.active.discard(self.request_id)
 
-    def __iter__(self) -> Iterator[TokenEvent]:
+    def __iter__(self) -> Iterator[RequestOutput]:
         for event in self.planned_events():
             time.sleep(self._engine.token_delay_s)
             self._engine.record_step(len(event.token_ids))

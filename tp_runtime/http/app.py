@@ -2,7 +2,7 @@
 
 Everything runs on one asyncio loop in the frontend process (tokenizing in a small thread pool). The
 engine is reached only through `submit`, `cancel` and `finish`, its state only through `health` and
-its published `stats` snapshot; tokens come back as `TokenEvent`s on a `RequestStream`.
+its published `stats` snapshot; tokens come back as `RequestOutput`s on a `RequestStream`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One admitted request's output as the client sees it: text pieces cut at stop strings, with the
 tokens and log-probabilities behind each piece.
 
-A `Generation` reads the engine's `TokenEvent`s, detokenizes them into whole characters, holds back
+A `Generation` reads the engine's `RequestOutput`s, detokenizes them into whole characters, holds back
 any tail that could start a stop string, and makes sure the engine hears of a request nobody reads
 any more. It knows nothing of HTTP beyond the ApiError a failure carries.
 """
