@@ -1,7 +1,7 @@
 """Executor benchmarks: clear_pages against memory bandwidth, and the step loop's own overhead.
 
     python scripts/bench_step.py [--json] [--ranks 1,2,3] [--steps 200] [--loop-only] [--forward-ms 10]
-                                 [--rows 16,256] [--forward sleep,gil,device] [--steady continue,prepare]
+                                 [--rows 16,256] [--forward sleep,gil,device,model] [--steady continue,prepare]
                                  [--readback at-once,pipelined]
     python scripts/bench_step.py --frames --rows 16,256    # a steady step's frame both ways, in-process
 
@@ -18,7 +18,10 @@
    `--readback at-once` as the CPU runs it or `pipelined` as a CUDA device does, shows in the
    device's idle time; what the stand-in leaves out is in SimulatedDevice), and fixed peaked logits
    on rank 0, so what is
-   measured is the protocol, the staging and the sampler, not a model. Steps after the first are a server's
+   measured is the protocol, the staging and the sampler, not a model. `--forward model` runs the
+   embedded default model's real forward instead (the dtype `serve` would pick here, --forward-ms
+   unused), so that what a real forward leaves behind shows: its vocabulary's sampling, the
+   OpenMP team still spinning after its matmuls, its GIL traffic with the link's thread. Steps after the first are a server's
    steady decode steps of --rows rows (feedback tokens, page tables held), sent as the engine sends
    them (--steady continue: CONTINUE, and a PREPARE every PAGE_SIZE steps, when the rows' pages are
    full and their context starts again) or each as a whole PREPARE (--steady prepare). Per run: the step
@@ -334,9 +337,10 @@ FORWARD_MS_ENV = "BENCH_STEP_FORWARD_MS"
 # (--readback) shows in the device's idle time, with what the stand-in leaves out (SimulatedDevice).
 FORWARD_KIND_ENV = "BENCH_STEP_FORWARD_KIND"
 FORWARD_KINDS = ("sleep", "gil", "device")
-# A real model's loader ("module:function") that load_stamped wraps, for the gap around a real
-# forward (scripts/device_check.py on a GPU).
+REAL_FORWARD = "model"  # --forward model: the default model's forward, through load_stamped
+# The real model's loader ("module:function") that load_stamped wraps.
 INNER_LOAD_ENV = "BENCH_STEP_INNER_LOAD"
+REAL_LOAD = "executor.model:load_model"
 
 
 STAMP_COLUMNS = ("start", "end", "model_thread_cpu", "link_thread_cpu")
@@ -638,22 +642,26 @@ class _LoopDriver:
         endpoint.send_all(conv.ranks, *conv.shutdown("bench done"))
 
 
-def measure_loop(
-    spec: LoopSpec,
-    *,
-    options: ExecutorOptions | None = None,
-    load: str = "scripts.bench_step:load_collective_only",
-    env: dict[str, str] | None = None,
-) -> dict[str, object]:
+def real_forward_options(rows: int, readback: str) -> ExecutorOptions:
+    """The loop's options with the embedded default model in the dtype `serve` picks on this machine."""
+    from executor.default_model import default_model_path
+    from executor.probe import probe_cpu
+
+    return replace(loop_options(rows, readback), model=str(default_model_path()), dtype=probe_cpu().dtype)
+
+
+def measure_loop(spec: LoopSpec) -> dict[str, object]:
     """The step loop as `spec` says, with executors started by scripts/harness/executors.py: the time
-    each step spends outside its forward, and the gap between two forwards. `options`, `load` and
-    `env` put a real model under the same measurement (load_stamped, INNER_LOAD_ENV); the defaults
-    run the fake forward."""
+    each step spends outside its forward, and the gap between two forwards. A fake forward
+    (load_collective_only), or with spec.forward REAL_FORWARD the default model's (load_stamped)."""
     from protocol.auth import new_key
     from protocol.transport import SchedulerEndpoint, ipc_address
     from scripts.harness.executors import ExecutorCluster
     from scripts.harness.processes import cpu_seconds
 
+    real = spec.forward == REAL_FORWARD
+    options = real_forward_options(spec.rows, spec.readback) if real else loop_options(spec.rows, spec.readback)
+    load = "scripts.bench_step:load_stamped" if real else "scripts.bench_step:load_collective_only"
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
     driver = _LoopDriver(endpoint, spec.world_size, spec.max_inflight, spec.rows, spec.steady)
@@ -664,7 +672,7 @@ def measure_loop(
                 address=endpoint.address,
                 key=key,
                 run_id="bench",
-                options=options or loop_options(spec.rows, spec.readback),
+                options=options,
                 load=load,
                 collective_timeout_s=60.0,
                 log_level="WARNING",
@@ -673,7 +681,7 @@ def measure_loop(
                     TIMES_CAPACITY_ENV: str(spec.steps),
                     FORWARD_MS_ENV: str(spec.forward_ms),
                     FORWARD_KIND_ENV: spec.forward,
-                    **(env or {}),
+                    **({INNER_LOAD_ENV: REAL_LOAD} if real else {}),
                 },
             )
             with cluster:
@@ -745,7 +753,7 @@ def main() -> None:
     )
     parser.add_argument("--rows", default=str(DECODE_SEQS), help="rows per decode step (comma-separated: several runs)")
     parser.add_argument(
-        "--forward", default="sleep", help=f"the fake forward: {' or '.join(FORWARD_KINDS)} (comma-separated: several runs)"
+        "--forward", default="sleep", help=f"the forward: {' or '.join((*FORWARD_KINDS, REAL_FORWARD))} (comma-separated: several runs)"
     )
     parser.add_argument(
         "--readback", default="at-once",
@@ -778,6 +786,8 @@ def main() -> None:
     steadies = args.steady.split(",")
     if set(steadies) - set(STEADY_KINDS):
         parser.error(f"--steady takes {' or '.join(STEADY_KINDS)}")
+    if set(args.forward.split(",")) - {*FORWARD_KINDS, REAL_FORWARD}:
+        parser.error(f"--forward takes {' or '.join((*FORWARD_KINDS, REAL_FORWARD))}")
     readbacks = args.readback.split(",")
     if set(readbacks) - set(READBACK_ORDERS):
         parser.error(f"--readback takes {' or '.join(READBACK_ORDERS)}")

@@ -10,6 +10,7 @@ import pytest
 from scripts.bench_step import (
     DECODE_SEQS,
     PAGE_SIZE,
+    REAL_FORWARD,
     LoopSpec,
     SimulatedDevice,
     _LoopDriver,
@@ -47,6 +48,17 @@ def test_the_loop_measurement_reports_every_phase(forward: str, steady: str, rea
     # Rank 0's two threads apart, each of them a share of the rank's whole CPU.
     cpu = report["cpu_us_per_step"]
     assert 0 < cpu["rank0_link_thread"] < cpu["rank0"] and 0 < cpu["rank0_model_thread"] < cpu["rank0"]
+
+
+def test_the_loop_measures_the_gap_around_the_default_models_real_forward() -> None:
+    steps = 8
+    report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=2, forward=REAL_FORWARD))
+    assert report["steps"] == steps - min(10, steps // 4)
+    gap = report["forward_gap_us"]
+    assert 0 <= gap["median"] <= gap["p90"]
+    # The model's thread computes a real forward (a fake one sleeps, ~0.1 ms of CPU a step): a
+    # decode of SmolLM2's 30 layers is milliseconds of it even shared with a busy machine.
+    assert report["cpu_us_per_step"]["rank0_model_thread"] > 2000
 
 
 @pytest.mark.parametrize("rows", [DECODE_SEQS, 256])
