@@ -12,11 +12,20 @@
  * tests/executor/test_sampler.py holds the two to the same tokens. Rows it cannot decide (more
  * candidates than the caller's room, or a nucleus wider than them) are left to numpy's later rounds.
  *
+ * sample_rows() draws a whole batch in one call where no row asks for logits processing or
+ * alternatives: per row one pass for the finite check and the largest logit, one that sums the
+ * exponentials (with the candidates of a top-k / top-p row, or the block sums of a plain one,
+ * gathered in the same pass), and the draw, with no table of logprobs written. Its exponential is
+ * its own (exp_lanes), so its logprobs are torch's log_softmax to float32 rounding, not to the bit,
+ * and its tokens those of the passes above except where a uniform falls within that rounding of a
+ * token's edge (docs/control_plane.md, change 83).
+ *
  * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +39,7 @@
 
 /* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
  * call's arguments or meaning, so that a build of an older source is not used. */
-#define INTERFACE 2
+#define INTERFACE 3
 
 typedef struct {
     float prob;
@@ -370,10 +379,320 @@ done_counts:
     return result;
 }
 
+/* e^x in float32 lanes for x <= 0 (a logit less its row's largest), in place: Cephes' expf, x =
+ * n ln2 + r with ln2 in two parts (Cody and Waite), a degree-6 polynomial in r and 2^n put into the
+ * exponent; within 2 ulp of the true value, 1 exactly at 0, and 0 below the smallest normal's
+ * logarithm (-inf included). Through a pointer, as LOAD is a macro: a vector passed by value would
+ * take the default clone's calling convention. */
+static inline __attribute__((always_inline)) void exp_lanes(floats *v) {
+    floats x = *v;
+    const floats lowest = (floats){} - 87.33654475f;
+    ints under = x < lowest;
+    x = (floats)(((ints)x & ~under) | ((ints)lowest & under));
+    /* n = round(x / ln2): adding 1.5 * 2^23 leaves the integer part in the mantissa */
+    floats n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    floats r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    floats p = (floats){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    floats y = p * r * r + r + 1.0f;
+    ints two_n = (__builtin_convertvector(n, ints) + 127) << 23;
+    *v = (floats)((ints)(y * (floats)two_n) & ~under);
+}
+
+/* e^x of n values into out, through the same lanes (the tail padded with -inf, which gives 0). */
+CLONES static void exp_of(const float *x, Py_ssize_t n, float *out) {
+    for (Py_ssize_t j = 0; j < n; j += VECTOR) {
+        floats v = (floats){} - __builtin_inff();
+        Py_ssize_t take = n - j < VECTOR ? n - j : VECTOR;
+        memcpy(&v, x + j, (size_t)take * sizeof(float));
+        exp_lanes(&v);
+        memcpy(out + j, &v, (size_t)take * sizeof(float));
+    }
+}
+
+/* The lanes of a row's columns j..j+VECTOR, divided by t where dividing, less its largest; past
+ * vocab, -inf (weight 0). */
+#define SHIFTED(v, row, j, vocab, t, dividing, top)                                    \
+    do {                                                                                \
+        if ((j) + VECTOR <= (vocab)) {                                                  \
+            LOAD(v, (row) + (j));                                                       \
+        } else {                                                                        \
+            v = (floats){} - __builtin_inff();                                          \
+            memcpy(&v, (row) + (j), (size_t)((vocab) - (j)) * sizeof(float));           \
+        }                                                                               \
+        if (dividing) v = v / (t);                                                      \
+        v = v - (top);                                                                  \
+    } while (0)
+
+/* Whether a row holds no NaN and no infinity, its largest value and the first column that holds
+ * it (torch's argmax), read once: each lane keeps its own largest and the first column of it, and
+ * of the lanes that hold the row's largest the lowest column is the row's first. */
+CLONES static int row_finite_top(const float *row, Py_ssize_t vocab, float *top_out, Py_ssize_t *at_out) {
+    const ints exponent = (ints){} + 0x7f800000;
+    ints bad = (ints){};
+    float top = row[0];
+    Py_ssize_t at = 0, j = 0;
+    if (vocab >= VECTOR) {
+        floats lanes;
+        _Static_assert(VECTOR == 16, "one column a lane, listed below");
+        ints column = (ints){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, first = column;
+        LOAD(lanes, row);
+        for (j = 0; j + VECTOR <= vocab; j += VECTOR, column += VECTOR) {
+            floats x;
+            LOAD(x, row + j);
+            bad |= ((ints)x & exponent) == exponent;
+            ints above = x > lanes;
+            lanes = (floats)(((ints)x & above) | ((ints)lanes & ~above));
+            first = (column & above) | (first & ~above);
+        }
+        top = lanes[0];
+        at = first[0];
+        for (int i = 1; i < VECTOR; i++) {
+            if (lanes[i] > top || (lanes[i] == top && first[i] < at)) {
+                top = lanes[i];
+                at = first[i];
+            }
+        }
+    }
+    int32_t any = 0;
+    for (int i = 0; i < VECTOR; i++) any |= bad[i];
+    for (; j < vocab; j++) {
+        uint32_t bits;
+        memcpy(&bits, row + j, sizeof bits);
+        any |= (bits & 0x7f800000u) == 0x7f800000u;
+        if (row[j] > top) {
+            top = row[j];
+            at = j;
+        }
+    }
+    *top_out = top;
+    *at_out = at;
+    return !any;
+}
+
+/* The sum of e^(x/t - top) over a row, in float32 lanes of PLAIN_BLOCK columns summed in float64,
+ * with, where asked, the sum of each PLAIN_BLOCK columns (blocks) or the columns whose x/t - top is
+ * at least `floor` (ids and shifted values, in id order, found in a copy of each block's shifted
+ * values where its lanes say one is there). A row with more of those than room ends the pass at
+ * once: *count is then -1 and the sum is not made. */
+#define PLAIN_BLOCK (16 * VECTOR)
+CLONES static double row_sum(const float *row, Py_ssize_t vocab, float t, int dividing, float top, float floor, Py_ssize_t room, int32_t *ids, float *values, Py_ssize_t *count, double *blocks) {
+    double total = 0.0;
+    Py_ssize_t n = 0;
+    float shifted[PLAIN_BLOCK];
+    for (Py_ssize_t b = 0; b < vocab; b += PLAIN_BLOCK) {
+        floats acc = (floats){};
+        ints hit = (ints){};
+        Py_ssize_t end = b + PLAIN_BLOCK < vocab ? b + PLAIN_BLOCK : vocab;
+        for (Py_ssize_t j = b; j < end; j += VECTOR) {
+            floats v;
+            SHIFTED(v, row, j, vocab, t, dividing, top);
+            if (ids) {
+                hit |= v >= floor;
+                memcpy(shifted + (j - b), &v, sizeof v);
+            }
+            exp_lanes(&v);
+            acc += v;
+        }
+        double sum = 0.0;
+        for (int i = 0; i < VECTOR; i++) sum += (double)acc[i];
+        if (blocks) blocks[b / PLAIN_BLOCK] = sum;
+        total += sum;
+        if (ids) {
+            int32_t any = 0;
+            for (int i = 0; i < VECTOR; i++) any |= hit[i];
+            for (Py_ssize_t c = 0; any && c < end - b; c++) {
+                if (shifted[c] >= floor) {
+                    if (n == room) {
+                        *count = -1;
+                        return 0.0;
+                    }
+                    ids[n] = (int32_t)(b + c);
+                    values[n] = shifted[c];
+                    n++;
+                }
+            }
+        }
+    }
+    if (count) *count = n;
+    return total;
+}
+
+/* A plain row's draw: the first column whose running sum of e^(x/t - top) passes target, found
+ * through the block sums; where rounding leaves the target at or past every sum, the last column
+ * of any weight. `scratch` holds PLAIN_BLOCK floats. */
+CLONES static int64_t row_plain_draw(const float *row, Py_ssize_t vocab, float t, int dividing, float top, const double *blocks, double target, float *scratch) {
+    double before = 0.0;
+    Py_ssize_t blocks_n = (vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK, last = -1;
+    for (Py_ssize_t b = 0; b < blocks_n; b++) {
+        if (blocks[b] > 0.0) last = b;
+        if (before + blocks[b] <= target) {
+            before += blocks[b];
+            continue;
+        }
+        last = b;
+        break;
+    }
+    if (last < 0) return -1; /* no weight at all: not reached, the largest column weighs 1 */
+    Py_ssize_t start = last * PLAIN_BLOCK, end = start + PLAIN_BLOCK < vocab ? start + PLAIN_BLOCK : vocab;
+    for (Py_ssize_t j = start; j < end; j += VECTOR) {
+        floats v;
+        SHIFTED(v, row, j, vocab, t, dividing, top);
+        exp_lanes(&v);
+        memcpy(scratch + (j - start), &v, sizeof v);
+    }
+    Py_ssize_t heaviest = -1;
+    for (Py_ssize_t j = start; j < end; j++) {
+        float e = scratch[j - start];
+        if (e > 0.0f) heaviest = j;
+        before += (double)e;
+        if (e > 0.0f && before > target) return j;
+    }
+    return heaviest;
+}
+
+/* sample_rows(logits, vocab, scale, kinds, k, top_p, uniforms, log_ratio, margin, ratio, room,
+ *             tokens, logprobs, finite) -> rows left undecided
+ *
+ * logits: float32[rows, vocab]. Per row: scale (its temperature, 1 for greedy), kind (0 greedy,
+ * 1 plain: drawn over the whole row, 2 cut: top-k and / or top-p, 3 elsewhere: left to the caller),
+ * k (0: off), top_p, uniform (a random row's). Out: the token, its logprob (x/t - top - log of the
+ * sum) and whether the row was finite (a NaN or an infinity in it, or a temperature that overflows
+ * it: token 0, logprob NaN). A row left elsewhere, and a cut row whose candidates (within
+ * log_ratio - margin of its largest) are more than room or do not hold its nucleus, get token -1:
+ * the caller samples them otherwise. */
+static PyObject *sample_rows(PyObject *self, PyObject *args) {
+    PyObject *logits_obj, *scale_obj, *kinds_obj, *k_obj, *top_p_obj, *u_obj, *tokens_obj, *logprobs_obj, *finite_obj;
+    Py_ssize_t vocab, room;
+    float log_ratio, margin, ratio;
+    if (!PyArg_ParseTuple(args, "OnOOOOOfffnOOO", &logits_obj, &vocab, &scale_obj, &kinds_obj, &k_obj, &top_p_obj, &u_obj,
+                          &log_ratio, &margin, &ratio, &room, &tokens_obj, &logprobs_obj, &finite_obj)) return NULL;
+    if (vocab <= 0 || room <= 0 || room > vocab) return PyErr_Format(PyExc_ValueError, "vocab must be positive, room in 1 to vocab");
+    Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite;
+    PyObject *result = NULL;
+    if (buffer_of(logits_obj, &logits, 0, 'f', sizeof(float), 0, "logits") < 0) return NULL;
+    Py_ssize_t rows = logits.len / (Py_ssize_t)sizeof(float) / vocab;
+    if (rows * vocab * (Py_ssize_t)sizeof(float) != logits.len) {
+        PyErr_Format(PyExc_ValueError, "logits does not hold whole rows of %zd", vocab);
+        goto done_logits;
+    }
+    if (buffer_of(scale_obj, &scale, 0, 'f', sizeof(float), rows, "scale") < 0) goto done_logits;
+    if (buffer_of(kinds_obj, &kinds, 0, 'u', sizeof(uint8_t), rows, "kinds") < 0) goto done_scale;
+    if (buffer_of(k_obj, &k, 0, 'i', sizeof(int64_t), rows, "k") < 0) goto done_kinds;
+    if (buffer_of(top_p_obj, &top_p, 0, 'f', sizeof(float), rows, "top_p") < 0) goto done_k;
+    if (buffer_of(u_obj, &u, 0, 'f', sizeof(float), rows, "uniforms") < 0) goto done_top_p;
+    if (buffer_of(tokens_obj, &tokens, 1, 'i', sizeof(int64_t), rows, "tokens") < 0) goto done_u;
+    if (buffer_of(logprobs_obj, &logprobs, 1, 'f', sizeof(float), rows, "logprobs") < 0) goto done_tokens;
+    if (buffer_of(finite_obj, &finite, 1, 'u', sizeof(uint8_t), rows, "finite") < 0) goto done_logprobs;
+
+    Py_ssize_t blocks_n = (vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK;
+    /* candidates: ids, shifted values and their logprobs with the row's largest after them, padded */
+    int32_t *ids = malloc((size_t)room * sizeof(int32_t));
+    float *values = malloc((size_t)(room + 1) * sizeof(float));
+    float *probs = malloc((size_t)(room + 1) * sizeof(float));
+    double *blocks = malloc((size_t)blocks_n * sizeof(double));
+    float *scratch = malloc((size_t)(room + 1 > PLAIN_BLOCK ? room + 1 : PLAIN_BLOCK) * sizeof(float));
+    Candidate *candidates = malloc((size_t)room * sizeof(Candidate));
+    if (!ids || !values || !probs || !blocks || !scratch || !candidates) {
+        PyErr_NoMemory();
+        goto done_buffers;
+    }
+    Py_ssize_t undecided = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *row = (const float *)logits.buf + r * vocab;
+        float t = ((const float *)scale.buf)[r];
+        int kind = ((const uint8_t *)kinds.buf)[r];
+        int dividing = t != 1.0f;
+        int64_t token = 0;
+        float logprob = __builtin_nanf("");
+        float largest;
+        Py_ssize_t first = 0;
+        if (kind == 3) {
+            ((int64_t *)tokens.buf)[r] = -1;
+            ((float *)logprobs.buf)[r] = logprob;
+            ((uint8_t *)finite.buf)[r] = 1;
+            undecided++;
+            continue;
+        }
+        int ok = row_finite_top(row, vocab, &largest, &first);
+        /* the largest quotient is the quotient of the largest: division by t > 0 keeps the order */
+        float top = dividing ? largest / t : largest;
+        ok = ok && top - top == 0.0f; /* a finite row the temperature scales past float32 */
+        if (ok) {
+            Py_ssize_t count = 0;
+            int cut = kind == 2, plain = kind == 1;
+            double total = row_sum(row, vocab, t, dividing, top, log_ratio - margin, room, cut ? ids : NULL, values, cut ? &count : NULL, plain ? blocks : NULL);
+            float log_total = count < 0 ? 0.0f : (float)log(total);
+            if (kind == 0) {
+                token = first;
+                logprob = 0.0f - log_total;
+            } else if (plain) {
+                double target = (double)((const float *)u.buf)[r] * total;
+                token = row_plain_draw(row, vocab, t, dividing, top, blocks, target, scratch);
+                if (token >= 0) logprob = ((dividing ? row[token] / t : row[token]) - top) - log_total;
+            } else if (count < 0) {
+                token = -1;
+            } else {
+                for (Py_ssize_t j = 0; j < count; j++) scratch[j] = values[j] - log_total;
+                scratch[count] = 0.0f - log_total;
+                exp_of(scratch, count + 1, probs);
+                int64_t row_k = ((const int64_t *)k.buf)[r];
+                token = pick_row(ids, probs, count, probs[count] * ratio, row_k > 0 ? row_k : INT64_MAX,
+                                 ((const float *)top_p.buf)[r], ((const float *)u.buf)[r], candidates, scratch);
+                for (Py_ssize_t j = 0; token >= 0 && j < count; j++) {
+                    if (ids[j] == token) {
+                        logprob = values[j] - log_total;
+                        break;
+                    }
+                }
+            }
+            undecided += token < 0;
+        }
+        ((int64_t *)tokens.buf)[r] = token;
+        ((float *)logprobs.buf)[r] = logprob;
+        ((uint8_t *)finite.buf)[r] = (uint8_t)ok;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(undecided);
+
+done_buffers:
+    free(ids);
+    free(values);
+    free(probs);
+    free(blocks);
+    free(scratch);
+    free(candidates);
+    PyBuffer_Release(&finite);
+done_logprobs:
+    PyBuffer_Release(&logprobs);
+done_tokens:
+    PyBuffer_Release(&tokens);
+done_u:
+    PyBuffer_Release(&u);
+done_top_p:
+    PyBuffer_Release(&top_p);
+done_k:
+    PyBuffer_Release(&k);
+done_kinds:
+    PyBuffer_Release(&kinds);
+done_scale:
+    PyBuffer_Release(&scale);
+done_logits:
+    PyBuffer_Release(&logits);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"finite_scaled", finite_scaled, METH_VARARGS, "Which rows are finite, and the finite ones over their temperature (executor/_sampling.c)."},
     {"gather", gather, METH_VARARGS, "Each row's first-round candidates: ids, logprobs, counts (executor/_sampling.c)."},
     {"pick", pick, METH_VARARGS, "Each row's draw among its candidates, -1 where they do not decide it (executor/_sampling.c)."},
+    {"sample_rows", sample_rows, METH_VARARGS, "A batch without logits processing drawn in one call (executor/_sampling.c)."},
     {NULL, NULL, 0, NULL},
 };
 

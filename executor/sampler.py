@@ -37,6 +37,15 @@ change 47). Where the install compiled executor/_sampling.c, two of those steps 
 check with the division by the temperature, for batches with no logits processing, and the first
 round of the candidates' draw, which decides every peaked row (numpy's rounds draw the rows it
 leaves). Without it, torch checks and divides and numpy draws, to the same tokens.
+
+Where the install compiled it and no row of a batch asks for logits processing or alternatives
+(the usual decode step), the whole batch is one compiled call instead (_sample_compiled): per row
+a pass for the finite check and the largest logit and one that sums the exponentials and gathers
+the candidates, with no table of logprobs written. Its exponential is its own, so it is held to
+the passes above to float32 rounding: the same flags, the same tokens except where a uniform
+falls within that rounding of a token's edge, logprobs within a few ulps of torch's log_softmax
+(a float64 sum of each block, so nearer the exact value than torch's float32 one). Greedy tokens
+are the first largest column either way.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from types import ModuleType
 
@@ -56,7 +65,7 @@ from protocol.errors import TPRuntimeError
 
 # The compiled calls of executor/_sampling.c, and the interface this file expects of them: a build
 # made from an older source (a checkout pulled without `pip install -e .` again) is not used.
-_SAMPLING_INTERFACE = 2
+_SAMPLING_INTERFACE = 3
 
 
 def _usable(built: ModuleType | None) -> ModuleType | None:
@@ -90,6 +99,10 @@ _MASS_ROUNDING = 1e-6
 # The first-round candidates a row may have for the compiled draw (a peaked row has at most a few
 # hundred); a row with more is drawn by numpy's rounds.
 _COMPILED_ROOM = 1024
+# How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
+# top-k / top-p candidates, or not at all (a row that wants alternatives or logits processing:
+# the passes draw it).
+DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, DRAW_ELSEWHERE = 0, 1, 2, 3
 # A plain row's draw on a CPU goes through sums of blocks this wide (_draw_plain), where its
 # vocabulary is a multiple of them and at least _PLAIN_MIN_VOCAB wide (below, one pass is cheap).
 _PLAIN_BLOCK = 256
@@ -158,6 +171,12 @@ class HostRows:
     cut_top_k: np.ndarray = field(init=False)  # int64
     cut_top_p: np.ndarray = field(init=False)  # float32
     most_logprobs: int = field(init=False)  # the most alternatives any row wants
+    # What the compiled pass (_sample_compiled) reads of each row: how it draws (DRAW_GREEDY,
+    # DRAW_PLAIN, DRAW_CUT, or DRAW_ELSEWHERE where it wants alternatives), its top-k as int64 (0:
+    # off) and its top-p as float32.
+    draws: np.ndarray = field(init=False)  # uint8[m]
+    draw_top_k: np.ndarray = field(init=False)  # int64[m]
+    draw_top_p: np.ndarray = field(init=False)  # float32[m]
 
     def __post_init__(self) -> None:
         # Checked where the rows are built (a rank's link thread), not in every sample() between
@@ -190,6 +209,13 @@ class HostRows:
         derive("cut_top_k", self.top_k[random[cut]].astype(np.int64))
         derive("cut_top_p", self.top_p[random[cut]].astype(np.float32))
         derive("most_logprobs", int(self.num_logprobs.max()) if rows[0] else 0)
+        draws = np.full(rows, DRAW_GREEDY, dtype=np.uint8)
+        draws[random[plain]] = DRAW_PLAIN
+        draws[random[cut]] = DRAW_CUT
+        draws[self.num_logprobs > 0] = DRAW_ELSEWHERE
+        derive("draws", draws)
+        derive("draw_top_k", self.top_k.astype(np.int64))
+        derive("draw_top_p", self.top_p.astype(np.float32))
 
     @classmethod
     def of(
@@ -223,6 +249,12 @@ class HostRows:
         object.__setattr__(later, "seeded_uniforms", _seeded_uniforms(self.seeds[seeded], positions[seeded]))
         return later
 
+    def by_row(self, uniforms: np.ndarray) -> np.ndarray:
+        """uniforms (one per random row, in `random`'s order) at each row's place, 0 for greedy rows."""
+        out = np.zeros(self.temperature.shape[0], dtype=np.float32)
+        out[self.random] = uniforms
+        return out
+
     def uniforms(self) -> torch.Tensor:
         """One uniform in [0, 1) per random row, on the CPU: an unseeded row's from torch's default
         generator (which --seed seeds), a seeded row's the one its seed gives at its position."""
@@ -243,6 +275,13 @@ class SamplingBatch:
     top_k: torch.Tensor  # int[m]; 0 means off
     host: HostRows  # the same rows, with their seeds, positions, alternatives wanted and draws
     processing: LogitsProcessing | None = None  # None: no row asks for any
+
+    def rows(self, index: np.ndarray) -> SamplingBatch:
+        """The rows at `index` alone, with no logits processing (the caller's rows have none)."""
+        h = self.host
+        host = HostRows(h.temperature[index], h.top_p[index], h.top_k[index], h.seeds[index], h.positions[index], h.num_logprobs[index])
+        rows = torch.from_numpy(index).to(self.temperature.device)
+        return SamplingBatch(self.temperature[rows], self.top_p[rows], self.top_k[rows], host)
 
     @classmethod
     def of(
@@ -335,10 +374,76 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
 
 
 def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
-    """The same rows on a CPU, in torch, numpy and the compiled calls (the module says which does
-    what), with a branch wherever it saves a pass, since reading a value here waits for nothing.
-    What the rows' parameters decide (which rows draw how, each row's scale, the seeded uniforms)
-    comes made with the host rows."""
+    """The same rows on a CPU: each row that asks for neither logits processing nor alternatives in
+    one compiled pass (_sample_compiled), the others in torch, numpy and the compiled calls (the
+    module says which does what). Which way a row goes depends on that row alone, so that its token
+    and logprob never depend on the rows beside it. The random rows' uniforms are drawn once."""
+    host = params.host
+    uniforms = host.uniforms().numpy() if host.random.shape[0] else np.zeros(0, dtype=np.float32)
+    if _sampling is None or not logits.is_contiguous():
+        return _sample_in_passes(logits, params, uniforms)
+    draws = host.draws
+    if params.processing is not None:
+        draws = draws.copy()
+        draws[_processed_rows(params.processing, draws.shape[0])] = DRAW_ELSEWHERE
+    if (params.processing is not None or host.most_logprobs) and (draws == DRAW_ELSEWHERE).all():
+        return _sample_in_passes(logits, params, uniforms)
+    compiled, left = _sample_compiled(logits, host, uniforms, draws)
+    if left is None:
+        return compiled
+    if params.processing is None:  # the passes take those rows alone (a flat row's costs enough)
+        part = params.rows(left)
+        passes = _sample_in_passes(logits[torch.from_numpy(left)], part, host.by_row(uniforms)[left][part.host.random])
+        at = np.arange(left.shape[0])
+    else:  # its rows are the processing's: the passes take the batch
+        passes, at = _sample_in_passes(logits, params, uniforms), left
+    for name in ("token_ids", "logprobs", "finite"):
+        getattr(compiled, name).numpy()[left] = getattr(passes, name).numpy()[at]
+    if passes.top_ids is None:
+        return compiled
+    top_ids = torch.zeros(logits.shape[0], passes.top_ids.shape[1], dtype=torch.long)
+    top_logprobs = torch.full(top_ids.shape, float("nan"))
+    top_ids[torch.from_numpy(left)], top_logprobs[torch.from_numpy(left)] = passes.top_ids[torch.from_numpy(at)], passes.top_logprobs[torch.from_numpy(at)]
+    return replace(compiled, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _processed_rows(p: LogitsProcessing, rows: int) -> np.ndarray:
+    """bool[rows]: the rows that some logits processing touches."""
+    touched = np.zeros(rows, dtype=np.bool_)
+    for index in (p.bias_rows, p.banned_rows, p.penalty_rows, p.grammar_rows, p.min_p_rows):
+        if index is not None and index.numel():
+            touched[index.cpu().numpy()] = True
+    return touched
+
+
+def _sample_compiled(
+    logits: torch.Tensor, host: HostRows, uniforms: np.ndarray, draws: np.ndarray
+) -> tuple[SampleOutput, np.ndarray | None]:
+    """The rows `draws` does not leave elsewhere, in one compiled call: per row a pass for the
+    finite check and the largest logit and one that sums the exponentials and gathers the
+    candidates, where the passes below write the scaled rows and a table of logprobs and read them
+    back (~7 times the logits' bytes; at sixteen rows of 49,152 after a real forward, 2.4 ms of a
+    3.1 ms gap, docs/control_plane.md). Its exponential is executor/_sampling.c's own: logprobs agree
+    with torch's log_softmax to float32 rounding, tokens except where a uniform falls within that
+    rounding of a token's edge. Returns the output and the rows it left (elsewhere, or a cut row
+    whose candidates do not decide it: a flat row), None when it drew every row."""
+    rows, vocab = logits.shape
+    tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
+    left = _sampling.sample_rows(
+        logits.detach().numpy(), vocab, host.scale, draws, host.draw_top_k, host.draw_top_p, host.by_row(uniforms),
+        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _COMPILED_ROOM), tokens, logprobs, finite,
+    )  # fmt: skip
+    out = SampleOutput(
+        token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_))
+    )
+    return out, (np.flatnonzero(tokens < 0) if left else None)
+
+
+def _sample_in_passes(logits: torch.Tensor, params: SamplingBatch, uniforms: np.ndarray) -> SampleOutput:
+    """The rows in torch, numpy and the compiled calls (the module says which does what), with a
+    branch wherever it saves a pass, since reading a value here waits for nothing. What the rows'
+    parameters decide (which rows draw how, each row's scale, the seeded uniforms) comes made with
+    the host rows."""
     host = params.host
     rows, vocab = logits.shape
     # A batch at temperature 1 (OpenAI's default) and greedy rows skip a pass: x / 1 is x. So greedy
@@ -364,7 +469,6 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     tokens = argmax_rows(scaled).numpy() if random.shape[0] < rows else np.zeros(rows, dtype=np.int64)
     if random.shape[0]:
         drawn = _min_p_filtered(log_probs, params.processing)
-        uniforms = host.uniforms().numpy()
         if host.plain.shape[0]:
             weights = _rows(drawn, host.plain_rows).exp()
             tokens[host.plain_rows] = _draw_plain(weights, torch.from_numpy(uniforms[host.plain])).numpy()

@@ -643,11 +643,12 @@ def test_a_devices_sample_comes_to_the_host_in_one_copy_unchanged():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
-    # The CPU path (compiled and numpy draws among candidates, branches on values) and the device path (torch
+    # The CPU's passes (compiled and numpy draws among candidates, branches on values) and the device path (torch
     # only, rows sorted whole, nothing read back) run on the same CPU logits must give the same
     # tokens, logprobs, flags and alternatives for every kind of row: greedy, plain, top-k, top-p,
     # min_p, seeded and not, non-finite, with ties and flat rows, so that the two cannot drift.
-    from executor.sampler import _sample_on_device, _sample_on_host
+    # (The CPU's one compiled pass, with an exponential of its own, is held to the passes below.)
+    from executor.sampler import _sample_in_passes, _sample_on_device
 
     rows = data.draw(st.integers(1, 12), label="rows")
     vocab = data.draw(st.sampled_from([5, 64, 700, 8192]), label="vocab")  # 8192: plain rows by block sums
@@ -678,7 +679,7 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
         )  # fmt: skip
     params = SamplingBatch.of(temperature, top_p, top_k, seeds, range(rows), processing=processing, num_logprobs=wanted)
     torch.manual_seed(seed)  # the unseeded rows' uniforms come from the default generator
-    on_host = _sample_on_host(logits.clone(), params)
+    on_host = _sample_in_passes(logits.clone(), params, params.host.uniforms().numpy())
     torch.manual_seed(seed)
     on_device = _sample_on_device(logits.clone(), params)
     assert on_host.token_ids.dtype == on_device.token_ids.dtype == torch.int64
@@ -690,3 +691,97 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
     else:
         assert torch.equal(on_host.top_ids, on_device.top_ids)
         torch.testing.assert_close(on_host.top_logprobs, on_device.top_logprobs, equal_nan=True, rtol=0, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
+    # A CPU row that asks for neither logits processing nor alternatives is drawn in one compiled
+    # call with an exponential of its own: the same finite flags and tokens as the torch / numpy
+    # passes, and logprobs within float32 rounding of torch's log_softmax. The logits are continuous
+    # (no ties), so that no draw sits on a token's edge, where the two may round apart; ties are
+    # the next test's. A row the pass does not decide (a flat row's nucleus past its candidates)
+    # is the passes', with the same uniforms.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here (test_the_compiled_round_is_built says where it must be)")
+    rows = data.draw(st.integers(1, 12), label="rows")
+    vocab = data.draw(st.sampled_from([1, 5, 17, 64, 700, 8192, 49152]), label="vocab")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor(data.draw(st.lists(st.sampled_from([0.01, 1.0, 6.0, 30.0]), min_size=rows, max_size=rows), label="scale"))
+    logits = torch.randn(rows, vocab, generator=g) * scale[:, None]
+    for row in data.draw(st.lists(st.integers(0, rows - 1), max_size=2), label="non-finite rows"):
+        logits[row, int(torch.randint(vocab, (1,), generator=g))] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+    if data.draw(st.booleans(), label="a row the temperature overflows"):
+        logits[0, 0] = 3e38
+    col = lambda strategy, label: data.draw(st.lists(strategy, min_size=rows, max_size=rows), label=label)  # noqa: E731
+    params = SamplingBatch.of(
+        col(st.sampled_from([0.0, 0.01, 0.3, 1.0, 2.5]), "temperature"), col(st.sampled_from([1.0, 0.95, 0.5, 0.01]), "top_p"),
+        col(st.sampled_from([0, 1, 3, 50]), "top_k"), col(st.sampled_from([-1, 0, 7]), "seeds"), range(rows),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    uniforms = params.host.uniforms().numpy() if params.host.random.shape[0] else np.zeros(0, dtype=np.float32)
+    compiled, left = sampler._sample_compiled(logits.clone(), params.host, uniforms, params.host.draws)
+    passes = sampler._sample_in_passes(logits.clone(), params, uniforms)
+    torch.manual_seed(seed)
+    whole = sample(logits.clone(), params)
+    if left is not None:  # undecided rows: the passes draw them, the pass the others
+        assert torch.equal(whole.token_ids[left], passes.token_ids[left])
+        torch.testing.assert_close(whole.logprobs[left], passes.logprobs[left], equal_nan=True, rtol=0, atol=0)
+        decided = np.setdiff1d(np.arange(rows), left)
+        compiled = replace(compiled, token_ids=compiled.token_ids[decided], logprobs=compiled.logprobs[decided],
+                           finite=compiled.finite[decided])  # fmt: skip
+        passes = replace(passes, token_ids=passes.token_ids[decided], logprobs=passes.logprobs[decided], finite=passes.finite[decided])
+        whole = replace(whole, token_ids=whole.token_ids[decided])
+    assert torch.equal(whole.token_ids, compiled.token_ids)
+    assert torch.equal(compiled.finite, passes.finite)
+    assert torch.equal(compiled.token_ids, passes.token_ids), (compiled.token_ids, passes.token_ids)
+    torch.testing.assert_close(compiled.logprobs, passes.logprobs, equal_nan=True, rtol=2e-6, atol=2e-5)
+
+
+def test_the_compiled_pass_keeps_ties_in_id_order_and_its_logprobs_near_float64():
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    # Exact ties: 640 equally likely tokens, top-p 0.5 keeps the first 320 (and at most one more
+    # where the rounding of 320 / 640 falls above 0.5); top-k 3 the first three.
+    tied = torch.zeros(400, 640)
+    def compiled(logits, params, uniforms):
+        out, left = sampler._sample_compiled(logits, params.host, uniforms, params.host.draws)
+        assert left is None, "the pass left rows undecided"
+        return out
+
+    nucleus = compiled(tied, batch(400, temperature=1.0, top_p=0.5), torch.rand(400).numpy())
+    assert nucleus.token_ids.max().item() <= 320 and len(set(nucleus.token_ids.tolist())) > 150
+    three = compiled(tied, batch(400, temperature=1.0, top_k=3), torch.rand(400).numpy())
+    assert set(three.token_ids.tolist()) == {0, 1, 2}
+    # Greedy rows: the first largest column, and a logprob within float32 rounding of float64's.
+    logits = random_logits(6, vocab=49152 + 7)
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1.0
+    greedy = compiled(logits, batch(6), np.zeros(0, dtype=np.float32))
+    assert torch.equal(greedy.token_ids, logits.argmax(dim=-1)) and greedy.token_ids[1] == 5
+    exact = torch.log_softmax(logits.double(), dim=-1).gather(1, greedy.token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(greedy.logprobs.double(), exact, rtol=1e-6, atol=1e-6)
+    # A plain row drawn at a uniform just under 1 takes its last token of any weight, never one
+    # whose weight underflows to 0 after it.
+    row = torch.full((1, 4096), -200.0)
+    row[0, :10] = 0.0
+    last = compiled(row, batch(1, temperature=1.0), np.array([np.float32(1) - np.float32(2**-24)]))
+    assert last.token_ids.item() == 9
+
+
+def test_a_rows_draw_does_not_depend_on_a_neighbour_wanting_alternatives():
+    # The row that wants alternatives goes through the passes, the others through the compiled pass
+    # either way: their tokens and logprobs are the same to the bit as in a batch where none wants any.
+    logits = random_logits(4, vocab=700, seed=5)
+    rows = dict(temperature=[0.0, 0.8, 1.0, 0.5], top_p=[1.0, 0.9, 1.0, 1.0], top_k=[0, 0, 0, 20], seeds=[-1, 3, 4, 5], positions=range(4))
+    alone = sample(logits, SamplingBatch.of(**rows))
+    beside = sample(logits, SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8)))
+    for r in (0, 1, 3):
+        assert beside.token_ids[r] == alone.token_ids[r]
+        assert beside.logprobs[r].item() == alone.logprobs[r].item()
+    assert beside.top_ids is not None and beside.top_ids[2, 0] == int(torch.log_softmax(logits[2], dim=-1).argmax())
+    assert alone.top_ids is None
