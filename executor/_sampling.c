@@ -12,13 +12,14 @@
  * tests/executor/test_sampler.py holds the two to the same tokens. Rows it cannot decide (more
  * candidates than the caller's room, or a nucleus wider than them) are left to numpy's later rounds.
  *
- * sample_rows() draws a whole batch in one call where no row asks for logits processing or
- * alternatives: per row one pass for the finite check and the largest logit, one that sums the
- * exponentials (with the candidates of a top-k / top-p row, or the block sums of a plain one,
- * gathered in the same pass), and the draw, with no table of logprobs written. Its exponential is
- * its own (exp_lanes), so its logprobs are torch's log_softmax to float32 rounding, not to the bit,
- * and its tokens those of the passes above except where a uniform falls within that rounding of a
- * token's edge (docs/control_plane.md, change 83).
+ * sample_rows() draws, in one call, every row of a batch that asks for neither logits processing
+ * nor alternatives (the caller marks the others): per row one pass for the finite check, the
+ * largest logit and its first column, one that sums the exponentials (with the candidates of a
+ * top-k / top-p row, or the block sums of a plain one, gathered in the same pass), and the draw,
+ * with no table of logprobs written. Its exponential is its own (exp_lanes), so its logprobs are
+ * torch's log_softmax to float32 rounding, not to the bit, and its tokens those of the passes above
+ * except where a uniform falls within that rounding of a token's edge (docs/control_plane.md,
+ * change 83).
  *
  * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile. */
 
@@ -481,6 +482,8 @@ CLONES static int row_finite_top(const float *row, Py_ssize_t vocab, float *top_
  * values where its lanes say one is there). A row with more of those than room ends the pass at
  * once: *count is then -1 and the sum is not made. */
 #define PLAIN_BLOCK (16 * VECTOR)
+/* How sample_rows draws a row: executor/sampler.py's DRAW_* (a test holds the two equal). */
+enum { DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, DRAW_ELSEWHERE };
 CLONES static double row_sum(const float *row, Py_ssize_t vocab, float t, int dividing, float top, float floor, Py_ssize_t room, int32_t *ids, float *values, Py_ssize_t *count, double *blocks) {
     double total = 0.0;
     Py_ssize_t n = 0;
@@ -523,37 +526,35 @@ CLONES static double row_sum(const float *row, Py_ssize_t vocab, float t, int di
     return total;
 }
 
-/* A plain row's draw: the first column whose running sum of e^(x/t - top) passes target, found
- * through the block sums; where rounding leaves the target at or past every sum, the last column
- * of any weight. `scratch` holds PLAIN_BLOCK floats. */
+/* A plain row's draw: the block whose running sum of e^(x/t - top) passes target, by the block sums,
+ * then the column within it. A block's sum was made in float32 lanes and its columns are added here
+ * one by one in float64, so the target's share of the block is carried over in proportion (the
+ * two sums differ by a few roundings, which would otherwise all fall on the block's last column).
+ * -1 where no block passes the target (not reached: u * total < total, summed in the same order).
+ * `scratch` holds PLAIN_BLOCK floats. */
 CLONES static int64_t row_plain_draw(const float *row, Py_ssize_t vocab, float t, int dividing, float top, const double *blocks, double target, float *scratch) {
     double before = 0.0;
-    Py_ssize_t blocks_n = (vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK, last = -1;
-    for (Py_ssize_t b = 0; b < blocks_n; b++) {
-        if (blocks[b] > 0.0) last = b;
-        if (before + blocks[b] <= target) {
-            before += blocks[b];
-            continue;
-        }
-        last = b;
-        break;
-    }
-    if (last < 0) return -1; /* no weight at all: not reached, the largest column weighs 1 */
-    Py_ssize_t start = last * PLAIN_BLOCK, end = start + PLAIN_BLOCK < vocab ? start + PLAIN_BLOCK : vocab;
+    Py_ssize_t blocks_n = (vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK, b = 0;
+    while (b < blocks_n && before + blocks[b] <= target) before += blocks[b++];
+    if (b == blocks_n) return -1;
+    Py_ssize_t start = b * PLAIN_BLOCK, end = start + PLAIN_BLOCK < vocab ? start + PLAIN_BLOCK : vocab;
+    double inside = 0.0;
     for (Py_ssize_t j = start; j < end; j += VECTOR) {
         floats v;
         SHIFTED(v, row, j, vocab, t, dividing, top);
         exp_lanes(&v);
         memcpy(scratch + (j - start), &v, sizeof v);
     }
+    for (Py_ssize_t j = start; j < end; j++) inside += (double)scratch[j - start];
+    double share = (target - before) / blocks[b] * inside, running = 0.0;
     Py_ssize_t heaviest = -1;
     for (Py_ssize_t j = start; j < end; j++) {
         float e = scratch[j - start];
         if (e > 0.0f) heaviest = j;
-        before += (double)e;
-        if (e > 0.0f && before > target) return j;
+        running += (double)e;
+        if (e > 0.0f && running > share) return j;
     }
-    return heaviest;
+    return heaviest; /* the share rounded up to the block's whole sum: its last column of any weight */
 }
 
 /* sample_rows(logits, vocab, scale, kinds, k, top_p, uniforms, log_ratio, margin, ratio, room,
@@ -572,7 +573,8 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     float log_ratio, margin, ratio;
     if (!PyArg_ParseTuple(args, "OnOOOOOfffnOOO", &logits_obj, &vocab, &scale_obj, &kinds_obj, &k_obj, &top_p_obj, &u_obj,
                           &log_ratio, &margin, &ratio, &room, &tokens_obj, &logprobs_obj, &finite_obj)) return NULL;
-    if (vocab <= 0 || room <= 0 || room > vocab) return PyErr_Format(PyExc_ValueError, "vocab must be positive, room in 1 to vocab");
+    if (vocab <= 0 || vocab > INT32_MAX || room <= 0 || room > vocab)
+        return PyErr_Format(PyExc_ValueError, "vocab must be in 1 to 2**31 - 1, room in 1 to vocab");
     Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite;
     PyObject *result = NULL;
     if (buffer_of(logits_obj, &logits, 0, 'f', sizeof(float), 0, "logits") < 0) return NULL;
@@ -586,14 +588,21 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     if (buffer_of(k_obj, &k, 0, 'i', sizeof(int64_t), rows, "k") < 0) goto done_kinds;
     if (buffer_of(top_p_obj, &top_p, 0, 'f', sizeof(float), rows, "top_p") < 0) goto done_k;
     if (buffer_of(u_obj, &u, 0, 'f', sizeof(float), rows, "uniforms") < 0) goto done_top_p;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (((const uint8_t *)kinds.buf)[r] > DRAW_ELSEWHERE) {
+            PyErr_Format(PyExc_ValueError, "kinds[%zd] is not a DRAW_* kind", r);
+            goto done_u;
+        }
+    }
     if (buffer_of(tokens_obj, &tokens, 1, 'i', sizeof(int64_t), rows, "tokens") < 0) goto done_u;
     if (buffer_of(logprobs_obj, &logprobs, 1, 'f', sizeof(float), rows, "logprobs") < 0) goto done_tokens;
     if (buffer_of(finite_obj, &finite, 1, 'u', sizeof(uint8_t), rows, "finite") < 0) goto done_logprobs;
 
     Py_ssize_t blocks_n = (vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK;
-    /* candidates: ids, shifted values and their logprobs with the row's largest after them, padded */
+    /* a cut row's candidates (ids, shifted values); probs and scratch hold their logprobs and
+     * probabilities with the row's largest after them (room + 1), scratch a plain row's block too */
     int32_t *ids = malloc((size_t)room * sizeof(int32_t));
-    float *values = malloc((size_t)(room + 1) * sizeof(float));
+    float *values = malloc((size_t)room * sizeof(float));
     float *probs = malloc((size_t)(room + 1) * sizeof(float));
     double *blocks = malloc((size_t)blocks_n * sizeof(double));
     float *scratch = malloc((size_t)(room + 1 > PLAIN_BLOCK ? room + 1 : PLAIN_BLOCK) * sizeof(float));
@@ -613,7 +622,7 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
         float logprob = __builtin_nanf("");
         float largest;
         Py_ssize_t first = 0;
-        if (kind == 3) {
+        if (kind == DRAW_ELSEWHERE) {
             ((int64_t *)tokens.buf)[r] = -1;
             ((float *)logprobs.buf)[r] = logprob;
             ((uint8_t *)finite.buf)[r] = 1;
@@ -626,10 +635,10 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
         ok = ok && top - top == 0.0f; /* a finite row the temperature scales past float32 */
         if (ok) {
             Py_ssize_t count = 0;
-            int cut = kind == 2, plain = kind == 1;
+            int cut = kind == DRAW_CUT, plain = kind == DRAW_PLAIN;
             double total = row_sum(row, vocab, t, dividing, top, log_ratio - margin, room, cut ? ids : NULL, values, cut ? &count : NULL, plain ? blocks : NULL);
             float log_total = count < 0 ? 0.0f : (float)log(total);
-            if (kind == 0) {
+            if (kind == DRAW_GREEDY) {
                 token = first;
                 logprob = 0.0f - log_total;
             } else if (plain) {
@@ -700,7 +709,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sampling", NULL, -1
 
 PyMODINIT_FUNC PyInit__sampling(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", INTERFACE) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "INTERFACE", INTERFACE) < 0 || PyModule_AddIntConstant(m, "DRAW_GREEDY", DRAW_GREEDY) < 0
+                      || PyModule_AddIntConstant(m, "DRAW_PLAIN", DRAW_PLAIN) < 0 || PyModule_AddIntConstant(m, "DRAW_CUT", DRAW_CUT) < 0
+                      || PyModule_AddIntConstant(m, "DRAW_ELSEWHERE", DRAW_ELSEWHERE) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

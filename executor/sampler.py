@@ -36,7 +36,7 @@ change 47). Where the install compiled executor/_sampling.c, two of those steps 
 (each of the thirty-odd calls they replace cost 3-7 us right after a sleeping forward): the finite
 check with the division by the temperature, for batches with no logits processing, and the first
 round of the candidates' draw, which decides every peaked row (numpy's rounds draw the rows it
-leaves). Without it, torch checks and divides and numpy draws, to the same tokens.
+leaves). Without it, torch checks and divides and numpy draws, to the same tokens as those calls.
 
 Where the install compiled it and no row of a batch asks for logits processing or alternatives
 (the usual decode step), the whole batch is one compiled call instead (_sample_compiled): per row
@@ -44,8 +44,8 @@ a pass for the finite check and the largest logit and one that sums the exponent
 the candidates, with no table of logprobs written. Its exponential is its own, so it is held to
 the passes above to float32 rounding: the same flags, the same tokens except where a uniform
 falls within that rounding of a token's edge, logprobs within a few ulps of torch's log_softmax
-(a float64 sum of each block, so nearer the exact value than torch's float32 one). Greedy tokens
-are the first largest column either way.
+(each 256-column block summed in float32 lanes, the lanes' totals in float64: nearer the exact
+value than torch's float32 sum). Greedy tokens are the first largest column either way.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _usable(built: ModuleType | None) -> ModuleType | None:
 
 try:
     from executor import _sampling as _built
-except ImportError:  # no C compiler built it: torch and numpy take the same steps, to the same tokens
+except ImportError:  # no C compiler built it: torch and numpy draw, to the same tokens within float32 rounding
     _built = None
 _sampling = _usable(_built)
 
@@ -277,10 +277,12 @@ class SamplingBatch:
     processing: LogitsProcessing | None = None  # None: no row asks for any
 
     def rows(self, index: np.ndarray) -> SamplingBatch:
-        """The rows at `index` alone, with no logits processing (the caller's rows have none)."""
+        """The rows at `index` alone, with no logits processing (the caller's rows have none): the
+        rows the compiled pass leaves (flat ones, or those that want alternatives), whose host rows
+        are derived again here, between two forwards, as the passes' cost dwarfs it."""
         h = self.host
         host = HostRows(h.temperature[index], h.top_p[index], h.top_k[index], h.seeds[index], h.positions[index], h.num_logprobs[index])
-        rows = torch.from_numpy(index).to(self.temperature.device)
+        rows = to_device(index, self.temperature.device)
         return SamplingBatch(self.temperature[rows], self.top_p[rows], self.top_k[rows], host)
 
     @classmethod
@@ -386,6 +388,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     if params.processing is not None:
         draws = draws.copy()
         draws[_processed_rows(params.processing, draws.shape[0])] = DRAW_ELSEWHERE
+    # Only processing or alternatives leave rows elsewhere: without either, no numpy call to ask.
     if (params.processing is not None or host.most_logprobs) and (draws == DRAW_ELSEWHERE).all():
         return _sample_in_passes(logits, params, uniforms)
     compiled, left = _sample_compiled(logits, host, uniforms, draws)
@@ -394,17 +397,17 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     if params.processing is None:  # the passes take those rows alone (a flat row's costs enough)
         part = params.rows(left)
         passes = _sample_in_passes(logits[torch.from_numpy(left)], part, host.by_row(uniforms)[left][part.host.random])
-        at = np.arange(left.shape[0])
-    else:  # its rows are the processing's: the passes take the batch
+        at: slice | np.ndarray = slice(None)
+    else:  # its row indices are the processing's: the passes take the batch
         passes, at = _sample_in_passes(logits, params, uniforms), left
     for name in ("token_ids", "logprobs", "finite"):
         getattr(compiled, name).numpy()[left] = getattr(passes, name).numpy()[at]
     if passes.top_ids is None:
         return compiled
-    top_ids = torch.zeros(logits.shape[0], passes.top_ids.shape[1], dtype=torch.long)
-    top_logprobs = torch.full(top_ids.shape, float("nan"))
-    top_ids[torch.from_numpy(left)], top_logprobs[torch.from_numpy(left)] = passes.top_ids[torch.from_numpy(at)], passes.top_logprobs[torch.from_numpy(at)]
-    return replace(compiled, top_ids=top_ids, top_logprobs=top_logprobs)
+    top_ids = np.zeros((logits.shape[0], passes.top_ids.shape[1]), dtype=np.int64)
+    top_logprobs = np.full(top_ids.shape, np.nan, dtype=np.float32)
+    top_ids[left], top_logprobs[left] = passes.top_ids.numpy()[at], passes.top_logprobs.numpy()[at]
+    return replace(compiled, top_ids=torch.from_numpy(top_ids), top_logprobs=torch.from_numpy(top_logprobs))
 
 
 def _processed_rows(p: LogitsProcessing, rows: int) -> np.ndarray:

@@ -700,8 +700,8 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
     # call with an exponential of its own: the same finite flags and tokens as the torch / numpy
     # passes, and logprobs within float32 rounding of torch's log_softmax. The logits are continuous
     # (no ties), so that no draw sits on a token's edge, where the two may round apart; ties are
-    # the next test's. A row the pass does not decide (a flat row's nucleus past its candidates)
-    # is the passes', with the same uniforms.
+    # the next test's. The rows it leaves (min_p processing, alternatives, a flat row's nucleus past
+    # its candidates) are the passes' to the bit, alternatives included, with the same uniforms.
     import executor.sampler as sampler
 
     if sampler._sampling is None:
@@ -717,28 +717,45 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
     if data.draw(st.booleans(), label="a row the temperature overflows"):
         logits[0, 0] = 3e38
     col = lambda strategy, label: data.draw(st.lists(strategy, min_size=rows, max_size=rows), label=label)  # noqa: E731
+    wanted = np.array(col(st.sampled_from([0, 0, 0, 2]), "num_logprobs"), dtype=np.uint8)
+    min_p_rows = [r for r, on in enumerate(col(st.sampled_from([False, False, True]), "min_p rows")) if on]
+    processing = None
+    if min_p_rows:
+        empty = torch.zeros(0, dtype=torch.long)
+        processing = LogitsProcessing(
+            bias_rows=empty, bias_ids=empty, bias_values=torch.zeros(0), banned_rows=empty, banned_ids=empty,
+            penalty_rows=empty, presence=torch.zeros(0), frequency=torch.zeros(0), repetition=torch.zeros(0),
+            prompt_rows=empty, prompt_ids=empty, output_rows=empty, output_ids=empty,
+            min_p_rows=torch.tensor(min_p_rows), min_p=torch.full((len(min_p_rows),), 0.2),
+        )  # fmt: skip
     params = SamplingBatch.of(
         col(st.sampled_from([0.0, 0.01, 0.3, 1.0, 2.5]), "temperature"), col(st.sampled_from([1.0, 0.95, 0.5, 0.01]), "top_p"),
         col(st.sampled_from([0, 1, 3, 50]), "top_k"), col(st.sampled_from([-1, 0, 7]), "seeds"), range(rows),
+        processing=processing, num_logprobs=wanted,
     )  # fmt: skip
     torch.manual_seed(seed)
     uniforms = params.host.uniforms().numpy() if params.host.random.shape[0] else np.zeros(0, dtype=np.float32)
-    compiled, left = sampler._sample_compiled(logits.clone(), params.host, uniforms, params.host.draws)
+    draws = params.host.draws.copy()
+    draws[min_p_rows] = sampler.DRAW_ELSEWHERE
+    compiled, left = sampler._sample_compiled(logits.clone(), params.host, uniforms, draws)
     passes = sampler._sample_in_passes(logits.clone(), params, uniforms)
     torch.manual_seed(seed)
     whole = sample(logits.clone(), params)
-    if left is not None:  # undecided rows: the passes draw them, the pass the others
-        assert torch.equal(whole.token_ids[left], passes.token_ids[left])
-        torch.testing.assert_close(whole.logprobs[left], passes.logprobs[left], equal_nan=True, rtol=0, atol=0)
-        decided = np.setdiff1d(np.arange(rows), left)
-        compiled = replace(compiled, token_ids=compiled.token_ids[decided], logprobs=compiled.logprobs[decided],
-                           finite=compiled.finite[decided])  # fmt: skip
-        passes = replace(passes, token_ids=passes.token_ids[decided], logprobs=passes.logprobs[decided], finite=passes.finite[decided])
-        whole = replace(whole, token_ids=whole.token_ids[decided])
-    assert torch.equal(whole.token_ids, compiled.token_ids)
-    assert torch.equal(compiled.finite, passes.finite)
-    assert torch.equal(compiled.token_ids, passes.token_ids), (compiled.token_ids, passes.token_ids)
-    torch.testing.assert_close(compiled.logprobs, passes.logprobs, equal_nan=True, rtol=2e-6, atol=2e-5)
+    left = np.zeros(0, dtype=np.int64) if left is None else left
+    assert set(left.tolist()) >= set(min_p_rows) | set(np.flatnonzero(wanted).tolist())
+    assert torch.equal(whole.token_ids[left], passes.token_ids[left])
+    torch.testing.assert_close(whole.logprobs[left], passes.logprobs[left], equal_nan=True, rtol=0, atol=0)
+    if wanted.max():
+        assert torch.equal(whole.top_ids[left], passes.top_ids[left])
+        torch.testing.assert_close(whole.top_logprobs[left], passes.top_logprobs[left], equal_nan=True, rtol=0, atol=0)
+    else:
+        assert whole.top_ids is None
+    decided = torch.from_numpy(np.setdiff1d(np.arange(rows), left))
+    for name in ("token_ids", "logprobs", "finite"):  # sample() gives the pass's own for its rows
+        torch.testing.assert_close(getattr(whole, name)[decided], getattr(compiled, name)[decided], equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(compiled.finite[decided], passes.finite[decided])
+    assert torch.equal(compiled.token_ids[decided], passes.token_ids[decided]), (compiled.token_ids, passes.token_ids)
+    torch.testing.assert_close(compiled.logprobs[decided], passes.logprobs[decided], equal_nan=True, rtol=2e-6, atol=2e-5)
 
 
 def test_the_compiled_pass_keeps_ties_in_id_order_and_its_logprobs_near_float64():
@@ -765,12 +782,19 @@ def test_the_compiled_pass_keeps_ties_in_id_order_and_its_logprobs_near_float64(
     assert torch.equal(greedy.token_ids, logits.argmax(dim=-1)) and greedy.token_ids[1] == 5
     exact = torch.log_softmax(logits.double(), dim=-1).gather(1, greedy.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(greedy.logprobs.double(), exact, rtol=1e-6, atol=1e-6)
-    # A plain row drawn at a uniform just under 1 takes its last token of any weight, never one
-    # whose weight underflows to 0 after it.
-    row = torch.full((1, 4096), -200.0)
-    row[0, :10] = 0.0
-    last = compiled(row, batch(1, temperature=1.0), np.array([np.float32(1) - np.float32(2**-24)]))
-    assert last.token_ids.item() == 9
+    # A plain row whose draw falls among weights so small that a block's float32 lanes and the
+    # column-by-column float64 walk round them apart: the target's share of the block is carried
+    # over in proportion, so the draw is the passes' (before, every such draw fell on the block's
+    # last column of any weight), and never a column of no weight.
+    for columns in ([16 * i for i in range(1, 16)], list(range(241, 256)), list(range(1, 16))):
+        weights = np.zeros(256)
+        weights[0], weights[columns] = 1.0, 3 * 2.0**-25
+        row = torch.tensor(np.where(weights > 0, np.log(np.maximum(weights, 1e-300)), -200.0), dtype=torch.float32)[None]
+        params = batch(1, temperature=1.0)
+        for u in (1 - 2**-21, 1 - 2**-22, 1 - 2**-24):
+            uniform = np.array([u], dtype=np.float32)
+            drawn = compiled(row, params, uniform).token_ids.item()
+            assert drawn == sampler._sample_in_passes(row, params, uniform).token_ids.item() and weights[drawn] > 0
 
 
 def test_a_rows_draw_does_not_depend_on_a_neighbour_wanting_alternatives():
@@ -785,3 +809,25 @@ def test_a_rows_draw_does_not_depend_on_a_neighbour_wanting_alternatives():
         assert beside.logprobs[r].item() == alone.logprobs[r].item()
     assert beside.top_ids is not None and beside.top_ids[2, 0] == int(torch.log_softmax(logits[2], dim=-1).argmax())
     assert alone.top_ids is None
+    # The row that wants alternatives is the passes' own draw, alone or in the batch.
+    from executor.sampler import _sample_in_passes
+
+    torch.manual_seed(0)
+    in_batch = sample(logits, SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8)))
+    torch.manual_seed(0)
+    params = SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8))
+    passes = _sample_in_passes(logits, params, params.host.uniforms().numpy())
+    assert in_batch.token_ids[2] == passes.token_ids[2] and in_batch.logprobs[2].item() == passes.logprobs[2].item()
+    assert torch.equal(in_batch.top_ids[2], passes.top_ids[2])
+
+
+def test_the_compiled_pass_reads_the_draw_kinds_the_sampler_writes():
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    for name in ("DRAW_GREEDY", "DRAW_PLAIN", "DRAW_CUT", "DRAW_ELSEWHERE"):
+        assert getattr(sampler._sampling, name) == getattr(sampler, name), name
+    host = batch(2).host
+    with pytest.raises(ValueError, match="DRAW_"):
+        sampler._sample_compiled(torch.zeros(2, 8), host, np.zeros(0, dtype=np.float32), np.array([0, 9], dtype=np.uint8))
