@@ -71,6 +71,21 @@ typedef int32_t ints __attribute__((vector_size(VECTOR * sizeof(float))));
  * clone's calling convention. */
 #define LOAD(v, at) memcpy(&(v), (at), sizeof(v))
 
+/* Whether any lane of a comparison's mask is set; a macro, as LOAD is. */
+#define ANY_LANE(out, mask)                                 \
+    do {                                                    \
+        int32_t any_ = 0;                                   \
+        for (int i_ = 0; i_ < VECTOR; i_++) any_ |= (mask)[i_]; \
+        (out) = any_;                                       \
+    } while (0)
+
+/* A NaN or an infinity: its exponent bits are all ones. */
+static inline int not_finite(const float *x) {
+    uint32_t bits;
+    memcpy(&bits, x, sizeof bits);
+    return (bits & 0x7f800000u) == 0x7f800000u;
+}
+
 /* The row's largest value. Exact in any order: a row here holds no NaN (non-finite rows were
  * zeroed before log_softmax). */
 CLONES static float row_max(const float *row, Py_ssize_t vocab) {
@@ -105,8 +120,8 @@ CLONES static Py_ssize_t at_or_above(const float *row, Py_ssize_t vocab, float t
                 LOAD(x, row + c);
                 hit |= x >= threshold;
             }
-            int32_t any = 0;
-            for (int i = 0; i < VECTOR; i++) any |= hit[i];
+            int32_t any;
+            ANY_LANE(any, hit);
             if (!any) continue;
         }
         for (Py_ssize_t c = j; c < end; c++) {
@@ -137,12 +152,10 @@ CLONES static int row_finite_scaled(const float *row, Py_ssize_t vocab, float te
             memcpy(out + j, &q, sizeof q);
         }
     }
-    int32_t any = 0;
-    for (int i = 0; i < VECTOR; i++) any |= bad[i];
+    int32_t any;
+    ANY_LANE(any, bad);
     for (; j < vocab; j++) {
-        uint32_t bits;
-        memcpy(&bits, row + j, sizeof bits);
-        any |= (bits & 0x7f800000u) == 0x7f800000u;
+        any |= not_finite(row + j);
         if (out) out[j] = row[j] / temperature;
     }
     return !any;
@@ -165,6 +178,19 @@ static int buffer_of(PyObject *obj, Py_buffer *view, int writable, char kind, Py
     return 0;
 }
 
+/* A float32 buffer of whole rows of `vocab` (released again where it is not): its row count, or
+ * -1 with an error set. */
+static Py_ssize_t rows_of(PyObject *obj, Py_buffer *view, Py_ssize_t vocab, const char *name) {
+    if (buffer_of(obj, view, 0, 'f', sizeof(float), 0, name) < 0) return -1;
+    Py_ssize_t rows = view->len / (Py_ssize_t)sizeof(float) / vocab;
+    if (rows * vocab * (Py_ssize_t)sizeof(float) != view->len) {
+        PyErr_Format(PyExc_ValueError, "%s does not hold whole rows of %zd", name, vocab);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return rows;
+}
+
 /* gather(log_probs, vocab, log_ratio, margin, room, ids, values, counts) -> total
  *
  * log_probs: float32[rows, vocab]. A row's candidates are its columns at or above
@@ -179,12 +205,8 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnffnOOO", &lp_obj, &vocab, &log_ratio, &margin, &room, &ids_obj, &values_obj, &counts_obj)) return NULL;
     if (vocab <= 0 || room <= 0 || room > vocab) return PyErr_Format(PyExc_ValueError, "vocab must be positive, room in 1 to vocab");
     Py_buffer lp, ids, values, counts;
-    if (buffer_of(lp_obj, &lp, 0, 'f', sizeof(float), 0, "log_probs") < 0) return NULL;
-    Py_ssize_t rows = lp.len / (Py_ssize_t)sizeof(float) / vocab;
-    if (rows * vocab * (Py_ssize_t)sizeof(float) != lp.len) {
-        PyErr_Format(PyExc_ValueError, "log_probs does not hold whole rows of %zd", vocab);
-        goto fail_ids;
-    }
+    Py_ssize_t rows = rows_of(lp_obj, &lp, vocab, "log_probs");
+    if (rows < 0) return NULL;
     /* rows * vocab floats fit in memory, and room <= vocab: neither product overflows */
     if (buffer_of(ids_obj, &ids, 1, 'i', sizeof(int32_t), rows * room, "ids") < 0) goto fail_ids;
     if (buffer_of(values_obj, &values, 1, 'f', sizeof(float), rows * (room + 1), "values") < 0) goto fail_values;
@@ -236,12 +258,8 @@ static PyObject *finite_scaled(PyObject *self, PyObject *args) {
     Py_buffer logits, temperature, out, finite;
     int dividing = out_obj != Py_None;
     PyObject *result = NULL;
-    if (buffer_of(logits_obj, &logits, 0, 'f', sizeof(float), 0, "logits") < 0) return NULL;
-    Py_ssize_t rows = logits.len / (Py_ssize_t)sizeof(float) / vocab;
-    if (rows * vocab * (Py_ssize_t)sizeof(float) != logits.len) {
-        PyErr_Format(PyExc_ValueError, "logits does not hold whole rows of %zd", vocab);
-        goto done_logits;
-    }
+    Py_ssize_t rows = rows_of(logits_obj, &logits, vocab, "logits");
+    if (rows < 0) return NULL;
     if (buffer_of(t_obj, &temperature, 0, 'f', sizeof(float), rows, "temperature") < 0) goto done_logits;
     if (buffer_of(finite_obj, &finite, 1, 'u', sizeof(uint8_t), rows, "finite") < 0) goto done_temperature;
     if (dividing && buffer_of(out_obj, &out, 1, 'f', sizeof(float), rows * vocab, "out") < 0) goto done_finite;
@@ -460,12 +478,10 @@ CLONES static int row_finite_top(const float *row, Py_ssize_t vocab, float *top_
             }
         }
     }
-    int32_t any = 0;
-    for (int i = 0; i < VECTOR; i++) any |= bad[i];
+    int32_t any;
+    ANY_LANE(any, bad);
     for (; j < vocab; j++) {
-        uint32_t bits;
-        memcpy(&bits, row + j, sizeof bits);
-        any |= (bits & 0x7f800000u) == 0x7f800000u;
+        any |= not_finite(row + j);
         if (row[j] > top) {
             top = row[j];
             at = j;
@@ -507,8 +523,8 @@ CLONES static double row_sum(const float *row, Py_ssize_t vocab, float t, int di
         if (blocks) blocks[b / PLAIN_BLOCK] = sum;
         total += sum;
         if (ids) {
-            int32_t any = 0;
-            for (int i = 0; i < VECTOR; i++) any |= hit[i];
+            int32_t any;
+            ANY_LANE(any, hit);
             for (Py_ssize_t c = 0; any && c < end - b; c++) {
                 if (shifted[c] >= floor) {
                     if (n == room) {
@@ -577,12 +593,8 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "vocab must be in 1 to 2**31 - 1, room in 1 to vocab");
     Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite;
     PyObject *result = NULL;
-    if (buffer_of(logits_obj, &logits, 0, 'f', sizeof(float), 0, "logits") < 0) return NULL;
-    Py_ssize_t rows = logits.len / (Py_ssize_t)sizeof(float) / vocab;
-    if (rows * vocab * (Py_ssize_t)sizeof(float) != logits.len) {
-        PyErr_Format(PyExc_ValueError, "logits does not hold whole rows of %zd", vocab);
-        goto done_logits;
-    }
+    Py_ssize_t rows = rows_of(logits_obj, &logits, vocab, "logits");
+    if (rows < 0) return NULL;
     if (buffer_of(scale_obj, &scale, 0, 'f', sizeof(float), rows, "scale") < 0) goto done_logits;
     if (buffer_of(kinds_obj, &kinds, 0, 'u', sizeof(uint8_t), rows, "kinds") < 0) goto done_scale;
     if (buffer_of(k_obj, &k, 0, 'i', sizeof(int64_t), rows, "k") < 0) goto done_kinds;

@@ -18,6 +18,17 @@ def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
     return SamplingBatch.of(col(temperature), col(top_p), col(top_k), col(seeds), col(positions))
 
 
+def min_p_only(rows, min_p):
+    """Logits processing that is min_p on `rows` and nothing else."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return LogitsProcessing(
+        bias_rows=empty, bias_ids=empty, bias_values=torch.zeros(0), banned_rows=empty, banned_ids=empty,
+        penalty_rows=empty, presence=torch.zeros(0), frequency=torch.zeros(0), repetition=torch.zeros(0),
+        prompt_rows=empty, prompt_ids=empty, output_rows=empty, output_ids=empty,
+        min_p_rows=torch.tensor(rows), min_p=torch.tensor(min_p, dtype=torch.float32),
+    )  # fmt: skip
+
+
 def random_logits(rows, vocab=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, vocab, generator=g) * 3
@@ -668,15 +679,7 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
     wanted = np.array(col(st.sampled_from([0, 0, 1, 3]), "num_logprobs"), dtype=np.uint8)
     min_p = col(st.sampled_from([0.0, 0.0, 0.1, 0.9]), "min_p")
     min_p_rows = [r for r in range(rows) if min_p[r] > 0]
-    processing = None
-    if min_p_rows:
-        empty = torch.zeros(0, dtype=torch.long)
-        processing = LogitsProcessing(
-            bias_rows=empty, bias_ids=empty, bias_values=torch.zeros(0), banned_rows=empty, banned_ids=empty,
-            penalty_rows=empty, presence=torch.zeros(0), frequency=torch.zeros(0), repetition=torch.zeros(0),
-            prompt_rows=empty, prompt_ids=empty, output_rows=empty, output_ids=empty,
-            min_p_rows=torch.tensor(min_p_rows), min_p=torch.tensor([min_p[r] for r in min_p_rows]),
-        )  # fmt: skip
+    processing = min_p_only(min_p_rows, [min_p[r] for r in min_p_rows]) if min_p_rows else None
     params = SamplingBatch.of(temperature, top_p, top_k, seeds, range(rows), processing=processing, num_logprobs=wanted)
     torch.manual_seed(seed)  # the unseeded rows' uniforms come from the default generator
     on_host = _sample_in_passes(logits.clone(), params, params.host.uniforms().numpy())
@@ -717,17 +720,9 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
     if data.draw(st.booleans(), label="a row the temperature overflows"):
         logits[0, 0] = 3e38
     col = lambda strategy, label: data.draw(st.lists(strategy, min_size=rows, max_size=rows), label=label)  # noqa: E731
-    wanted = np.array(col(st.sampled_from([0, 0, 0, 2]), "num_logprobs"), dtype=np.uint8)
+    wanted = np.array(col(st.sampled_from([0, 0, 0, min(2, vocab)]), "num_logprobs"), dtype=np.uint8)
     min_p_rows = [r for r, on in enumerate(col(st.sampled_from([False, False, True]), "min_p rows")) if on]
-    processing = None
-    if min_p_rows:
-        empty = torch.zeros(0, dtype=torch.long)
-        processing = LogitsProcessing(
-            bias_rows=empty, bias_ids=empty, bias_values=torch.zeros(0), banned_rows=empty, banned_ids=empty,
-            penalty_rows=empty, presence=torch.zeros(0), frequency=torch.zeros(0), repetition=torch.zeros(0),
-            prompt_rows=empty, prompt_ids=empty, output_rows=empty, output_ids=empty,
-            min_p_rows=torch.tensor(min_p_rows), min_p=torch.full((len(min_p_rows),), 0.2),
-        )  # fmt: skip
+    processing = min_p_only(min_p_rows, [0.2] * len(min_p_rows)) if min_p_rows else None
     params = SamplingBatch.of(
         col(st.sampled_from([0.0, 0.01, 0.3, 1.0, 2.5]), "temperature"), col(st.sampled_from([1.0, 0.95, 0.5, 0.01]), "top_p"),
         col(st.sampled_from([0, 1, 3, 50]), "top_k"), col(st.sampled_from([-1, 0, 7]), "seeds"), range(rows),
