@@ -99,6 +99,12 @@ _MASS_ROUNDING = 1e-6
 # The first-round candidates a row may have for the compiled draw (a peaked row has at most a few
 # hundred); a row with more is drawn by numpy's rounds.
 _COMPILED_ROOM = 1024
+# The one compiled pass's room for a cut row's first-round candidates: a row with more is left to
+# the passes (and their numpy rounds). pick_row sorts only the candidates a row has, so a wide room
+# costs a peaked row nothing; with the default model unsure (bench_step --forward model, sixteen rows
+# at temperature 0.7), 1,024 left a row or more to the passes in half the steps and 8,192 in a
+# tenth, and the gap between two forwards fell from 2.6 to 1.9 ms (docs/control_plane.md, change 83).
+_PASS_ROOM = 8192
 # How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
 # top-k / top-p candidates, or not at all (a row that wants alternatives or logits processing:
 # the passes draw it).
@@ -429,12 +435,12 @@ def _sample_compiled(
     3.1 ms gap, docs/control_plane.md). Its exponential is executor/_sampling.c's own: logprobs agree
     with torch's log_softmax to float32 rounding, tokens except where a uniform falls within that
     rounding of a token's edge. Returns the output and the rows it left (elsewhere, or a cut row
-    whose candidates do not decide it: a flat row), None when it drew every row."""
+    whose candidates, up to _PASS_ROOM, do not decide it: a flat row), None when it drew every row."""
     rows, vocab = logits.shape
     tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
     left = _sampling.sample_rows(
         logits.detach().numpy(), vocab, host.scale, draws, host.draw_top_k, host.draw_top_p, host.by_row(uniforms),
-        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _COMPILED_ROOM), tokens, logprobs, finite,
+        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
     )  # fmt: skip
     out = SampleOutput(
         token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_))
