@@ -157,8 +157,8 @@ class HostRows:
     right after the forward (docs/control_plane.md, fourteenth sitting)."""
 
     temperature: np.ndarray  # float32[m]; 0 means greedy
-    top_p: np.ndarray  # float32[m]; 1 means off
-    top_k: np.ndarray  # integer[m]; 0 means off
+    top_p: np.ndarray  # floating[m] given, float32[m] kept; 1 means off
+    top_k: np.ndarray  # integer[m] given, int64[m] kept; 0 means off
     seeds: np.ndarray  # int64[m]; -1 means unseeded
     positions: np.ndarray  # int64[m]: the position of the token whose logits the row holds
     num_logprobs: np.ndarray  # integer[m]: the logprob alternatives the row wants returned, 0 for none
@@ -177,12 +177,9 @@ class HostRows:
     cut_top_k: np.ndarray = field(init=False)  # int64
     cut_top_p: np.ndarray = field(init=False)  # float32
     most_logprobs: int = field(init=False)  # the most alternatives any row wants
-    # What the compiled pass (_sample_compiled) reads of each row: how it draws (DRAW_GREEDY,
-    # DRAW_PLAIN, DRAW_CUT, or DRAW_ELSEWHERE where it wants alternatives), its top-k as int64 (0:
-    # off) and its top-p as float32.
+    # How the compiled pass (_sample_compiled) draws each row: DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, or
+    # DRAW_ELSEWHERE where it wants alternatives.
     draws: np.ndarray = field(init=False)  # uint8[m]
-    draw_top_k: np.ndarray = field(init=False)  # int64[m]
-    draw_top_p: np.ndarray = field(init=False)  # float32[m]
 
     def __post_init__(self) -> None:
         # Checked where the rows are built (a rank's link thread), not in every sample() between
@@ -197,6 +194,9 @@ class HostRows:
                 what = "floating-point" if kind == "f" else "integer"
                 raise SamplingError(f"host rows: {name} must be a one-dimensional numpy {what} array, as long as temperature")
         derive = partial(object.__setattr__, self)
+        # The compiled calls read top-k as int64 and top-p as float32 (HostRows.of's; no copy then).
+        derive("top_k", self.top_k.astype(np.int64, copy=False))
+        derive("top_p", self.top_p.astype(np.float32, copy=False))
         greedy = self.greedy
         random = np.flatnonzero(~greedy)
         cut_of_random = self.filtered[random]
@@ -212,16 +212,14 @@ class HostRows:
         derive("seeded_uniforms", _seeded_uniforms(self.seeds[random[seeded]], self.positions[random[seeded]]))
         derive("plain_rows", random[plain])
         derive("cut_rows", random[cut])
-        derive("cut_top_k", self.top_k[random[cut]].astype(np.int64))
-        derive("cut_top_p", self.top_p[random[cut]].astype(np.float32))
+        derive("cut_top_k", self.top_k[random[cut]])
+        derive("cut_top_p", self.top_p[random[cut]])
         derive("most_logprobs", int(self.num_logprobs.max()) if rows[0] else 0)
         draws = np.full(rows, DRAW_GREEDY, dtype=np.uint8)
         draws[random[plain]] = DRAW_PLAIN
         draws[random[cut]] = DRAW_CUT
         draws[self.num_logprobs > 0] = DRAW_ELSEWHERE
         derive("draws", draws)
-        derive("draw_top_k", self.top_k.astype(np.int64))
-        derive("draw_top_p", self.top_p.astype(np.float32))
 
     @classmethod
     def of(
@@ -439,7 +437,7 @@ def _sample_compiled(
     rows, vocab = logits.shape
     tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
     left = _sampling.sample_rows(
-        logits.detach().numpy(), vocab, host.scale, draws, host.draw_top_k, host.draw_top_p, host.by_row(uniforms),
+        logits.detach().numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
         _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
     )  # fmt: skip
     out = SampleOutput(
