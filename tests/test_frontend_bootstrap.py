@@ -46,3 +46,18 @@ def test_a_refusal_nobody_could_read_is_said_by_the_frontend(tmp_path, capfd, mo
     assert code == 2
     assert "tp-runtime: error: across hosts pass --frame-key-dir or --trust-rendezvous-store" in err
     assert "Traceback" not in err
+
+
+def test_the_frontend_reads_back_keys_and_a_job_that_begin_with_a_dash():
+    # A Z85 key may begin with "-": passed as a value of its own, argparse took it for an option and
+    # the frontend exited 2 before it was ready (a two-host start failed about once in 85).
+    from tp_runtime.bootstrap import frontend_arguments
+    from tp_runtime.frontend import arguments
+
+    keys = [b"-xK3#Zq", b"--@.:", b"abc-"]
+    job = ["-n", "--model", "m.gguf"]
+    args = arguments().parse_args(frontend_arguments(7, RuntimeConfig(model="m.gguf"), "generate", job, keys))
+    assert args.bootstrap_fd == 7
+    assert args.client_keys.split(",") == [k.decode() for k in keys]
+    assert args.config == RuntimeConfig(model="m.gguf").to_json()
+    assert (args.mode, [a for a in args.job if a != "--"]) == ("generate", job)

@@ -102,27 +102,30 @@ class FrontendStart:
     bootstrap_fd: int
 
 
+def frontend_arguments(bootstrap_fd: int, config: RuntimeConfig, mode: str, job: list[str], client_keys: list[bytes]) -> list[str]:
+    """What rank 0 passes `python -m tp_runtime.frontend` (tp_runtime.frontend.arguments parses it)."""
+    return [
+        "--bootstrap-fd",
+        str(bootstrap_fd),
+        "--config",
+        config.to_json(),
+        "--mode",
+        mode,
+        # Attached with "=": a Z85 key may begin with "-", and argparse takes a separate value that
+        # does for an option (a frontend that exited 2 in about one start in 85).
+        "--client-keys=" + b",".join(client_keys).decode(),
+        "--",
+        *job,
+    ]
+
+
 def spawn_frontend(
     config: RuntimeConfig, mode: str, job: list[str], client_keys: list[bytes], nice: int = 0, new_session: bool = False
 ) -> FrontendStart:
     """Starts the frontend process and returns at once: whoever needs the endpoint reads it later
     (read_bootstrap), so that the frontend's start runs beside the ranks' load rather than before it."""
     read_fd, write_fd = os.pipe()
-    command = [
-        sys.executable,
-        "-m",
-        "tp_runtime.frontend",
-        "--bootstrap-fd",
-        str(write_fd),
-        "--config",
-        config.to_json(),
-        "--mode",
-        mode,
-        "--client-keys",  # public keys
-        b",".join(client_keys).decode(),
-        "--",
-        *job,
-    ]
+    command = [sys.executable, "-m", "tp_runtime.frontend", *frontend_arguments(write_fd, config, mode, job, client_keys)]
     try:
         child = subprocess.Popen(
             command, pass_fds=(write_fd,), preexec_fn=(lambda: os.nice(nice)) if nice else None,

@@ -98,7 +98,8 @@ def served_model_names(config: RuntimeConfig) -> tuple[str, ...]:
     return tuple(config.served_model_name) or (config.model,)
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The frontend's command line, as its two parents build it (tp_runtime/bootstrap.py, supervisor.py)."""
     parser = argparse.ArgumentParser(prog="python -m tp_runtime.frontend")
     way = parser.add_mutually_exclusive_group(required=True)
     way.add_argument("--bootstrap-fd", type=int, help="rank 0's child: the pipe its Bootstrap goes back on")
@@ -107,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("serve", "generate"), required=True)
     parser.add_argument("--client-keys", default="", help="the ranks' CURVE public keys (Z85), comma-separated, in rank order")
     parser.add_argument("job", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     config = RuntimeConfig.from_json(args.config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s")
     dump_stacks_on_signal()
