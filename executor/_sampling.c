@@ -21,7 +21,8 @@
  * except where a uniform falls within that rounding of a token's edge (docs/control_plane.md,
  * change 83).
  *
- * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile. */
+ * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile (sample_rows() only
+ * over enough logits to pay for taking it back). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,6 +39,10 @@
 #error "built with -ffast-math (-Ofast in CFLAGS?): it reorders the float64 sums numpy takes in order"
 #endif
 
+/* sample_rows() gives up the GIL only over this many logits or more (~50 us of work): taking it
+ * back from a thread that ran Python meanwhile cost more than a small batch's whole draw. */
+#define RELEASE_GIL_ELEMENTS (1 << 15)
+
 /* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
  * call's arguments or meaning, so that a build of an older source is not used. */
 #define INTERFACE 3
@@ -47,12 +52,10 @@ typedef struct {
     int32_t id;
 } Candidate;
 
-/* Descending probability, ties in id order: numpy's stable argsort of the negated probabilities of
- * candidates listed in id order. */
-static int by_prob_then_id(const void *a, const void *b) {
-    const Candidate *x = a, *y = b;
-    if (x->prob != y->prob) return x->prob > y->prob ? -1 : 1;
-    return (x->id > y->id) - (x->id < y->id);
+/* Whether a goes before b: descending probability, ties in id order (numpy's stable argsort of the
+ * negated probabilities of candidates listed in id order). */
+static inline int goes_first(Candidate a, Candidate b) {
+    return a.prob > b.prob || (a.prob == b.prob && a.id < b.id);
 }
 
 /* Whole-vocabulary passes in GCC's vector types (VECTOR floats at once, lowered to the widest
@@ -287,8 +290,28 @@ done_logits:
     return result;
 }
 
+/* heap[at] down to its place in a heap of n whose root is the candidate that goes first */
+static void sift_down(Candidate *heap, Py_ssize_t n, Py_ssize_t at) {
+    Candidate moving = heap[at];
+    for (;;) {
+        Py_ssize_t child = 2 * at + 1;
+        if (child >= n) break;
+        if (child + 1 < n && goes_first(heap[child + 1], heap[child])) child++;
+        if (!goes_first(heap[child], moving)) break;
+        heap[at] = heap[child];
+        at = child;
+    }
+    heap[at] = moving;
+}
+
 /* One row's draw among its candidates (id order, probabilities `probs`), or -1 when they do not
- * hold its nucleus. `scratch` and `sums` have room for all of them. */
+ * hold its nucleus. `scratch` and `sums` have room for all of them.
+ *
+ * The candidates come off a heap in goes_first's order only until the first one top-k or
+ * top-p drops: the mass before a candidate never falls along that order (a float64 prefix sum of
+ * probabilities rounded to float32, less a probability that never grows), so every later one is
+ * dropped too and adds nothing to the draw's sums. A nucleus of a few candidates among hundreds
+ * then costs a heap's build and a few pops instead of a whole sort. */
 static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, float floor, int64_t k, float top_p, float uniform, Candidate *scratch, float *sums) {
     Py_ssize_t kept = 0;
     double mass = 0.0;
@@ -303,24 +326,38 @@ static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, fl
     /* numpy's `covered`: top-k cuts inside the candidates, or they hold more than top_p by more
      * than a float32 prefix sum's rounding (1e-6) */
     if (!(k <= kept || (top_p < 1.0f && mass > (double)top_p + 1e-6)) || kept == 0) return -1;
-    qsort(scratch, (size_t)kept, sizeof(Candidate), by_prob_then_id);
+    for (Py_ssize_t j = kept / 2; j-- > 0;) sift_down(scratch, kept, j);
     /* _pick_sorted: the mass before each (a float64 prefix sum rounded to float32, less itself),
      * dropped past top_p, kept within k; then the draw's prefix sum over the kept ones and the
-     * first column whose sum passes u times the whole. */
+     * first column whose sum passes u times the whole. Popped candidates go to the heap's freed
+     * tail, so scratch[kept - 1 - j] is the j-th in order. */
     double before = 0.0, cdf = 0.0;
-    for (Py_ssize_t j = 0; j < kept; j++) {
-        float p = scratch[j].prob;
+    Py_ssize_t taken = 0, heap = kept;
+    while (taken < kept) {
+        Candidate next = scratch[0];
+        scratch[0] = scratch[--heap];
+        scratch[heap] = next;
+        sift_down(scratch, heap, 0);
+        float p = next.prob;
         before += (double)p;
         float mass_before = (float)before - p;
-        int keep = j < k && !(top_p < 1.0f && mass_before > top_p);
+        int keep = taken < k && !(top_p < 1.0f && mass_before > top_p);
         cdf += (double)(p * (float)keep);
-        sums[j] = (float)cdf;
+        sums[taken++] = (float)cdf;
+        if (!keep) break;
     }
-    float target = uniform * sums[kept - 1];
+    float target = uniform * sums[taken - 1];
     Py_ssize_t at = 0;
-    while (at < kept && sums[at] <= target) at++;
-    if (at > kept - 1) at = kept - 1; /* numpy's clamp; u < 1 keeps every reachable target under the total */
-    return scratch[at].id;
+    while (at < taken && sums[at] <= target) at++;
+    if (at < taken) return scratch[kept - 1 - at].id;
+    /* numpy's clamp to the last candidate in order (u < 1 keeps every reachable target under the
+     * total; a target rounded up to it passes every sum): the last of those left on the heap */
+    if (taken == kept) return scratch[0].id;
+    Py_ssize_t last = 0;
+    for (Py_ssize_t j = 1; j < heap; j++) {
+        if (goes_first(scratch[last], scratch[j])) last = j;
+    }
+    return scratch[last].id;
 }
 
 /* pick(ids, probs, counts, ratio, k, top_p, uniforms, out) -> rows left undecided
@@ -624,7 +661,7 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
         goto done_buffers;
     }
     Py_ssize_t undecided = 0;
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *released = rows * vocab >= RELEASE_GIL_ELEMENTS ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t r = 0; r < rows; r++) {
         const float *row = (const float *)logits.buf + r * vocab;
         float t = ((const float *)scale.buf)[r];
@@ -679,7 +716,7 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
         ((float *)logprobs.buf)[r] = logprob;
         ((uint8_t *)finite.buf)[r] = (uint8_t)ok;
     }
-    Py_END_ALLOW_THREADS
+    if (released != NULL) PyEval_RestoreThread(released);
     result = PyLong_FromSsize_t(undecided);
 
 done_buffers:

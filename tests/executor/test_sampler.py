@@ -401,6 +401,9 @@ def test_the_compiled_draw_rounds_where_numpy_rounds():
         ([0.5, 0.25, 0.25], 3, 0.75, 0.5), ([0.5, 0.25, 0.25], 3, 0.5, 0.99), ([0.25] * 4, 4, 0.5, 0.5),
         ([0.1] * 10, 10, 0.3, 0.2), ([0.1] * 10, 10, 1.0, 0.5), ([0.4, 0.3, 0.2, 0.1], 2, 1.0, 0.999999),
         ([0.125] * 8, 8, 0.375, 1 - 2**-24), ([0.5, 0.5], 1, 1.0, 0.75),
+        # A uniform of 1 (no draw makes one) passes every sum: numpy's clamp takes the last candidate
+        # in order, past the cut, which pick() leaves on its heap.
+        ([0.4, 0.3, 0.2, 0.1], 2, 1.0, 1.0), ([0.1, 0.2, 0.4, 0.3, 0.2], 5, 0.5, 1.0), ([0.3, 0.3, 0.4], 3, 1.0, 1.0),
     ]:  # fmt: skip
         p = np.array(probs, np.float32)
         sampler._sampling.pick(np.arange(p.shape[0], dtype=np.int32), np.append(p, p.max()), np.array([p.shape[0]]), float(ratio),
