@@ -21,16 +21,24 @@
  * except where a uniform falls within that rounding of a token's edge (docs/control_plane.md,
  * change 83).
  *
- * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile (sample_rows() only
- * over enough logits to pay for taking it back). */
+ * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile
+ * (sample_rows() only over enough logits to pay for taking it back). sample_rows() draws a large
+ * batch's rows on the caller's thread and on helper threads of its own (as many as the forward's
+ * torch threads, which sit idle between two forwards): a row's draw depends on that row alone, so
+ * which thread draws it changes nothing. */
 
+#define _GNU_SOURCE /* sched_getcpu, CPU_* and pthread_setaffinity_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if FLT_EVAL_METHOD != 0
 #error "float arithmetic here must round to float32 at every step (x87's excess precision does not)"
@@ -42,10 +50,13 @@
 /* sample_rows() gives up the GIL only over this many logits or more (~50 us of work): taking it
  * back from a thread that ran Python meanwhile cost more than a small batch's whole draw. */
 #define RELEASE_GIL_ELEMENTS (1 << 15)
+/* ...and is drawn by several threads over this many (two rows of a 32k vocabulary; ~80 us alone),
+ * where a helper's wake-up (tens of microseconds across cores) is paid back. */
+#define PARALLEL_ELEMENTS (1 << 16)
 
 /* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
  * call's arguments or meaning, so that a build of an older source is not used. */
-#define INTERFACE 3
+#define INTERFACE 4
 
 typedef struct {
     float prob;
@@ -610,8 +621,227 @@ CLONES static int64_t row_plain_draw(const float *row, Py_ssize_t vocab, float t
     return heaviest; /* the share rounded up to the block's whole sum: its last column of any weight */
 }
 
+/* What one thread needs for its rows of a sample_rows() call: a cut row's candidates (ids, shifted
+ * values); probs and floats hold their logprobs and probabilities with the row's largest after them
+ * (room + 1), floats a plain row's block too; blocks a plain row's block sums. */
+typedef struct {
+    int32_t *ids;
+    float *values;
+    float *probs;
+    double *blocks;
+    float *floats;
+    Candidate *candidates;
+} Scratch;
+
+static void scratch_free(Scratch *s) {
+    free(s->ids);
+    free(s->values);
+    free(s->probs);
+    free(s->blocks);
+    free(s->floats);
+    free(s->candidates);
+}
+
+static int scratch_alloc(Scratch *s, Py_ssize_t vocab, Py_ssize_t room) {
+    s->ids = malloc((size_t)room * sizeof(int32_t));
+    s->values = malloc((size_t)room * sizeof(float));
+    s->probs = malloc((size_t)(room + 1) * sizeof(float));
+    s->blocks = malloc((size_t)((vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK) * sizeof(double));
+    s->floats = malloc((size_t)(room + 1 > PLAIN_BLOCK ? room + 1 : PLAIN_BLOCK) * sizeof(float));
+    s->candidates = malloc((size_t)room * sizeof(Candidate));
+    if (s->ids && s->values && s->probs && s->blocks && s->floats && s->candidates) return 0;
+    scratch_free(s);
+    return -1;
+}
+
+/* A sample_rows() call's rows, which each thread on it claims one at a time (next_row), so that a
+ * helper woken late takes fewer rows, and none once the caller has claimed them all. */
+typedef struct {
+    const float *logits;
+    Py_ssize_t vocab, room, rows;
+    const float *scale, *top_p, *u;
+    const uint8_t *kinds;
+    const int64_t *k;
+    float log_ratio, margin, ratio;
+    int64_t *tokens;
+    float *logprobs;
+    uint8_t *finite;
+    _Atomic Py_ssize_t next_row;
+    _Atomic Py_ssize_t undecided;
+} RowsJob;
+
+static void draw_row(const RowsJob *job, Py_ssize_t r, Scratch *s) {
+    Py_ssize_t vocab = job->vocab;
+    const float *row = job->logits + r * vocab;
+    float t = job->scale[r];
+    int kind = job->kinds[r];
+    int dividing = t != 1.0f;
+    int64_t token = 0;
+    float logprob = __builtin_nanf("");
+    float largest;
+    Py_ssize_t first = 0;
+    if (kind == DRAW_ELSEWHERE) {
+        job->tokens[r] = -1;
+        job->logprobs[r] = logprob;
+        job->finite[r] = 1;
+        return;
+    }
+    int ok = row_finite_top(row, vocab, &largest, &first);
+    /* the largest quotient is the quotient of the largest: division by t > 0 keeps the order */
+    float top = dividing ? largest / t : largest;
+    ok = ok && top - top == 0.0f; /* a finite row the temperature scales past float32 */
+    if (ok) {
+        Py_ssize_t count = 0;
+        int cut = kind == DRAW_CUT, plain = kind == DRAW_PLAIN;
+        double total = row_sum(row, vocab, t, dividing, top, job->log_ratio - job->margin, job->room, cut ? s->ids : NULL, s->values,
+                               cut ? &count : NULL, plain ? s->blocks : NULL);
+        float log_total = count < 0 ? 0.0f : (float)log(total);
+        if (kind == DRAW_GREEDY) {
+            token = first;
+            logprob = 0.0f - log_total;
+        } else if (plain) {
+            double target = (double)job->u[r] * total;
+            token = row_plain_draw(row, vocab, t, dividing, top, s->blocks, target, s->floats);
+            if (token >= 0) logprob = ((dividing ? row[token] / t : row[token]) - top) - log_total;
+        } else if (count < 0) {
+            token = -1;
+        } else {
+            for (Py_ssize_t j = 0; j < count; j++) s->floats[j] = s->values[j] - log_total;
+            s->floats[count] = 0.0f - log_total;
+            exp_of(s->floats, count + 1, s->probs);
+            int64_t row_k = job->k[r];
+            token = pick_row(s->ids, s->probs, count, s->probs[count] * job->ratio, row_k > 0 ? row_k : INT64_MAX, job->top_p[r], job->u[r],
+                             s->candidates, s->floats);
+            for (Py_ssize_t j = 0; token >= 0 && j < count; j++) {
+                if (s->ids[j] == token) {
+                    logprob = s->values[j] - log_total;
+                    break;
+                }
+            }
+        }
+    }
+    job->tokens[r] = token;
+    job->logprobs[r] = logprob;
+    job->finite[r] = (uint8_t)ok;
+}
+
+static void draw_rows(RowsJob *job, Scratch *s) {
+    Py_ssize_t undecided = 0;
+    for (Py_ssize_t r; (r = atomic_fetch_add(&job->next_row, 1)) < job->rows;) {
+        draw_row(job, r, s);
+        undecided += job->tokens[r] < 0;
+    }
+    atomic_fetch_add(&job->undecided, undecided);
+}
+
+/* Threads that draw rows beside sample_rows()'s caller: started on first use, up to the caller's
+ * thread count less one, and asleep between calls. A helper is handed a call's job (POSTED) and
+ * takes it (RUNNING, then DONE); a caller that has claimed every row before a helper took the job
+ * takes it back (IDLE), so that a helper slow to wake never holds a call up. One caller at a time
+ * (`pool_busy`); another draws alone. A forked child starts its own (`pool_pid`). */
+enum { HELPER_IDLE, HELPER_POSTED, HELPER_RUNNING, HELPER_DONE };
+
+typedef struct {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    RowsJob *job;
+    Scratch *scratch;
+    _Atomic int state;
+    int away_from; /* the CPU it is kept off, -1 for none */
+} Helper;
+
+#define MOST_HELPERS 15
+static Helper helpers[MOST_HELPERS];
+static int helpers_started;
+static pid_t pool_pid;
+static _Atomic int pool_busy;
+
+static void *helper_main(void *arg) {
+    Helper *h = arg;
+    pthread_mutex_lock(&h->lock);
+    for (;;) {
+        while (atomic_load(&h->state) != HELPER_POSTED) pthread_cond_wait(&h->wake, &h->lock);
+        int posted = HELPER_POSTED;
+        if (!atomic_compare_exchange_strong(&h->state, &posted, HELPER_RUNNING)) continue;
+        RowsJob *job = h->job;
+        Scratch *s = h->scratch;
+        pthread_mutex_unlock(&h->lock);
+        draw_rows(job, s);
+        atomic_store(&h->state, HELPER_DONE);
+        pthread_mutex_lock(&h->lock);
+    }
+    return NULL;
+}
+
+/* The helpers that can take a job now (started as needed, at most `wanted`); the pool is held. */
+static int helpers_ready(int wanted) {
+    if (pool_pid != getpid()) {
+        pool_pid = getpid();
+        helpers_started = 0;
+    }
+    while (helpers_started < wanted) {
+        Helper *h = &helpers[helpers_started];
+        atomic_store(&h->state, HELPER_IDLE);
+        h->away_from = -1;
+        if (pthread_mutex_init(&h->lock, NULL) != 0) break;
+        if (pthread_cond_init(&h->wake, NULL) != 0) {
+            pthread_mutex_destroy(&h->lock);
+            break;
+        }
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 1 << 20);
+        int failed = pthread_create(&h->thread, &attr, helper_main, h);
+        pthread_attr_destroy(&attr);
+        if (failed) {
+            pthread_cond_destroy(&h->wake);
+            pthread_mutex_destroy(&h->lock);
+            break;
+        }
+        helpers_started++;
+    }
+    return helpers_started < wanted ? helpers_started : wanted;
+}
+
+/* Keeps a helper off the caller's CPU. Woken from a sleep, a helper went to the CPU of the thread
+ * that woke it (the other, idle, one a VM's halted vCPU) and took it from the caller, which then
+ * drew no row until the helper had drawn them all: at 16 rows of 49,152, no faster than alone. */
+static void helper_away_from(Helper *h) {
+#ifdef __linux__
+    int cpu = sched_getcpu();
+    if (cpu < 0 || cpu == h->away_from) return;
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) return;
+    CPU_CLR(cpu, &allowed);
+    if (pthread_setaffinity_np(h->thread, sizeof allowed, &allowed) == 0) h->away_from = cpu;
+#else
+    (void)h;
+#endif
+}
+
+static void helper_post(Helper *h, RowsJob *job, Scratch *s) {
+    helper_away_from(h);
+    pthread_mutex_lock(&h->lock);
+    h->job = job;
+    h->scratch = s;
+    atomic_store(&h->state, HELPER_POSTED);
+    pthread_cond_signal(&h->wake);
+    pthread_mutex_unlock(&h->lock);
+}
+
+/* Once the caller has no row left to claim: the job back from a helper that has not taken it, or
+ * the helper's last row awaited (at most one row's time: it claims no other). */
+static void helper_finish(Helper *h) {
+    int posted = HELPER_POSTED;
+    if (atomic_compare_exchange_strong(&h->state, &posted, HELPER_IDLE)) return;
+    while (atomic_load(&h->state) != HELPER_DONE) sched_yield();
+    atomic_store(&h->state, HELPER_IDLE);
+}
+
 /* sample_rows(logits, vocab, scale, kinds, k, top_p, uniforms, log_ratio, margin, ratio, room,
- *             tokens, logprobs, finite) -> rows left undecided
+ *             tokens, logprobs, finite, threads) -> rows left undecided
  *
  * logits: float32[rows, vocab]. Per row: scale (its temperature, 1 for greedy), kind (0 greedy,
  * 1 plain: drawn over the whole row, 2 cut: top-k and / or top-p, 3 elsewhere: left to the caller),
@@ -619,15 +849,18 @@ CLONES static int64_t row_plain_draw(const float *row, Py_ssize_t vocab, float t
  * sum) and whether the row was finite (a NaN or an infinity in it, or a temperature that overflows
  * it: token 0, logprob NaN). A row left elsewhere, and a cut row whose candidates (within
  * log_ratio - margin of its largest) are more than room or do not hold its nucleus, get token -1:
- * the caller samples them otherwise. */
+ * the caller samples them otherwise. Over PARALLEL_ELEMENTS logits or more, up to `threads` threads
+ * draw the rows (each row's outputs are its own, whichever thread draws it). */
 static PyObject *sample_rows(PyObject *self, PyObject *args) {
     PyObject *logits_obj, *scale_obj, *kinds_obj, *k_obj, *top_p_obj, *u_obj, *tokens_obj, *logprobs_obj, *finite_obj;
     Py_ssize_t vocab, room;
     float log_ratio, margin, ratio;
-    if (!PyArg_ParseTuple(args, "OnOOOOOfffnOOO", &logits_obj, &vocab, &scale_obj, &kinds_obj, &k_obj, &top_p_obj, &u_obj,
-                          &log_ratio, &margin, &ratio, &room, &tokens_obj, &logprobs_obj, &finite_obj)) return NULL;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OnOOOOOfffnOOOi", &logits_obj, &vocab, &scale_obj, &kinds_obj, &k_obj, &top_p_obj, &u_obj,
+                          &log_ratio, &margin, &ratio, &room, &tokens_obj, &logprobs_obj, &finite_obj, &threads)) return NULL;
     if (vocab <= 0 || vocab > INT32_MAX || room <= 0 || room > vocab)
         return PyErr_Format(PyExc_ValueError, "vocab must be in 1 to 2**31 - 1, room in 1 to vocab");
+    if (threads < 1) return PyErr_Format(PyExc_ValueError, "threads must be at least 1");
     Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite;
     PyObject *result = NULL;
     Py_ssize_t rows = rows_of(logits_obj, &logits, vocab, "logits");
@@ -647,85 +880,36 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     if (buffer_of(logprobs_obj, &logprobs, 1, 'f', sizeof(float), rows, "logprobs") < 0) goto done_tokens;
     if (buffer_of(finite_obj, &finite, 1, 'u', sizeof(uint8_t), rows, "finite") < 0) goto done_logprobs;
 
-    Py_ssize_t blocks_n = (vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK;
-    /* a cut row's candidates (ids, shifted values); probs and scratch hold their logprobs and
-     * probabilities with the row's largest after them (room + 1), scratch a plain row's block too */
-    int32_t *ids = malloc((size_t)room * sizeof(int32_t));
-    float *values = malloc((size_t)room * sizeof(float));
-    float *probs = malloc((size_t)(room + 1) * sizeof(float));
-    double *blocks = malloc((size_t)blocks_n * sizeof(double));
-    float *scratch = malloc((size_t)(room + 1 > PLAIN_BLOCK ? room + 1 : PLAIN_BLOCK) * sizeof(float));
-    Candidate *candidates = malloc((size_t)room * sizeof(Candidate));
-    if (!ids || !values || !probs || !blocks || !scratch || !candidates) {
+    RowsJob job = {
+        .logits = logits.buf, .vocab = vocab, .room = room, .rows = rows, .scale = scale.buf, .top_p = top_p.buf, .u = u.buf,
+        .kinds = kinds.buf, .k = k.buf, .log_ratio = log_ratio, .margin = margin, .ratio = ratio, .tokens = tokens.buf,
+        .logprobs = logprobs.buf, .finite = finite.buf,
+    };
+    atomic_init(&job.next_row, 0);
+    atomic_init(&job.undecided, 0);
+    int wanted = rows * vocab >= PARALLEL_ELEMENTS ? (int)(rows < threads ? rows : threads) - 1 : 0;
+    if (wanted > MOST_HELPERS) wanted = MOST_HELPERS;
+    Scratch scratch[MOST_HELPERS + 1];
+    int with = 0; /* scratch sets made: the caller's, then one per helper */
+    for (; with < wanted + 1; with++) {
+        if (scratch_alloc(&scratch[with], vocab, room) < 0) break;
+    }
+    if (with == 0) {
         PyErr_NoMemory();
-        goto done_buffers;
+        goto done_finite;
     }
-    Py_ssize_t undecided = 0;
     PyThreadState *released = rows * vocab >= RELEASE_GIL_ELEMENTS ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *row = (const float *)logits.buf + r * vocab;
-        float t = ((const float *)scale.buf)[r];
-        int kind = ((const uint8_t *)kinds.buf)[r];
-        int dividing = t != 1.0f;
-        int64_t token = 0;
-        float logprob = __builtin_nanf("");
-        float largest;
-        Py_ssize_t first = 0;
-        if (kind == DRAW_ELSEWHERE) {
-            ((int64_t *)tokens.buf)[r] = -1;
-            ((float *)logprobs.buf)[r] = logprob;
-            ((uint8_t *)finite.buf)[r] = 1;
-            undecided++;
-            continue;
-        }
-        int ok = row_finite_top(row, vocab, &largest, &first);
-        /* the largest quotient is the quotient of the largest: division by t > 0 keeps the order */
-        float top = dividing ? largest / t : largest;
-        ok = ok && top - top == 0.0f; /* a finite row the temperature scales past float32 */
-        if (ok) {
-            Py_ssize_t count = 0;
-            int cut = kind == DRAW_CUT, plain = kind == DRAW_PLAIN;
-            double total = row_sum(row, vocab, t, dividing, top, log_ratio - margin, room, cut ? ids : NULL, values, cut ? &count : NULL, plain ? blocks : NULL);
-            float log_total = count < 0 ? 0.0f : (float)log(total);
-            if (kind == DRAW_GREEDY) {
-                token = first;
-                logprob = 0.0f - log_total;
-            } else if (plain) {
-                double target = (double)((const float *)u.buf)[r] * total;
-                token = row_plain_draw(row, vocab, t, dividing, top, blocks, target, scratch);
-                if (token >= 0) logprob = ((dividing ? row[token] / t : row[token]) - top) - log_total;
-            } else if (count < 0) {
-                token = -1;
-            } else {
-                for (Py_ssize_t j = 0; j < count; j++) scratch[j] = values[j] - log_total;
-                scratch[count] = 0.0f - log_total;
-                exp_of(scratch, count + 1, probs);
-                int64_t row_k = ((const int64_t *)k.buf)[r];
-                token = pick_row(ids, probs, count, probs[count] * ratio, row_k > 0 ? row_k : INT64_MAX,
-                                 ((const float *)top_p.buf)[r], ((const float *)u.buf)[r], candidates, scratch);
-                for (Py_ssize_t j = 0; token >= 0 && j < count; j++) {
-                    if (ids[j] == token) {
-                        logprob = values[j] - log_total;
-                        break;
-                    }
-                }
-            }
-            undecided += token < 0;
-        }
-        ((int64_t *)tokens.buf)[r] = token;
-        ((float *)logprobs.buf)[r] = logprob;
-        ((uint8_t *)finite.buf)[r] = (uint8_t)ok;
-    }
+    int free_pool = 0, pooled = with > 1 && atomic_compare_exchange_strong(&pool_busy, &free_pool, 1);
+    int helping = pooled ? helpers_ready(with - 1) : 0;
+    for (int h = 0; h < helping; h++) helper_post(&helpers[h], &job, &scratch[h + 1]);
+    draw_rows(&job, &scratch[0]);
+    for (int h = 0; h < helping; h++) helper_finish(&helpers[h]);
+    if (pooled) atomic_store(&pool_busy, 0);
     if (released != NULL) PyEval_RestoreThread(released);
-    result = PyLong_FromSsize_t(undecided);
+    result = PyLong_FromSsize_t(atomic_load(&job.undecided));
+    for (int h = 0; h < with; h++) scratch_free(&scratch[h]);
 
-done_buffers:
-    free(ids);
-    free(values);
-    free(probs);
-    free(blocks);
-    free(scratch);
-    free(candidates);
+done_finite:
     PyBuffer_Release(&finite);
 done_logprobs:
     PyBuffer_Release(&logprobs);

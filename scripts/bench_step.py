@@ -658,6 +658,7 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
     from protocol.transport import SchedulerEndpoint, ipc_address
     from scripts.harness.executors import ExecutorCluster
     from scripts.harness.processes import cpu_seconds
+    from tp_runtime.launcher import rank_threads
 
     real = spec.forward == REAL_FORWARD
     options = real_forward_options(spec.rows, spec.readback) if real else loop_options(spec.rows, spec.readback)
@@ -681,7 +682,8 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
                     TIMES_CAPACITY_ENV: str(spec.steps),
                     FORWARD_MS_ENV: str(spec.forward_ms),
                     FORWARD_KIND_ENV: spec.forward,
-                    **({INNER_LOAD_ENV: REAL_LOAD} if real else {}),
+                    # A real forward on each rank's share of the cores, as served (and with them its sampler's threads).
+                    **({INNER_LOAD_ENV: REAL_LOAD, "OMP_NUM_THREADS": str(rank_threads(spec.world_size))} if real else {}),
                 },
             )
             with cluster:

@@ -204,6 +204,12 @@ def quiet_torchrun(log_level: str) -> None:
         os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+def rank_threads(ranks: int) -> int:
+    """The torch threads of each of this host's `ranks` ranks: OMP_NUM_THREADS where the user set
+    it, else an equal share of the cores."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks))
+
+
 def supervise(argv: list[str]) -> bool:
     """`serve` restarts a failed executor group (tp_runtime/supervisor.py), on every host of the
     launch; the frontend runs beside the agent on node 0 (`runs_frontend`). For `generate` the
@@ -236,7 +242,7 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     from tp_runtime.supervisor import Supervisor, agent_observed_by
 
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
+    os.environ["OMP_NUM_THREADS"] = str(rank_threads(config.ranks_per_node))
     supported = torchrun_options(get_args_parser())
     if "--shutdown-timeout" in supported:
         # The ranks check their drain against the grace period (check_drain_fits); a torchrun

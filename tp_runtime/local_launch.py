@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tp_runtime import hosts
 from tp_runtime.bootstrap import BOOTSTRAP_FD_ENV, FrontendStart, frontend_nice, spawn_frontend
 from tp_runtime.config import ConfigError, RuntimeConfig
-from tp_runtime.launcher import LAUNCHER_PID_ENV, RANK_ENDED_SIGNAL, STOP_MARGIN_S, Stop, end_stragglers, live_children
+from tp_runtime.launcher import LAUNCHER_PID_ENV, RANK_ENDED_SIGNAL, STOP_MARGIN_S, Stop, end_stragglers, live_children, rank_threads
 from tp_runtime.worker_process import STORE_FD_ENV
 
 
@@ -93,8 +93,7 @@ def launch_generate(config: RuntimeConfig, argv: list[str]) -> int:
 
     use_cuda = uses_cuda(config)
     world = config.tensor_parallel_size
-    # Each rank its share of the cores unless the user set it, as under torchrun (launcher.launch).
-    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world))
+    threads = rank_threads(world)  # as under torchrun (launcher.launch)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     # Forking is safe while this process has no other thread (none holds a lock the child would inherit
     # held) and no CUDA context.

@@ -829,3 +829,89 @@ def test_the_compiled_pass_reads_the_draw_kinds_the_sampler_writes():
     host = batch(2).host
     with pytest.raises(ValueError, match="DRAW_"):
         sampler._sample_compiled(torch.zeros(2, 8), host, np.zeros(0, dtype=np.float32), np.array([0, 9], dtype=np.uint8))
+
+
+def _compiled_rows(logits: torch.Tensor, host: HostRows, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """executor._sampling.sample_rows on `threads` threads: tokens, logprobs, finite flags, rows left."""
+    import executor.sampler as sampler
+
+    rows, vocab = logits.shape
+    tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
+    uniforms = host.by_row(np.random.default_rng(rows).random(host.random.shape[0], dtype=np.float32))
+    left = sampler._sampling.sample_rows(
+        logits.numpy(), vocab, host.scale, host.draws, host.top_k, host.top_p, uniforms, sampler._FIRST_LOG_RATIO,
+        sampler._LOG_MARGIN_32, sampler.CANDIDATE_RATIOS[0], min(vocab, sampler._PASS_ROOM), tokens, logprobs, finite, threads,
+    )  # fmt: skip
+    return tokens, logprobs, finite, left
+
+
+def _mixed_rows(rows: int, vocab: int) -> tuple[torch.Tensor, HostRows]:
+    """Rows of every kind (greedy, plain, top-k, top-p, a flat top-p row, a non-finite one), over
+    enough logits for the compiled pass to draw them on several threads."""
+    logits = random_logits(rows, vocab=vocab, seed=rows) * 2
+    logits[3] = 0.0  # flat: a top-p row whose nucleus is wider than the room (left)
+    logits[5, 17] = float("nan")
+    kinds = [(0.0, 1.0, 0), (0.8, 1.0, 0), (0.7, 1.0, 40), (0.7, 0.9, 0), (1.0, 0.95, 0), (0.7, 0.9, 0)]
+    t, p, k = (np.array([kinds[r % len(kinds)][i] for r in range(rows)]) for i in range(3))
+    return logits, HostRows.of(t, p, k, np.full(rows, -1), np.arange(rows))
+
+
+def test_the_compiled_pass_draws_the_same_on_any_number_of_threads():
+    # Threads claim rows as they go, so which thread draws a row changes from call to call; a row's
+    # token, logprob and flag are its own either way, and the rows left are the same.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    logits, host = _mixed_rows(24, 40000)
+    alone = _compiled_rows(logits, host, 1)
+    assert alone[3] >= 1 and alone[0][3] == -1 and alone[2][5] == 0
+    for threads in (2, 3, 8, 64):
+        for _ in range(5):
+            got = _compiled_rows(logits, host, threads)
+            assert np.array_equal(got[0], alone[0]) and got[3] == alone[3], threads
+            assert np.array_equal(got[1], alone[1], equal_nan=True) and np.array_equal(got[2], alone[2]), threads
+    with pytest.raises(ValueError, match="threads"):
+        _compiled_rows(logits, host, 0)
+
+
+def test_the_compiled_pass_on_two_callers_at_once_and_in_a_forked_child():
+    # The helper threads serve one call at a time (the other draws alone), and a forked child, which
+    # has none of its parent's threads, starts its own.
+    import multiprocessing
+    import threading
+
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    logits, host = _mixed_rows(16, 40000)
+    expected = _compiled_rows(logits, host, 1)
+    wrong: list[int] = []
+
+    def call(times: int) -> None:
+        for _ in range(times):
+            if not np.array_equal(_compiled_rows(logits, host, 2)[0], expected[0]):
+                wrong.append(1)
+
+    callers = [threading.Thread(target=call, args=(20,)) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=120)
+    assert not any(caller.is_alive() for caller in callers) and not wrong
+    child = multiprocessing.get_context("fork").Process(target=_exit_with_draw_check, args=(logits, host, expected[0]))
+    child.start()
+    try:
+        child.join(timeout=120)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
+def _exit_with_draw_check(logits: torch.Tensor, host: HostRows, expected: np.ndarray) -> None:
+    import os
+
+    os._exit(0 if all(np.array_equal(_compiled_rows(logits, host, 2)[0], expected) for _ in range(5)) else 1)
