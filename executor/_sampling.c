@@ -34,6 +34,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -315,40 +316,59 @@ static void sift_down(Candidate *heap, Py_ssize_t n, Py_ssize_t at) {
     heap[at] = moving;
 }
 
-/* One row's draw among its candidates (id order, probabilities `probs`), or -1 when they do not
- * hold its nucleus. `scratch` and `sums` have room for all of them.
- *
- * The candidates come off a heap in goes_first's order only until the first one top-k or
- * top-p drops: the mass before a candidate never falls along that order (a float64 prefix sum of
- * probabilities rounded to float32, less a probability that never grows), so every later one is
- * dropped too and adds nothing to the draw's sums. A nucleus of a few candidates among hundreds
- * then costs a heap's build and a few pops instead of a whole sort. */
-static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, float floor, int64_t k, float top_p, float uniform, Candidate *scratch, float *sums) {
-    Py_ssize_t kept = 0;
-    double mass = 0.0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (probs[j] >= floor) {
-            scratch[kept].prob = probs[j];
-            scratch[kept].id = ids[j];
-            mass += (double)probs[j];
-            kept++;
+static inline uint32_t bits_of(float p) {
+    uint32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    return bits;
+}
+
+/* Candidates in goes_first's order by a stable LSD radix sort of their probabilities' bits (a
+ * probability is at least +0, whose bits order as its value), largest first, ties in the order
+ * given (id order); a pass whose byte is the same in all is skipped. Returns whichever of c and
+ * spare (as long) holds them. */
+static Candidate *radix_sorted(Candidate *c, Candidate *spare, Py_ssize_t n) {
+    for (int shift = 0; shift < 32; shift += 8) {
+        Py_ssize_t at[256] = {0};
+        for (Py_ssize_t j = 0; j < n; j++) at[255 - ((bits_of(c[j].prob) >> shift) & 255)]++;
+        int one_byte = 0;
+        for (int b = 0; b < 256; b++) one_byte |= at[b] == n;
+        if (one_byte) continue;
+        Py_ssize_t start = 0;
+        for (int b = 0; b < 256; b++) {
+            Py_ssize_t count = at[b];
+            at[b] = start;
+            start += count;
         }
+        for (Py_ssize_t j = 0; j < n; j++) spare[at[255 - ((bits_of(c[j].prob) >> shift) & 255)]++] = c[j];
+        Candidate *sorted = spare;
+        spare = c;
+        c = sorted;
     }
-    /* numpy's `covered`: top-k cuts inside the candidates, or they hold more than top_p by more
-     * than a float32 prefix sum's rounding (1e-6) */
-    if (!(k <= kept || (top_p < 1.0f && mass > (double)top_p + 1e-6)) || kept == 0) return -1;
-    for (Py_ssize_t j = kept / 2; j-- > 0;) sift_down(scratch, kept, j);
-    /* _pick_sorted: the mass before each (a float64 prefix sum rounded to float32, less itself),
-     * dropped past top_p, kept within k; then the draw's prefix sum over the kept ones and the
-     * first column whose sum passes u times the whole. Popped candidates go to the heap's freed
-     * tail, so scratch[kept - 1 - j] is the j-th in order. */
+    return c;
+}
+
+/* _pick_sorted's draw among `kept` candidates taken in goes_first's order: the mass before each (a
+ * float64 prefix sum rounded to float32, less itself), dropped past top_p, kept within k; then the
+ * draw's prefix sum over the kept ones and the first whose sum passes u times the whole. `c` is in
+ * order already, or (on_heap) a heap in any order, popped into its own freed tail, so that
+ * c[kept - 1 - j] is then the j-th. Either way candidates are taken only until the first one top-k
+ * or top-p drops: the mass before a candidate never falls along the order (a rounded prefix sum
+ * that never falls, less a probability that never grows), so no later one is kept, and a nucleus
+ * of a few among hundreds costs a heap's build and a few pops. `sums` has room for kept. */
+static int64_t draw_in_order(Candidate *c, Py_ssize_t kept, int on_heap, int64_t k, float top_p, float uniform, float *sums) {
+    if (on_heap) {
+        for (Py_ssize_t j = kept / 2; j-- > 0;) sift_down(c, kept, j);
+    }
     double before = 0.0, cdf = 0.0;
     Py_ssize_t taken = 0, heap = kept;
     while (taken < kept) {
-        Candidate next = scratch[0];
-        scratch[0] = scratch[--heap];
-        scratch[heap] = next;
-        sift_down(scratch, heap, 0);
+        Candidate next = c[taken];
+        if (on_heap) {
+            next = c[0];
+            c[0] = c[--heap];
+            c[heap] = next;
+            sift_down(c, heap, 0);
+        }
         float p = next.prob;
         before += (double)p;
         float mass_before = (float)before - p;
@@ -360,15 +380,43 @@ static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, fl
     float target = uniform * sums[taken - 1];
     Py_ssize_t at = 0;
     while (at < taken && sums[at] <= target) at++;
-    if (at < taken) return scratch[kept - 1 - at].id;
+    if (at < taken) return c[on_heap ? kept - 1 - at : at].id;
     /* numpy's clamp to the last candidate in order (u < 1 keeps every reachable target under the
-     * total; a target rounded up to it passes every sum): the last of those left on the heap */
-    if (taken == kept) return scratch[0].id;
+     * total; a target rounded up to it passes every sum), past the cut: on a heap, the last of
+     * those left on it */
+    if (!on_heap) return c[kept - 1].id;
+    if (taken == kept) return c[0].id;
     Py_ssize_t last = 0;
     for (Py_ssize_t j = 1; j < heap; j++) {
-        if (goes_first(scratch[last], scratch[j])) last = j;
+        if (goes_first(c[last], c[j])) last = j;
     }
-    return scratch[last].id;
+    return c[last].id;
+}
+
+/* From this many candidates a radix sort, where a spare array is given, instead of the heap: a
+ * wide nucleus pops most of a heap, at a sift of log2(n) levels each. */
+#define RADIX_FROM 1024
+
+/* One row's draw among its candidates (id order, probabilities `probs`), or -1 when they do not
+ * hold its nucleus (whole: they are the whole row, which always does). `scratch`, `sums` and
+ * `spare` (or NULL: the heap only) have room for all of them. */
+static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, float floor, int whole, int64_t k, float top_p, float uniform,
+                        Candidate *scratch, Candidate *spare, float *sums) {
+    Py_ssize_t kept = 0;
+    double mass = 0.0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (probs[j] >= floor) {
+            scratch[kept].prob = probs[j];
+            scratch[kept].id = ids == NULL ? (int32_t)j : ids[j];
+            mass += (double)probs[j];
+            kept++;
+        }
+    }
+    /* numpy's `covered`: top-k cuts inside the candidates, or they hold more than top_p by more
+     * than a float32 prefix sum's rounding (1e-6) */
+    if (kept == 0 || !(whole || k <= kept || (top_p < 1.0f && mass > (double)top_p + 1e-6))) return -1;
+    if (spare == NULL || kept < RADIX_FROM) return draw_in_order(scratch, kept, 1, k, top_p, uniform, sums);
+    return draw_in_order(radix_sorted(scratch, spare, kept), kept, 0, k, top_p, uniform, sums);
 }
 
 /* pick(ids, probs, counts, ratio, k, top_p, uniforms, out) -> rows left undecided
@@ -401,9 +449,11 @@ static PyObject *pick(PyObject *self, PyObject *args) {
     if (buffer_of(out_obj, &out, 1, 'i', sizeof(int64_t), rows, "out") < 0) goto done_u;
 
     Candidate *scratch = (Candidate *)malloc((size_t)(widest > 0 ? widest : 1) * sizeof(Candidate));
+    Candidate *spare = (Candidate *)malloc((size_t)(widest > 0 ? widest : 1) * sizeof(Candidate));
     float *sums = (float *)malloc((size_t)(widest > 0 ? widest : 1) * sizeof(float));
-    if (scratch == NULL || sums == NULL) {
+    if (scratch == NULL || spare == NULL || sums == NULL) {
         free(scratch);
+        free(spare);
         free(sums);
         PyErr_NoMemory();
         goto done_out;
@@ -417,7 +467,7 @@ static PyObject *pick(PyObject *self, PyObject *args) {
         int64_t n = ((int64_t *)counts.buf)[r];
         int64_t token = -1;
         if (n > 0) {
-            token = pick_row(id_at, prob_at, n, largest[r] * ratio, ((int64_t *)k.buf)[r], ((float *)top_p.buf)[r], ((float *)u.buf)[r], scratch, sums);
+            token = pick_row(id_at, prob_at, n, largest[r] * ratio, 0, ((int64_t *)k.buf)[r], ((float *)top_p.buf)[r], ((float *)u.buf)[r], scratch, spare, sums);
             id_at += n;
             prob_at += n;
         }
@@ -426,6 +476,7 @@ static PyObject *pick(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     free(scratch);
+    free(spare);
     free(sums);
     result = PyLong_FromSsize_t(undecided);
 
@@ -623,7 +674,9 @@ CLONES static int64_t row_plain_draw(const float *row, Py_ssize_t vocab, float t
 
 /* What one thread needs for its rows of a sample_rows() call: a cut row's candidates (ids, shifted
  * values); probs and floats hold their logprobs and probabilities with the row's largest after them
- * (room + 1), floats a plain row's block too; blocks a plain row's block sums. */
+ * (room + 1), floats a plain row's block too; blocks a plain row's block sums; candidates and spare
+ * the candidates' sort. The whole_ buffers (vocab long) are made when a row first needs them: a
+ * cut row drawn among all its tokens (values, probabilities, candidates and their sort, sums). */
 typedef struct {
     int32_t *ids;
     float *values;
@@ -631,6 +684,12 @@ typedef struct {
     double *blocks;
     float *floats;
     Candidate *candidates;
+    Candidate *spare;
+    float *whole_values;
+    float *whole_probs;
+    float *whole_sums;
+    Candidate *whole;
+    Candidate *whole_spare;
 } Scratch;
 
 static void scratch_free(Scratch *s) {
@@ -640,17 +699,45 @@ static void scratch_free(Scratch *s) {
     free(s->blocks);
     free(s->floats);
     free(s->candidates);
+    free(s->spare);
+    free(s->whole_values);
+    free(s->whole_probs);
+    free(s->whole_sums);
+    free(s->whole);
+    free(s->whole_spare);
 }
 
 static int scratch_alloc(Scratch *s, Py_ssize_t vocab, Py_ssize_t room) {
+    *s = (Scratch){0};
     s->ids = malloc((size_t)room * sizeof(int32_t));
     s->values = malloc((size_t)room * sizeof(float));
     s->probs = malloc((size_t)(room + 1) * sizeof(float));
     s->blocks = malloc((size_t)((vocab + PLAIN_BLOCK - 1) / PLAIN_BLOCK) * sizeof(double));
     s->floats = malloc((size_t)(room + 1 > PLAIN_BLOCK ? room + 1 : PLAIN_BLOCK) * sizeof(float));
     s->candidates = malloc((size_t)room * sizeof(Candidate));
-    if (s->ids && s->values && s->probs && s->blocks && s->floats && s->candidates) return 0;
+    s->spare = malloc((size_t)room * sizeof(Candidate));
+    if (s->ids && s->values && s->probs && s->blocks && s->floats && s->candidates && s->spare) return 0;
     scratch_free(s);
+    *s = (Scratch){0};
+    return -1;
+}
+
+/* The whole_ buffers of a thread's scratch, made on first need; -1 where they cannot be. */
+static int scratch_whole(Scratch *s, Py_ssize_t vocab) {
+    if (s->whole != NULL) return 0;
+    s->whole_values = malloc((size_t)vocab * sizeof(float));
+    s->whole_probs = malloc((size_t)vocab * sizeof(float));
+    s->whole_sums = malloc((size_t)vocab * sizeof(float));
+    s->whole_spare = malloc((size_t)vocab * sizeof(Candidate));
+    s->whole = malloc((size_t)vocab * sizeof(Candidate));
+    if (s->whole_values && s->whole_probs && s->whole_sums && s->whole_spare && s->whole) return 0;
+    free(s->whole_values);
+    free(s->whole_probs);
+    free(s->whole_sums);
+    free(s->whole_spare);
+    free(s->whole);
+    s->whole_values = s->whole_probs = s->whole_sums = NULL;
+    s->whole_spare = s->whole = NULL;
     return -1;
 }
 
@@ -669,6 +756,24 @@ typedef struct {
     _Atomic Py_ssize_t next_row;
     _Atomic Py_ssize_t undecided;
 } RowsJob;
+
+/* A cut row drawn among all its tokens, as numpy's last round draws it, where its first candidates
+ * did not decide it: every token a candidate, in a radix sort (sixteen near-flat rows of 49,152
+ * took the passes' whole-row sorts 46-102 ms). -1 where the buffers cannot be had: the caller's
+ * passes draw it then. */
+static int64_t draw_whole_row(const float *row, Py_ssize_t vocab, float t, int dividing, float top, float log_total, int64_t k, float top_p,
+                              float uniform, Scratch *s, float *logprob) {
+    if (scratch_whole(s, vocab) < 0) return -1;
+    for (Py_ssize_t j = 0; j < vocab; j++) {
+        float v = dividing ? row[j] / t : row[j];
+        s->whole_values[j] = v - top;
+        s->whole_probs[j] = s->whole_values[j] - log_total;
+    }
+    exp_of(s->whole_probs, vocab, s->whole_probs);
+    int64_t token = pick_row(NULL, s->whole_probs, vocab, 0.0f, 1, k, top_p, uniform, s->whole, s->whole_spare, s->whole_sums);
+    *logprob = s->whole_values[token] - log_total;
+    return token;
+}
 
 static void draw_row(const RowsJob *job, Py_ssize_t r, Scratch *s) {
     Py_ssize_t vocab = job->vocab;
@@ -703,20 +808,25 @@ static void draw_row(const RowsJob *job, Py_ssize_t r, Scratch *s) {
             double target = (double)job->u[r] * total;
             token = row_plain_draw(row, vocab, t, dividing, top, s->blocks, target, s->floats);
             if (token >= 0) logprob = ((dividing ? row[token] / t : row[token]) - top) - log_total;
-        } else if (count < 0) {
-            token = -1;
         } else {
-            for (Py_ssize_t j = 0; j < count; j++) s->floats[j] = s->values[j] - log_total;
-            s->floats[count] = 0.0f - log_total;
-            exp_of(s->floats, count + 1, s->probs);
-            int64_t row_k = job->k[r];
-            token = pick_row(s->ids, s->probs, count, s->probs[count] * job->ratio, row_k > 0 ? row_k : INT64_MAX, job->top_p[r], job->u[r],
-                             s->candidates, s->floats);
-            for (Py_ssize_t j = 0; token >= 0 && j < count; j++) {
-                if (s->ids[j] == token) {
-                    logprob = s->values[j] - log_total;
-                    break;
+            int64_t row_k = job->k[r] > 0 ? job->k[r] : INT64_MAX;
+            token = -1;
+            if (count >= 0) {
+                for (Py_ssize_t j = 0; j < count; j++) s->floats[j] = s->values[j] - log_total;
+                s->floats[count] = 0.0f - log_total;
+                exp_of(s->floats, count + 1, s->probs);
+                token = pick_row(s->ids, s->probs, count, s->probs[count] * job->ratio, 0, row_k, job->top_p[r], job->u[r], s->candidates,
+                                 s->spare, s->floats);
+                for (Py_ssize_t j = 0; token >= 0 && j < count; j++) {
+                    if (s->ids[j] == token) {
+                        logprob = s->values[j] - log_total;
+                        break;
+                    }
                 }
+            }
+            if (token < 0) { /* past the room, or a nucleus wider than the candidates */
+                if (count < 0) log_total = (float)log(row_sum(row, vocab, t, dividing, top, 0.0f, 0, NULL, NULL, NULL, NULL));
+                token = draw_whole_row(row, vocab, t, dividing, top, log_total, row_k, job->top_p[r], job->u[r], s, &logprob);
             }
         }
     }
@@ -725,20 +835,24 @@ static void draw_row(const RowsJob *job, Py_ssize_t r, Scratch *s) {
     job->finite[r] = (uint8_t)ok;
 }
 
-static void draw_rows(RowsJob *job, Scratch *s) {
-    Py_ssize_t undecided = 0;
-    for (Py_ssize_t r; (r = atomic_fetch_add(&job->next_row, 1)) < job->rows;) {
+/* Draws rows of the job until none is left to claim; the number it drew. */
+static Py_ssize_t draw_rows(RowsJob *job, Scratch *s) {
+    Py_ssize_t undecided = 0, drawn = 0;
+    for (Py_ssize_t r; (r = atomic_fetch_add(&job->next_row, 1)) < job->rows; drawn++) {
         draw_row(job, r, s);
         undecided += job->tokens[r] < 0;
     }
     atomic_fetch_add(&job->undecided, undecided);
+    return drawn;
 }
 
 /* Threads that draw rows beside sample_rows()'s caller: started on first use, up to the caller's
- * thread count less one, and asleep between calls. A helper is handed a call's job (POSTED) and
- * takes it (RUNNING, then DONE); a caller that has claimed every row before a helper took the job
- * takes it back (IDLE), so that a helper slow to wake never holds a call up. One caller at a time
- * (`pool_busy`); another draws alone. A forked child starts its own (`pool_pid`). */
+ * thread count less one (and the CPUs it may run on less one), and asleep between calls. A helper
+ * is handed a call's job (POSTED) and takes it (RUNNING, then DONE); a caller that has claimed
+ * every row before a helper took the job takes it back (IDLE), so that a helper slow to wake never
+ * holds a call up. One caller at a time (`pool_busy`); another draws alone. A forked child, which
+ * has none of the threads, starts its own (forgotten). Helpers block every signal, which stays the
+ * Python threads' to take. */
 enum { HELPER_IDLE, HELPER_POSTED, HELPER_RUNNING, HELPER_DONE };
 
 typedef struct {
@@ -754,8 +868,14 @@ typedef struct {
 #define MOST_HELPERS 15
 static Helper helpers[MOST_HELPERS];
 static int helpers_started;
-static pid_t pool_pid;
 static _Atomic int pool_busy;
+static _Atomic Py_ssize_t helper_rows; /* rows the helpers have drawn, for pool_stats() */
+
+static void forgotten(void) {
+    helpers_started = 0;
+    atomic_store(&pool_busy, 0);
+    atomic_store(&helper_rows, 0);
+}
 
 static void *helper_main(void *arg) {
     Helper *h = arg;
@@ -767,7 +887,7 @@ static void *helper_main(void *arg) {
         RowsJob *job = h->job;
         Scratch *s = h->scratch;
         pthread_mutex_unlock(&h->lock);
-        draw_rows(job, s);
+        atomic_fetch_add(&helper_rows, draw_rows(job, s));
         atomic_store(&h->state, HELPER_DONE);
         pthread_mutex_lock(&h->lock);
     }
@@ -776,10 +896,6 @@ static void *helper_main(void *arg) {
 
 /* The helpers that can take a job now (started as needed, at most `wanted`); the pool is held. */
 static int helpers_ready(int wanted) {
-    if (pool_pid != getpid()) {
-        pool_pid = getpid();
-        helpers_started = 0;
-    }
     while (helpers_started < wanted) {
         Helper *h = &helpers[helpers_started];
         atomic_store(&h->state, HELPER_IDLE);
@@ -793,7 +909,11 @@ static int helpers_ready(int wanted) {
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 1 << 20);
+        sigset_t all, before;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &before);
         int failed = pthread_create(&h->thread, &attr, helper_main, h);
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
         pthread_attr_destroy(&attr);
         if (failed) {
             pthread_cond_destroy(&h->wake);
@@ -805,9 +925,20 @@ static int helpers_ready(int wanted) {
     return helpers_started < wanted ? helpers_started : wanted;
 }
 
+/* The CPUs the calling thread may run on (1 where that cannot be told: no helpers then). */
+static int cpus_allowed(void) {
+#ifdef __linux__
+    cpu_set_t allowed;
+    return sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
+#else
+    return 1;
+#endif
+}
+
 /* Keeps a helper off the caller's CPU. Woken from a sleep, a helper went to the CPU of the thread
  * that woke it (the other, idle, one a VM's halted vCPU) and took it from the caller, which then
- * drew no row until the helper had drawn them all: at 16 rows of 49,152, no faster than alone. */
+ * drew no row until the helper had drawn them all: at 16 rows of 49,152, no faster than alone.
+ * Set again when the caller's CPU changes. */
 static void helper_away_from(Helper *h) {
 #ifdef __linux__
     int cpu = sched_getcpu();
@@ -840,6 +971,14 @@ static void helper_finish(Helper *h) {
     atomic_store(&h->state, HELPER_IDLE);
 }
 
+/* pool_stats() -> (helpers started in this process, rows they have drawn): what the tests read to
+ * know that helpers drew at all. */
+static PyObject *pool_stats(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return Py_BuildValue("(in)", helpers_started, atomic_load(&helper_rows));
+}
+
 /* sample_rows(logits, vocab, scale, kinds, k, top_p, uniforms, log_ratio, margin, ratio, room,
  *             tokens, logprobs, finite, threads) -> rows left undecided
  *
@@ -847,9 +986,10 @@ static void helper_finish(Helper *h) {
  * 1 plain: drawn over the whole row, 2 cut: top-k and / or top-p, 3 elsewhere: left to the caller),
  * k (0: off), top_p, uniform (a random row's). Out: the token, its logprob (x/t - top - log of the
  * sum) and whether the row was finite (a NaN or an infinity in it, or a temperature that overflows
- * it: token 0, logprob NaN). A row left elsewhere, and a cut row whose candidates (within
- * log_ratio - margin of its largest) are more than room or do not hold its nucleus, get token -1:
- * the caller samples them otherwise. Over PARALLEL_ELEMENTS logits or more, up to `threads` threads
+ * it: token 0, logprob NaN). A cut row whose candidates (within log_ratio - margin of its largest)
+ * are more than room or do not hold its nucleus is drawn among all its tokens. A row left
+ * elsewhere (and such a row where its buffers could not be had) gets token -1: the caller samples
+ * it otherwise. Over PARALLEL_ELEMENTS logits or more, up to `threads` threads
  * draw the rows (each row's outputs are its own, whichever thread draws it). */
 static PyObject *sample_rows(PyObject *self, PyObject *args) {
     PyObject *logits_obj, *scale_obj, *kinds_obj, *k_obj, *top_p_obj, *u_obj, *tokens_obj, *logprobs_obj, *finite_obj;
@@ -887,27 +1027,33 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     };
     atomic_init(&job.next_row, 0);
     atomic_init(&job.undecided, 0);
-    int wanted = rows * vocab >= PARALLEL_ELEMENTS ? (int)(rows < threads ? rows : threads) - 1 : 0;
-    if (wanted > MOST_HELPERS) wanted = MOST_HELPERS;
-    Scratch scratch[MOST_HELPERS + 1];
-    int with = 0; /* scratch sets made: the caller's, then one per helper */
-    for (; with < wanted + 1; with++) {
-        if (scratch_alloc(&scratch[with], vocab, room) < 0) break;
-    }
-    if (with == 0) {
+    Scratch scratch[MOST_HELPERS + 1]; /* the caller's, then one per helper */
+    if (scratch_alloc(&scratch[0], vocab, room) < 0) {
         PyErr_NoMemory();
         goto done_finite;
     }
     PyThreadState *released = rows * vocab >= RELEASE_GIL_ELEMENTS ? PyEval_SaveThread() : NULL;
-    int free_pool = 0, pooled = with > 1 && atomic_compare_exchange_strong(&pool_busy, &free_pool, 1);
-    int helping = pooled ? helpers_ready(with - 1) : 0;
-    for (int h = 0; h < helping; h++) helper_post(&helpers[h], &job, &scratch[h + 1]);
+    int wanted = rows * vocab >= PARALLEL_ELEMENTS ? (int)(rows < threads ? rows : threads) - 1 : 0, free_pool = 0, helping = 0;
+    if (wanted > MOST_HELPERS) wanted = MOST_HELPERS;
+    int others = wanted > 0 ? cpus_allowed() - 1 : 0; /* a helper on the caller's only CPU slows it */
+    if (wanted > others) wanted = others;
+    int pooled = wanted > 0 && atomic_compare_exchange_strong(&pool_busy, &free_pool, 1);
+    if (pooled) {
+        helping = helpers_ready(wanted);
+        for (int h = 0; h < helping; h++) {
+            if (scratch_alloc(&scratch[h + 1], vocab, room) < 0) {
+                helping = h;
+                break;
+            }
+            helper_post(&helpers[h], &job, &scratch[h + 1]);
+        }
+    }
     draw_rows(&job, &scratch[0]);
     for (int h = 0; h < helping; h++) helper_finish(&helpers[h]);
     if (pooled) atomic_store(&pool_busy, 0);
     if (released != NULL) PyEval_RestoreThread(released);
     result = PyLong_FromSsize_t(atomic_load(&job.undecided));
-    for (int h = 0; h < with; h++) scratch_free(&scratch[h]);
+    for (int h = 0; h <= helping; h++) scratch_free(&scratch[h]);
 
 done_finite:
     PyBuffer_Release(&finite);
@@ -935,12 +1081,16 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "Each row's first-round candidates: ids, logprobs, counts (executor/_sampling.c)."},
     {"pick", pick, METH_VARARGS, "Each row's draw among its candidates, -1 where they do not decide it (executor/_sampling.c)."},
     {"sample_rows", sample_rows, METH_VARARGS, "A batch without logits processing drawn in one call (executor/_sampling.c)."},
+    {"pool_stats", pool_stats, METH_NOARGS, "The helper threads started in this process and the rows they have drawn (executor/_sampling.c)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sampling", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__sampling(void) {
+    static int at_fork;
+    if (!at_fork && pthread_atfork(NULL, NULL, forgotten) != 0) return PyErr_Format(PyExc_OSError, "pthread_atfork failed");
+    at_fork = 1;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "INTERFACE", INTERFACE) < 0 || PyModule_AddIntConstant(m, "DRAW_GREEDY", DRAW_GREEDY) < 0
                       || PyModule_AddIntConstant(m, "DRAW_PLAIN", DRAW_PLAIN) < 0 || PyModule_AddIntConstant(m, "DRAW_CUT", DRAW_CUT) < 0

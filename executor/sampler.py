@@ -99,11 +99,12 @@ _MASS_ROUNDING = 1e-6
 # The first-round candidates a row may have for the compiled draw (a peaked row has at most a few
 # hundred); a row with more is drawn by numpy's rounds.
 _COMPILED_ROOM = 1024
-# The one compiled pass's room for a cut row's first-round candidates: a row with more is left to
-# the passes (and their numpy rounds). pick_row sorts only the candidates a row has, so a wide room
-# costs a peaked row nothing; with the default model unsure (bench_step --forward model, sixteen rows
-# at temperature 0.7), 1,024 left a row or more to the passes in half the steps and 8,192 in a
-# tenth, and the gap between two forwards fell from 2.6 to 1.9 ms (docs/control_plane.md, change 83).
+# The one compiled pass's room for a cut row's first-round candidates: a row with more, or whose
+# nucleus is wider than them, is drawn there among all its tokens (change 86: a flat row of 49,152
+# in ~0.5 ms where the passes' whole-row sorts took 3-6). pick_row sorts only the candidates a row
+# has, so a wide room costs a peaked row nothing; with the default model unsure (bench_step
+# --forward model, sixteen rows at temperature 0.7), 1,024 sent a row or more further in half the
+# steps and 8,192 in a tenth (docs/control_plane.md, change 83).
 _PASS_ROOM = 8192
 # How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
 # top-k / top-p candidates, or not at all (a row that wants alternatives or logits processing:
@@ -282,7 +283,7 @@ class SamplingBatch:
 
     def rows(self, index: np.ndarray) -> SamplingBatch:
         """The rows at `index` alone, with no logits processing (the caller's rows have none): the
-        rows the compiled pass leaves (flat ones, or those that want alternatives), whose host rows
+        rows the compiled pass leaves (those that want alternatives), whose host rows
         are derived again here, between two forwards, as the passes' cost dwarfs it."""
         h = self.host
         host = HostRows(h.temperature[index], h.top_p[index], h.top_k[index], h.seeds[index], h.positions[index], h.num_logprobs[index])
@@ -398,7 +399,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     compiled, left = _sample_compiled(logits, host, uniforms, draws)
     if left is None:
         return compiled
-    if params.processing is None:  # the passes take those rows alone (a flat row's costs enough)
+    if params.processing is None:  # the passes take those rows alone
         part = params.rows(left)
         passes = _sample_in_passes(logits[torch.from_numpy(left)], part, host.by_row(uniforms)[left][part.host.random])
         at: slice | np.ndarray = slice(None)
@@ -434,8 +435,10 @@ def _sample_compiled(
     with torch's log_softmax to float32 rounding, tokens except where a uniform falls within that
     rounding of a token's edge. A large batch's rows are drawn on as many threads as the forward's
     (sixteen rows of 49,152 after a real forward on two: 1.4 ms between two forwards instead of 2.0,
-    docs/control_plane.md, change 85). Returns the output and the rows it left (elsewhere, or a cut
-    row whose candidates, up to _PASS_ROOM, do not decide it: a flat row), None when it drew every row."""
+    docs/control_plane.md, change 85); a cut row whose first candidates (up to _PASS_ROOM) do not
+    decide it, a flat one, is drawn among all its tokens (change 86). Returns the output and the rows
+    it left (those `draws` leaves elsewhere; a flat row too where its buffers could not be had),
+    None when it drew every row."""
     rows, vocab = logits.shape
     tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
     left = _sampling.sample_rows(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -63,3 +64,13 @@ def test_a_one_host_agent_meets_the_rendezvous_again_after_its_heartbeat_went_st
     finally:
         stop_heartbeats(handler)
         del handler, store
+
+
+def test_each_rank_takes_the_users_thread_count_or_its_share_of_the_cores(monkeypatch):
+    rank_threads = launch.rank_threads
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (rank_threads(1), rank_threads(4), rank_threads(32)) == (16, 4, 1)
+    for given, threads in (("6", 6), ("8,1", 8), (" 3 ", 3), ("0", 4), ("many", 4), ("", 4)):
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+        assert rank_threads(4) == threads, given

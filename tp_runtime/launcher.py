@@ -204,10 +204,12 @@ def quiet_torchrun(log_level: str) -> None:
         os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the loggers torch.distributed.elastic gives a level
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+
 def rank_threads(ranks: int) -> int:
     """The torch threads of each of this host's `ranks` ranks: OMP_NUM_THREADS where the user set
-    it, else an equal share of the cores."""
-    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks))
+    it (its first level, where it lists nested ones: "8,1"), else an equal share of the cores."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else max(1, (os.cpu_count() or 1) // ranks)
 
 
 def supervise(argv: list[str]) -> bool:
@@ -242,7 +244,7 @@ def launch(config: RuntimeConfig, argv: list[str]) -> int:
     from tp_runtime.supervisor import Supervisor, agent_observed_by
 
     # Each rank gets its share of the cores (torchrun would otherwise set 1 and print a banner).
-    os.environ["OMP_NUM_THREADS"] = str(rank_threads(config.ranks_per_node))
+    os.environ.setdefault("OMP_NUM_THREADS", str(rank_threads(config.ranks_per_node)))
     supported = torchrun_options(get_args_parser())
     if "--shutdown-timeout" in supported:
         # The ranks check their drain against the grace period (check_drain_fits); a torchrun
