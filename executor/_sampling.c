@@ -692,6 +692,16 @@ typedef struct {
     Candidate *whole_spare;
 } Scratch;
 
+static void whole_free(Scratch *s) {
+    free(s->whole_values);
+    free(s->whole_probs);
+    free(s->whole_sums);
+    free(s->whole_spare);
+    free(s->whole);
+    s->whole_values = s->whole_probs = s->whole_sums = NULL;
+    s->whole_spare = s->whole = NULL;
+}
+
 static void scratch_free(Scratch *s) {
     free(s->ids);
     free(s->values);
@@ -700,11 +710,7 @@ static void scratch_free(Scratch *s) {
     free(s->floats);
     free(s->candidates);
     free(s->spare);
-    free(s->whole_values);
-    free(s->whole_probs);
-    free(s->whole_sums);
-    free(s->whole);
-    free(s->whole_spare);
+    whole_free(s);
 }
 
 static int scratch_alloc(Scratch *s, Py_ssize_t vocab, Py_ssize_t room) {
@@ -731,13 +737,7 @@ static int scratch_whole(Scratch *s, Py_ssize_t vocab) {
     s->whole_spare = malloc((size_t)vocab * sizeof(Candidate));
     s->whole = malloc((size_t)vocab * sizeof(Candidate));
     if (s->whole_values && s->whole_probs && s->whole_sums && s->whole_spare && s->whole) return 0;
-    free(s->whole_values);
-    free(s->whole_probs);
-    free(s->whole_sums);
-    free(s->whole_spare);
-    free(s->whole);
-    s->whole_values = s->whole_probs = s->whole_sums = NULL;
-    s->whole_spare = s->whole = NULL;
+    whole_free(s);
     return -1;
 }
 
