@@ -939,14 +939,16 @@ def test_the_compiled_pass_draws_the_same_on_any_number_of_threads():
         _compiled_rows(logits, host, 0)
 
 
-def _helpers_draw(logits: torch.Tensor, host: HostRows, expected: np.ndarray, calls: int = 200) -> bool:
-    """Whether the helper threads draw rows within `calls` two-thread calls, each drawing what one
-    thread draws (a helper woken too late for every row of a call draws none of it, so a loaded
-    machine may need several calls)."""
+def _helpers_draw(logits: torch.Tensor, host: HostRows, expected: np.ndarray, within_s: float = 60.0) -> bool:
+    """Whether the helper threads draw rows in two-thread calls made for up to `within_s`, each
+    drawing what one thread draws (a helper woken too late for every row of a call draws none of
+    it, so a loaded machine may need many calls)."""
+    import time
+
     import executor.sampler as sampler
 
-    before = sampler._sampling.pool_stats()[1]
-    for _ in range(calls):
+    before, deadline = sampler._sampling.pool_stats()[1], time.monotonic() + within_s
+    while time.monotonic() < deadline:
         assert np.array_equal(_compiled_rows(logits, host, 2)[0], expected)
         if sampler._sampling.pool_stats()[1] > before:
             return True
