@@ -24,9 +24,10 @@
  *
  * Each call releases the GIL, so that the executor's link thread can stage the next step meanwhile
  * (sample_rows() only over enough logits to pay for taking it back). sample_rows() draws a large
- * batch's rows on the caller's thread and on helper threads of its own (as many as the forward's
- * torch threads, which sit idle between two forwards): a row's draw depends on that row alone, so
- * which thread draws it changes nothing. */
+ * batch's rows on the caller's thread and on helper threads of its own, one a CPU the process may
+ * run on at most (between two forwards the forward's threads sit idle, and the other ranks of a
+ * group wait for rank 0's sample): a row's draw depends on that row alone, so which thread draws
+ * it changes nothing. */
 
 #define _GNU_SOURCE /* sched_getcpu, CPU_* and pthread_setaffinity_np */
 #define PY_SSIZE_T_CLEAN

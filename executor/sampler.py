@@ -53,6 +53,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import ModuleType
@@ -106,6 +107,12 @@ _COMPILED_ROOM = 1024
 # --forward model, sixteen rows at temperature 0.7), 1,024 sent a row or more further in half the
 # steps and 8,192 in a tenth (docs/control_plane.md, change 83).
 _PASS_ROOM = 8192
+# The compiled pass's threads at most: every CPU (executor/_sampling.c takes no more than the
+# process may run on). Between two forwards the forward's threads sit idle, and in a group the other
+# ranks wait for rank 0's sample in the feedback: at TP=2 on two cores, with one torch thread a
+# rank, a second thread took the sixteen-row gap around the real forward from ~2.1 to ~1.5 ms
+# (docs/control_plane.md, change 85).
+_PASS_THREADS = os.cpu_count() or 1
 # How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
 # top-k / top-p candidates, or not at all (a row that wants alternatives or logits processing:
 # the passes draw it).
@@ -433,8 +440,8 @@ def _sample_compiled(
     back (~7 times the logits' bytes; at sixteen rows of 49,152 after a real forward, 2.4 ms of a
     3.1 ms gap, docs/control_plane.md). Its exponential is executor/_sampling.c's own: logprobs agree
     with torch's log_softmax to float32 rounding, tokens except where a uniform falls within that
-    rounding of a token's edge. A large batch's rows are drawn on as many threads as the forward's
-    (sixteen rows of 49,152 after a real forward on two: 1.4 ms between two forwards instead of 2.0,
+    rounding of a token's edge. A large batch's rows are drawn on several threads (_PASS_THREADS;
+    sixteen rows of 49,152 after a real forward on two: 1.4 ms between two forwards instead of 2.0,
     docs/control_plane.md, change 85); a cut row whose first candidates (up to _PASS_ROOM) do not
     decide it, a flat one, is drawn among all its tokens (change 86). Returns the output and the rows
     it left (those `draws` leaves elsewhere; a flat row too where its buffers could not be had),
@@ -444,7 +451,7 @@ def _sample_compiled(
     left = _sampling.sample_rows(
         logits.detach().numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
         _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
-        torch.get_num_threads(),  # the forward's threads, idle until the next one
+        _PASS_THREADS,
     )  # fmt: skip
     out = SampleOutput(
         token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_))
