@@ -59,7 +59,7 @@
 
 /* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
  * call's arguments or meaning, so that a build of an older source is not used. */
-#define INTERFACE 4
+#define INTERFACE 5
 
 typedef struct {
     float prob;
@@ -408,7 +408,7 @@ static int64_t pick_row(const int32_t *ids, const float *probs, Py_ssize_t n, fl
     double mass = 0.0;
     for (Py_ssize_t j = 0; j < n; j++) {
         if (probs[j] >= floor) {
-            scratch[kept].prob = probs[j];
+            scratch[kept].prob = probs[j] + 0.0f; /* -0 as +0: the radix sort orders bits */
             scratch[kept].id = ids == NULL ? (int32_t)j : ids[j];
             mass += (double)probs[j];
             kept++;
@@ -773,7 +773,7 @@ static int64_t draw_whole_row(const float *row, Py_ssize_t vocab, float t, int d
     }
     exp_of(s->whole_probs, vocab, s->whole_probs);
     int64_t token = pick_row(NULL, s->whole_probs, vocab, 0.0f, 1, k, top_p, uniform, s->whole, s->whole_spare, s->whole_sums);
-    *logprob = s->whole_values[token] - log_total;
+    if (token >= 0) *logprob = s->whole_values[token] - log_total; /* -1 only from NaN probabilities, which a finite row has none of */
     return token;
 }
 

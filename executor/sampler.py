@@ -66,7 +66,7 @@ from protocol.errors import TPRuntimeError
 
 # The compiled calls of executor/_sampling.c, and the interface this file expects of them: a build
 # made from an older source (a checkout pulled without `pip install -e .` again) is not used.
-_SAMPLING_INTERFACE = 4
+_SAMPLING_INTERFACE = 5
 
 
 def _usable(built: ModuleType | None) -> ModuleType | None:

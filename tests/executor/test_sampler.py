@@ -770,10 +770,15 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
     torch.testing.assert_close(compiled.logprobs[decided], passes.logprobs[decided], equal_nan=True, rtol=2e-6, atol=2e-5)
 
 
-def _passes_draw_near(logits_row: torch.Tensor, temperature: float, k: int, top_p: float, u: float, token: int, slack: float = 2e-6) -> bool:
-    """Whether the passes' draw over the whole sorted row (their last round, from torch's
-    log_softmax) picks `token` with top_p or the uniform moved by up to `slack` (~17 float32 ulps
-    of 1): a draw that float32 rounding of the compiled pass's own exponential may move by a token."""
+def _passes_draw_near(logits_row: torch.Tensor, temperature: float, k: int, top_p: float, u: float, token: int) -> bool:
+    """Whether `token` is one the passes' draw over the whole sorted row (their last round, from
+    torch's log_softmax) could pick with top_p moved by up to 2e-5 and the uniform by up to 2e-6 of
+    itself: the drawn rank grows with both, so the tokens between the draws at the two ends, and
+    any whose probability is within a few ulps of theirs (near-ties another exponential orders the
+    other way). The compiled pass's probabilities are torch's to float32 rounding, and torch's
+    float32 sum of a row of 49,152 is off by up to ~5e-6 of the mass (the logprobs' own tolerance
+    below is 2e-5): where the top-p cut falls on a flat tail that moves the cut, and with it the
+    draw, by a few tokens."""
     import executor.sampler as sampler
 
     scaled = logits_row.float() / temperature if temperature > 0 else logits_row.float()
@@ -781,12 +786,15 @@ def _passes_draw_near(logits_row: torch.Tensor, temperature: float, k: int, top_
     order = np.argsort(-probs, axis=1, kind="stable")
     sorted_probs = np.take_along_axis(probs, order, axis=1)
     row_k = np.array([k if k > 0 else probs.shape[1]])
-    for dp in ((-slack, 0.0, slack) if top_p < 1 else (0.0,)):
-        for du in (-slack, 0.0, slack):
-            cut, target = np.array([min(top_p + dp, 1.0)], np.float32), np.array([min(u * (1 + du), 1.0)], np.float32)
-            if sampler._pick_sorted(sorted_probs, order, row_k, cut, target)[0] == token:
-                return True
-    return False
+    ranks = []
+    for side in (-1, 1):
+        cut = np.array([min(top_p + side * 2e-5, 1.0) if top_p < 1 else 1.0], np.float32)
+        below_one = np.nextafter(np.float32(1), np.float32(0))  # a uniform of 1 would clamp past the cut
+        drawn = int(sampler._pick_sorted(sorted_probs, order, row_k, cut, np.array([min(u * (1 + side * 2e-6), below_one)], np.float32))[0])
+        ranks.append(int(np.flatnonzero(order[0] == drawn)[0]))
+    ulps = 4 * np.finfo(np.float32).eps
+    highest, lowest = sorted_probs[0, ranks[0]], sorted_probs[0, ranks[1]]
+    return bool(lowest * (1 - ulps) <= probs[0, token] <= highest * (1 + ulps))
 
 
 def test_a_flat_row_is_drawn_over_its_whole_row_as_the_passes_draw_it():
