@@ -756,7 +756,6 @@ typedef struct {
     float *logprobs;
     uint8_t *finite;
     _Atomic Py_ssize_t next_row;
-    _Atomic Py_ssize_t undecided;
 } RowsJob;
 
 /* A cut row drawn among all its tokens, as numpy's last round draws it, where its first candidates
@@ -839,12 +838,8 @@ static void draw_row(const RowsJob *job, Py_ssize_t r, Scratch *s) {
 
 /* Draws rows of the job until none is left to claim; the number it drew. */
 static Py_ssize_t draw_rows(RowsJob *job, Scratch *s) {
-    Py_ssize_t undecided = 0, drawn = 0;
-    for (Py_ssize_t r; (r = atomic_fetch_add(&job->next_row, 1)) < job->rows; drawn++) {
-        draw_row(job, r, s);
-        undecided += job->tokens[r] < 0;
-    }
-    atomic_fetch_add(&job->undecided, undecided);
+    Py_ssize_t drawn = 0;
+    for (Py_ssize_t r; (r = atomic_fetch_add(&job->next_row, 1)) < job->rows; drawn++) draw_row(job, r, s);
     return drawn;
 }
 
@@ -973,6 +968,18 @@ static void helper_finish(Helper *h) {
     atomic_store(&h->state, HELPER_IDLE);
 }
 
+/* How many helpers a call takes: none under PARALLEL_ELEMENTS logits, and no more than its rows,
+ * its threads and the CPUs the process may run on (a helper on the caller's only CPU slows it),
+ * each less the caller. */
+static int helpers_wanted(Py_ssize_t rows, Py_ssize_t vocab, int threads) {
+    if (rows * vocab < PARALLEL_ELEMENTS) return 0;
+    Py_ssize_t most = rows < threads ? rows : threads;
+    int cpus = cpus_allowed();
+    if (most > cpus) most = cpus;
+    if (most > MOST_HELPERS + 1) most = MOST_HELPERS + 1;
+    return (int)most - 1;
+}
+
 /* pool_stats() -> (helpers started in this process, rows they have drawn): what the tests read to
  * know that helpers drew at all. */
 static PyObject *pool_stats(PyObject *self, PyObject *args) {
@@ -1028,17 +1035,13 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
         .logprobs = logprobs.buf, .finite = finite.buf,
     };
     atomic_init(&job.next_row, 0);
-    atomic_init(&job.undecided, 0);
     Scratch scratch[MOST_HELPERS + 1]; /* the caller's, then one per helper */
     if (scratch_alloc(&scratch[0], vocab, room) < 0) {
         PyErr_NoMemory();
         goto done_finite;
     }
     PyThreadState *released = rows * vocab >= RELEASE_GIL_ELEMENTS ? PyEval_SaveThread() : NULL;
-    int wanted = rows * vocab >= PARALLEL_ELEMENTS ? (int)(rows < threads ? rows : threads) - 1 : 0, free_pool = 0, helping = 0;
-    if (wanted > MOST_HELPERS) wanted = MOST_HELPERS;
-    int others = wanted > 0 ? cpus_allowed() - 1 : 0; /* a helper on the caller's only CPU slows it */
-    if (wanted > others) wanted = others;
+    int wanted = helpers_wanted(rows, vocab, threads), free_pool = 0, helping = 0;
     int pooled = wanted > 0 && atomic_compare_exchange_strong(&pool_busy, &free_pool, 1);
     if (pooled) {
         helping = helpers_ready(wanted);
@@ -1054,7 +1057,9 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     for (int h = 0; h < helping; h++) helper_finish(&helpers[h]);
     if (pooled) atomic_store(&pool_busy, 0);
     if (released != NULL) PyEval_RestoreThread(released);
-    result = PyLong_FromSsize_t(atomic_load(&job.undecided));
+    Py_ssize_t undecided = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) undecided += job.tokens[r] < 0;
+    result = PyLong_FromSsize_t(undecided);
     for (int h = 0; h <= helping; h++) scratch_free(&scratch[h]);
 
 done_finite:

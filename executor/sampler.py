@@ -38,12 +38,12 @@ check with the division by the temperature, for batches with no logits processin
 round of the candidates' draw, which decides every peaked row (numpy's rounds draw the rows it
 leaves). Without it, torch checks and divides and numpy draws, to the same tokens as those calls.
 
-Where the install compiled it and no row of a batch asks for logits processing or alternatives
-(the usual decode step), the whole batch is one compiled call instead (_sample_compiled): per row
-a pass for the finite check and the largest logit and one that sums the exponentials and gathers
-the candidates, with no table of logprobs written. Its exponential is its own, so it is held to
-the passes above to float32 rounding: the same flags, the same tokens except where a uniform
-falls within that rounding of a token's edge, logprobs within a few ulps of torch's log_softmax
+Where the install compiled it, every row that asks for neither logits processing nor alternatives
+(the usual decode row) is drawn in one compiled call instead (_sample_compiled): per row a pass for
+the finite check and the largest logit and one that sums the exponentials and gathers the
+candidates, with no table of logprobs written. Its exponential is its own, so it is held to the
+passes above to float32 rounding: the same flags, the same tokens except where a uniform or a
+top-p cut falls within that rounding of a token's edge, logprobs within a few ulps of torch's log_softmax
 (each 256-column block summed in float32 lanes, the lanes' totals in float64: nearer the exact
 value than torch's float32 sum). Greedy tokens are the first largest column either way.
 """
@@ -432,16 +432,16 @@ def _processed_rows(p: LogitsProcessing, rows: int) -> np.ndarray:
 
 
 def _sample_compiled(
-    logits: torch.Tensor, host: HostRows, uniforms: np.ndarray, draws: np.ndarray
+    logits: torch.Tensor, host: HostRows, uniforms: np.ndarray, draws: np.ndarray, threads: int = _PASS_THREADS
 ) -> tuple[SampleOutput, np.ndarray | None]:
     """The rows `draws` does not leave elsewhere, in one compiled call: per row a pass for the
     finite check and the largest logit and one that sums the exponentials and gathers the
     candidates, where the passes below write the scaled rows and a table of logprobs and read them
     back (~7 times the logits' bytes; at sixteen rows of 49,152 after a real forward, 2.4 ms of a
     3.1 ms gap, docs/control_plane.md). Its exponential is executor/_sampling.c's own: logprobs agree
-    with torch's log_softmax to float32 rounding, tokens except where a uniform falls within that
-    rounding of a token's edge. A large batch's rows are drawn on several threads (_PASS_THREADS;
-    sixteen rows of 49,152 after a real forward on two: 1.4 ms between two forwards instead of 2.0,
+    with torch's log_softmax to float32 rounding, tokens except where a uniform or a top-p cut falls
+    within that rounding of a token's edge. A large batch's rows are drawn on up to `threads` threads
+    (sixteen rows of 49,152 after a real forward on two: 1.4 ms between two forwards instead of 2.0,
     docs/control_plane.md, change 85); a cut row whose first candidates (up to _PASS_ROOM) do not
     decide it, a flat one, is drawn among all its tokens (change 86). Returns the output and the rows
     it left (those `draws` leaves elsewhere; a flat row too where its buffers could not be had),
@@ -450,8 +450,7 @@ def _sample_compiled(
     tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
     left = _sampling.sample_rows(
         logits.detach().numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
-        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
-        _PASS_THREADS,
+        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite, threads,
     )  # fmt: skip
     out = SampleOutput(
         token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_))

@@ -903,17 +903,12 @@ def test_the_compiled_pass_reads_the_draw_kinds_the_sampler_writes():
 
 
 def _compiled_rows(logits: torch.Tensor, host: HostRows, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """executor._sampling.sample_rows on `threads` threads: tokens, logprobs, finite flags, rows left."""
+    """The compiled pass on up to `threads` threads: tokens, logprobs, finite flags, rows left."""
     import executor.sampler as sampler
 
-    rows, vocab = logits.shape
-    tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
-    uniforms = host.by_row(np.random.default_rng(rows).random(host.random.shape[0], dtype=np.float32))
-    left = sampler._sampling.sample_rows(
-        logits.numpy(), vocab, host.scale, host.draws, host.top_k, host.top_p, uniforms, sampler._FIRST_LOG_RATIO,
-        sampler._LOG_MARGIN_32, sampler.CANDIDATE_RATIOS[0], min(vocab, sampler._PASS_ROOM), tokens, logprobs, finite, threads,
-    )  # fmt: skip
-    return tokens, logprobs, finite, left
+    uniforms = np.random.default_rng(logits.shape[0]).random(host.random.shape[0], dtype=np.float32)
+    out, left = sampler._sample_compiled(logits, host, uniforms, host.draws, threads)
+    return out.token_ids.numpy(), out.logprobs.numpy(), out.finite.numpy(), 0 if left is None else left.shape[0]
 
 
 def _mixed_rows(rows: int, vocab: int) -> tuple[torch.Tensor, HostRows]:
