@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from executor.host_copy import to_device
-from executor.sampler import HostRows
+from executor.sampler import HostRows, SamplingBatch, draw_unseeded
 from protocol.errors import TPRuntimeError
 from protocol.frames import Prepare
 
@@ -63,12 +63,10 @@ class StepInputs:
     write_offsets: torch.Tensor = _pad(Pad.LAST_SLOT)  # long[T]: its slot in that page
     sample_rows: torch.Tensor = _pad(Pad.SAME)  # long[m]: index into T of each sampled sequence's last new token
     sample_seq_ids: np.ndarray = _pad(Pad.SAMPLER)  # int64[m]
-    temperature: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
-    top_p: torch.Tensor = _pad(Pad.SAMPLER)  # float32[m]
-    top_k: torch.Tensor = _pad(Pad.SAMPLER)  # long[m]
-    # The sampled rows' parameters on the host (seeds, positions and the alternatives each wants
-    # only there), for the sampler.
-    host_rows: HostRows = _pad(Pad.SAMPLER)
+    # The sampled rows' parameters on the device and the host (seeds, positions and the
+    # alternatives each wants only there), with the unseeded uniforms of the step's forwards, made
+    # and checked here, where the PREPARE is staged (rank 0; empty elsewhere).
+    sampling: SamplingBatch = _pad(Pad.SAMPLER)
     is_decode: bool = _pad(Pad.CHECKED)  # every sequence brings exactly one new token
     num_seqs: int = _pad(Pad.CHECKED)
     num_tokens: int = _pad(Pad.CHECKED)
@@ -121,15 +119,21 @@ class StepInputs:
         host_floats = np.concatenate((p.temperature[drawn], p.top_p[drawn])).astype(np.float32)
         floats = to_device(host_floats, device)
         ints["page_table"] = ints["page_table"].view(n, width)
+        top_k = ints.pop("top_k")
+        if samples:  # from the same float32 values as the tensors, so that the two agree on every row
+            host = HostRows.of(
+                host_floats[:m], host_floats[m:], p.top_k[drawn], p.seeds[drawn], positions[sample_rows], p.num_logprobs[drawn]
+            )  # fmt: skip
+            random = host.random.shape[0]
+            sampling = SamplingBatch(
+                floats[:m], floats[m:], top_k, host, unseeded=draw_unseeded(p.decode_steps, random) if random else None
+            )
+        else:
+            sampling = SamplingBatch(floats[:m], floats[m:], top_k, NO_SAMPLER_ROWS)
         return cls(
             **ints,
             sample_seq_ids=p.seq_ids[sampled].astype(np.int64),
-            temperature=floats[:m],
-            top_p=floats[m:],
-            # From the same float32 values as the tensors, so that the two agree on every row.
-            host_rows=HostRows.of(
-                host_floats[:m], host_floats[m:], p.top_k[drawn], p.seeds[drawn], positions[sample_rows], p.num_logprobs[drawn]
-            ) if samples else NO_SAMPLER_ROWS,
+            sampling=sampling,
             is_decode=bool(n > 0 and np.all(query_lens == 1)),
             num_seqs=n,
             num_tokens=num_tokens,
@@ -143,7 +147,6 @@ class StepInputs:
         position on, in the same page table. Device arithmetic only: nothing waits for the device."""
         positions = self.positions + 1
         rows = torch.arange(self.num_seqs, device=positions.device)
-        host = self.host_rows
         return replace(
             self,
             token_ids=token_ids,
@@ -151,7 +154,7 @@ class StepInputs:
             context_lens=self.context_lens + 1,
             write_pages=self.page_table[rows, positions // page_size],
             write_offsets=positions % page_size,
-            host_rows=host.one_position_on(),
+            sampling=self.sampling.one_position_on(),
             context_lens_host=self.context_lens_host + 1,
         )
 

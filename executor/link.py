@@ -39,7 +39,7 @@ import torch
 from executor.clear_ahead import ClearAhead, PendingClear
 from executor.host_copy import to_device
 from executor.inputs import StepInputs, StepInputsError
-from executor.sampling_state import StatefulSequences
+from executor.sampling_state import StatefulSequences, touches_states
 from protocol.conversation import (
     AbortReceived,
     CutReceived,
@@ -87,6 +87,8 @@ class StagedStep:
     # Its cleared pages, zeroed once by the link thread ahead or by the model's thread
     # (executor/clear_ahead.py).
     clears: PendingClear = field(default_factory=PendingClear)
+    # Rank 0: whether the step has work for the sampling states (executor.sampling_state.touches_states).
+    touches_states: bool = True
 
 
 @dataclass(frozen=True)
@@ -360,7 +362,8 @@ class SchedulerLink:
         on_device = None
         if feedback_tokens.shape[0]:
             on_device = to_device(np.stack((feedback_tokens, feedback_sources)), self._device)
-        return StagedStep(step, prepare, inputs, feedback_sources, on_device)
+        touches = self.rank == 0 and touches_states(prepare)
+        return StagedStep(step, prepare, inputs, feedback_sources, on_device, touches_states=touches)
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

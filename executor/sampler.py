@@ -267,26 +267,66 @@ class HostRows:
         out[self.random] = uniforms
         return out
 
-    def uniforms(self) -> torch.Tensor:
-        """One uniform in [0, 1) per random row, on the CPU: an unseeded row's from torch's default
-        generator (which --seed seeds), a seeded row's the one its seed gives at its position."""
-        uniforms = torch.rand(self.random.shape[0])
+    def uniforms(self, unseeded: np.ndarray | None = None) -> np.ndarray:
+        """float32[random rows]: one uniform in [0, 1) per random row, in `random`'s order: an
+        unseeded row's from `unseeded` (draw_unseeded's, made ahead) or, without it, drawn here; a
+        seeded row's the one its seed gives at its position."""
+        uniforms = draw_unseeded(1, self.random.shape[0])[0] if unseeded is None else unseeded
         if self.seeded.shape[0]:
-            uniforms.numpy()[self.seeded] = self.seeded_uniforms
+            uniforms = uniforms.copy()  # `unseeded` stays as the step was staged
+            uniforms[self.seeded] = self.seeded_uniforms
         return uniforms
+
+
+def draw_unseeded(forwards: int, rows: int) -> np.ndarray:
+    """float32[forwards, rows]: the uniforms of `rows` random rows in each of `forwards` forwards,
+    from torch's default generator (which --seed seeds), forward after forward: the same numbers,
+    in the same order, as one draw of `rows` per forward (torch draws a CPU tensor's elements in
+    order)."""
+    return torch.rand(forwards, rows).numpy()
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row parameters, one entry per logits row: what a device's arithmetic reads on the logits'
     device, and the same rows on the host, which the branches, the seeded draws and a CPU's
-    arithmetic read."""
+    arithmetic read. A step's is made where its PREPARE is staged (executor.inputs), checked here
+    then, so that the sample between two forwards checks only the logits' rows."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
     top_k: torch.Tensor  # int[m]; 0 means off
     host: HostRows  # the same rows, with their seeds, positions, alternatives wanted and draws
     processing: LogitsProcessing | None = None  # None: no row asks for any
+    # float32[f, random rows]: the unseeded uniforms of this forward (the first) and of the later
+    # forwards of its step, drawn where the step is staged (draw_unseeded), off the time between two
+    # forwards, where torch's draw of a few numbers took ~28 us on a CPU (docs/control_plane.md,
+    # change 87); None: sample() draws them.
+    unseeded: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        rows = self.host.temperature.shape[0]
+        for name in ("temperature", "top_p", "top_k"):
+            got = getattr(self, name).shape
+            if got != (rows,):
+                raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},): the host rows describe {rows} rows")
+        u = self.unseeded
+        if u is not None and (u.dtype != np.float32 or u.ndim != 2 or u.shape[0] < 1 or u.shape[1] != self.host.random.shape[0]):
+            raise SamplingError(
+                f"unseeded uniforms of shape {u.shape} ({u.dtype}) for {self.host.random.shape[0]} random rows: "
+                "float32[forwards, random rows] expected"
+            )
+
+    def one_position_on(self) -> SamplingBatch:
+        """The batch of the next forward of a step of several (HostRows.one_position_on), with
+        that forward's uniforms first; no processing (the next forward's is made from the states
+        then)."""
+        unseeded = None if self.unseeded is None or self.unseeded.shape[0] == 1 else self.unseeded[1:]
+        return SamplingBatch(self.temperature, self.top_p, self.top_k, self.host.one_position_on(), unseeded=unseeded)
+
+    def uniforms(self) -> np.ndarray:
+        """This forward's uniform of each random row (HostRows.uniforms)."""
+        return self.host.uniforms(None if self.unseeded is None else self.unseeded[0])
 
     def rows(self, index: np.ndarray) -> SamplingBatch:
         """The rows at `index` alone, with no logits processing (the caller's rows have none): the
@@ -332,12 +372,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
     if logits.dim() != 2:
         raise SamplingError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     rows = logits.shape[0]
-    for name in ("temperature", "top_p", "top_k"):
-        got = getattr(params, name).shape
-        if got != (rows,):
-            raise SamplingError(f"{name} has shape {tuple(got)}, expected ({rows},) for {rows} rows")
-    if params.host.temperature.shape != (rows,):
-        raise SamplingError(f"the host rows describe {params.host.temperature.shape[0]} rows, expected {rows}")
+    if params.temperature.shape[0] != rows:  # the batch agrees with itself (SamplingBatch checks it)
+        raise SamplingError(f"temperature has shape {tuple(params.temperature.shape)}, expected ({rows},) for {rows} rows")
     logits = logits.float()
     if logits.device.type == "cpu":
         return _sample_on_host(logits, params)
@@ -376,7 +412,7 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
             _rows(_min_p_filtered(log_probs, params.processing), random_rows).exp(),
             params.top_k[random_rows],
             params.top_p[random_rows],
-            to_device(host.uniforms().numpy(), logits.device),
+            to_device(params.uniforms(), logits.device),
             host,
         )
         tokens = tokens.index_put((random_rows,), drawn)
@@ -393,7 +429,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     module says which does what). Which way a row goes depends on that row alone, so that its token
     and logprob never depend on the rows beside it. The random rows' uniforms are drawn once."""
     host = params.host
-    uniforms = host.uniforms().numpy() if host.random.shape[0] else np.zeros(0, dtype=np.float32)
+    uniforms = params.uniforms() if host.random.shape[0] else np.zeros(0, dtype=np.float32)
     if _sampling is None or not logits.is_contiguous():
         return _sample_in_passes(logits, params, uniforms)
     draws = host.draws

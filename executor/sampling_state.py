@@ -102,6 +102,13 @@ class _State:
             self.matcher.consume(token)
 
 
+def touches_states(p: Prepare) -> bool:
+    """Whether step p has work for rank 0's sampling states or logits processing: a row that sends
+    or keeps a sampling state, bans tokens or sets min_p. Asked where the step is staged (the link's
+    thread): between two forwards its reads took ~15 us (docs/control_plane.md, change 88)."""
+    return bool(p.sampling_state.any() or p.banned_lens.any() or p.min_p.any())
+
+
 class SamplingStates:
     """grammars: rank 0's grammar engine; None where no grammar can come (the executors of tests
     that build steps by hand), and a grammar that comes anyway is a wiring error."""
@@ -171,6 +178,12 @@ class SamplingStates:
                 state.append(fed[i])
             new[seq_id] = state
         self._held = new
+
+    def forget(self) -> None:
+        """A step that touches no state (touches_states) starts: as begin() would, every state held
+        is forgotten (the step keeps none)."""
+        if self._held:
+            self._held = {}
 
     def append(self, seq_ids: np.ndarray, tokens: np.ndarray, finite: np.ndarray) -> None:
         """The tokens just sampled (finite rows only: the others fail their requests)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
@@ -45,7 +45,7 @@ from executor.grammar import GrammarEngine
 from executor.inputs import StepInputs
 from executor.link import StagedStep
 from executor.options import ExecutorOptions
-from executor.sampler import SampleOutput, SamplingBatch, sample
+from executor.sampler import SampleOutput, sample
 from executor.sampling_state import SamplingStates
 from protocol.errors import TPRuntimeError
 from protocol.frames import Result
@@ -325,23 +325,20 @@ class StepRunner:
         penalties and grammar masks count the ones before it."""
         if logits is None:
             raise RuntimeError("the model returned no logits on rank 0")
-        prepare, states = staged.prepare, self.sampling_states
+        prepare, states, params = staged.prepare, self.sampling_states, inputs.sampling
         rows = inputs.sample_rows.shape[0]
         if logits.shape[0] != rows:
             raise RuntimeError(f"the model returned {logits.shape[0]} logits rows for {rows} sampled rows")
-        if first:
-            fed = self._fed_tokens(staged) if prepare.sampling_state.any() and prepare.feedback.any() else {}
-            states.begin(prepare, fed)
-        out = sample(
-            logits,
-            SamplingBatch(
-                temperature=inputs.temperature,
-                top_p=inputs.top_p,
-                top_k=inputs.top_k,
-                host=inputs.host_rows,
-                processing=states.processing(prepare, logits.device),
-            ),
-        )
+        if not staged.touches_states:
+            states.forget()
+        else:
+            if first:
+                fed = self._fed_tokens(staged) if prepare.sampling_state.any() and prepare.feedback.any() else {}
+                states.begin(prepare, fed)
+            processing = states.processing(prepare, logits.device)
+            if processing is not None:
+                params = replace(params, processing=processing)
+        out = sample(logits, params)
         self._samples.tokens = out.token_ids
         return _Readback.start(inputs, out)
 
@@ -396,7 +393,7 @@ def _result(opened: _OpenStep, ended: float) -> Result:
     """The RESULT of a step's forwards, forward by forward (protocol.frames.Result); nothing of
     `opened` changes once it is answered."""
     inputs, samples = opened.inputs, opened.samples
-    wanted = inputs.host_rows.num_logprobs
+    wanted = inputs.sampling.host.num_logprobs
     tops = [_alternatives(host, wanted) for host in samples]
     return Result(
         seq_ids=np.ascontiguousarray(inputs.sample_seq_ids, dtype=np.int64),

@@ -207,10 +207,10 @@ def step_pieces(repeats: int = 200) -> dict[str, float]:
     peaked = torch.randn(DECODE_SEQS, 49152, generator=torch.Generator().manual_seed(0)) * 4
     flat = peaked / 4
     # As the runtime samples: the PREPARE's rows on the host beside the tensors.
-    params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows)
+    params = inputs.sampling
     greedy = SamplingBatch(
-        torch.zeros_like(inputs.temperature), inputs.top_p, inputs.top_k,
-        replace(inputs.host_rows, temperature=np.zeros(inputs.temperature.shape[0], dtype=np.float32)),
+        torch.zeros_like(params.temperature), params.top_p, params.top_k,
+        replace(params.host, temperature=np.zeros(params.temperature.shape[0], dtype=np.float32)),
     )  # fmt: skip
     lone = SamplingBatch.of([0.0], [1.0], [0], [-1], [0])
     return {

@@ -40,7 +40,7 @@ from executor.model.layers import Linear  # noqa: E402
 from executor.model.llama import LayerWeights, LlamaModel  # noqa: E402
 from executor.model.sharding import ShardPlan  # noqa: E402
 from executor.options import ExecutorOptions  # noqa: E402
-from executor.sampler import SamplingBatch, sample  # noqa: E402
+from executor.sampler import sample  # noqa: E402
 from protocol.frames import CacheGeometry, Prepare  # noqa: E402
 
 SHAPES = {
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = step_ms(lambda: model.forward(inputs, cache), device)
         graphed = step_ms(lambda: runner.forward(inputs, cache), device)
         graph_step_ms[batch] = graphed
-        params = SamplingBatch(inputs.temperature, inputs.top_p, inputs.top_k, inputs.host_rows)
+        params = inputs.sampling
         sampling = step_ms(lambda: sample(graph_logits, params), device)
         step_bytes = weight_bytes(model, rows=batch, sampled=batch) + batch * context * kv_bytes_per_token
         graph_fraction = hbm_fraction(step_bytes, graphed, bandwidth) if graphs else None

@@ -172,7 +172,7 @@ def test_the_runner_pads_every_field_by_its_rule_on_the_cpu():
     model, cache = tiny_llama(g), zero_cache()
     runner = DecodeGraphRunner(model, cache, geometry=G, batch_sizes=(1, 4), capture=False)
     real = inputs_of(logprob_prepare([Seq(1, (5,), 6, (0, 1)), Seq(2, (9,), 2, (3,))]), cache)
-    assert real.host_rows.num_logprobs.all(), "the step must ask for every optional output"
+    assert real.sampling.host.num_logprobs.all(), "the step must ask for every optional output"
     captured = runner.graph_for(real)
     batch = captured.batch
     assert (batch.size, batch.width) == (4, runner.widths[0])

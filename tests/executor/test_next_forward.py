@@ -14,6 +14,7 @@ from executor.cuda_graphs import StaticDecodeBatch
 from executor.inputs import Pad, StepInputs
 from executor.link import StagedStep
 from executor.options import ExecutorOptions
+from executor.sampler import sample
 from executor.steps import StepRunner
 from protocol.frames import Result
 from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
@@ -44,10 +45,35 @@ def test_each_later_forward_gets_the_inputs_of_a_step_of_its_own() -> None:
         for name in ("token_ids", "positions", "context_lens", "write_pages", "write_offsets", "sample_rows"):
             assert torch.equal(getattr(inputs, name), getattr(alone, name)), (forward, name)
         assert np.array_equal(inputs.context_lens_host, alone.context_lens_host)
-        assert np.array_equal(inputs.host_rows.positions, alone.host_rows.positions)  # seeded draws are keyed by it
+        assert np.array_equal(inputs.sampling.host.positions, alone.sampling.host.positions)  # seeded draws are keyed by it
         # The whole step's tables from its first forward: its own pages cover the step's last one.
         width = alone.page_table.shape[1]
         assert torch.equal(inputs.page_table[:, :width], alone.page_table)
+
+
+def test_a_steps_unseeded_uniforms_are_drawn_where_it_is_staged_forward_after_forward() -> None:
+    """The sample between two forwards draws nothing from torch's generator: the step's uniforms
+    come with its inputs, one row per forward, the numbers one draw per forward would give."""
+    prepare = replace(step(0, {1: 11, 2: 12, 3: 13}, FORWARDS), seeds=np.array([7, -1, 9], dtype=np.int64))
+    prepare = replace(prepare, temperature=np.array([0.5, 0.8, 0.0], dtype=np.float32))
+    torch.manual_seed(5)
+    inputs = inputs_of(prepare)
+    torch.manual_seed(5)
+    expected = [torch.rand(2).numpy() for _ in range(FORWARDS)]  # rows 0 and 1 draw; row 2 is greedy
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    for forward in range(FORWARDS):
+        params = inputs.sampling
+        assert params.unseeded.shape == (FORWARDS - forward, 2)
+        unseeded = params.unseeded[0].copy()
+        np.testing.assert_array_equal(unseeded, expected[forward])
+        before = torch.get_rng_state()
+        first = sample(logits, params)
+        again = sample(logits, params)
+        assert torch.equal(torch.get_rng_state(), before), "the sample drew from torch's generator"
+        assert torch.equal(first.token_ids, again.token_ids)
+        uniforms = params.uniforms()
+        assert uniforms[1] == unseeded[1] and uniforms[0] != unseeded[0]  # row 0's seed decides its own
+        inputs = inputs.next_forward(first.token_ids, G.page_size)
 
 
 def test_the_first_forward_reads_the_pages_of_the_last() -> None:
@@ -144,8 +170,8 @@ def test_a_rank_that_does_not_sample_gets_every_input_but_the_samplers_parameter
         for f in fields(StepInputs):
             ours, theirs = getattr(sampling, f.name), getattr(other, f.name)
             if f.metadata["pad"] is Pad.SAMPLER and f.name != "sample_seq_ids":
-                assert len(theirs.temperature if f.name == "host_rows" else theirs) == 0, f.name
-                assert len(ours.temperature if f.name == "host_rows" else ours) == 3, f.name
+                assert len(theirs.temperature if f.name == "sampling" else theirs) == 0, f.name
+                assert len(ours.temperature if f.name == "sampling" else ours) == 3, f.name
             elif isinstance(ours, torch.Tensor):
                 assert torch.equal(ours, theirs), (forward, f.name)
             elif isinstance(ours, np.ndarray):

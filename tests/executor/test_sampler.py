@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor.sampler import HostRows, LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, row_seed, sample
+from executor.sampler import HostRows, LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, draw_unseeded, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
@@ -158,6 +158,21 @@ def test_temperature_sampling_follows_the_distribution():
 def test_mismatched_parameters_are_refused():
     with pytest.raises(SamplingError, match="temperature has shape"):
         sample(random_logits(3), batch(2))
+
+
+def test_uniforms_drawn_ahead_must_fit_the_random_rows():
+    params = batch(3, temperature=[0.5, 0.0, 1.0])
+    assert replace(params, unseeded=np.zeros((2, 2), dtype=np.float32)).uniforms().shape == (2,)
+    for bad in (np.zeros((1, 3), np.float32), np.zeros((0, 2), np.float32), np.zeros(2, np.float32), np.zeros((1, 2), np.float64)):
+        with pytest.raises(SamplingError, match="unseeded uniforms"):
+            replace(params, unseeded=bad)
+
+
+def test_draws_ahead_are_the_draws_one_forward_at_a_time():
+    torch.manual_seed(3)
+    ahead = draw_unseeded(4, 37)
+    torch.manual_seed(3)
+    np.testing.assert_array_equal(ahead, np.stack([torch.rand(37).numpy() for _ in range(4)]))
 
 
 def test_flat_rows_outside_the_candidates_still_get_an_exact_nucleus():
@@ -570,7 +585,7 @@ def test_host_rows_that_do_not_describe_the_batch_are_refused():
     assert mixed.host.greedy.tolist() == [True, False, True, False, True, False]
     assert mixed.host.filtered.tolist() == [False, True, False, True, False, False]
     short = SamplingBatch.of([0.0] * 5, [1.0] * 5, [0] * 5, [-1] * 5, range(5))
-    with pytest.raises(SamplingError, match="5 rows, expected 6"):
+    with pytest.raises(SamplingError, match=r"expected \(5,\): the host rows describe 5 rows"):
         sample(logits, replace(mixed, host=short.host))
     # Refused where they are built (a rank's link thread), not in every sample() call.
     with pytest.raises(SamplingError, match="top_p must be .* as long as temperature"):
@@ -693,7 +708,7 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
     processing = min_p_only(min_p_rows, [min_p[r] for r in min_p_rows]) if min_p_rows else None
     params = SamplingBatch.of(temperature, top_p, top_k, seeds, range(rows), processing=processing, num_logprobs=wanted)
     torch.manual_seed(seed)  # the unseeded rows' uniforms come from the default generator
-    on_host = _sample_in_passes(logits.clone(), params, params.host.uniforms().numpy())
+    on_host = _sample_in_passes(logits.clone(), params, params.host.uniforms())
     torch.manual_seed(seed)
     on_device = _sample_on_device(logits.clone(), params)
     assert on_host.token_ids.dtype == on_device.token_ids.dtype == torch.int64
@@ -740,7 +755,7 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
         processing=processing, num_logprobs=wanted,
     )  # fmt: skip
     torch.manual_seed(seed)
-    uniforms = params.host.uniforms().numpy() if params.host.random.shape[0] else np.zeros(0, dtype=np.float32)
+    uniforms = params.host.uniforms() if params.host.random.shape[0] else np.zeros(0, dtype=np.float32)
     draws = params.host.draws.copy()
     draws[min_p_rows] = sampler.DRAW_ELSEWHERE
     compiled, left = sampler._sample_compiled(logits.clone(), params.host, uniforms, draws)
@@ -885,7 +900,7 @@ def test_a_rows_draw_does_not_depend_on_a_neighbour_wanting_alternatives():
     in_batch = sample(logits, SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8)))
     torch.manual_seed(0)
     params = SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8))
-    passes = _sample_in_passes(logits, params, params.host.uniforms().numpy())
+    passes = _sample_in_passes(logits, params, params.host.uniforms())
     assert in_batch.token_ids[2] == passes.token_ids[2] and in_batch.logprobs[2].item() == passes.logprobs[2].item()
     assert torch.equal(in_batch.top_ids[2], passes.top_ids[2])
 

@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from executor.sampling_state import SamplingStates, StatefulSequences
+from executor.sampling_state import SamplingStates, StatefulSequences, touches_states
 from protocol.errors import ProtocolError, RejectCode
 from scheduler import AdmissionError, SamplingParams, Scheduler
 from tests.scheduler.random_walk import PREFIXES, VOCAB, config
@@ -51,7 +51,13 @@ class StateDriver(Driver):
         p = f.plan.prepare
         fed_rows = np.flatnonzero(p.feedback).tolist()
         fed = {i: self.shadow.last_samples[int(p.seq_ids[i])] for i in fed_rows}
-        self.states.begin(p, fed)
+        if touches_states(p):  # as the runner does, with the link's decision
+            self.states.begin(p, fed)
+        else:
+            self.states.forget()
+        held, kept = set(self.states._held), {int(s) for s in p.seq_ids[p.sampling_state != 0]}
+        if held != kept:  # a state no step keeps is not held on (what it held is freed)
+            raise ShadowViolation(f"rank 0 holds the states of {sorted(held)} at a step that keeps {sorted(kept)}")
         super().run_next()
 
     def run_forward(self, p, table, forward):
@@ -65,6 +71,8 @@ class StateDriver(Driver):
     def _check(self, p) -> None:
         sampled = np.flatnonzero(p.sample).tolist()
         processing = self.states.processing(p, "cpu")
+        if processing is not None and not touches_states(p):
+            raise ShadowViolation(f"a step that touches no sampling state has logits processing: {processing}")
         banned_of: dict[int, list[int]] = {}
         if processing is not None:
             for row, token in zip(processing.banned_rows.tolist(), processing.banned_ids.tolist()):

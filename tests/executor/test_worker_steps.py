@@ -628,6 +628,23 @@ def test_the_sampling_state_is_held_across_steps_and_rebuilt_after_an_abort_and_
     assert results == {1: [10], 2: [11], 3: [10], 6: [11], 7: [10], 9: [10]}
 
 
+def test_banned_tokens_and_min_p_reach_the_sample_without_any_sampling_state():
+    """Neither needs a sampling state, and the link decides whether a step has work for the
+    states where it stages it (touches_states): a step with only these still gets its processing."""
+    seqs = [Seq(i, (20,), 0, (i,), temperature=1.0) for i in range(8)]
+    min_p = replace(make_prepare(seqs, cleared=tuple(range(8))), min_p=np.full(8, 0.99, dtype=np.float32))
+    # 10 alone is within 0.99 of the most likely (itself): without min_p each row draws it ~1 time in 5.
+    banned = replace(
+        make_prepare([Seq(9, (20,), 0, (8,))], cleared=(8,)),
+        banned_lens=np.array([1], dtype=np.int32), banned_ids=np.array([10], dtype=np.int32),
+    )
+    script = [welcome(), frame(1, min_p), frame(1, Go()), frame(2, banned), frame(2, Go()), frame(2, Shutdown("x"))]
+    code, endpoint, _ = run_worker(script, model=FixedLogits(0, 1))
+    assert code == ExitCode.OK
+    results = {s: b.token_ids.tolist() for s, b in endpoint.replies() if isinstance(b, Result)}
+    assert results == {1: [10] * 8, 2: [11]}  # greedy with 10 banned: 11
+
+
 def test_each_forward_of_a_frame_counts_the_tokens_of_the_forwards_before_it(pipelined, monkeypatch):
     if pipelined:
         read_back_behind(monkeypatch, lambda: False, lambda: None)

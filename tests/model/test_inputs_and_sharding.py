@@ -53,9 +53,10 @@ def test_step_inputs_from_prepare():
     assert inputs.query_start.tolist() == [0, 3, 4]
     assert inputs.sample_rows.tolist() == [3]
     assert inputs.sample_seq_ids.tolist() == [11]
-    assert inputs.host_rows.positions.tolist() == [8] and inputs.host_rows.seeds.tolist() == [3]
-    assert inputs.top_k.tolist() == [5] and inputs.host_rows.filtered.tolist() == [True] and not inputs.host_rows.greedy.any()
-    assert inputs.temperature.tolist() == pytest.approx([0.7]) and inputs.top_p.tolist() == pytest.approx([0.9])
+    sampling = inputs.sampling
+    assert sampling.host.positions.tolist() == [8] and sampling.host.seeds.tolist() == [3]
+    assert sampling.top_k.tolist() == [5] and sampling.host.filtered.tolist() == [True] and not sampling.host.greedy.any()
+    assert sampling.temperature.tolist() == pytest.approx([0.7]) and sampling.top_p.tolist() == pytest.approx([0.9])
     assert (inputs.num_seqs, inputs.num_tokens, inputs.is_decode) == (2, 4, False)
 
 
