@@ -59,7 +59,7 @@
 
 /* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
  * call's arguments or meaning, so that a build of an older source is not used. */
-#define INTERFACE 5
+#define INTERFACE 6
 
 typedef struct {
     float prob;
@@ -755,8 +755,45 @@ typedef struct {
     int64_t *tokens;
     float *logprobs;
     uint8_t *finite;
+    const uint8_t *wants; /* the alternatives each row wants returned (0: none) */
+    Py_ssize_t alternatives; /* the most any row wants: the width of top_ids and top_logprobs */
+    int64_t *top_ids;
+    float *top_logprobs;
     _Atomic Py_ssize_t next_row;
 } RowsJob;
+
+/* A row's `want` most likely tokens, most likely first (equal values: the lower id first, as the
+ * row is read in id order), with their logprobs: their shifted values x/t - top less log_total, as
+ * the drawn token's logprob is made. Once `want` are kept, VECTOR columns at a time are compared
+ * with the least kept in one vector comparison, so that the few insertions a row makes past its
+ * first columns cost little beside the pass. */
+CLONES static void row_alternatives(const float *row, Py_ssize_t vocab, float t, int dividing, float top, float log_total, Py_ssize_t want,
+                                    int64_t *ids, float *values) {
+    Py_ssize_t n = 0;
+    float least = -__builtin_inff();
+    for (Py_ssize_t j = 0; j < vocab; j += VECTOR) {
+        floats v;
+        SHIFTED(v, row, j, vocab, t, dividing, top);
+        if (n == want) {
+            int32_t any;
+            ANY_LANE(any, v > least);
+            if (!any) continue;
+        }
+        for (int i = 0; i < VECTOR && j + i < vocab; i++) {
+            float x = v[i];
+            if (n == want && !(x > least)) continue;
+            Py_ssize_t at = n < want ? n++ : want - 1; /* full: the least kept drops out */
+            for (; at > 0 && values[at - 1] < x; at--) {
+                values[at] = values[at - 1];
+                ids[at] = ids[at - 1];
+            }
+            values[at] = x;
+            ids[at] = j + i;
+            if (n == want) least = values[want - 1];
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) values[i] -= log_total;
+}
 
 /* A cut row drawn among all its tokens, as numpy's last round draws it, where its first candidates
  * did not decide it: every token a candidate, in a radix sort (sixteen near-flat rows of 49,152
@@ -829,6 +866,10 @@ static void draw_row(const RowsJob *job, Py_ssize_t r, Scratch *s) {
                 if (count < 0) log_total = (float)log(row_sum(row, vocab, t, dividing, top, 0.0f, 0, NULL, NULL, NULL, NULL));
                 token = draw_whole_row(row, vocab, t, dividing, top, log_total, row_k, job->top_p[r], job->u[r], s, &logprob);
             }
+        }
+        if (job->wants[r]) { /* every wanting row gets the batch's width, as torch's topk gives the passes' rows */
+            Py_ssize_t at = r * job->alternatives;
+            row_alternatives(row, vocab, t, dividing, top, log_total, job->alternatives, job->top_ids + at, job->top_logprobs + at);
         }
     }
     job->tokens[r] = token;
@@ -1001,16 +1042,19 @@ static PyObject *pool_stats(PyObject *self, PyObject *args) {
  * it otherwise. Over PARALLEL_ELEMENTS logits or more, up to `threads` threads
  * draw the rows (each row's outputs are its own, whichever thread draws it). */
 static PyObject *sample_rows(PyObject *self, PyObject *args) {
-    PyObject *logits_obj, *scale_obj, *kinds_obj, *k_obj, *top_p_obj, *u_obj, *tokens_obj, *logprobs_obj, *finite_obj;
-    Py_ssize_t vocab, room;
+    PyObject *logits_obj, *scale_obj, *kinds_obj, *k_obj, *top_p_obj, *u_obj, *tokens_obj, *logprobs_obj, *finite_obj, *wants_obj, *top_ids_obj,
+        *top_logprobs_obj;
+    Py_ssize_t vocab, room, alternatives;
     float log_ratio, margin, ratio;
     int threads;
-    if (!PyArg_ParseTuple(args, "OnOOOOOfffnOOOi", &logits_obj, &vocab, &scale_obj, &kinds_obj, &k_obj, &top_p_obj, &u_obj,
-                          &log_ratio, &margin, &ratio, &room, &tokens_obj, &logprobs_obj, &finite_obj, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OnOOOOOfffnOOOOnOOi", &logits_obj, &vocab, &scale_obj, &kinds_obj, &k_obj, &top_p_obj, &u_obj, &log_ratio,
+                          &margin, &ratio, &room, &tokens_obj, &logprobs_obj, &finite_obj, &wants_obj, &alternatives, &top_ids_obj,
+                          &top_logprobs_obj, &threads)) return NULL;
     if (vocab <= 0 || vocab > INT32_MAX || room <= 0 || room > vocab)
         return PyErr_Format(PyExc_ValueError, "vocab must be in 1 to 2**31 - 1, room in 1 to vocab");
+    if (alternatives < 0 || alternatives > vocab) return PyErr_Format(PyExc_ValueError, "alternatives must be in 0 to vocab");
     if (threads < 1) return PyErr_Format(PyExc_ValueError, "threads must be at least 1");
-    Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite;
+    Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite, wants, top_ids, top_logprobs;
     PyObject *result = NULL;
     Py_ssize_t rows = rows_of(logits_obj, &logits, vocab, "logits");
     if (rows < 0) return NULL;
@@ -1028,17 +1072,27 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     if (buffer_of(tokens_obj, &tokens, 1, 'i', sizeof(int64_t), rows, "tokens") < 0) goto done_u;
     if (buffer_of(logprobs_obj, &logprobs, 1, 'f', sizeof(float), rows, "logprobs") < 0) goto done_tokens;
     if (buffer_of(finite_obj, &finite, 1, 'u', sizeof(uint8_t), rows, "finite") < 0) goto done_logprobs;
+    if (buffer_of(wants_obj, &wants, 0, 'u', sizeof(uint8_t), rows, "wants") < 0) goto done_finite;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (((const uint8_t *)wants.buf)[r] > alternatives) {
+            PyErr_Format(PyExc_ValueError, "wants[%zd] is more than alternatives", r);
+            goto done_wants;
+        }
+    }
+    if (buffer_of(top_ids_obj, &top_ids, 1, 'i', sizeof(int64_t), rows * alternatives, "top_ids") < 0) goto done_wants;
+    if (buffer_of(top_logprobs_obj, &top_logprobs, 1, 'f', sizeof(float), rows * alternatives, "top_logprobs") < 0) goto done_top_ids;
 
     RowsJob job = {
         .logits = logits.buf, .vocab = vocab, .room = room, .rows = rows, .scale = scale.buf, .top_p = top_p.buf, .u = u.buf,
         .kinds = kinds.buf, .k = k.buf, .log_ratio = log_ratio, .margin = margin, .ratio = ratio, .tokens = tokens.buf,
-        .logprobs = logprobs.buf, .finite = finite.buf,
+        .logprobs = logprobs.buf, .finite = finite.buf, .wants = wants.buf, .alternatives = alternatives, .top_ids = top_ids.buf,
+        .top_logprobs = top_logprobs.buf,
     };
     atomic_init(&job.next_row, 0);
     Scratch scratch[MOST_HELPERS + 1]; /* the caller's, then one per helper */
     if (scratch_alloc(&scratch[0], vocab, room) < 0) {
         PyErr_NoMemory();
-        goto done_finite;
+        goto done_top_logprobs;
     }
     PyThreadState *released = rows * vocab >= RELEASE_GIL_ELEMENTS ? PyEval_SaveThread() : NULL;
     int wanted = helpers_wanted(rows, vocab, threads), free_pool = 0, helping = 0;
@@ -1062,6 +1116,12 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     result = PyLong_FromSsize_t(undecided);
     for (int h = 0; h <= helping; h++) scratch_free(&scratch[h]);
 
+done_top_logprobs:
+    PyBuffer_Release(&top_logprobs);
+done_top_ids:
+    PyBuffer_Release(&top_ids);
+done_wants:
+    PyBuffer_Release(&wants);
 done_finite:
     PyBuffer_Release(&finite);
 done_logprobs:

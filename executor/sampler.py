@@ -38,10 +38,10 @@ check with the division by the temperature, for batches with no logits processin
 round of the candidates' draw, which decides every peaked row (numpy's rounds draw the rows it
 leaves). Without it, torch checks and divides and numpy draws, to the same tokens as those calls.
 
-Where the install compiled it, every row that asks for neither logits processing nor alternatives
-(the usual decode row) is drawn in one compiled call instead (_sample_compiled): per row a pass for
-the finite check and the largest logit and one that sums the exponentials and gathers the
-candidates, with no table of logprobs written. Its exponential is its own, so it is held to the
+Where the install compiled it, every row that no logits processing touches (the usual decode row)
+is drawn in one compiled call instead (_sample_compiled): per row a pass for the finite check and
+the largest logit, one that sums the exponentials and gathers the candidates, and for a row that
+wants alternatives one that keeps its most likely tokens, with no table of logprobs written. Its exponential is its own, so it is held to the
 passes above to float32 rounding: the same flags, the same tokens except where a uniform or a
 top-p cut falls within that rounding of a token's edge, logprobs within a few ulps of torch's log_softmax
 (each 256-column block summed in float32 lanes, the lanes' totals in float64: nearer the exact
@@ -54,7 +54,7 @@ import copy
 import logging
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
 
@@ -66,7 +66,7 @@ from protocol.errors import TPRuntimeError
 
 # The compiled calls of executor/_sampling.c, and the interface this file expects of them: a build
 # made from an older source (a checkout pulled without `pip install -e .` again) is not used.
-_SAMPLING_INTERFACE = 5
+_SAMPLING_INTERFACE = 6
 
 
 def _usable(built: ModuleType | None) -> ModuleType | None:
@@ -185,8 +185,8 @@ class HostRows:
     cut_top_k: np.ndarray = field(init=False)  # int64
     cut_top_p: np.ndarray = field(init=False)  # float32
     most_logprobs: int = field(init=False)  # the most alternatives any row wants
-    # How the compiled pass (_sample_compiled) draws each row: DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, or
-    # DRAW_ELSEWHERE where it wants alternatives.
+    # How the compiled pass (_sample_compiled) draws each row: DRAW_GREEDY, DRAW_PLAIN or DRAW_CUT
+    # (the sample leaves a row that logits processing touches elsewhere, DRAW_ELSEWHERE).
     draws: np.ndarray = field(init=False)  # uint8[m]
 
     def __post_init__(self) -> None:
@@ -205,6 +205,9 @@ class HostRows:
         # The compiled calls read top-k as int64 and top-p as float32 (HostRows.of's; no copy then).
         derive("top_k", self.top_k.astype(np.int64, copy=False))
         derive("top_p", self.top_p.astype(np.float32, copy=False))
+        if rows[0] and self.num_logprobs.max() > 255:
+            raise SamplingError("host rows: num_logprobs must be at most 255")
+        derive("num_logprobs", self.num_logprobs.astype(np.uint8, copy=False))  # as the compiled pass reads it
         greedy = self.greedy
         random = np.flatnonzero(~greedy)
         cut_of_random = self.filtered[random]
@@ -226,7 +229,6 @@ class HostRows:
         draws = np.full(rows, DRAW_GREEDY, dtype=np.uint8)
         draws[random[plain]] = DRAW_PLAIN
         draws[random[cut]] = DRAW_CUT
-        draws[self.num_logprobs > 0] = DRAW_ELSEWHERE
         derive("draws", draws)
 
     @classmethod
@@ -424,10 +426,10 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
 
 
 def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
-    """The same rows on a CPU: each row that asks for neither logits processing nor alternatives in
-    one compiled pass (_sample_compiled), the others in torch, numpy and the compiled calls (the
-    module says which does what). Which way a row goes depends on that row alone, so that its token
-    and logprob never depend on the rows beside it. The random rows' uniforms are drawn once."""
+    """The same rows on a CPU: each row that no logits processing touches in one compiled pass
+    (_sample_compiled), the others in torch, numpy and the compiled calls (the module says which
+    does what). Which way a row goes depends on that row alone, so that its token, logprob and
+    alternatives never depend on the rows beside it. The random rows' uniforms are drawn once."""
     host = params.host
     uniforms = params.uniforms() if host.random.shape[0] else np.zeros(0, dtype=np.float32)
     if _sampling is None or not logits.is_contiguous():
@@ -436,9 +438,8 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     if params.processing is not None:
         draws = draws.copy()
         draws[_processed_rows(params.processing, draws.shape[0])] = DRAW_ELSEWHERE
-    # Only processing or alternatives leave rows elsewhere: without either, no numpy call to ask.
-    if (params.processing is not None or host.most_logprobs) and (draws == DRAW_ELSEWHERE).all():
-        return _sample_in_passes(logits, params, uniforms)
+        if (draws == DRAW_ELSEWHERE).all():
+            return _sample_in_passes(logits, params, uniforms)
     compiled, left = _sample_compiled(logits, host, uniforms, draws)
     if left is None:
         return compiled
@@ -450,12 +451,11 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
         passes, at = _sample_in_passes(logits, params, uniforms), left
     for name in ("token_ids", "logprobs", "finite"):
         getattr(compiled, name).numpy()[left] = getattr(passes, name).numpy()[at]
-    if passes.top_ids is None:
-        return compiled
-    top_ids = np.zeros((logits.shape[0], passes.top_ids.shape[1]), dtype=np.int64)
-    top_logprobs = np.full(top_ids.shape, np.nan, dtype=np.float32)
-    top_ids[left], top_logprobs[left] = passes.top_ids.numpy()[at], passes.top_logprobs.numpy()[at]
-    return replace(compiled, top_ids=torch.from_numpy(top_ids), top_logprobs=torch.from_numpy(top_logprobs))
+    if passes.top_ids is not None:  # the compiled call's are as wide as the batch's greediest row wants: no narrower
+        width = passes.top_ids.shape[1]
+        compiled.top_ids.numpy()[left, :width] = passes.top_ids.numpy()[at]
+        compiled.top_logprobs.numpy()[left, :width] = passes.top_logprobs.numpy()[at]
+    return compiled
 
 
 def _processed_rows(p: LogitsProcessing, rows: int) -> np.ndarray:
@@ -471,25 +471,32 @@ def _sample_compiled(
     logits: torch.Tensor, host: HostRows, uniforms: np.ndarray, draws: np.ndarray, threads: int = _PASS_THREADS
 ) -> tuple[SampleOutput, np.ndarray | None]:
     """The rows `draws` does not leave elsewhere, in one compiled call: per row a pass for the
-    finite check and the largest logit and one that sums the exponentials and gathers the
-    candidates, where the passes below write the scaled rows and a table of logprobs and read them
+    finite check and the largest logit, one that sums the exponentials and gathers the candidates,
+    and where the row wants alternatives one that keeps its most likely tokens (change 89), where
+    the passes below write the scaled rows and a table of logprobs and read them
     back (~7 times the logits' bytes; at sixteen rows of 49,152 after a real forward, 2.4 ms of a
     3.1 ms gap, docs/control_plane.md). Its exponential is executor/_sampling.c's own: logprobs agree
     with torch's log_softmax to float32 rounding, tokens except where a uniform or a top-p cut falls
     within that rounding of a token's edge. A large batch's rows are drawn on up to `threads` threads
     (sixteen rows of 49,152 after a real forward on two: 1.4 ms between two forwards instead of 2.0,
     docs/control_plane.md, change 85); a cut row whose first candidates (up to _PASS_ROOM) do not
-    decide it, a flat one, is drawn among all its tokens (change 86). Returns the output and the rows
-    it left (those `draws` leaves elsewhere; a flat row too where its buffers could not be had),
-    None when it drew every row."""
+    decide it, a flat one, is drawn among all its tokens (change 86). The alternatives are as wide
+    as the greediest row wants for every row that wants some, as the passes' topk makes them (ids 0
+    and logprobs NaN for the others, and for the rows left). Returns the output and the rows it left
+    (those `draws` leaves elsewhere; a flat row too where its buffers could not be had), None when it
+    drew every row."""
     rows, vocab = logits.shape
     tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
+    width = host.most_logprobs
+    top_ids, top_logprobs = np.zeros((rows, width), np.int64), np.full((rows, width), np.nan, np.float32)
     left = _sampling.sample_rows(
         logits.detach().numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
-        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite, threads,
+        _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
+        host.num_logprobs, width, top_ids, top_logprobs, threads,
     )  # fmt: skip
     out = SampleOutput(
-        token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_))
+        token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_)),
+        top_ids=torch.from_numpy(top_ids) if width else None, top_logprobs=torch.from_numpy(top_logprobs) if width else None,
     )
     return out, (np.flatnonzero(tokens < 0) if left else None)
 

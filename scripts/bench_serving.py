@@ -55,7 +55,7 @@ if REPO_ROOT not in sys.path:  # run as a file: the checkout's root makes `scrip
 
 import httpx  # noqa: E402
 
-from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_P_MIN  # noqa: E402
+from protocol.sampling_limits import FLOAT32_MAX, TEMPERATURE_MIN, TOP_LOGPROBS_MAX, TOP_P_MIN  # noqa: E402
 from scripts.harness.client import CompletionRequest, StreamResult, served_model, stream_completion  # noqa: E402
 from scripts.harness.metrics import ThreadReadings, metrics_text, parse_metrics  # noqa: E402
 from scripts.harness.output import default_out_dir, write_json  # noqa: E402
@@ -114,7 +114,7 @@ def requests_per_level(concurrency: int, fixed: int | None) -> int:
 
 async def run_server_level(
     url: str, model: str, prompts: Sequence[tuple[int, ...]], concurrency: int, output_len: int, timeout_s: float,
-    *, temperature: float = 0.0, top_p: float = 1.0,
+    *, temperature: float = 0.0, top_p: float = 1.0, logprobs: int | None = None,
 ) -> tuple[list[StreamResult], float]:  # fmt: skip
     queue = list(prompts)
     results: list[StreamResult | None] = [None] * len(prompts)
@@ -128,7 +128,8 @@ async def run_server_level(
                 index = position
                 position += 1
                 request = CompletionRequest(
-                    prompt_ids=queue[index], max_tokens=output_len, temperature=temperature, top_p=top_p, ignore_eos=True
+                    prompt_ids=queue[index], max_tokens=output_len, temperature=temperature, top_p=top_p, logprobs=logprobs,
+                    ignore_eos=True,
                 )
                 results[index] = await stream_completion(client, url, model, request, timeout_s)
 
@@ -216,7 +217,7 @@ def bench_servers(
                     cpu_before = _process_cpu(server)
                     results, wall = asyncio.run(run_server_level(
                         url, models[loop], prompts, concurrency, args.output_len, args.request_timeout,
-                        temperature=args.temperature, top_p=args.top_p,
+                        temperature=args.temperature, top_p=args.top_p, logprobs=args.logprobs,
                     ))  # fmt: skip
                     after, threads_after = asyncio.run(_metrics(url))
                     level_pools[loop].add(results, wall, before, after, cpu_before, _process_cpu(server))
@@ -423,6 +424,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="every request's temperature (vLLM's bench flag); above 0 needs --no-reference, which decodes greedily",
     )
     p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (vLLM's bench flag)")
+    p.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="every request asks for N alternatives with each token (vLLM's bench flag)",
+    )  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="report directory (default reports/bench-<time>)")
@@ -432,6 +437,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency and --rounds must be >= 1, --input-len >= 8 and --output-len >= 2")
     if not (args.temperature == 0 or TEMPERATURE_MIN <= args.temperature <= FLOAT32_MAX) or not TOP_P_MIN <= args.top_p <= 1:
         p.error(f"--temperature must be 0 or in [{TEMPERATURE_MIN:g}, {FLOAT32_MAX:g}], and --top-p in [{TOP_P_MIN:g}, 1], as the server takes them")
+    if args.logprobs is not None and not 0 <= args.logprobs <= TOP_LOGPROBS_MAX:
+        p.error(f"--logprobs must be in 0 to {TOP_LOGPROBS_MAX}, as the server takes it")
     if args.temperature > 0 and not args.no_reference:
         p.error("--temperature above 0 samples, and the transformers reference decodes greedily: add --no-reference")
     args.loops = [loop.strip() for loop in args.loops.split(",") if loop.strip()]

@@ -286,6 +286,8 @@ def print_summary(report: dict, out: Path) -> None:
     config = report["config"]
     temperature = config.get("temperature", 0.0)
     sampling = "greedy" if not temperature else f"temperature {temperature}, top_p {config.get('top_p', 1.0)}"
+    if config.get("logprobs") is not None:
+        sampling += f", {config['logprobs']} alternatives a token"
     lines = [f"serving benchmark: {report['target']['name']} ({config['dtype']}), "
              f"{config['input_len']} in / {config['output_len']} out tokens, {sampling}"]
     if report.get("model_step_s"):

@@ -30,6 +30,7 @@ class CompletionRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None  # the alternatives each token comes back with (completions' logprobs)
     ignore_eos: bool = False
     cancel_after_tokens: int | None = None  # close the stream after this many tokens
     cancel_after_s: float | None = None  # or this long after sending, whatever has arrived by then
@@ -47,6 +48,8 @@ class CompletionRequest:
         }
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
         if self.ignore_eos:
             body["ignore_eos"] = True
         return body

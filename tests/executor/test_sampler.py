@@ -725,12 +725,13 @@ def test_the_cpus_path_samples_what_a_devices_path_samples(draw_path, data):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
-    # A CPU row that asks for neither logits processing nor alternatives is drawn in one compiled
-    # call with an exponential of its own: the same finite flags and tokens as the torch / numpy
-    # passes, and logprobs within float32 rounding of torch's log_softmax. The logits are continuous
-    # (no ties), so that no draw sits on a token's edge, where the two may round apart; ties are
-    # the next test's. The rows it leaves (min_p processing, alternatives, a flat row's nucleus past
-    # its candidates) are the passes' to the bit, alternatives included, with the same uniforms.
+    # A CPU row that no logits processing touches is drawn in one compiled call with an exponential
+    # of its own: the same finite flags and tokens as the torch / numpy passes, logprobs within
+    # float32 rounding of torch's log_softmax, and the same alternatives but where two of them are
+    # that near (torch's topk orders ties its own way). The logits are continuous (no ties), so that
+    # no draw sits on a token's edge, where the two may round apart; ties are the next tests'. The
+    # rows it leaves (min_p processing) are the passes' to the bit, alternatives included, with the
+    # same uniforms.
     import executor.sampler as sampler
 
     if sampler._sampling is None:
@@ -763,7 +764,7 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
     torch.manual_seed(seed)
     whole = sample(logits.clone(), params)
     left = np.zeros(0, dtype=np.int64) if left is None else left
-    assert set(left.tolist()) >= set(min_p_rows) | set(np.flatnonzero(wanted).tolist())
+    assert set(left.tolist()) >= set(min_p_rows)
     assert torch.equal(whole.token_ids[left], passes.token_ids[left])
     torch.testing.assert_close(whole.logprobs[left], passes.logprobs[left], equal_nan=True, rtol=0, atol=0)
     if wanted.max():
@@ -772,8 +773,19 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
     else:
         assert whole.top_ids is None
     decided = torch.from_numpy(np.setdiff1d(np.arange(rows), left))
-    for name in ("token_ids", "logprobs", "finite"):  # sample() gives the pass's own for its rows
+    names = ("token_ids", "logprobs", "finite") + (("top_ids", "top_logprobs") if wanted.max() else ())
+    for name in names:  # sample() gives the pass's own for its rows
         torch.testing.assert_close(getattr(whole, name)[decided], getattr(compiled, name)[decided], equal_nan=True, rtol=0, atol=0)
+    for r in decided.tolist() if wanted.max() else ():
+        ours, theirs = compiled.top_logprobs[r], passes.top_logprobs[r]
+        torch.testing.assert_close(ours, theirs, equal_nan=True, rtol=2e-6, atol=2e-5)
+        if not passes.finite[r] or not wanted[r]:
+            assert torch.equal(compiled.top_ids[r], passes.top_ids[r])
+            continue
+        temperature = params.host.temperature[r]
+        exact = torch.log_softmax(logits[r] / temperature if temperature > 0 else logits[r], dim=-1)
+        for i, (a, b) in enumerate(zip(compiled.top_ids[r].tolist(), passes.top_ids[r].tolist())):
+            assert a == b or abs(exact[a] - theirs[i]) <= 2e-5 + 2e-6 * abs(theirs[i]), (r, i, a, b)  # a near-tie
     assert torch.equal(compiled.finite[decided], passes.finite[decided])
     host, by_row = params.host, params.host.by_row(uniforms)
     for r in decided.tolist():  # a cut row's draw may move by a token where its cut or target sits within rounding of an edge
@@ -783,6 +795,43 @@ def test_the_one_compiled_pass_samples_what_the_passes_sample(data):
             assert _passes_draw_near(logits[r], *row, int(compiled.token_ids[r])), (r, row, compiled.token_ids, passes.token_ids)
             compiled.logprobs[r] = passes.logprobs[r] = 0.0  # another token's logprob
     torch.testing.assert_close(compiled.logprobs[decided], passes.logprobs[decided], equal_nan=True, rtol=2e-6, atol=2e-5)
+
+
+def test_the_compiled_pass_keeps_each_rows_most_likely_tokens_in_order():
+    # A row's alternatives are the largest of its x / t - top as the pass makes them in float32 (the
+    # same value as numpy's), as many as the greediest row wants, most likely first and equal ones
+    # in id order; their logprobs torch's log_softmax to float32 rounding, and the drawn token's
+    # own where it is among them. Rows that want none, or are not finite, hold ids 0 and NaN.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    rows, vocab, width = 9, 3000, 20
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 6, (rows, vocab), generator=g).float() * 0.5  # hundreds of ties a value
+    logits[1] = torch.randn(vocab, generator=g) * 3
+    logits[2, 7] = math.nan
+    logits[8] = torch.randn(vocab, generator=g) * 0.01  # flat: a cut row drawn over its whole row
+    t = [0.0, 0.7, 1.0, 1.3, 0.0, 2.0, 0.3, 1.0, 1.0]
+    wanted = [5, width, 3, 0, 1, width, 7, 2, 4]
+    top_p = [1.0, 0.9, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.95]
+    params = SamplingBatch.of(t, top_p, [0] * rows, [-1] * rows, range(rows), num_logprobs=np.array(wanted, np.uint8))
+    out = sample(logits, params)
+    assert out.top_ids.shape == out.top_logprobs.shape == (rows, width)
+    for r in range(rows):
+        if not wanted[r] or r == 2:
+            assert out.top_ids[r].tolist() == [0] * width and out.top_logprobs[r].isnan().all(), r
+            continue
+        scale = np.float32(t[r] if t[r] > 0 else 1.0)
+        x = logits[r].numpy()
+        v = (x / scale if scale != 1 else x) - (x.max() / scale if scale != 1 else x.max())
+        order = np.lexsort((np.arange(vocab), -v))[:width]
+        assert out.top_ids[r].tolist() == order.tolist(), r
+        exact = torch.log_softmax(torch.from_numpy(x / scale), dim=-1)[torch.from_numpy(order)]
+        torch.testing.assert_close(out.top_logprobs[r], exact, rtol=2e-6, atol=2e-5)
+        token = int(out.token_ids[r])
+        if token in order.tolist():
+            assert out.logprobs[r] == out.top_logprobs[r, order.tolist().index(token)], r
 
 
 def _passes_draw_near(logits_row: torch.Tensor, temperature: float, k: int, top_p: float, u: float, token: int) -> bool:
@@ -917,30 +966,35 @@ def test_the_compiled_pass_reads_the_draw_kinds_the_sampler_writes():
         sampler._sample_compiled(torch.zeros(2, 8), host, np.zeros(0, dtype=np.float32), np.array([0, 9], dtype=np.uint8))
 
 
-def _compiled_rows(logits: torch.Tensor, host: HostRows, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """The compiled pass on up to `threads` threads: tokens, logprobs, finite flags, rows left."""
+def _compiled_rows(logits: torch.Tensor, host: HostRows, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+    """The compiled pass on up to `threads` threads, with every seventh row left as logits
+    processing leaves it: tokens, logprobs, finite flags, rows left, alternatives' ids and logprobs."""
     import executor.sampler as sampler
 
     uniforms = np.random.default_rng(logits.shape[0]).random(host.random.shape[0], dtype=np.float32)
-    out, left = sampler._sample_compiled(logits, host, uniforms, host.draws, threads)
-    return out.token_ids.numpy(), out.logprobs.numpy(), out.finite.numpy(), 0 if left is None else left.shape[0]
+    draws = host.draws.copy()
+    draws[np.arange(draws.shape[0]) % 7 == 6] = sampler.DRAW_ELSEWHERE
+    out, left = sampler._sample_compiled(logits, host, uniforms, draws, threads)
+    alternatives = out.top_ids.numpy(), out.top_logprobs.numpy()
+    return out.token_ids.numpy(), out.logprobs.numpy(), out.finite.numpy(), 0 if left is None else left.shape[0], *alternatives
 
 
 def _mixed_rows(rows: int, vocab: int) -> tuple[torch.Tensor, HostRows]:
     """Rows of every kind (greedy, plain, top-k, top-p, a flat top-p row drawn over its whole row, a
-    non-finite one, one that wants alternatives and is left), over enough logits for the compiled
-    pass to draw them on several threads."""
+    non-finite one, some that want alternatives), over enough logits for the compiled pass to draw
+    them on several threads."""
     logits = random_logits(rows, vocab=vocab, seed=rows) * 2
     logits[3] = 0.0
     logits[5, 17] = float("nan")
     kinds = [(0.0, 1.0, 0), (0.8, 1.0, 0), (0.7, 1.0, 40), (0.7, 0.9, 0), (1.0, 0.95, 0), (0.7, 0.9, 0), (0.7, 0.9, 0)]
     t, p, k = (np.array([kinds[r % len(kinds)][i] for r in range(rows)]) for i in range(3))
-    return logits, HostRows.of(t, p, k, np.full(rows, -1), np.arange(rows), (np.arange(rows) % len(kinds) == 6).astype(np.uint8))
+    wants = np.array([(0, 3, 0, 5, 2, 4, 0)[r % len(kinds)] for r in range(rows)], dtype=np.uint8)
+    return logits, HostRows.of(t, p, k, np.full(rows, -1), np.arange(rows), wants)
 
 
 def test_the_compiled_pass_draws_the_same_on_any_number_of_threads():
     # Threads claim rows as they go, so which thread draws a row changes from call to call; a row's
-    # token, logprob and flag are its own either way, and the rows left are the same.
+    # token, logprob, flag and alternatives are its own either way, and the rows left are the same.
     import executor.sampler as sampler
 
     if sampler._sampling is None:
@@ -953,6 +1007,7 @@ def test_the_compiled_pass_draws_the_same_on_any_number_of_threads():
             got = _compiled_rows(logits, host, threads)
             assert np.array_equal(got[0], alone[0]) and got[3] == alone[3], threads
             assert np.array_equal(got[1], alone[1], equal_nan=True) and np.array_equal(got[2], alone[2]), threads
+            assert np.array_equal(got[4], alone[4]) and np.array_equal(got[5], alone[5], equal_nan=True), threads
     with pytest.raises(ValueError, match="threads"):
         _compiled_rows(logits, host, 0)
 

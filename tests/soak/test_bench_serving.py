@@ -16,7 +16,7 @@ from scripts.serving_report import (
     side_result,
     write_plot,
 )
-from scripts.harness.client import StreamResult
+from scripts.harness.client import CompletionRequest, StreamResult
 from scripts.prompts import PromptBuilder
 
 
@@ -239,7 +239,7 @@ def test_sampling_flags_reach_every_request_and_need_no_reference(monkeypatch):
     assert (parse_args([]).temperature, parse_args([]).top_p) == (0.0, 1.0)
     for bad in (["--temperature", "0.7"], ["--temperature", "-1", "--no-reference"], ["--top-p", "0", "--no-reference"],
                 ["--top-p", "1.5", "--no-reference"], ["--temperature", "1e-6", "--no-reference"],
-                ["--top-p", "1e-7", "--no-reference"]):  # the server's floors (protocol.sampling_limits)
+                ["--top-p", "1e-7", "--no-reference"], ["--logprobs", "21"], ["--logprobs", "-1"]):  # the server's limits (protocol.sampling_limits)
         with pytest.raises(SystemExit):
             parse_args(bad)
     sent = []
@@ -250,10 +250,11 @@ def test_sampling_flags_reach_every_request_and_need_no_reference(monkeypatch):
 
     monkeypatch.setattr(bench, "stream_completion", fake_stream)
     prompts = [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
-    results, _ = asyncio.run(bench.run_server_level("http://h:1", "m", prompts, 2, 5, 1.0, temperature=0.7, top_p=0.9))
+    results, _ = asyncio.run(bench.run_server_level("http://h:1", "m", prompts, 2, 5, 1.0, temperature=0.7, top_p=0.9, logprobs=5))
     assert len(results) == 3 and sorted(r.prompt_ids for r in sent) == prompts
     assert {(r.temperature, r.top_p, r.max_tokens, r.ignore_eos) for r in sent} == {(0.7, 0.9, 5, True)}
-    assert {(b["temperature"], b["top_p"]) for b in (r.body("m") for r in sent)} == {(0.7, 0.9)}
+    assert {(b["temperature"], b["top_p"], b["logprobs"]) for b in (r.body("m") for r in sent)} == {(0.7, 0.9, 5)}
+    assert parse_args(["--logprobs", "5"]).logprobs == 5 and "logprobs" not in CompletionRequest((1,), 2).body("m")
 
 
 def test_the_summary_says_how_the_requests_sampled(tmp_path, capsys):
@@ -267,6 +268,8 @@ def test_the_summary_says_how_the_requests_sampled(tmp_path, capsys):
     assert "64 out tokens, greedy" in capsys.readouterr().err
     print_summary(report(temperature=0.7, top_p=0.9), tmp_path)
     assert "64 out tokens, temperature 0.7, top_p 0.9" in capsys.readouterr().err
+    print_summary(report(logprobs=5), tmp_path)
+    assert "64 out tokens, greedy, 5 alternatives a token" in capsys.readouterr().err
 
 
 def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, tmp_path):
