@@ -339,6 +339,11 @@ class Tokenizer:
         table = self._byte_table
         return table[token_id] if 0 <= token_id < len(table) else b""
 
+    def build_byte_table(self) -> None:
+        """Builds what token_bytes reads now (~80 ms for a vocabulary of 49,152 on a CPU of these
+        machines): a server does as it starts, not in the first request that asks for logprobs."""
+        self._byte_table  # noqa: B018 - the cached property is built by its first read
+
     @functools.cached_property
     def _byte_table(self) -> tuple[bytes, ...]:
         backend = self._backend

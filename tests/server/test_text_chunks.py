@@ -32,26 +32,53 @@ def endpoints() -> list[tuple[object, object]]:
     ]
 
 
+LOGPROBS_ = st.floats(-1e4, 0.0, allow_nan=False) | st.sampled_from([0.0, -0.0, -1e-45, -9999.0, -0.1])
+COMPLETION_FIELDS = st.integers(0, 4).flatmap(lambda n: st.fixed_dictionaries({
+    "tokens": st.lists(TEXTS, min_size=n, max_size=n),
+    "token_logprobs": st.lists(LOGPROBS_, min_size=n, max_size=n),
+    "top_logprobs": st.lists(st.dictionaries(TEXTS, LOGPROBS_, max_size=4), min_size=n, max_size=n),
+    "text_offset": st.lists(st.integers(0, 2**31), min_size=n, max_size=n),
+}).map(lambda d: {k: d[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}))  # the model's order, as completion_fields
+TOP = st.fixed_dictionaries({"token": TEXTS, "logprob": LOGPROBS_, "bytes": st.lists(st.integers(0, 255), max_size=6)}).map(
+    lambda d: {k: d[k] for k in ("token", "logprob", "bytes")}  # the model's order, as chat_fields
+)
+CHAT_FIELDS = st.fixed_dictionaries({
+    "content": st.lists(TOP.flatmap(lambda top: st.lists(TOP, max_size=3).map(lambda tops: top | {"top_logprobs": tops})), max_size=3)
+})  # fmt: skip
+
+
 @pytest.mark.parametrize("endpoint, body", endpoints())
-@given(text=TEXTS, index=st.integers(0, 3), ids=st.lists(st.integers(0, 2**31 - 1), max_size=17))
-def test_a_rendered_chunk_is_the_models_dump(endpoint, body, text: str, index: int, ids: list[int]) -> None:
+@given(data=st.data(), text=TEXTS, index=st.integers(0, 3), ids=st.lists(st.integers(0, 2**31 - 1), max_size=17))
+def test_a_rendered_chunk_is_the_models_dump(endpoint, body, data, text: str, index: int, ids: list[int]) -> None:
     with_ids = endpoint.lists_token_ids(body)
-    chunk = TextChunk.of(functools.partial(endpoint.text_chunk, body, REPLY, index), with_ids)
-    rendered = chunk.render(text, ids)
-    assert rendered == endpoint.text_chunk(body, REPLY, index, text, ids if with_ids else None)
+    with_logprobs = data.draw(st.booleans(), label="logprobs")
+    fields = None
+    if with_logprobs:
+        fields = data.draw(CHAT_FIELDS if isinstance(endpoint, ChatCompletions) else COMPLETION_FIELDS, label="fields")
+    placeholder = endpoint.logprobs_placeholder if with_logprobs else None
+    chunk = TextChunk.of(functools.partial(endpoint.text_chunk, body, REPLY, index), with_ids, placeholder)
+    rendered = chunk.render(text, ids, fields)
+    model = None if fields is None else type(endpoint.logprobs_placeholder("x"))(**fields)
+    assert rendered == endpoint.text_chunk(body, REPLY, index, text, ids if with_ids else None, model)
     choice = json.loads(rendered)["choices"][0]
     assert choice["index"] == index and (choice.get("text") == text or choice.get("delta") == {"content": text})
     assert choice.get("token_ids") == (ids if with_ids else None)
+    assert choice["logprobs"] == (None if fields is None else json.loads(model.model_dump_json()))
+    if with_logprobs:  # a piece with no tokens: the chunk says null, as the model does
+        assert chunk.render(text, ids, None) == endpoint.text_chunk(body, REPLY, index, text, ids if with_ids else None, None)
 
 
-def test_a_chunk_that_holds_its_text_twice_is_refused() -> None:
-    with pytest.raises(ValueError, match="exactly once"):
-        TextChunk.of(lambda t, _ids: json.dumps([t, t]))
+def test_a_chunk_that_holds_its_text_or_token_ids_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="text exactly once"):
+        TextChunk.of(lambda t, _ids, _lp: json.dumps([t, t]))
+    with pytest.raises(ValueError, match="token ids exactly once"):
+        TextChunk.of(lambda t, ids, _lp: json.dumps([ids, t, ids]), with_ids=True)
 
 
-def test_a_chunk_whose_token_ids_are_not_after_its_text_once_is_refused() -> None:
-    with pytest.raises(ValueError, match="token ids exactly once after its text"):
-        TextChunk.of(lambda t, ids: json.dumps([ids, t]), with_ids=True)
+def test_slots_are_filled_in_the_order_the_chunk_holds_them() -> None:
+    chunk = TextChunk.of(lambda t, ids, _lp: json.dumps({"ids": ids, "text": t}, separators=(",", ":")), with_ids=True)
+    assert chunk.render("hello", [5, 6]) == '{"ids":[5,6],"text":"hello"}'
+
 
 
 @given(data=TEXTS, event=st.sampled_from([None, "error"]))
@@ -74,3 +101,17 @@ def test_a_completions_piece_on_the_template_is_the_chunk_its_models_would_dump(
     dumped = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
     hidden = {} if return_ids else {"choices": {"__all__": {"token_ids"}}}
     assert rendered == dumped.model_dump_json(exclude={**hidden, "usage": True})
+
+
+def test_the_logprobs_fields_are_the_models_in_its_order(tokenizer) -> None:
+    # A chunk renders the fields themselves: their keys must come in the model's order.
+    from pydantic_core import to_json
+
+    from tp_runtime.http import logprobs
+    from tp_runtime.http.generation import SampledToken
+
+    ids = tokenizer.encode("héllo, wörld 漢字")
+    tokens = [SampledToken(t, -0.25 * i, 3 * i, tuple(((t + j) % tokenizer.vocab_size, -0.5 - j) for j in range(3))) for i, t in enumerate(ids)]
+    fields = logprobs.completion_fields(tokenizer, tokens, 7)
+    assert to_json(fields).decode() == logprobs.for_completion(tokenizer, tokens, 7).model_dump_json()
+    assert to_json(logprobs.chat_fields(tokenizer, tokens)).decode() == logprobs.for_chat(tokenizer, tokens).model_dump_json()

@@ -20,6 +20,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from tp_runtime.http import logprobs, structured_output, tool_calls, validation
 from tp_runtime.http.api_models import (
@@ -31,6 +32,7 @@ from tp_runtime.http.api_models import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -102,7 +104,10 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         )
         if body.stream:
             reply.text_chunks.extend(
-                TextChunk.of(functools.partial(self.text_chunk, body, reply, i), self.lists_token_ids(body))
+                TextChunk.of(
+                    functools.partial(self.text_chunk, body, reply, i), self.lists_token_ids(body),
+                    self.logprobs_placeholder if want_logprobs else None,
+                )  # fmt: skip
                 for i in range(len(generations))
             )
         else:
@@ -182,10 +187,17 @@ class OpenAIEndpoint(ABC, Generic[Body]):
         return False
 
     @abstractmethod
-    def text_chunk(self, body: Body, reply: Reply, index: int, text: str, token_ids: list[int] | None) -> str:
+    def text_chunk(
+        self, body: Body, reply: Reply, index: int, text: str, token_ids: list[int] | None, logprobs_: BaseModel | None
+    ) -> str:
         """The chunk of choice `index` that carries `text` (and, where lists_token_ids, its
-        `token_ids`) and nothing else (no logprobs, no end): the one the stream's TextChunk renders
-        by concatenation."""
+        `token_ids`, and its logprobs where given) and nothing else (no end): the one the stream's
+        TextChunk renders by concatenation."""
+
+    @staticmethod
+    @abstractmethod
+    def logprobs_placeholder(marker: str) -> BaseModel:
+        """The endpoint's logprobs model holding `marker` once: where a TextChunk's logprobs go."""
 
 
 def _grammar(body: OpenAISampling, tools: ToolPlan | None) -> structured_output.Asked | None:
@@ -250,9 +262,10 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         return answer.model_dump(exclude=self._hidden(body))
 
     def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
-        if piece.finish_reason is None and not reply.logprobs:
-            chunk = reply.text_chunks[index]
-            return [chunk.render(piece.text, piece.token_ids if chunk.with_ids else ())]
+        if piece.finish_reason is None:
+            chunk, end = reply.text_chunks[index], sent + len(piece.text)
+            fields = logprobs.completion_fields(self.service.tokenizer, piece.tokens, end) if reply.logprobs else None
+            return [chunk.render(piece.text, piece.token_ids if chunk.with_ids else (), fields)]
         choice = CompletionChoice(
             index=index,
             text=piece.text,
@@ -267,11 +280,15 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
         return body.return_token_ids
 
     def text_chunk(
-        self, body: CompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None
+        self, body: CompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None, logprobs_: BaseModel | None
     ) -> str:
-        choice = CompletionChoice(index=index, text=text, finish_reason=None, token_ids=token_ids)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs_, finish_reason=None, token_ids=token_ids)
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[choice])
         return chunk.model_dump_json(exclude={**self._hidden(body), "usage": True})
+
+    @staticmethod
+    def logprobs_placeholder(marker: str) -> CompletionLogprobs:
+        return CompletionLogprobs(tokens=[marker], token_logprobs=[], top_logprobs=None, text_offset=[])
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
         chunk = CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage)
@@ -337,7 +354,7 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
 
     def chunks(self, body: ChatCompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         # The piece's logprobs go with its text, or with the closing chunk when it has none.
-        logprobs_ = self._logprobs(reply, piece.tokens) if piece.tokens else None
+        fields = logprobs.chat_fields(self.service.tokenizer, piece.tokens) if reply.logprobs and piece.tokens else None
         text, calls, reason = piece.text, [], piece.finish_reason
         if reply.tool_streams:  # tool calls: text that may start one is held until the end
             stream = reply.tool_streams[index]
@@ -347,24 +364,27 @@ class ChatCompletions(OpenAIEndpoint[ChatCompletionRequest]):
                 text += rest
                 reason = FINISH_TOOL_CALLS if calls and reason == "stop" else reason
         out = []
-        if text and logprobs_ is None:
-            out.append(reply.text_chunks[index].render(text))
-        elif text:
-            choice = ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs_, finish_reason=None)
-            out.append(self._chunk(reply, choice))
-            logprobs_ = None
+        if text:
+            out.append(reply.text_chunks[index].render(text, (), fields))
+            fields = None
         if calls:
             choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=calls), finish_reason=None)
             out.append(self._chunk(reply, choice))
         if reason is not None:
-            choice = ChatChunkChoice(index=index, delta=ChatDelta(), logprobs=logprobs_, finish_reason=reason)
+            choice = ChatChunkChoice(
+                index=index, delta=ChatDelta(), logprobs=None if fields is None else ChatLogprobs(**fields), finish_reason=reason
+            )
             out.append(self._chunk(reply, choice))
         return out
 
     def text_chunk(
-        self, body: ChatCompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None
+        self, body: ChatCompletionRequest, reply: Reply, index: int, text: str, token_ids: list[int] | None, logprobs_: BaseModel | None
     ) -> str:
-        return self._chunk(reply, ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=None))
+        return self._chunk(reply, ChatChunkChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs_, finish_reason=None))
+
+    @staticmethod
+    def logprobs_placeholder(marker: str) -> ChatLogprobs:
+        return ChatLogprobs(content=[ChatTokenLogprob(token=marker, logprob=0.0, bytes=None, top_logprobs=[])])
 
     def usage_chunk(self, reply: Reply, usage: Usage) -> str:
         chunk = ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage)
