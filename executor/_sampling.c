@@ -12,11 +12,11 @@
  * tests/executor/test_sampler.py holds the two to the same tokens. Rows it cannot decide (more
  * candidates than the caller's room, or a nucleus wider than them) are left to numpy's later rounds.
  *
- * sample_rows() draws, in one call, every row of a batch that asks for neither logits processing
- * nor alternatives (the caller marks the others): per row one pass for the finite check, the
- * largest logit and its first column, one that sums the exponentials (with the candidates of a
- * top-k / top-p row, or the block sums of a plain one, gathered in the same pass), and the draw,
- * with no table of logprobs written; a cut row its candidates do not decide is drawn among all
+ * sample_rows() draws, in one call, every row of a batch that no logits processing touches (the
+ * caller marks the others): per row one pass for the finite check, the largest logit and its first
+ * column, one that sums the exponentials (with the candidates of a top-k / top-p row, or the block
+ * sums of a plain one, gathered in the same pass), the draw, and for a row that wants alternatives
+ * one more pass that keeps its most likely tokens, with no table of logprobs written; a cut row its candidates do not decide is drawn among all
  * its tokens (change 86). Its exponential is its own (exp_lanes), so its logprobs are torch's
  * log_softmax to float32 rounding, not to the bit, and its tokens those of the passes above except
  * where a uniform or a top-p cut falls within that rounding of a token's edge
@@ -1030,7 +1030,8 @@ static PyObject *pool_stats(PyObject *self, PyObject *args) {
 }
 
 /* sample_rows(logits, vocab, scale, kinds, k, top_p, uniforms, log_ratio, margin, ratio, room,
- *             tokens, logprobs, finite, threads) -> rows left undecided
+ *             tokens, logprobs, finite, wants, alternatives, top_ids, top_logprobs, threads)
+ *             -> rows left undecided
  *
  * logits: float32[rows, vocab]. Per row: scale (its temperature, 1 for greedy), kind (0 greedy,
  * 1 plain: drawn over the whole row, 2 cut: top-k and / or top-p, 3 elsewhere: left to the caller),
@@ -1039,7 +1040,10 @@ static PyObject *pool_stats(PyObject *self, PyObject *args) {
  * it: token 0, logprob NaN). A cut row whose candidates (within log_ratio - margin of its largest)
  * are more than room or do not hold its nucleus is drawn among all its tokens. A row left
  * elsewhere (and such a row where its buffers could not be had) gets token -1: the caller samples
- * it otherwise. Over PARALLEL_ELEMENTS logits or more, up to `threads` threads
+ * it otherwise. A finite row drawn here with wants > 0 (uint8[rows], at most `alternatives`) gets
+ * its `alternatives` most likely tokens in its row of top_ids (int64[rows, alternatives]) and their
+ * logprobs in top_logprobs (float32, the same shape), most likely first; other rows' are left as
+ * the caller filled them. Over PARALLEL_ELEMENTS logits or more, up to `threads` threads
  * draw the rows (each row's outputs are its own, whichever thread draws it). */
 static PyObject *sample_rows(PyObject *self, PyObject *args) {
     PyObject *logits_obj, *scale_obj, *kinds_obj, *k_obj, *top_p_obj, *u_obj, *tokens_obj, *logprobs_obj, *finite_obj, *wants_obj, *top_ids_obj,
@@ -1081,6 +1085,10 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     }
     if (buffer_of(top_ids_obj, &top_ids, 1, 'i', sizeof(int64_t), rows * alternatives, "top_ids") < 0) goto done_wants;
     if (buffer_of(top_logprobs_obj, &top_logprobs, 1, 'f', sizeof(float), rows * alternatives, "top_logprobs") < 0) goto done_top_ids;
+    if (top_ids.len != rows * alternatives * (Py_ssize_t)sizeof(int64_t) || top_logprobs.len != rows * alternatives * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "top_ids and top_logprobs must hold exactly rows x alternatives: a row's are at its stride");
+        goto done_top_logprobs;
+    }
 
     RowsJob job = {
         .logits = logits.buf, .vocab = vocab, .room = room, .rows = rows, .scale = scale.buf, .top_p = top_p.buf, .u = u.buf,

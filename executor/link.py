@@ -348,7 +348,8 @@ class SchedulerLink:
     def _stage(self, step: int, prepare: Prepare) -> StagedStep:
         """Everything of a step that needs no device work: nothing here changes if it is refused,
         but for the held page tables and sampling-state ids, which the ABORT that follows a REJECT
-        drops anyway."""
+        drops anyway, and rank 0's draws from torch's default generator (its inputs' unseeded
+        uniforms, drawn once its checks have passed: a step refused by them draws none)."""
         feedback_tokens, feedback_sources = self._feedback(prepare)
         table = self._page_tables.apply(prepare)
         self._stateful.accept(prepare)

@@ -14,7 +14,8 @@ search, instead of a noise vector over the whole vocabulary (which costs tens of
 step on a CPU). A seeded row's uniform is a hash of (seed, position of the token whose logits it
 holds): its token then depends only on its own logits row, never on which rows share the batch or
 on the tensor-parallel size (rank 0 always sees the whole row).
-Unseeded rows share one draw from the default generator.
+Unseeded rows take one draw a forward from the default generator, made where the step is staged
+(draw_unseeded).
 
 Top-k and top-p rows are sampled, on a CPU, among their candidates: the tokens within a factor of
 the row's most likely one, found by one comparison pass and sorted alone (a partial topk or a full
@@ -114,8 +115,7 @@ _PASS_ROOM = 8192
 # (docs/control_plane.md, change 85).
 _PASS_THREADS = os.cpu_count() or 1
 # How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
-# top-k / top-p candidates, or not at all (a row that wants alternatives or logits processing:
-# the passes draw it).
+# top-k / top-p candidates, or not at all (a row that logits processing touches: the passes draw it).
 DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, DRAW_ELSEWHERE = 0, 1, 2, 3
 # A plain row's draw on a CPU goes through sums of blocks this wide (_draw_plain), where its
 # vocabulary is a multiple of them and at least _PLAIN_MIN_VOCAB wide (below, one pass is cheap).
@@ -205,8 +205,8 @@ class HostRows:
         # The compiled calls read top-k as int64 and top-p as float32 (HostRows.of's; no copy then).
         derive("top_k", self.top_k.astype(np.int64, copy=False))
         derive("top_p", self.top_p.astype(np.float32, copy=False))
-        if rows[0] and self.num_logprobs.max() > 255:
-            raise SamplingError("host rows: num_logprobs must be at most 255")
+        if rows[0] and not 0 <= self.num_logprobs.min() <= self.num_logprobs.max() <= 255:
+            raise SamplingError("host rows: num_logprobs must be in 0 to 255")
         derive("num_logprobs", self.num_logprobs.astype(np.uint8, copy=False))  # as the compiled pass reads it
         greedy = self.greedy
         random = np.flatnonzero(~greedy)
@@ -293,7 +293,8 @@ class SamplingBatch:
     """Per-row parameters, one entry per logits row: what a device's arithmetic reads on the logits'
     device, and the same rows on the host, which the branches, the seeded draws and a CPU's
     arithmetic read. A step's is made where its PREPARE is staged (executor.inputs), checked here
-    then, so that the sample between two forwards checks only the logits' rows."""
+    then, so that the sample between two forwards checks only the logits' rows (but for a later
+    forward's batch, and one that logits processing is added to)."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off
@@ -332,7 +333,7 @@ class SamplingBatch:
 
     def rows(self, index: np.ndarray) -> SamplingBatch:
         """The rows at `index` alone, with no logits processing (the caller's rows have none): the
-        rows the compiled pass leaves (those that want alternatives), whose host rows
+        rows the compiled pass leaves (a flat row whose buffers could not be had), whose host rows
         are derived again here, between two forwards, as the passes' cost dwarfs it."""
         h = self.host
         host = HostRows(h.temperature[index], h.top_p[index], h.top_k[index], h.seeds[index], h.positions[index], h.num_logprobs[index])

@@ -341,7 +341,8 @@ class Tokenizer:
 
     def build_byte_table(self) -> None:
         """Builds what token_bytes reads now (~80 ms for a vocabulary of 49,152 on a CPU of these
-        machines): a server does as it starts, not in the first request that asks for logprobs."""
+        machines): a server does as it starts, not in the first request that asks for logprobs or
+        ends on part of a character."""
         self._byte_table  # noqa: B018 - the cached property is built by its first read
 
     @functools.cached_property

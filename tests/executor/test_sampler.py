@@ -931,8 +931,9 @@ def test_the_compiled_pass_keeps_ties_in_id_order_and_its_logprobs_near_float64(
 
 
 def test_a_rows_draw_does_not_depend_on_a_neighbour_wanting_alternatives():
-    # The row that wants alternatives goes through the passes, the others through the compiled pass
-    # either way: their tokens and logprobs are the same to the bit as in a batch where none wants any.
+    # Every row goes through the compiled pass either way: the rows beside the one that wants
+    # alternatives have the same tokens and logprobs to the bit as in a batch where none wants any,
+    # and that row's draw is its own alone too.
     logits = random_logits(4, vocab=700, seed=5)
     rows = dict(temperature=[0.0, 0.8, 1.0, 0.5], top_p=[1.0, 0.9, 1.0, 1.0], top_k=[0, 0, 0, 20], seeds=[-1, 3, 4, 5], positions=range(4))
     alone = sample(logits, SamplingBatch.of(**rows))
@@ -942,16 +943,11 @@ def test_a_rows_draw_does_not_depend_on_a_neighbour_wanting_alternatives():
         assert beside.logprobs[r].item() == alone.logprobs[r].item()
     assert beside.top_ids is not None and beside.top_ids[2, 0] == int(torch.log_softmax(logits[2], dim=-1).argmax())
     assert alone.top_ids is None
-    # The row that wants alternatives is the passes' own draw, alone or in the batch.
-    from executor.sampler import _sample_in_passes
-
-    torch.manual_seed(0)
-    in_batch = sample(logits, SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8)))
-    torch.manual_seed(0)
-    params = SamplingBatch.of(**rows, num_logprobs=np.array([0, 0, 2, 0], dtype=np.uint8))
-    passes = _sample_in_passes(logits, params, params.host.uniforms())
-    assert in_batch.token_ids[2] == passes.token_ids[2] and in_batch.logprobs[2].item() == passes.logprobs[2].item()
-    assert torch.equal(in_batch.top_ids[2], passes.top_ids[2])
+    # The row that wants alternatives draws what it draws alone (its seed decides its uniform).
+    lone = {name: [value[2]] for name, value in rows.items() if name != "positions"} | {"positions": [2]}
+    by_itself = sample(logits[2:3], SamplingBatch.of(**lone, num_logprobs=np.array([2], dtype=np.uint8)))
+    assert beside.token_ids[2] == by_itself.token_ids[0] and beside.logprobs[2].item() == by_itself.logprobs[0].item()
+    assert torch.equal(beside.top_ids[2], by_itself.top_ids[0]) and torch.equal(beside.top_logprobs[2], by_itself.top_logprobs[0])
 
 
 def test_the_compiled_pass_reads_the_draw_kinds_the_sampler_writes():
@@ -1010,6 +1006,25 @@ def test_the_compiled_pass_draws_the_same_on_any_number_of_threads():
             assert np.array_equal(got[4], alone[4]) and np.array_equal(got[5], alone[5], equal_nan=True), threads
     with pytest.raises(ValueError, match="threads"):
         _compiled_rows(logits, host, 0)
+
+
+def test_the_compiled_pass_takes_alternatives_buffers_of_its_exact_width():
+    # A row's alternatives are written at a stride of `alternatives`: a wider buffer would hold them
+    # in the wrong places, so it is refused, as a narrower one is.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    logits, host = _mixed_rows(7, 300)
+    rows, width = 7, host.most_logprobs
+    tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
+    for columns in (width - 1, width + 1):
+        with pytest.raises(ValueError):
+            sampler._sampling.sample_rows(
+                logits.numpy(), 300, host.scale, host.draws, host.top_k, host.top_p, np.zeros(rows, np.float32),
+                sampler._FIRST_LOG_RATIO, sampler._LOG_MARGIN_32, sampler.CANDIDATE_RATIOS[0], 300, tokens, logprobs, finite,
+                host.num_logprobs, width, np.zeros((rows, columns), np.int64), np.zeros((rows, columns), np.float32), 1,
+            )  # fmt: skip
 
 
 def _helpers_draw(logits: torch.Tensor, host: HostRows, expected: np.ndarray, within_s: float = 60.0) -> bool:

@@ -296,8 +296,8 @@ def test_completion_alternatives_that_read_alike_keep_the_sampled_tokens_logprob
     assert shaped.top_logprobs == [{"\ufffd": -2.0, token_text(tokenizer, 42): -3.0}]
 
 
-@pytest.mark.parametrize("max_logprobs", [20, 0])
-def test_the_token_byte_table_is_built_as_the_app_starts_where_logprobs_may_be_asked(max_logprobs):
+@pytest.mark.parametrize("max_logprobs", [20, 0])  # logprobs: 0 still reads it, as an unfinished character does
+def test_the_token_byte_table_is_built_as_the_app_starts(max_logprobs):
     # ~80 ms for this vocabulary: not in the first request that asks for logprobs.
     from server.fake_engine import FakeEngine
 
@@ -305,5 +305,6 @@ def test_the_token_byte_table_is_built_as_the_app_starts_where_logprobs_may_be_a
     from tp_runtime.tokenizer import Tokenizer
 
     fresh = Tokenizer.from_model_path(default_model_path())
+    assert "_byte_table" not in vars(fresh)
     create_app(FakeEngine(), fresh, ServerSettings((MODEL_NAME,), max_logprobs=max_logprobs))
-    assert ("_byte_table" in vars(fresh)) == (max_logprobs > 0)
+    assert "_byte_table" in vars(fresh)

@@ -36,8 +36,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     limits = Limits(
         tokenizer.vocab_size, engine.max_model_len, prompt_chars, tuple(tokenizer.eos_token_ids), settings.max_logprobs
     )
-    if settings.max_logprobs:
-        tokenizer.build_byte_table()
+    tokenizer.build_byte_table()  # logprobs read it, and the detokenizer at an unfinished character
     text = TextWorker(tokenizer, settings.tokenizer_threads)
     app.router.on_shutdown.append(text.close)
     service = GenerationService(engine, tokenizer, metrics, limits, text)

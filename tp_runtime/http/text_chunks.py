@@ -66,5 +66,5 @@ class TextChunk:
         values = {TEXT: text, IDS: token_ids, LOGPROBS: logprobs}
         out = [self.pieces[0]]
         for slot, after in zip(self.slots, self.pieces[1:]):
-            out += (to_json(values[slot]).decode(), after)
+            out += (to_json(values[slot], inf_nan_mode="null").decode(), after)  # as the models write them
         return "".join(out)
