@@ -193,6 +193,7 @@ def test_metrics_count_a_known_workload(server_tp1: Server) -> None:
 def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny_model: Path) -> None:
     """Four requests of 6 pages each in a pool of 12: the scheduler must preempt, and with host
     memory it offloads; the metrics count requests and pages apart, and agree with each other."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     options = (
@@ -203,9 +204,14 @@ def test_metrics_count_preemptions_and_offloaded_pages_under_pressure(tiny_model
     try:
         before = server.metrics()
         prompt = "pressure " * 4  # 36 tokens or so, 3 pages; 48 more tokens make 6
+        clients = [api(server) for _ in range(4)]
+        # All four at once: on a loaded machine a client made in its thread came late enough for the
+        # first requests to finish before it, and nothing was preempted.
+        together = threading.Barrier(4, timeout=60)
 
         def one(i: int) -> int:
-            result = api(server).completions.create(
+            together.wait()
+            result = clients[i].completions.create(
                 model=served(server), prompt=f"{i} {prompt}", max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
             )
             return result.usage.completion_tokens
