@@ -77,12 +77,13 @@ class StepInputs:
     @classmethod
     def from_prepare(
         cls, p: Prepare, *, pad_page: int, page_size: int, device: torch.device | str, page_table: np.ndarray | None = None,
-        samples: bool = True,
+        samples: bool = True, needed: np.ndarray | None = None,
     ) -> StepInputs:
         """`page_table`: the whole page tables, concatenated, that protocol.page_tables resolved
         from p's deltas; without it p must carry whole tables (every page_table_base 0).
         `samples`: whether this rank samples (rank 0). Elsewhere the sampler's parameters stay
-        empty (NO_SAMPLER_ROWS), sparing every other rank their derivation each step."""
+        empty (NO_SAMPLER_ROWS), sparing every other rank their derivation each step.
+        `needed`: pages_needed's, where the caller checked the step already (nothing is raised then)."""
         if page_table is None:
             if p.page_table_base.any():
                 raise StepInputsError("a PREPARE with page-table deltas needs the held page tables")
@@ -92,9 +93,8 @@ class StepInputs:
         query_lens = p.query_lens.astype(np.int64)
         context_lens = p.context_lens.astype(np.int64)
         table_lens = p.page_table_lens.astype(np.int64)
-        # A step of several forwards reads, from its first, the pages its last one needs: they are
-        # all cleared before the first (Prepare.decode_steps), and the tables keep one width.
-        needed = _pages_needed(p, page_table, query_lens, p.final_context_lens, table_lens, page_size)
+        if needed is None:
+            needed = pages_needed(p, page_table, page_size)
         query_start, table_start = _starts(query_lens), _starts(table_lens)
         flat_table = page_table.astype(np.int64)
         width = int(needed.max()) if n else 0
@@ -159,16 +159,13 @@ class StepInputs:
         )
 
 
-def _pages_needed(
-    p: Prepare,
-    page_table: np.ndarray,
-    query_lens: np.ndarray,
-    context_lens: np.ndarray,
-    table_lens: np.ndarray,
-    page_size: int,
-) -> np.ndarray:
+def pages_needed(p: Prepare, page_table: np.ndarray, page_size: int) -> np.ndarray:
     """The pages each sequence's context covers, once p's lengths are checked to describe one step
-    and each sequence's table to hold its context."""
+    and each sequence's table (`page_table`: the whole tables, concatenated) to hold its context;
+    StepInputsError where they do not. A step of several forwards reads, from its first, the pages
+    its last one needs: they are all cleared before the first (Prepare.decode_steps), and the
+    tables keep one width."""
+    query_lens, table_lens, context_lens = p.query_lens.astype(np.int64), p.page_table_lens.astype(np.int64), p.final_context_lens
     num_tokens = p.token_ids.shape[0]
     if query_lens.sum() != num_tokens or p.positions.shape[0] != num_tokens:
         raise StepInputsError(

@@ -5,8 +5,9 @@ It runs beside the model, so that three things never wait for a forward:
   nothing else did): a rank that stops (SIGSTOP, a hang) is seen by its silence within seconds,
   and a healthy rank waiting in a collective for it is not;
 - the next step's PREPARE is decoded, validated, its page tables resolved and its inputs staged
-  while the current step runs, and READY goes out at once: with the scheduler planning ahead, the
-  GO for step N+1 is already here when step N ends;
+  while the current step runs: READY goes out as soon as nothing can refuse the step, and its
+  inputs are built after it, before its GO is read. With the scheduler planning ahead, the GO for
+  step N+1 is already here when step N ends;
 - SHUTDOWN is heard even when the model is stuck in a collective whose peer is gone;
 - a CUT for the step of several forwards that runs reaches the model's thread before its next one.
 
@@ -38,7 +39,7 @@ import torch
 
 from executor.clear_ahead import ClearAhead, PendingClear
 from executor.host_copy import to_device
-from executor.inputs import StepInputs, StepInputsError
+from executor.inputs import StepInputs, StepInputsError, pages_needed
 from executor.sampling_state import StatefulSequences, touches_states
 from protocol.conversation import (
     AbortReceived,
@@ -89,6 +90,18 @@ class StagedStep:
     clears: PendingClear = field(default_factory=PendingClear)
     # Rank 0: whether the step has work for the sampling states (executor.sampling_state.touches_states).
     touches_states: bool = True
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A PREPARE that passed every check a rank makes before its READY, with what they found."""
+
+    step: int
+    prepare: Prepare
+    page_table: np.ndarray  # its whole page tables, the held ones resolved
+    needed: np.ndarray  # the pages each sequence's context covers (executor.inputs.pages_needed)
+    feedback_tokens: np.ndarray  # each feedback row's token index in the step's inputs
+    feedback_sources: np.ndarray  # ... and its sequence's index among the last step's samples
 
 
 @dataclass(frozen=True)
@@ -303,7 +316,7 @@ class SchedulerLink:
         conv = self.conversation
         if isinstance(event, PrepareReceived):
             try:
-                self._staged = self._stage(event.step, event.prepare)
+                checked = self._check(event.step, event.prepare)
             except ProtocolError as exc:
                 logger.error("[rank %d] reject step %d: %s", self.rank, event.step, exc)
                 self._send(conv.reject(event.step, exc))
@@ -311,6 +324,10 @@ class SchedulerLink:
             ready = conv.ready_or_ride(event.step)
             if ready is not None:
                 self._send(ready)
+            # Built once READY is out: only the checks could refuse the step, and its GO comes no
+            # sooner than every rank's READY has reached the scheduler (at 2 ranks on two cores the
+            # build was ~160-280 us of a ~1 ms PREPARE to every READY: docs/control_plane.md, change 91).
+            self._staged = self._build(checked)
             if conv.ready_is_go:
                 self._run_staged(event.step)
         elif isinstance(event, GoReceived):
@@ -345,26 +362,33 @@ class SchedulerLink:
         if busy and self._clear_ahead is not None:
             self._clear_ahead.clear(step, staged.prepare, staged.clears)
 
-    def _stage(self, step: int, prepare: Prepare) -> StagedStep:
-        """Everything of a step that needs no device work: nothing here changes if it is refused,
-        but for the held page tables and sampling-state ids, which the ABORT that follows a REJECT
-        drops anyway, and rank 0's draws from torch's default generator (its inputs' unseeded
-        uniforms, drawn once its checks have passed: a step refused by them draws none)."""
+    def _check(self, step: int, prepare: Prepare) -> _Checked:
+        """Everything that may refuse a step (its feedback rows' samples, its page tables against
+        those held, its sampling states, its lengths against its tables): nothing here changes if
+        it is refused, but for the held page tables and sampling-state ids, which the ABORT that
+        follows a REJECT drops anyway."""
         feedback_tokens, feedback_sources = self._feedback(prepare)
         table = self._page_tables.apply(prepare)
         self._stateful.accept(prepare)
         try:
-            inputs = StepInputs.from_prepare(
-                prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=table,
-                samples=self.rank == 0,
-            )
+            needed = pages_needed(prepare, table, self._page_size)
         except StepInputsError as exc:
             raise ProtocolError(RejectCode.LENGTH_MISMATCH, str(exc)) from exc
+        return _Checked(step, prepare, table, needed, feedback_tokens, feedback_sources)
+
+    def _build(self, checked: _Checked) -> StagedStep:
+        """A checked step's inputs, and everything else of it that needs no device work; rank 0's
+        draw from torch's default generator (the inputs' unseeded uniforms)."""
+        prepare = checked.prepare
+        inputs = StepInputs.from_prepare(
+            prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=checked.page_table,
+            samples=self.rank == 0, needed=checked.needed,
+        )  # fmt: skip
         on_device = None
-        if feedback_tokens.shape[0]:
-            on_device = to_device(np.stack((feedback_tokens, feedback_sources)), self._device)
+        if checked.feedback_tokens.shape[0]:
+            on_device = to_device(np.stack((checked.feedback_tokens, checked.feedback_sources)), self._device)
         touches = self.rank == 0 and touches_states(prepare)
-        return StagedStep(step, prepare, inputs, feedback_sources, on_device, touches_states=touches)
+        return StagedStep(checked.step, prepare, inputs, checked.feedback_sources, on_device, touches_states=touches)
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

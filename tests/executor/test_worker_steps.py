@@ -206,6 +206,30 @@ def test_rejects_keep_the_executor_up_and_the_next_valid_step_runs():
     assert replies[-1][1].token_ids.tolist() == [21]
 
 
+def test_ready_goes_out_before_the_steps_inputs_are_built(monkeypatch):
+    """Only the checks may refuse a step: its READY goes as soon as they pass, and the step's inputs
+    are built after it, before its GO is read."""
+    import executor.link as link
+
+    order: list[tuple[str, int]] = []
+    build = link.StepInputs.from_prepare
+
+    def recorded(prepare, **kwargs):
+        order.append(("built", len([r for r in order if r[0] == "built"]) + 1))
+        return build(prepare, **kwargs)
+
+    monkeypatch.setattr(link.StepInputs, "from_prepare", recorded)
+    send = ScriptedEndpoint.send
+    monkeypatch.setattr(ScriptedEndpoint, "send", lambda self, body, step: (order.append((type(body).__name__, step)), send(self, body, step)))
+    steps = [make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,)), make_prepare([Seq(1, (0,), 1, (0,), held=1, feedback=True)])]
+    script = [welcome(), frame(1, steps[0]), frame(1, Go()), frame(2, steps[1]), frame(2, Go()), frame(2, Shutdown("done"))]
+    code, endpoint, _ = run_worker(script)
+    assert code == ExitCode.OK
+    seen = [event for event in order if event[0] in ("Ready", "built")]
+    assert seen == [("Ready", 1), ("built", 1), ("Ready", 2), ("built", 2)]
+    assert [b.token_ids.tolist() for _, b in endpoint.replies() if isinstance(b, Result)] == [[21], [22]]
+
+
 def test_abort_drops_the_staged_step():
     model = StandInModel(0, 1)
     prepare = make_prepare([Seq(1, (20,), 0, (0,))], cleared=(0,))
