@@ -324,6 +324,11 @@ class SchedulerLink:
             ready = conv.ready_or_ride(event.step)
             if ready is not None:
                 self._send(ready)
+                # ZeroMQ's I/O thread, just woken to write the READY, runs first where it shares
+                # this CPU: building at once, the READY waited behind the build (at 2 ranks and
+                # 256 rows PREPARE to every READY ~1.0 ms instead of ~1.1: docs/control_plane.md,
+                # change 92).
+                os.sched_yield()
             # Built once READY is out: only the checks could refuse the step, and its GO comes no
             # sooner than every rank's READY has reached the scheduler (at 2 ranks on two cores the
             # build was ~160-280 us of a ~1 ms PREPARE to every READY: docs/control_plane.md, change 91).
