@@ -16,8 +16,8 @@
  * caller marks the others): per row one pass for the finite check, the largest logit and its first
  * column, one that sums the exponentials (with the candidates of a top-k / top-p row, or the block
  * sums of a plain one, gathered in the same pass), the draw, and for a row that wants alternatives
- * one more pass that keeps its most likely tokens, with no table of logprobs written; a cut row its candidates do not decide is drawn among all
- * its tokens (change 86). Its exponential is its own (exp_lanes), so its logprobs are torch's
+ * one more pass that keeps its most likely tokens, with no table of logprobs written; a cut row
+ * its candidates do not decide is drawn among all its tokens (change 86). Its exponential is its own (exp_lanes), so its logprobs are torch's
  * log_softmax to float32 rounding, not to the bit, and its tokens those of the passes above except
  * where a uniform or a top-p cut falls within that rounding of a token's edge
  * (docs/control_plane.md, change 83).

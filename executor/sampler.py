@@ -42,9 +42,10 @@ leaves). Without it, torch checks and divides and numpy draws, to the same token
 Where the install compiled it, every row that no logits processing touches (the usual decode row)
 is drawn in one compiled call instead (_sample_compiled): per row a pass for the finite check and
 the largest logit, one that sums the exponentials and gathers the candidates, and for a row that
-wants alternatives one that keeps its most likely tokens, with no table of logprobs written. Its exponential is its own, so it is held to the
-passes above to float32 rounding: the same flags, the same tokens except where a uniform or a
-top-p cut falls within that rounding of a token's edge, logprobs within a few ulps of torch's log_softmax
+wants alternatives one that keeps its most likely tokens, with no table of logprobs written. Its
+exponential is its own, so it is held to the passes above to float32 rounding: the same flags, the
+same tokens except where a uniform or a top-p cut falls within that rounding of a token's edge,
+logprobs within a few ulps of torch's log_softmax
 (each 256-column block summed in float32 lanes, the lanes' totals in float64: nearer the exact
 value than torch's float32 sum). Greedy tokens are the first largest column either way.
 """
@@ -117,6 +118,11 @@ _PASS_THREADS = os.cpu_count() or 1
 # How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
 # top-k / top-p candidates, or not at all (a row that logits processing touches: the passes draw it).
 DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, DRAW_ELSEWHERE = 0, 1, 2, 3
+# Empty arrays a sample between two forwards passes on rather than makes afresh (each numpy call
+# costs microseconds there): a batch with no random row's uniforms, a batch that wants no
+# alternatives' buffers (zero-sized: nothing is ever written to them).
+_NONE_DRAWN = np.zeros(0, dtype=np.float32)
+_NO_ALTERNATIVES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
 # A plain row's draw on a CPU goes through sums of blocks this wide (_draw_plain), where its
 # vocabulary is a multiple of them and at least _PLAIN_MIN_VOCAB wide (below, one pass is cheap).
 _PLAIN_BLOCK = 256
@@ -265,6 +271,8 @@ class HostRows:
 
     def by_row(self, uniforms: np.ndarray) -> np.ndarray:
         """uniforms (one per random row, in `random`'s order) at each row's place, 0 for greedy rows."""
+        if self.random.shape[0] == self.temperature.shape[0]:  # every row random: in row order already
+            return uniforms
         out = np.zeros(self.temperature.shape[0], dtype=np.float32)
         out[self.random] = uniforms
         return out
@@ -432,7 +440,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     does what). Which way a row goes depends on that row alone, so that its token, logprob and
     alternatives never depend on the rows beside it. The random rows' uniforms are drawn once."""
     host = params.host
-    uniforms = params.uniforms() if host.random.shape[0] else np.zeros(0, dtype=np.float32)
+    uniforms = params.uniforms() if host.random.shape[0] else _NONE_DRAWN
     if _sampling is None or not logits.is_contiguous():
         return _sample_in_passes(logits, params, uniforms)
     draws = host.draws
@@ -489,7 +497,7 @@ def _sample_compiled(
     rows, vocab = logits.shape
     tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
     width = host.most_logprobs
-    top_ids, top_logprobs = np.zeros((rows, width), np.int64), np.full((rows, width), np.nan, np.float32)
+    top_ids, top_logprobs = (np.zeros((rows, width), np.int64), np.full((rows, width), np.nan, np.float32)) if width else _NO_ALTERNATIVES
     left = _sampling.sample_rows(
         logits.detach().numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
         _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,

@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from pydantic_core import to_json
 
-TEXT, LOGPROBS, IDS = "text", "logprobs", "token ids"
+# A chunk's slots, as indexes into render()'s values; their names, for errors.
+TEXT, LOGPROBS, IDS = 0, 1, 2
+_NAMES = ("text", "logprobs", "token ids")
 
 
 @dataclass(frozen=True)
 class TextChunk:
-    pieces: tuple[str, ...]  # the chunk's JSON around its slots: one more than there are slots
-    slots: tuple[str, ...]  # TEXT, and LOGPROBS and IDS where the chunk carries them, in the chunk's order
+    head: str  # the chunk's JSON before its first slot
+    slots: tuple[tuple[int, str], ...]  # each slot (TEXT, LOGPROBS, IDS) in the chunk's order, with the JSON after it
 
     @classmethod
     def of(
@@ -48,23 +50,25 @@ class TextChunk:
             held[LOGPROBS] = held_logprobs.model_dump_json()
         for slot, quoted in held.items():
             if rendered.count(quoted) != 1:
-                raise ValueError(f"the chunk does not hold its {slot} exactly once: {rendered!r}")
-        slots = tuple(sorted(held, key=lambda slot: rendered.index(held[slot])))
+                raise ValueError(f"the chunk does not hold its {_NAMES[slot]} exactly once: {rendered!r}")
+        order = sorted(held, key=lambda slot: rendered.index(held[slot]))
         pieces, rest = [], rendered
-        for slot in slots:
+        for slot in order:
             before, rest = rest.split(held[slot])
             pieces.append(before)
-        return cls((*pieces, rest), slots)
+        pieces.append(rest)
+        return cls(pieces[0], tuple(zip(order, pieces[1:])))
 
     @property
     def with_ids(self) -> bool:
-        return IDS in self.slots
+        return any(slot == IDS for slot, _ in self.slots)
 
     def render(self, text: str, token_ids: Sequence[int] = (), logprobs: dict[str, list] | None = None) -> str:
         """The chunk of `text`, with `token_ids` and `logprobs` (the fields of the endpoint's
-        logprobs model) where it carries them."""
-        values = {TEXT: text, IDS: token_ids, LOGPROBS: logprobs}
-        out = [self.pieces[0]]
-        for slot, after in zip(self.slots, self.pieces[1:]):
-            out += (to_json(values[slot], inf_nan_mode="null").decode(), after)  # as the models write them
-        return "".join(out)
+        logprobs model) where it carries them; inf and NaN as null, as the models write them. Once
+        per streamed piece: a tuple and one string a slot."""
+        values = (text, logprobs, token_ids)
+        out = self.head
+        for slot, after in self.slots:
+            out += to_json(values[slot], inf_nan_mode="null").decode() + after
+        return out
