@@ -598,6 +598,9 @@ def test_host_rows_that_do_not_describe_the_batch_are_refused():
         replace(mixed.host, seeds=np.zeros(6))
     with pytest.raises(SamplingError, match="num_logprobs"):
         replace(mixed.host, num_logprobs=np.ones(5, dtype=np.uint8))
+    for wrapping in (-1, 256):  # the compiled pass reads them as uint8
+        with pytest.raises(SamplingError, match="num_logprobs must be in 0 to 255"):
+            replace(mixed.host, num_logprobs=np.array([0, 0, wrapping, 0, 0, 0], dtype=np.int64))
 
 
 def test_host_rows_derive_each_rows_draw_where_they_are_built():
