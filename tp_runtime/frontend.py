@@ -18,6 +18,7 @@ import argparse
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -203,7 +204,7 @@ def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
         send_line(launcher, {"ready": server.path})
         return _serve(engine, tokenizer, config, signals, LAUNCHER_GONE)
     finally:
-        _exit_within(EXIT_DEADLINE_S)
+        _exit_within(EXIT_DEADLINE_S, lambda: None if broker is None else broker.directory)
         if server is not None:
             server.close()
         if engine is not None:
@@ -213,15 +214,28 @@ def _main_supervised(config: RuntimeConfig, launcher: socket.socket) -> int:
             broker.close()
 
 
-def _exit_within(seconds: float) -> None:
+def _exit_within(seconds: float, directory: Callable[[], str | None] = lambda: None) -> None:
     """Once the frontend is on its way out nothing may keep it alive: the engine thread stuck in a
     call, or a zmq context whose term() waits on a socket another thread still holds, would leave a
-    frontend without a runtime behind it (seen once in the long stress run after kill -9 of rank 0)."""
+    frontend without a runtime behind it (seen once in the long stress run after kill -9 of rank 0).
+    A forced exit still removes the sockets' directories, `directory()` (the broker's) and
+    ipc_address()'s: a CI run once found the broker's left behind after kill -9 of the launcher,
+    every process gone, which only an exit before broker.close() leaves. Nothing here may keep
+    os._exit from running: stderr may be a pipe whose reader is gone, and the main thread may be
+    removing the same directories."""
 
     def force() -> None:
-        sys.stderr.write(f"tp-runtime: error: the frontend did not finish exiting within {seconds:g} s: exiting now\n")
-        sys.stderr.flush()
-        os._exit(1)
+        try:
+            sys.stderr.write(f"tp-runtime: error: the frontend did not finish exiting within {seconds:g} s: exiting now\n")
+            sys.stderr.flush()
+        finally:
+            try:
+                leftover = directory()
+                if leftover is not None:
+                    shutil.rmtree(leftover, ignore_errors=True)
+                remove_private_dirs()
+            finally:
+                os._exit(1)
 
     timer = threading.Timer(seconds, force)
     timer.daemon = True
