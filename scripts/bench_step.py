@@ -73,9 +73,11 @@ from protocol.frames import (  # noqa: E402
     Frame,
     Prepare,
     Ready,
+    max_decode_steps,
     plain_sampling,
 )
 from protocol.validate import validate_continued, validate_prepare  # noqa: E402
+from tp_runtime.config import DEFAULT_SCHEDULER_STEPS  # noqa: E402
 
 # SmolLM2-135M's cache shape, the default model's.
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
@@ -165,10 +167,11 @@ def bench_geometry(rows: int = DECODE_SEQS) -> CacheGeometry:
 START_CONTEXT = (PAGES_PER_SEQ - 1) * PAGE_SIZE + 1
 
 
-def decode_prepare(step: int, seqs: int = DECODE_SEQS, steady: bool = False) -> Prepare:
+def decode_prepare(step: int, seqs: int = DECODE_SEQS, steady: bool = False, forwards: int = 1) -> Prepare:
     """A decode step of `seqs` sequences, PAGES_PER_SEQ pages each, one freshly cleared page per step.
     `steady`: as a server's steps after the first: every row's token is the one its sequence sampled
-    at the step before (feedback) and the ranks hold the page tables already (an empty delta)."""
+    at the step before (feedback) and the ranks hold the page tables already (an empty delta).
+    `forwards`: the frame's decode_steps (--num-scheduler-steps), within the last page."""
     i32 = np.int32
     context = np.full(seqs, START_CONTEXT, dtype=i32)
     base = PAGES_PER_SEQ if steady else 0
@@ -195,6 +198,7 @@ def decode_prepare(step: int, seqs: int = DECODE_SEQS, steady: bool = False) -> 
         poison_pages=np.zeros(0, dtype=i32),
         feedback=np.full(seqs, int(steady), dtype=np.uint8),
         **plain_sampling(seqs),
+        decode_steps=forwards,
     )
 
 
@@ -505,14 +509,21 @@ def load_stamped(path, **kwargs: object) -> StampedModel:
     return StampedModel(inner, _stamps(rank), rank)
 
 
-def forward_gaps(times_by_rank: list[np.ndarray], steps: int) -> np.ndarray:
+def forward_gaps(times_by_rank: list[np.ndarray], forwards: int) -> np.ndarray:
     """Seconds from the end of forward N on the last rank to finish it to the start of forward N+1
-    on the last rank to start it: the time in which no forward can run, for N = 1 .. steps-1."""
-    stacked = np.stack([t[:steps] for t in times_by_rank])  # [rank, forward, (start, end)]
+    on the last rank to start it: the time in which no forward can run, for N = 1 .. forwards-1."""
+    stacked = np.stack([t[:forwards] for t in times_by_rank])  # [rank, forward, (start, end)]
     if np.isnan(stacked).any():
-        raise RuntimeError(f"a rank recorded fewer than {steps} forwards")
+        raise RuntimeError(f"a rank recorded fewer than {forwards} forwards")
     last_start, last_end = stacked[:, :, 0].max(axis=0), stacked[:, :, 1].max(axis=0)
     return last_start[1:] - last_end[:-1]
+
+
+def frame_gaps(gaps: np.ndarray, first: int, forwards: int) -> tuple[np.ndarray, np.ndarray]:
+    """forward_gaps' gaps from the one after forward `first` on, in frames of `forwards` forwards:
+    those inside a frame and those between two (after a frame's last forward)."""
+    between = (np.arange(first, first + gaps.shape[0]) + 1) % forwards == 0
+    return gaps[~between], gaps[between]
 
 
 def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
@@ -523,7 +534,8 @@ def quantiles_us(seconds: list[float] | np.ndarray) -> dict[str, float]:
 @dataclass(frozen=True)
 class LoopSpec:
     """One run of the step loop: world size, steps, rows per decode step, the fake forward, and
-    serial (max_inflight 1) or overlapped (2) planning, and how steady steps travel (STEADY_KINDS)."""
+    serial (max_inflight 1) or overlapped (2) planning, how steady steps travel (STEADY_KINDS), and
+    the forwards each step's frame runs (decode_steps, --num-scheduler-steps)."""
 
     world_size: int = 1
     steps: int = 100
@@ -533,6 +545,7 @@ class LoopSpec:
     max_inflight: int = 2
     steady: str = "continue"
     readback: str = "at-once"  # a name of READBACK_ORDERS: the model thread's order
+    forwards: int = 1
 
 
 def loop_options(rows: int = DECODE_SEQS, readback: str = "at-once") -> ExecutorOptions:
@@ -555,7 +568,7 @@ class _LoopDriver:
     """The scheduler's side of the step loop, driven as the engine drives it through the
     protocol's conversation, with the time of each phase of every step."""
 
-    def __init__(self, endpoint: object, world_size: int, max_inflight: int, rows: int, steady: str) -> None:
+    def __init__(self, endpoint: object, world_size: int, max_inflight: int, rows: int, steady: str, forwards: int = 1) -> None:
         from protocol.conversation import SchedulerConversation
 
         self.endpoint = endpoint
@@ -566,6 +579,7 @@ class _LoopDriver:
         self.max_inflight = max_inflight
         self.rows = rows
         self.steady = steady
+        self.forwards = forwards
         self.held: Prepare | None = None  # the step before's PREPARE, as the ranks expand a CONTINUE after it
         self.sent: dict[int, float] = {}
         self.ready_at: dict[int, float] = {}
@@ -576,15 +590,15 @@ class _LoopDriver:
 
     def next_step(self, step: int) -> tuple[Prepare, Continue | None]:
         """The step's PREPARE, and the CONTINUE that says it when --steady continue and the rows'
-        pages have room for one more token each (their context starts again in a PREPARE after)."""
-        held = self.held
-        if self.steady == "continue" and held is not None and int(held.context_lens[0]) < PAGES_PER_SEQ * PAGE_SIZE:
+        pages have room for the frame's tokens (their context starts again in a PREPARE after)."""
+        held, forwards = self.held, self.forwards
+        if self.steady == "continue" and held is not None and int(held.final_context_lens[0]) + forwards <= PAGES_PER_SEQ * PAGE_SIZE:
             i32 = np.int32
             cleared = np.array([self.rows * PAGES_PER_SEQ + step % 64], dtype=i32)
-            brief = Continue(np.full(self.rows, -1, dtype=i32), cleared, np.zeros(0, dtype=i32))
+            brief = Continue(np.full(self.rows, -1, dtype=i32), cleared, np.zeros(0, dtype=i32), decode_steps=forwards)
             body = expand(held, brief)
         else:
-            brief, body = None, decode_prepare(step, self.rows, steady=step > 1)
+            brief, body = None, decode_prepare(step, self.rows, steady=step > 1, forwards=forwards)
         self.held = body
         return body, brief
 
@@ -665,7 +679,8 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
     load = "scripts.bench_step:load_stamped" if real else "scripts.bench_step:load_collective_only"
     key = new_key()
     endpoint = SchedulerEndpoint(ipc_address(), key, "bench")
-    driver = _LoopDriver(endpoint, spec.world_size, spec.max_inflight, spec.rows, spec.steady)
+    driver = _LoopDriver(endpoint, spec.world_size, spec.max_inflight, spec.rows, spec.steady, spec.forwards)
+    forwards = spec.steps * spec.forwards
     try:
         with tempfile.TemporaryDirectory(prefix="bench-step-") as times_dir:
             cluster = ExecutorCluster(
@@ -679,7 +694,7 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
                 log_level="WARNING",
                 env={
                     TIMES_DIR_ENV: times_dir,
-                    TIMES_CAPACITY_ENV: str(spec.steps),
+                    TIMES_CAPACITY_ENV: str(forwards),
                     FORWARD_MS_ENV: str(spec.forward_ms),
                     FORWARD_KIND_ENV: spec.forward,
                     # A real forward on each rank's share of the cores, as served (and with them its sampler's threads).
@@ -701,13 +716,21 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
     finally:
         endpoint.close()
     warmup = min(10, spec.steps // 4)
-    gaps = forward_gaps(times, spec.steps)[warmup:]
+    gaps = forward_gaps(times, forwards)[warmup * spec.forwards :]
+    within, between = frame_gaps(gaps, warmup * spec.forwards, spec.forwards)
     warm = {name: values[warmup:] for name, values in driver.phases.items()}
     return {
         "median_step_us": statistics.median(warm["step"]) * 1e6,
         "p90_step_us": float(np.percentile(warm["step"], 90) * 1e6),
         "steps": len(warm["step"]),
         "forward_gap_us": quantiles_us(gaps),
+        # Several forwards a frame (--num-scheduler-steps, a server's steady decode): the gaps inside
+        # a frame (rank 0's sample and its feedback, no frame between) and those between two frames.
+        **(
+            {"forward_gap_within_frame_us": quantiles_us(within), "forward_gap_between_frames_us": quantiles_us(between)}
+            if spec.forwards > 1
+            else {}
+        ),
         # Rank 0's model thread from the end of a step (its samples drawn) to the start of the
         # next one (its feedback tokens): the forward gap less the sampling and the cache work.
         "model_idle_us": quantiles_us(np.asarray(driver.model_gaps_us[warmup + 1 :]) / 1e6),
@@ -726,8 +749,8 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
             # between forwards, and the forward when it is `gil`) and the link thread (receiving,
             # checking and staging each step, sending its answers), apart.
             **{
-                f"rank{rank}_{thread}": float(np.diff(stamps[[warmup, spec.steps - 1], STAMP_COLUMNS.index(f"{thread}_cpu")])[0])
-                / (spec.steps - 1 - warmup) * 1e6
+                f"rank{rank}_{thread}": float(np.diff(stamps[[warmup * spec.forwards, forwards - 1], STAMP_COLUMNS.index(f"{thread}_cpu")])[0])
+                / (forwards - 1 - warmup * spec.forwards) * spec.forwards * 1e6
                 for rank, stamps in enumerate(times)
                 for thread in ("model_thread", "link_thread")
             },
@@ -763,6 +786,11 @@ def main() -> None:
         "CUDA device's, and shows with --forward device)",
     )
     parser.add_argument(
+        "--num-scheduler-steps", default="1", metavar="N",
+        help="forwards each step's frame runs (decode_steps; vLLM's flag, the server's default is "
+        f"{DEFAULT_SCHEDULER_STEPS}; comma-separated: several runs)",
+    )
+    parser.add_argument(
         "--steady", default="continue",
         help=f"how steady decode steps travel: {' or '.join(STEADY_KINDS)} (comma-separated: several runs)",
     )
@@ -793,10 +821,14 @@ def main() -> None:
     readbacks = args.readback.split(",")
     if set(readbacks) - set(READBACK_ORDERS):
         parser.error(f"--readback takes {' or '.join(READBACK_ORDERS)}")
+    frames = args.num_scheduler_steps.split(",")
+    if not all(f.isdigit() and 1 <= int(f) <= max_decode_steps(PAGE_SIZE) for f in frames):
+        parser.error(f"--num-scheduler-steps takes whole numbers from 1 to {max_decode_steps(PAGE_SIZE)}")
     report["loop"] = {
         f"{mode}/{w}/rows={rows}/{forward}" + (f"/{steady}" if len(steadies) > 1 else "")
-        + (f"/{readback}" if len(readbacks) > 1 else ""): measure_loop(
-            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode], steady, readback)
+        + (f"/{readback}" if len(readbacks) > 1 else "")
+        + (f"/forwards={f}" if frames != ["1"] else ""): measure_loop(
+            LoopSpec(int(w), args.steps, int(rows), args.forward_ms, forward, inflight[mode], steady, readback, int(f))
         )
         for w in args.ranks.split(",")
         for rows in args.rows.split(",")
@@ -804,6 +836,7 @@ def main() -> None:
         for mode in args.modes.split(",")
         for steady in steadies
         for readback in readbacks
+        for f in frames
     }
     if args.json:
         print(json.dumps(report, indent=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from scripts.bench_step import (
@@ -16,6 +17,7 @@ from scripts.bench_step import (
     _LoopDriver,
     bench_geometry,
     decode_prepare,
+    frame_gaps,
     measure_loop,
     message_costs,
     steady_frame_costs,
@@ -50,6 +52,24 @@ def test_the_loop_measurement_reports_every_phase(forward: str, steady: str, rea
     assert 0 < cpu["rank0_link_thread"] < cpu["rank0"] and 0 < cpu["rank0_model_thread"] < cpu["rank0"]
 
 
+def test_frames_of_several_forwards_report_the_gaps_inside_and_between_them() -> None:
+    steps, forwards = 8, 4
+    report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=4, forward_ms=2.0, forwards=forwards))
+    assert report["steps"] == steps - min(10, steps // 4)
+    for phase in ("forward_gap_us", "forward_gap_within_frame_us", "forward_gap_between_frames_us"):
+        assert 0 <= report[phase]["median"] <= report[phase]["p90"], phase
+    assert report["median_step_us"] >= forwards * 2000  # every forward of a frame ran
+
+
+def test_gaps_split_into_those_inside_a_frame_and_those_between_two() -> None:
+    # Frames of 3 from forward 0: gaps follow forwards 3..9, those after 5 and 8 end a frame.
+    gaps = np.arange(3, 10, dtype=np.float64)
+    within, between = frame_gaps(gaps, 3, 3)
+    assert between.tolist() == [5, 8] and within.tolist() == [3, 4, 6, 7, 9]
+    within, between = frame_gaps(gaps, 3, 1)
+    assert within.size == 0 and between.tolist() == gaps.tolist()
+
+
 def test_the_loop_measures_the_gap_around_the_default_models_real_forward() -> None:
     steps = 8
     report = measure_loop(LoopSpec(world_size=1, steps=steps, rows=2, forward=REAL_FORWARD))
@@ -80,18 +100,20 @@ def test_the_message_costs_compare_both_layouts_of_both_frames_in_both_settings(
     assert report == {}
 
 
-@pytest.mark.parametrize("rows", [DECODE_SEQS, 256])
-def test_steady_steps_go_as_continues_until_the_pages_are_full(rows: int) -> None:
+@pytest.mark.parametrize(("rows", "forwards"), [(DECODE_SEQS, 1), (256, 1), (DECODE_SEQS, 4), (DECODE_SEQS, PAGE_SIZE)])
+def test_steady_steps_go_as_continues_until_the_pages_are_full(rows: int, forwards: int) -> None:
     g = bench_geometry(rows)
-    driver = _LoopDriver(endpoint=None, world_size=1, max_inflight=2, rows=rows, steady="continue")
+    driver = _LoopDriver(endpoint=None, world_size=1, max_inflight=2, rows=rows, steady="continue", forwards=forwards)
+    frames = PAGE_SIZE // forwards  # a page's frames
     briefs = []
-    for step in range(1, 2 + 3 * PAGE_SIZE):
+    for step in range(1, 2 + 3 * frames):
         body, brief = driver.next_step(step)
         validate_prepare(body, g)
         briefs.append(brief is not None)
         assert bool(body.feedback.all()) is (step > 1)
-    # The first step and every PAGE_SIZE-th after it go whole: the context starts again.
-    assert briefs == [False] + ([True] * (PAGE_SIZE - 1) + [False]) * 3
+        assert body.decode_steps == forwards
+    # The first step and every frames-th after it go whole: the context starts again.
+    assert briefs == [False] + ([True] * (frames - 1) + [False]) * 3
     whole = _LoopDriver(endpoint=None, world_size=1, max_inflight=2, rows=rows, steady="prepare")
     assert not any(whole.next_step(step)[1] is not None for step in range(1, 20))
 
