@@ -99,7 +99,7 @@ class StaticDecodeBatch:
             elif rule in fill:
                 static[:n].copy_(given)
                 static[n:].fill_(fill[rule])
-            # SAME, SAMPLER and CHECKED fields are not copied: see executor.inputs.Pad.
+            # SAME, SAMPLER, CHECKED and LATER fields are not copied: see executor.inputs.Pad.
 
 
 @dataclass

@@ -43,10 +43,25 @@ class Pad(enum.Enum):
     SAME = "same"  # identical for every decode step of the graph's size (captured as built)
     SAMPLER = "sampler"  # read by the sampler from the real inputs, never by the graph
     CHECKED = "checked"  # host-side sizes and copies: `fits` compares them, the graph never reads them
+    LATER = "later"  # the frame's later forwards, which next_forward takes from: never read by the graph
 
 
 def _pad(rule: Pad):  # noqa: ANN202 - a dataclass field
     return field(metadata={"pad": rule})
+
+
+@dataclass(frozen=True, slots=True)
+class LaterForward:
+    """What one forward after a frame's first (Prepare.decode_steps) reads besides its tokens,
+    made with the first forward's inputs where the step is staged: between two forwards the
+    model's thread only takes it (torch's arithmetic for it there cost ~160 us of a 16-row
+    frame's ~370 us gap, cold after each forward; bench_step --num-scheduler-steps 16)."""
+
+    positions: torch.Tensor  # long[n]
+    context_lens: torch.Tensor  # long[n]
+    write_pages: torch.Tensor  # long[n]
+    write_offsets: torch.Tensor  # long[n]
+    context_lens_host: np.ndarray  # int64[n]
 
 
 @dataclass
@@ -73,6 +88,8 @@ class StepInputs:
     # Host copies the attention loop over prefill sequences reads without a device sync.
     query_lens_host: np.ndarray = _pad(Pad.CHECKED)  # int64[n]
     context_lens_host: np.ndarray = _pad(Pad.CHECKED)  # int64[n]
+    # The frame's forwards after this one, in order (none for a step of one forward).
+    later: tuple[LaterForward, ...] = _pad(Pad.LATER)
 
     @classmethod
     def from_prepare(
@@ -102,6 +119,10 @@ class StepInputs:
         sampled = p.sample.nonzero()[0]
         sample_rows = query_start[sampled + 1] - 1
         drawn = sampled if samples else sampled[:0]  # the rows whose sampler parameters this rank keeps
+        # A frame of several forwards is a plain decode step (validated): forward f's token of
+        # sequence i is at positions[i] + f, in the same tables.
+        later_positions = positions + np.arange(1, p.decode_steps, dtype=np.int64)[:, None]  # [d - 1, n]
+        later_tables = table_start[:-1] if p.decode_steps > 1 else 0
         ints = _int64_on_device(
             device,
             token_ids=p.token_ids.astype(np.int64),
@@ -114,7 +135,12 @@ class StepInputs:
             write_offsets=positions % page_size,
             sample_rows=sample_rows,
             top_k=p.top_k[drawn].astype(np.int64),
+            later_positions=later_positions.reshape(-1),
+            later_context_lens=(later_positions + 1).reshape(-1),
+            later_write_pages=flat_table[later_tables + later_positions // page_size].reshape(-1),
+            later_write_offsets=(later_positions % page_size).reshape(-1),
         )
+        later = _later_forwards(ints, later_positions + 1)
         m = int(drawn.shape[0])
         host_floats = np.concatenate((p.temperature[drawn], p.top_p[drawn])).astype(np.float32)
         floats = to_device(host_floats, device)
@@ -139,23 +165,26 @@ class StepInputs:
             num_tokens=num_tokens,
             query_lens_host=query_lens,
             context_lens_host=context_lens,
+            later=later,
         )
 
-    def next_forward(self, token_ids: torch.Tensor, page_size: int) -> StepInputs:
+    def next_forward(self, token_ids: torch.Tensor) -> StepInputs:
         """The inputs of the forward after this one in a step of several (Prepare.decode_steps):
         every sequence decodes `token_ids` (what this forward sampled for it, on the device), one
-        position on, in the same page table. Device arithmetic only: nothing waits for the device."""
-        positions = self.positions + 1
-        rows = torch.arange(self.num_seqs, device=positions.device)
+        position on, in the same page table. Nothing is computed on the device, nothing waits for it."""
+        if not self.later:
+            raise StepInputsError("next_forward of a step's last forward")
+        forward = self.later[0]
         return replace(
             self,
             token_ids=token_ids,
-            positions=positions,
-            context_lens=self.context_lens + 1,
-            write_pages=self.page_table[rows, positions // page_size],
-            write_offsets=positions % page_size,
+            positions=forward.positions,
+            context_lens=forward.context_lens,
+            write_pages=forward.write_pages,
+            write_offsets=forward.write_offsets,
             sampling=self.sampling.one_position_on(),
-            context_lens_host=self.context_lens_host + 1,
+            context_lens_host=forward.context_lens_host,
+            later=self.later[1:],
         )
 
 
@@ -216,6 +245,17 @@ def _write_pages(
         return np.zeros(0, dtype=np.int64)
     seq_of_token = np.arange(query_lens.shape[0], dtype=np.int64).repeat(query_lens)
     return flat_table[table_start[seq_of_token] + positions // page_size]
+
+
+def _later_forwards(ints: dict[str, torch.Tensor], context_lens: np.ndarray) -> tuple[LaterForward, ...]:
+    """The frame's later forwards from _int64_on_device's flat `later_*` pieces (taken out of
+    `ints`), one LaterForward per row of `context_lens` ([d - 1, n], their host copy)."""
+    pieces = [ints.pop(name) for name in ("later_positions", "later_context_lens", "later_write_pages", "later_write_offsets")]
+    rows = context_lens.shape[0]
+    if not rows:
+        return ()
+    columns = (piece.view(rows, -1).unbind(0) for piece in pieces)
+    return tuple(LaterForward(*tensors, host) for *tensors, host in zip(*columns, context_lens))
 
 
 def _int64_on_device(device: torch.device | str, **pieces: np.ndarray) -> dict[str, torch.Tensor]:

@@ -213,7 +213,7 @@ class StepRunner:
                     tokens = self._next_tokens(staged.step, forward, inputs.num_seqs)
                     if tokens is None:
                         break
-                    inputs = inputs.next_forward(tokens, self.cache.page_size)
+                    inputs = inputs.next_forward(tokens)
                 logits = self.model.forward(inputs, self.cache)
                 if forward == 0:  # pipelined: the step before is answered behind this forward
                     self.settle(answer, next_running=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from executor.cuda_graphs import StaticDecodeBatch
-from executor.inputs import Pad, StepInputs
+from executor.inputs import Pad, StepInputs, StepInputsError
 from executor.link import StagedStep
 from executor.options import ExecutorOptions
 from executor.sampler import sample
@@ -40,7 +40,7 @@ def test_each_later_forward_gets_the_inputs_of_a_step_of_its_own() -> None:
     inputs = inputs_of(step(0, first, FORWARDS))
     for forward in range(1, FORWARDS):
         sampled = {1: 20 + forward, 2: 30 + forward, 3: 40 + forward}
-        inputs = inputs.next_forward(torch.tensor(list(sampled.values())), G.page_size)
+        inputs = inputs.next_forward(torch.tensor(list(sampled.values())))
         alone = inputs_of(step(forward, sampled))
         for name in ("token_ids", "positions", "context_lens", "write_pages", "write_offsets", "sample_rows"):
             assert torch.equal(getattr(inputs, name), getattr(alone, name)), (forward, name)
@@ -49,6 +49,8 @@ def test_each_later_forward_gets_the_inputs_of_a_step_of_its_own() -> None:
         # The whole step's tables from its first forward: its own pages cover the step's last one.
         width = alone.page_table.shape[1]
         assert torch.equal(inputs.page_table[:, :width], alone.page_table)
+    with pytest.raises(StepInputsError, match="last forward"):
+        inputs.next_forward(torch.tensor([1, 2, 3]))
 
 
 def test_a_steps_unseeded_uniforms_are_drawn_where_it_is_staged_forward_after_forward() -> None:
@@ -73,7 +75,8 @@ def test_a_steps_unseeded_uniforms_are_drawn_where_it_is_staged_forward_after_fo
         assert torch.equal(first.token_ids, again.token_ids)
         uniforms = params.uniforms()
         assert uniforms[1] == unseeded[1] and uniforms[0] != unseeded[0]  # row 0's seed decides its own
-        inputs = inputs.next_forward(first.token_ids, G.page_size)
+        if forward < FORWARDS - 1:
+            inputs = inputs.next_forward(first.token_ids)
 
 
 def test_the_first_forward_reads_the_pages_of_the_last() -> None:
@@ -97,7 +100,7 @@ def test_later_forwards_replay_through_a_graphs_static_buffers() -> None:
     for forward in range(FORWARDS):
         if forward:
             tokens = torch.tensor([9 + forward, 10, 11 + forward])
-            eager, static = eager.next_forward(tokens, G.page_size), static.next_forward(tokens, G.page_size)
+            eager, static = eager.next_forward(tokens), static.next_forward(tokens)
         assert batch.fits(static)
         batch.load(static)
         want = model.forward(eager, caches[0])
@@ -172,11 +175,16 @@ def test_a_rank_that_does_not_sample_gets_every_input_but_the_samplers_parameter
             if f.metadata["pad"] is Pad.SAMPLER and f.name != "sample_seq_ids":
                 assert len(theirs.temperature if f.name == "sampling" else theirs) == 0, f.name
                 assert len(ours.temperature if f.name == "sampling" else ours) == 3, f.name
+            elif f.metadata["pad"] is Pad.LATER:
+                assert len(ours) == len(theirs) == FORWARDS - 1 - forward, (forward, f.name)
+                for a, b in zip(ours, theirs):
+                    assert all(np.array_equal(getattr(a, n), getattr(b, n)) for n in a.__slots__), (forward, f.name)
             elif isinstance(ours, torch.Tensor):
                 assert torch.equal(ours, theirs), (forward, f.name)
             elif isinstance(ours, np.ndarray):
                 assert np.array_equal(ours, theirs), (forward, f.name)
             else:
                 assert ours == theirs, (forward, f.name)
-        tokens = torch.tensor([20 + forward, 30 + forward, 40 + forward])
-        sampling, other = sampling.next_forward(tokens, G.page_size), other.next_forward(tokens, G.page_size)
+        if forward < FORWARDS - 1:
+            tokens = torch.tensor([20 + forward, 30 + forward, 40 + forward])
+            sampling, other = sampling.next_forward(tokens), other.next_forward(tokens)
