@@ -55,13 +55,15 @@ class LaterForward:
     """What one forward after a frame's first (Prepare.decode_steps) reads besides its tokens,
     made with the first forward's inputs where the step is staged: between two forwards the
     model's thread only takes it (torch's arithmetic for it there cost ~160 us of a 16-row
-    frame's ~370 us gap, cold after each forward; bench_step --num-scheduler-steps 16)."""
+    frame's ~330 us gap, cold after each forward, and the sampler's rows one position on ~60 more;
+    bench_step --num-scheduler-steps 16)."""
 
     positions: torch.Tensor  # long[n]
     context_lens: torch.Tensor  # long[n]
     write_pages: torch.Tensor  # long[n]
     write_offsets: torch.Tensor  # long[n]
     context_lens_host: np.ndarray  # int64[n]
+    sampling: SamplingBatch  # the forward before's, one position on (SamplingBatch.one_position_on)
 
 
 @dataclass
@@ -140,7 +142,7 @@ class StepInputs:
             later_write_pages=flat_table[later_tables + later_positions // page_size].reshape(-1),
             later_write_offsets=(later_positions % page_size).reshape(-1),
         )
-        later = _later_forwards(ints, later_positions + 1)
+        later_ints = {name: ints.pop(name) for name in _LATER_PIECES}
         m = int(drawn.shape[0])
         host_floats = np.concatenate((p.temperature[drawn], p.top_p[drawn])).astype(np.float32)
         floats = to_device(host_floats, device)
@@ -165,7 +167,7 @@ class StepInputs:
             num_tokens=num_tokens,
             query_lens_host=query_lens,
             context_lens_host=context_lens,
-            later=later,
+            later=_later_forwards(later_ints, later_positions + 1, sampling),
         )
 
     def next_forward(self, token_ids: torch.Tensor) -> StepInputs:
@@ -182,7 +184,7 @@ class StepInputs:
             context_lens=forward.context_lens,
             write_pages=forward.write_pages,
             write_offsets=forward.write_offsets,
-            sampling=self.sampling.one_position_on(),
+            sampling=forward.sampling,
             context_lens_host=forward.context_lens_host,
             later=self.later[1:],
         )
@@ -247,15 +249,22 @@ def _write_pages(
     return flat_table[table_start[seq_of_token] + positions // page_size]
 
 
-def _later_forwards(ints: dict[str, torch.Tensor], context_lens: np.ndarray) -> tuple[LaterForward, ...]:
-    """The frame's later forwards from _int64_on_device's flat `later_*` pieces (taken out of
-    `ints`), one LaterForward per row of `context_lens` ([d - 1, n], their host copy)."""
-    pieces = [ints.pop(name) for name in ("later_positions", "later_context_lens", "later_write_pages", "later_write_offsets")]
+_LATER_PIECES = ("later_positions", "later_context_lens", "later_write_pages", "later_write_offsets")
+
+
+def _later_forwards(pieces: dict[str, torch.Tensor], context_lens: np.ndarray, sampling: SamplingBatch) -> tuple[LaterForward, ...]:
+    """The frame's later forwards from _int64_on_device's flat _LATER_PIECES, one LaterForward per
+    row of `context_lens` ([d - 1, n], their host copy), each with the sampler's rows of the
+    forward before one position on."""
     rows = context_lens.shape[0]
     if not rows:
         return ()
-    columns = (piece.view(rows, -1).unbind(0) for piece in pieces)
-    return tuple(LaterForward(*tensors, host) for *tensors, host in zip(*columns, context_lens))
+    columns = zip(*(pieces[name].view(rows, -1).unbind(0) for name in _LATER_PIECES), context_lens)
+    later = []
+    for *tensors, host in columns:
+        sampling = sampling.one_position_on()
+        later.append(LaterForward(*tensors, host, sampling))
+    return tuple(later)
 
 
 def _int64_on_device(device: torch.device | str, **pieces: np.ndarray) -> dict[str, torch.Tensor]:
