@@ -129,6 +129,8 @@ class Worker:
                     self.runner.run(
                         command.staged, self._answered, before_forward=None if previous is None else previous.send_while_busy
                     )
+                    link.release(command)
+                    del command
                 except Exception as exc:  # noqa: BLE001 - any failure here leaves the collectives unusable
                     if previous is not None:
                         previous.send_while_busy()
@@ -231,7 +233,10 @@ class _Answer:
     def _send(self, still_busy: bool) -> None:
         if not self.sent:
             self.sent = True
-            self.link.finish(self.step, self.result, still_busy=still_busy)
+            # The link's thread holds the RESULT's maker (and the step's samples and inputs in it)
+            # from here, and frees them there once it is sent (SchedulerLink.release says why).
+            result, self.result = self.result, None
+            self.link.finish(self.step, result, still_busy=still_busy)
 
 
 # -- process entry -------------------------------------------------------------------------------

@@ -1037,3 +1037,33 @@ def test_a_step_handed_to_an_idle_model_thread_is_cleared_by_it():
     thread.join(10)
     assert codes == [ExitCode.OK]
     assert cleared_where == [("model", 0), ("model", 4)]
+
+
+def test_a_step_run_and_its_answer_are_freed_on_the_links_thread(monkeypatch):
+    """Freeing a step's inputs took ~150 us of the model's thread between two frames (SchedulerLink
+    .release): every step but the last, and what its answer holds, is freed on the link's thread."""
+    import weakref
+
+    from executor.link import SchedulerLink, link_thread_name
+
+    freed: dict[int, str] = {}
+    build = SchedulerLink._build
+
+    def building(link, checked):
+        staged = build(link, checked)
+        step = staged.step
+        weakref.finalize(staged, lambda: freed.__setitem__(("staged", step), threading.current_thread().name))
+        weakref.finalize(staged.inputs, lambda: freed.__setitem__(("inputs", step), threading.current_thread().name))
+        return staged
+
+    monkeypatch.setattr(SchedulerLink, "_build", building)
+    steps = [make_prepare([Seq(s, (20 + s,), 0, (s,))], cleared=(s,)) for s in range(1, 5)]
+    script = [welcome()]
+    for n, prepare in enumerate(steps, start=1):
+        script += [frame(n, prepare), frame(n, Go())]
+    code, endpoint, _ = run_worker([*script, frame(len(steps), Shutdown("done"))])
+    assert code == ExitCode.OK
+    assert len([b for _, b in endpoint.replies() if isinstance(b, Result)]) == len(steps)
+    link = link_thread_name(0)
+    early = {key: where for key, where in freed.items() if key[1] < len(steps)}
+    assert len(early) == 2 * (len(steps) - 1) and set(early.values()) == {link}, freed
