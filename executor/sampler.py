@@ -314,6 +314,11 @@ class SamplingBatch:
     # forwards, where torch's draw of a few numbers took ~28 us on a CPU (docs/control_plane.md,
     # change 87); None: sample() draws them.
     unseeded: np.ndarray | None = None
+    # This forward's uniform of each random row, derived with the batch (where the step is staged,
+    # a later forward's too): cold after a forward, deriving them took ~19 us of the gap (bench_step
+    # --num-scheduler-steps 16, marked). None where the batch has random rows and no draws made
+    # ahead: uniforms() draws them then.
+    drawn: np.ndarray | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         rows = self.host.temperature.shape[0]
@@ -327,6 +332,10 @@ class SamplingBatch:
                 f"unseeded uniforms of shape {u.shape} ({u.dtype}) for {self.host.random.shape[0]} random rows: "
                 "float32[forwards, random rows] expected"
             )
+        if not self.host.random.shape[0]:
+            object.__setattr__(self, "drawn", _NONE_DRAWN)
+        elif u is not None:
+            object.__setattr__(self, "drawn", self.host.uniforms(u[0]))
 
     def one_position_on(self) -> SamplingBatch:
         """The batch of the next forward of a step of several (HostRows.one_position_on), with
@@ -336,8 +345,8 @@ class SamplingBatch:
         return SamplingBatch(self.temperature, self.top_p, self.top_k, self.host.one_position_on(), unseeded=unseeded)
 
     def uniforms(self) -> np.ndarray:
-        """This forward's uniform of each random row (HostRows.uniforms)."""
-        return self.host.uniforms(None if self.unseeded is None else self.unseeded[0])
+        """This forward's uniform of each random row (HostRows.uniforms): `drawn`, or drawn now."""
+        return self.host.uniforms() if self.drawn is None else self.drawn
 
     def rows(self, index: np.ndarray) -> SamplingBatch:
         """The rows at `index` alone, with no logits processing (the caller's rows have none): the
@@ -440,7 +449,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
     does what). Which way a row goes depends on that row alone, so that its token, logprob and
     alternatives never depend on the rows beside it. The random rows' uniforms are drawn once."""
     host = params.host
-    uniforms = params.uniforms() if host.random.shape[0] else _NONE_DRAWN
+    uniforms = params.uniforms()
     if _sampling is None or not logits.is_contiguous():
         return _sample_in_passes(logits, params, uniforms)
     draws = host.draws
