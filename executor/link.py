@@ -40,6 +40,7 @@ import torch
 from executor.clear_ahead import ClearAhead, PendingClear
 from executor.host_copy import to_device
 from executor.inputs import StepInputs, StepInputsError, pages_needed
+from executor.sampler import HostOutputs
 from executor.sampling_state import StatefulSequences, touches_states
 from protocol.conversation import (
     AbortReceived,
@@ -90,6 +91,8 @@ class StagedStep:
     clears: PendingClear = field(default_factory=PendingClear)
     # Rank 0: whether the step has work for the sampling states (executor.sampling_state.touches_states).
     touches_states: bool = True
+    # Rank 0 on a CPU: where each forward's sample is written (executor.sampler.HostOutputs), else ().
+    outputs: tuple[HostOutputs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,12 @@ class SchedulerLink:
         if checked.feedback_tokens.shape[0]:
             on_device = to_device(np.stack((checked.feedback_tokens, checked.feedback_sources)), self._device)
         touches = self.rank == 0 and touches_states(prepare)
-        return StagedStep(checked.step, prepare, inputs, checked.feedback_sources, on_device, touches_states=touches)
+        outputs = ()
+        if self.rank == 0 and inputs.sample_rows.device.type == "cpu":
+            outputs = HostOutputs.frame(prepare.decode_steps, inputs.sample_rows.shape[0], inputs.sampling.host.most_logprobs)
+        return StagedStep(
+            checked.step, prepare, inputs, checked.feedback_sources, on_device, touches_states=touches, outputs=outputs
+        )
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

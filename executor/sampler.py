@@ -380,6 +380,37 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class HostOutputs:
+    """Where the compiled pass writes one forward's sample on a CPU: its arrays, and `out`, the
+    SampleOutput of torch views of the same memory. A step's are made where it is staged (one per
+    forward of a frame, StagedStep.outputs): between two forwards, making them took ~15-20 us cold
+    (three arrays and three tensors over them; bench_step --num-scheduler-steps 16, marked)."""
+
+    tokens: np.ndarray  # int64[m]
+    logprobs: np.ndarray  # float32[m]
+    finite: np.ndarray  # uint8[m]
+    top_ids: np.ndarray  # int64[m, width] (ids 0 until drawn); _NO_ALTERNATIVES' when width is 0
+    top_logprobs: np.ndarray  # float32[m, width] (NaN until drawn)
+    out: SampleOutput
+
+    @classmethod
+    def frame(cls, forwards: int, rows: int, width: int) -> tuple[HostOutputs, ...]:
+        """One per forward, each over its row of one array of each kind."""
+        tokens, logprobs, finite = np.empty((forwards, rows), np.int64), np.empty((forwards, rows), np.float32), np.empty((forwards, rows), np.uint8)
+        if width:
+            top_ids, top_logprobs = np.zeros((forwards, rows, width), np.int64), np.full((forwards, rows, width), np.nan, np.float32)
+        made = []
+        for f in range(forwards):
+            ids, lps = (top_ids[f], top_logprobs[f]) if width else _NO_ALTERNATIVES
+            out = SampleOutput(
+                token_ids=torch.from_numpy(tokens[f]), logprobs=torch.from_numpy(logprobs[f]), finite=torch.from_numpy(finite[f].view(np.bool_)),
+                top_ids=torch.from_numpy(ids) if width else None, top_logprobs=torch.from_numpy(lps) if width else None,
+            )  # fmt: skip
+            made.append(cls(tokens[f], logprobs[f], finite[f], ids, lps, out))
+        return tuple(made)
+
+
 def row_seed(seed: int, position: int) -> int:
     """A 64-bit generator seed from a request seed and a position (splitmix64 finalizer)."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
@@ -388,15 +419,21 @@ def row_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
+def sample(logits: torch.Tensor, params: SamplingBatch, into: HostOutputs | None = None) -> SampleOutput:
+    """`into`: on a CPU, where the compiled pass writes (its `out` is returned then, unless the
+    logits cannot take the pass); made for these rows and the alternatives the greediest wants."""
     if logits.dim() != 2:
         raise SamplingError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     rows = logits.shape[0]
     if params.temperature.shape[0] != rows:  # the batch agrees with itself (SamplingBatch checks it)
         raise SamplingError(f"temperature has shape {tuple(params.temperature.shape)}, expected ({rows},) for {rows} rows")
+    if into is not None and (into.tokens.shape[0] != rows or (into.top_ids.shape[-1] if into.top_ids.ndim == 2 else 0) != params.host.most_logprobs):
+        raise SamplingError(f"outputs made for {into.tokens.shape[0]} rows of {into.top_ids.shape[-1]} alternatives, not this batch's")
     logits = logits.float()
     if logits.device.type == "cpu":
-        return _sample_on_host(logits, params)
+        return _sample_on_host(logits, params, into)
+    if into is not None:
+        raise SamplingError("outputs made on the host for a sample on a device")
     return _sample_on_device(logits, params)
 
 
@@ -443,7 +480,7 @@ def _sample_on_device(logits: torch.Tensor, params: SamplingBatch) -> SampleOutp
     return SampleOutput(token_ids=tokens, logprobs=logprobs, finite=finite, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
-def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput:
+def _sample_on_host(logits: torch.Tensor, params: SamplingBatch, into: HostOutputs | None = None) -> SampleOutput:
     """The same rows on a CPU: each row that no logits processing touches in one compiled pass
     (_sample_compiled), the others in torch, numpy and the compiled calls (the module says which
     does what). Which way a row goes depends on that row alone, so that its token, logprob and
@@ -458,7 +495,7 @@ def _sample_on_host(logits: torch.Tensor, params: SamplingBatch) -> SampleOutput
         draws[_processed_rows(params.processing, draws.shape[0])] = DRAW_ELSEWHERE
         if (draws == DRAW_ELSEWHERE).all():
             return _sample_in_passes(logits, params, uniforms)
-    compiled, left = _sample_compiled(logits, host, uniforms, draws)
+    compiled, left = _sample_compiled(logits, host, uniforms, draws, into=into)
     if left is None:
         return compiled
     if params.processing is None:  # the passes take those rows alone
@@ -486,7 +523,8 @@ def _processed_rows(p: LogitsProcessing, rows: int) -> np.ndarray:
 
 
 def _sample_compiled(
-    logits: torch.Tensor, host: HostRows, uniforms: np.ndarray, draws: np.ndarray, threads: int = _PASS_THREADS
+    logits: torch.Tensor, host: HostRows, uniforms: np.ndarray, draws: np.ndarray, threads: int = _PASS_THREADS,
+    into: HostOutputs | None = None,
 ) -> tuple[SampleOutput, np.ndarray | None]:
     """The rows `draws` does not leave elsewhere, in one compiled call: per row a pass for the
     finite check and the largest logit, one that sums the exponentials and gathers the candidates,
@@ -504,19 +542,16 @@ def _sample_compiled(
     (those `draws` leaves elsewhere; a flat row too where its buffers could not be had), None when it
     drew every row."""
     rows, vocab = logits.shape
-    tokens, logprobs, finite = np.empty(rows, np.int64), np.empty(rows, np.float32), np.empty(rows, np.uint8)
     width = host.most_logprobs
-    top_ids, top_logprobs = (np.zeros((rows, width), np.int64), np.full((rows, width), np.nan, np.float32)) if width else _NO_ALTERNATIVES
+    if into is None:
+        into = HostOutputs.frame(1, rows, width)[0]
+    tokens, logprobs, finite, top_ids, top_logprobs = into.tokens, into.logprobs, into.finite, into.top_ids, into.top_logprobs
     left = _sampling.sample_rows(
         logits.detach().numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
         _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
         host.num_logprobs, width, top_ids, top_logprobs, threads,
     )  # fmt: skip
-    out = SampleOutput(
-        token_ids=torch.from_numpy(tokens), logprobs=torch.from_numpy(logprobs), finite=torch.from_numpy(finite.view(np.bool_)),
-        top_ids=torch.from_numpy(top_ids) if width else None, top_logprobs=torch.from_numpy(top_logprobs) if width else None,
-    )
-    return out, (np.flatnonzero(tokens < 0) if left else None)
+    return into.out, (np.flatnonzero(tokens < 0) if left else None)
 
 
 def _sample_in_passes(logits: torch.Tensor, params: SamplingBatch, uniforms: np.ndarray) -> SampleOutput:

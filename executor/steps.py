@@ -222,7 +222,7 @@ class StepRunner:
                     self._take(opened)
                 opened.inputs = inputs
                 if self.rank == 0:
-                    opened.readback = self._sample(staged, inputs, logits, first=forward == 0)
+                    opened.readback = self._sample(staged, inputs, logits, forward)
                 if not self.pipelined:
                     self._take(opened)
         except BaseException:
@@ -319,7 +319,7 @@ class StepRunner:
         rows = staged.prepare.feedback.nonzero()[0]
         return dict(zip(rows.tolist(), self._samples.host[staged.feedback_sources].tolist()))
 
-    def _sample(self, staged: StagedStep, inputs: StepInputs, logits: torch.Tensor | None, *, first: bool) -> _Readback:
+    def _sample(self, staged: StagedStep, inputs: StepInputs, logits: torch.Tensor | None, forward: int) -> _Readback:
         """One forward's sample, on its way to the host. The step's sampling states are taken at
         its first forward and extended with every forward's tokens (_take), so a later forward's
         penalties and grammar masks count the ones before it."""
@@ -332,13 +332,13 @@ class StepRunner:
         if not staged.touches_states:
             states.forget()
         else:
-            if first:
+            if forward == 0:
                 fed = self._fed_tokens(staged) if prepare.sampling_state.any() and prepare.feedback.any() else {}
                 states.begin(prepare, fed)
             processing = states.processing(prepare, logits.device)
             if processing is not None:
                 params = replace(params, processing=processing)
-        out = sample(logits, params)
+        out = sample(logits, params, staged.outputs[forward] if staged.outputs else None)
         self._samples.tokens = out.token_ids
         return _Readback.start(inputs, out)
 

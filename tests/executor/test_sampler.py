@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor.sampler import HostRows, LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, draw_unseeded, row_seed, sample
+from executor.sampler import HostOutputs, HostRows, LogitsProcessing, SamplingBatch, SamplingError, argmax_rows, draw_unseeded, row_seed, sample
 
 
 def batch(rows, temperature=0.0, top_p=1.0, top_k=0, seeds=-1, positions=None):
@@ -1095,3 +1095,30 @@ def _exit_with_draw_check(logits: torch.Tensor, host: HostRows, expected: np.nda
 
     fresh = sampler._sampling.pool_stats() == (0, 0)
     os._exit(0 if fresh and _helpers_draw(logits, host, expected) and sampler._sampling.pool_stats()[0] == 1 else 1)
+
+
+@pytest.mark.parametrize("width", [0, 3])
+def test_outputs_made_ahead_take_the_same_sample_and_are_what_it_returns(width: int) -> None:
+    """A step's HostOutputs, made where it is staged: the compiled pass writes the sample there, the
+    same as into arrays of its own (seeded and greedy rows, so both samples draw alike), and a
+    non-finite row as well."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    logits[2] = float("nan")
+    params = SamplingBatch.of(
+        [0.0, 0.7, 1.0, 0.5, 0.0, 1.3], [1.0, 0.9, 1.0, 0.5, 1.0, 1.0], [0, 0, 5, 0, 0, 0], [-1, 3, 4, 8, -1, 6], range(6),
+        num_logprobs=np.full(6, width, dtype=np.uint8),
+    )  # fmt: skip
+    expected = sample(logits, params)
+    into, other = HostOutputs.frame(2, 6, width)
+    got = sample(logits, params, into)
+    assert got is into.out
+    for name in ("token_ids", "logprobs", "finite", "top_ids", "top_logprobs"):
+        want, have = getattr(expected, name), getattr(got, name)
+        assert (want is None) == (have is None) == (width == 0 and name.startswith("top")), name
+        if want is not None:
+            torch.testing.assert_close(have, want, equal_nan=True, rtol=0, atol=0)
+    assert np.array_equal(into.tokens, expected.token_ids.numpy())
+    assert other.out.token_ids.data_ptr() != got.token_ids.data_ptr()  # each forward its own row
+    for rows, alternatives in ((5, width), (6, width + 1)):
+        with pytest.raises(SamplingError, match=f"outputs made for {rows} rows of {alternatives} alternatives"):
+            sample(logits, params, HostOutputs.frame(1, rows, alternatives)[0])

@@ -1067,3 +1067,25 @@ def test_a_step_run_and_its_answer_are_freed_on_the_links_thread(monkeypatch):
     link = link_thread_name(0)
     early = {key: where for key, where in freed.items() if key[1] < len(steps)}
     assert len(early) == 2 * (len(steps) - 1) and set(early.values()) == {link}, freed
+
+
+def test_rank_0_on_a_cpu_samples_into_the_outputs_made_where_the_step_was_staged(monkeypatch):
+    from executor.link import SchedulerLink
+
+    staged_outputs = {}
+    build = SchedulerLink._build
+
+    def building(link, checked):
+        staged = build(link, checked)
+        staged_outputs[staged.step] = staged.outputs
+        return staged
+
+    monkeypatch.setattr(SchedulerLink, "_build", building)
+    steps = [make_prepare([Seq(s, (20 + s,), 0, (s,)), Seq(10 + s, (5,), 0, (10 + s,))], cleared=(s, 10 + s)) for s in (1, 2)]
+    script = [welcome(), frame(1, steps[0]), frame(1, Go()), frame(2, steps[1]), frame(2, Go()), frame(2, Shutdown("done"))]
+    code, endpoint, _ = run_worker(script)
+    assert code == ExitCode.OK
+    results = {s: b for s, b in endpoint.replies() if isinstance(b, Result)}
+    for step, result in results.items():
+        (outputs,) = staged_outputs[step]  # one forward
+        assert outputs.tokens.tolist() == result.token_ids.tolist() and outputs.finite.tolist() == result.finite.tolist(), step
