@@ -260,3 +260,41 @@ def test_a_reader_that_has_ended_fails_rank_0() -> None:
     right.close()
     with left, pytest.raises(FeedbackError, match="could not reach a rank"):
         SocketFeedback(0, [left]).start(3, 0, torch.tensor([1]))()
+
+
+def test_a_spinning_reader_takes_what_is_there_gives_up_after_its_time_and_fails_on_a_closed_peer() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        right.settimeout(COLLECTIVE_TIMEOUT_S)  # as connected: non-blocking underneath
+        into = bytearray(8)
+        assert feedback_module._spin_read(right, memoryview(into), 0.01) == 0  # nothing came
+        left.sendall(b"abc")
+        assert feedback_module._spin_read(right, memoryview(into), 0.01) == 3 and bytes(into[:3]) == b"abc"
+        left.close()
+        with pytest.raises(FeedbackError, match="closed"):
+            feedback_module._spin_read(right, memoryview(into), 0.01)
+
+
+def test_a_rank_spins_for_its_feedback_only_after_a_short_wait(monkeypatch) -> None:
+    """After a wait longer than FEEDBACK_SPIN_S (rank 0 sampling a real vocabulary, say) the next
+    receive blocks at once: spinning there took a core from rank 0's sampler."""
+    spins: list[float] = []
+    spin_read = feedback_module._spin_read
+
+    def spying(peer, into, spin_s):
+        spins.append(spin_s)
+        return spin_read(peer, into, spin_s)
+
+    monkeypatch.setattr(feedback_module, "_spin_read", spying)
+    left, right = socket.socketpair()
+    with left, right:
+        right.settimeout(COLLECTIVE_TIMEOUT_S)
+        rank0, rank1 = SocketFeedback(0, [left]), SocketFeedback(1, [right])
+        for forward, last_wait in enumerate((0.0, 10 * feedback_module.FEEDBACK_SPIN_S, 0.0), start=1):
+            rank0.start(3, forward, torch.tensor([forward, 7]))()
+            rank1.last_wait_s = last_wait
+            into = torch.empty(2, dtype=torch.long)
+            rank1.start(3, forward, into)()
+            assert into.tolist() == [forward, 7]
+            assert rank1.last_wait_s < 1.0
+    assert spins == [feedback_module.FEEDBACK_SPIN_S] * 2  # the first and the third receive
