@@ -10,7 +10,6 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from scripts.harness.runtime import RuntimeServer, ServerOptions
-from tests.e2e.serving import SERVER_OPTIONS, Server
+from tests.e2e.serving import Server
 
 CITY = {
     "type": "object",

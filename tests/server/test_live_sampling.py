@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.serving import SERVER_OPTIONS, Server
+from tests.e2e.serving import Server
 
 PROMPTS = ("Hello there", "The quick brown fox", "1, 2, 3, 4,")
 PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.6}
