@@ -80,11 +80,13 @@ class StagedStep:
     prepare: Prepare  # the cache operations run from it on the model's thread (clears: or ahead)
     inputs: StepInputs
     # For each feedback row, the index of its sequence among the sampled rows of the step run
-    # before this one (the host's copy, for the sampling states).
+    # before this one (the host's copy, for the sampling states)...
     feedback_sources: np.ndarray
-    # The feedback rows' token indices over their sources (long[2, f]) on the model's device,
-    # copied here rather than between two forwards, where on a GPU each copy waits for the
-    # device; None without feedback rows.
+    # ... and its token's index in the step's inputs (int64, host).
+    feedback_rows: np.ndarray
+    # The two over each other (long[2, f]) on a GPU, copied here rather than between two forwards,
+    # where each copy waits for the device; None on the CPU, which reads the host arrays, and
+    # without feedback rows.
     feedback_on_device: torch.Tensor | None
     # Its cleared pages, zeroed once by the link thread ahead or by the model's thread
     # (executor/clear_ahead.py).
@@ -403,16 +405,18 @@ class SchedulerLink:
             prepare, pad_page=self._pad_page, page_size=self._page_size, device=self._device, page_table=checked.page_table,
             samples=self.rank == 0, needed=checked.needed,
         )  # fmt: skip
+        on_cpu = inputs.sample_rows.device.type == "cpu"
         on_device = None
-        if checked.feedback_tokens.shape[0]:
+        if checked.feedback_tokens.shape[0] and not on_cpu:
             on_device = to_device(np.stack((checked.feedback_tokens, checked.feedback_sources)), self._device)
         touches = self.rank == 0 and touches_states(prepare)
         outputs = ()
-        if self.rank == 0 and inputs.sample_rows.device.type == "cpu":
+        if self.rank == 0 and on_cpu:
             outputs = HostOutputs.frame(prepare.decode_steps, inputs.sample_rows.shape[0], inputs.sampling.host.most_logprobs)
         return StagedStep(
-            checked.step, prepare, inputs, checked.feedback_sources, on_device, touches_states=touches, outputs=outputs
-        )
+            checked.step, prepare, inputs, checked.feedback_sources, checked.feedback_tokens, on_device,
+            touches_states=touches, outputs=outputs,
+        )  # fmt: skip
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:
         """Where each feedback row's token comes from: the sample of its sequence in the step GOed

@@ -64,18 +64,18 @@ class StepModel(Protocol):
 @dataclass(frozen=True)
 class _Feeding:
     """A step's feedback tokens on their way: `wait` for them to arrive (None on a single rank),
-    `rows` the token indices of the step's inputs they go to (on the CPU a host array: _feed says
-    why)."""
+    `rows` the token indices of the step's inputs they go to (on the CPU both are host arrays:
+    _feed says why)."""
 
     rows: torch.Tensor | np.ndarray
-    tokens: torch.Tensor
+    tokens: torch.Tensor | np.ndarray
     wait: Callable[[], None] | None
 
     def land(self, inputs: StepInputs) -> None:
         if self.wait is not None:
             self.wait()
         if isinstance(self.rows, np.ndarray):
-            inputs.token_ids.numpy()[self.rows] = self.tokens.numpy()
+            inputs.token_ids.numpy()[self.rows] = self.tokens
         else:
             inputs.token_ids[self.rows] = self.tokens
 
@@ -282,22 +282,26 @@ class StepRunner:
         """Starts the feedback rows' tokens on their way to every rank; the step's cache operations
         run while they travel (with two ranks on a CPU, gloo's broadcast waited ~0.5 ms for the peer's
         side), and _Feeding.land puts them in the step's inputs before its forward."""
-        on_device = staged.feedback_on_device
-        if on_device is None:
+        rows, on_device = staged.feedback_rows, staged.feedback_on_device
+        if not rows.shape[0]:
             return None
-        # On the CPU through numpy, whose indexing of a few rows costs ~1 us where torch's costs
-        # several right after a forward (bench_step at one rank: _feed and land ~30 us through
-        # torch, ~10 through numpy).
-        on_cpu = on_device.device.type == "cpu"
-        rows, sources = on_device.numpy() if on_cpu else (on_device[0], on_device[1])
-        if self.rank != 0:
-            tokens = torch.empty(rows.shape[0], dtype=torch.long, device=self.cache.device)
-        elif on_cpu:
-            tokens = torch.from_numpy(self._samples.tokens.numpy()[sources])
+        if on_device is None:
+            # The CPU's through numpy, from the staged host arrays: its indexing of a few rows
+            # costs ~1 us where torch's costs several right after a forward (bench_step at one
+            # rank: _feed and land ~30 us through torch, ~10 through numpy).
+            if self.rank == 0:
+                tokens = self._samples.tokens.numpy()[staged.feedback_sources]
+            else:
+                tokens = np.empty(rows.shape[0], dtype=np.int64)
+            # The carriers take and fill a tensor: it shares the array's memory.
+            wait = self._feedback.start(staged.step, 0, torch.from_numpy(tokens)) if self._feedback is not None else None
+            return _Feeding(rows, tokens, wait)
+        if self.rank == 0:
+            tokens = self._samples.tokens[on_device[1]]
         else:
-            tokens = self._samples.tokens[sources]
+            tokens = torch.empty(rows.shape[0], dtype=torch.long, device=self.cache.device)
         wait = self._feedback.start(staged.step, 0, tokens) if self._feedback is not None else None
-        return _Feeding(rows, tokens, wait)
+        return _Feeding(on_device[0], tokens, wait)
 
     def _cache_operations(self, staged: StagedStep) -> None:
         prepare, cache, options = staged.prepare, self.cache, self.options

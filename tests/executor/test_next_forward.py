@@ -135,7 +135,8 @@ def run_forwards(cut_after: int | None, *, pipelined: bool = False) -> tuple[Res
     )
     prepare = step(0, {1: 5, 2: 6, 3: 7}, FORWARDS)
     answers: list[tuple[int, Callable[[], Result] | None, bool]] = []
-    runner.run(StagedStep(5, prepare, inputs_of(prepare), np.zeros(0, dtype=np.int64), None), lambda *a: answers.append(a))
+    none = np.zeros(0, dtype=np.int64)
+    runner.run(StagedStep(5, prepare, inputs_of(prepare), none, none, None), lambda *a: answers.append(a))
     assert (answers == []) == pipelined and runner.open_step == (5 if pipelined else None)
     runner.settle(lambda *a: answers.append(a))
     [(answered, result, next_running)] = answers
