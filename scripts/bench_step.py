@@ -408,7 +408,7 @@ class SimulatedDevice:
                 while time.perf_counter() < self.at:
                     time.sleep(0)
 
-        def start(inputs: StepInputs, out: object) -> object:
+        def start(inputs: StepInputs, out: object, made: object = None) -> object:  # a device's copy, not the host's arrays
             return steps._Readback(inputs, out, steps.pack_sampled(out), Landing())
 
         steps._Readback.start = staticmethod(start)

@@ -1119,6 +1119,16 @@ def test_outputs_made_ahead_take_the_same_sample_and_are_what_it_returns(width: 
             torch.testing.assert_close(have, want, equal_nan=True, rtol=0, atol=0)
     assert np.array_equal(into.tokens, expected.token_ids.numpy())
     assert other.out.token_ids.data_ptr() != got.token_ids.data_ptr()  # each forward its own row
+    # The RESULT's host copy read from the arrays where the pass wrote them, and only there.
+    from executor.steps import sampled_to_host
+
+    direct, read = sampled_to_host(expected), sampled_to_host(got, into)
+    other.tokens[:] = -5
+    elsewhere = sampled_to_host(expected, other)
+    for host in (read, elsewhere):
+        for name in ("tokens", "finite", "logprobs", "top_ids", "top_logprobs"):
+            want, have = getattr(direct, name), getattr(host, name)
+            assert (want is None and have is None) or (np.array_equal(want, have, equal_nan=True) and want.dtype == have.dtype), name
     for rows, alternatives in ((5, width), (6, width + 1)):
         with pytest.raises(SamplingError, match=f"outputs made for {rows} rows of {alternatives} alternatives"):
             sample(logits, params, HostOutputs.frame(1, rows, alternatives)[0])

@@ -865,7 +865,7 @@ def read_back_behind(monkeypatch, query, synchronize) -> None:
     """Every sample read back behind a FakeCopyEvent, as on a device (the copy itself is the packed
     sample, which unpack_sampled reads as it reads the pinned one)."""
 
-    def start(inputs, out):
+    def start(inputs, out, made=None):  # a device's copy: where the host pass would write is not read
         return executor.steps._Readback(inputs, out, executor.steps.pack_sampled(out), FakeCopyEvent(query, synchronize))
 
     monkeypatch.setattr(executor.steps._Readback, "start", staticmethod(start))
