@@ -11,8 +11,9 @@ Three carriers take it:
 - `SocketFeedback`: a Unix socket from rank 0 to each other rank, for a CPU group on one host. On a
   2-core VM gloo's broadcast took 150-200 us one way and ~100 us to post on each side (its worker
   and loop threads wake one after another, on whichever core is free), where a socket's blocked
-  reader takes one wake-up (docs/control_plane.md, fifteenth sitting). The other ranks start their
-  forward that much sooner; on the CPU their forward waits for nothing else of rank 0's.
+  reader takes one wake-up (docs/control_plane.md, fifteenth sitting), and a reader that spins
+  for it none (_spin_read: where the last wait was short). The other ranks start their forward
+  that much sooner; on the CPU their forward waits for nothing else of rank 0's.
 - `HostFlagFeedback`, for a GPU group on one host: the tokens through NCCL (they stay on the
   device), the cut flag through the same sockets, decided on rank 0's host. The other ranks then
   know whether a later forward runs as soon as rank 0's host does, and queue it behind the tokens'
@@ -39,7 +40,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
@@ -119,9 +120,12 @@ class SocketFeedback:
 
     rank: int
     peers: list[socket.socket]
-    # How long the last receive waited for its message (rank 0 takes none): a rank spins for the
-    # next only where that was short (FEEDBACK_SPIN_S says why).
-    last_wait_s: float = 0.0
+    # How long a rank reads for its feedback before it blocks, where its last wait was shorter:
+    # FEEDBACK_SPIN_S in a CPU group; 0 (never) where the sockets carry a GPU group's cut flags,
+    # whose ranks it has not been measured on.
+    spin_s: float = 0.0
+    # How long the last receive waited for its message (rank 0 takes none).
+    last_wait_s: float = field(default=0.0, init=False, repr=False, compare=False)
 
     def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
         values = tokens.numpy()
@@ -138,7 +142,7 @@ class SocketFeedback:
     def _receive(self, due: tuple[int, int, int], into: np.ndarray) -> None:
         header = np.empty(_HEADER_WORDS, dtype=np.int64)
         waiting = time.perf_counter()
-        spin = FEEDBACK_SPIN_S if self.last_wait_s < FEEDBACK_SPIN_S else 0.0
+        spin = self.spin_s if self.last_wait_s < self.spin_s else 0.0
         _receive_exactly(self.peers[0], memoryview(header).cast("B"), spin)
         self.last_wait_s = time.perf_counter() - waiting
         got = tuple(header.tolist())
@@ -262,7 +266,10 @@ def open_feedback(
     if connected is None:
         logger.info("[rank %d] the feedback goes through the process group: not every rank could be connected to rank 0's socket", rank)
         return ProcessGroupFeedback(rank, device)
-    return connected if on_cpu else HostFlagFeedback(ProcessGroupFeedback(rank, device), connected)
+    if on_cpu:
+        connected.spin_s = FEEDBACK_SPIN_S
+        return connected
+    return HostFlagFeedback(ProcessGroupFeedback(rank, device), connected)
 
 
 def _connect_sockets(rank: int, world_size: int, group: dist.ProcessGroup | None) -> SocketFeedback | None:

@@ -80,7 +80,7 @@ class StagedStep:
     prepare: Prepare  # the cache operations run from it on the model's thread (clears: or ahead)
     inputs: StepInputs
     # For each feedback row, the index of its sequence among the sampled rows of the step run
-    # before this one (the host's copy, for the sampling states)...
+    # before this one (host: the sampling states' and the CPU's feed)...
     feedback_sources: np.ndarray
     # ... and its token's index in the step's inputs (int64, host).
     feedback_rows: np.ndarray
@@ -160,7 +160,7 @@ class SchedulerLink:
         self.rank = conversation.rank
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Callable[[], Outgoing]] = queue.SimpleQueue()
-        self._released: queue.SimpleQueue[object] = queue.SimpleQueue()  # release()'s, freed by _flush
+        self._released: queue.SimpleQueue[Run] = queue.SimpleQueue()  # release()'s, freed by _flush
         self._page_size = page_size
         self._pad_page = pad_page
         self._device = device
@@ -194,7 +194,7 @@ class SchedulerLink:
         else:
             self._post(lambda: self._result(step, result), still_busy)
 
-    def release(self, done: object) -> None:
+    def release(self, done: Run) -> None:
         """Frees `done` (a step the model's thread has run, with its inputs and a frame's later
         forwards) on this thread the next time it wakes, not on the model's thread between two
         forwards: there, freeing a 16-forward frame's step and the answer before it took ~150 us,

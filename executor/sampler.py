@@ -118,8 +118,8 @@ _PASS_THREADS = os.cpu_count() or 1
 # How the compiled pass draws a row (HostRows.draws): its argmax, over its whole row, among its
 # top-k / top-p candidates, or not at all (a row that logits processing touches: the passes draw it).
 DRAW_GREEDY, DRAW_PLAIN, DRAW_CUT, DRAW_ELSEWHERE = 0, 1, 2, 3
-# Empty arrays a sample between two forwards passes on rather than makes afresh (each numpy call
-# costs microseconds there): a batch with no random row's uniforms, a batch that wants no
+# Empty arrays shared rather than made afresh for each batch (each numpy call costs microseconds
+# between two forwards): a batch with no random row's uniforms, a batch that wants no
 # alternatives' buffers (zero-sized: nothing is ever written to them).
 _NONE_DRAWN = np.zeros(0, dtype=np.float32)
 _NO_ALTERNATIVES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
@@ -259,9 +259,9 @@ class HostRows:
         return (self.top_k > 0) | (self.top_p < 1)
 
     def one_position_on(self) -> HostRows:
-        """The same rows one position on: the next forward of a step of several, made between two
-        forwards on every rank. Only the seeded uniforms depend on the position, so only they are
-        derived again (all of it took ~30 us there, cold)."""
+        """The same rows one position on: the next forward of a step of several, made for each of
+        them where the step is staged (StepInputs.later). Only the seeded uniforms depend on the
+        position, so only they are derived again."""
         later = copy.copy(self)
         positions = self.positions + 1
         seeded = self.random[self.seeded]
@@ -300,9 +300,10 @@ def draw_unseeded(forwards: int, rows: int) -> np.ndarray:
 class SamplingBatch:
     """Per-row parameters, one entry per logits row: what a device's arithmetic reads on the logits'
     device, and the same rows on the host, which the branches, the seeded draws and a CPU's
-    arithmetic read. A step's is made where its PREPARE is staged (executor.inputs), checked here
-    then, so that the sample between two forwards checks only the logits' rows (but for a later
-    forward's batch, and one that logits processing is added to)."""
+    arithmetic read. A step's is made where its PREPARE is staged (executor.inputs), a later
+    forward's of its frame too, checked here then, so that the sample between two forwards checks
+    only the logits' rows (but for a batch that logits processing is added to there, which derives
+    `drawn` again: a step with processing takes the passes, whose cost dwarfs it)."""
 
     temperature: torch.Tensor  # float32[m]; 0 means greedy
     top_p: torch.Tensor  # float32[m]; 1 means off

@@ -221,19 +221,21 @@ def _exit_within(seconds: float, directory: Callable[[], str | None] = lambda: N
     A forced exit still removes the sockets' directories, `directory()` (the broker's) and
     ipc_address()'s: a CI run once found the broker's left behind after kill -9 of the launcher,
     every process gone, which only an exit before broker.close() leaves. Nothing here may keep
-    os._exit from running: stderr may be a pipe whose reader is gone, and the main thread may be
-    removing the same directories."""
+    os._exit from running: the main thread may be removing the same directories, and stderr may
+    be a pipe whose reader is gone (the write raises) or stalled (made non-blocking first, a
+    write that would wait raises too)."""
 
     def force() -> None:
         try:
-            sys.stderr.write(f"tp-runtime: error: the frontend did not finish exiting within {seconds:g} s: exiting now\n")
-            sys.stderr.flush()
+            leftover = directory()
+            if leftover is not None:
+                shutil.rmtree(leftover, ignore_errors=True)
+            remove_private_dirs()
         finally:
             try:
-                leftover = directory()
-                if leftover is not None:
-                    shutil.rmtree(leftover, ignore_errors=True)
-                remove_private_dirs()
+                os.set_blocking(sys.stderr.fileno(), False)
+                sys.stderr.write(f"tp-runtime: error: the frontend did not finish exiting within {seconds:g} s: exiting now\n")
+                sys.stderr.flush()
             finally:
                 os._exit(1)
 

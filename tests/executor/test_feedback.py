@@ -65,6 +65,7 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
                 setattr(feedback_module.dist, name, recorded)
             carrier = open_feedback(rank, world_size, torch.device("cuda", rank), host_group=host_group)
             assert groups and all(group is host_group for group in groups), groups  # never the default (NCCL's) group
+            assert carrier.flags.spin_s == 0  # a GPU group's ranks block for their flags (not measured spinning)
         else:
             carrier = open_feedback(rank, world_size, torch.device("cpu"))
         outcome = type(carrier).__name__
@@ -86,6 +87,7 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
         elif scenario in ("carry", "unreached", "no_listener"):
             if isinstance(carrier, SocketFeedback):
                 assert [peer.gettimeout() for peer in carrier.peers] == [COLLECTIVE_TIMEOUT_S] * len(carrier.peers)
+                assert carrier.spin_s == feedback_module.FEEDBACK_SPIN_S
             for each in (carrier, ProcessGroupFeedback(rank, torch.device("cpu"))):
                 for step in range(1, 30):
                     tokens = _tokens(step) if rank == 0 else torch.empty(step % 5 + 1, dtype=torch.long)
@@ -289,7 +291,7 @@ def test_a_rank_spins_for_its_feedback_only_after_a_short_wait(monkeypatch) -> N
     left, right = socket.socketpair()
     with left, right:
         right.settimeout(COLLECTIVE_TIMEOUT_S)
-        rank0, rank1 = SocketFeedback(0, [left]), SocketFeedback(1, [right])
+        rank0, rank1 = SocketFeedback(0, [left]), SocketFeedback(1, [right], spin_s=feedback_module.FEEDBACK_SPIN_S)
         for forward, last_wait in enumerate((0.0, 10 * feedback_module.FEEDBACK_SPIN_S, 0.0), start=1):
             rank0.start(3, forward, torch.tensor([forward, 7]))()
             rank1.last_wait_s = last_wait

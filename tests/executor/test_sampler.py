@@ -1102,6 +1102,10 @@ def test_outputs_made_ahead_take_the_same_sample_and_are_what_it_returns(width: 
     """A step's HostOutputs, made where it is staged: the compiled pass writes the sample there, the
     same as into arrays of its own (seeded and greedy rows, so both samples draw alike), and a
     non-finite row as well."""
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor/_sampling.c is not built: the passes make outputs of their own")
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
     logits[2] = float("nan")
     params = SamplingBatch.of(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import executor.sampler
 import executor.steps
 import executor.worker
 from executor.options import ExecutorOptions
@@ -1071,6 +1072,9 @@ def test_a_step_run_and_its_answer_are_freed_on_the_links_thread(monkeypatch):
 
 def test_rank_0_on_a_cpu_samples_into_the_outputs_made_where_the_step_was_staged(monkeypatch):
     from executor.link import SchedulerLink
+
+    if executor.sampler._sampling is None:
+        pytest.skip("executor/_sampling.c is not built: the passes make outputs of their own")
 
     staged_outputs = {}
     build = SchedulerLink._build
