@@ -105,7 +105,7 @@ class _Checked:
     prepare: Prepare
     page_table: np.ndarray  # its whole page tables, the held ones resolved
     needed: np.ndarray  # the pages each sequence's context covers (executor.inputs.pages_needed)
-    feedback_tokens: np.ndarray  # each feedback row's token index in the step's inputs
+    feedback_rows: np.ndarray  # each feedback row's token index in the step's inputs
     feedback_sources: np.ndarray  # ... and its sequence's index among the last step's samples
 
 
@@ -388,14 +388,14 @@ class SchedulerLink:
         those held, its sampling states, its lengths against its tables): nothing here changes if
         it is refused, but for the held page tables and sampling-state ids, which the ABORT that
         follows a REJECT drops anyway."""
-        feedback_tokens, feedback_sources = self._feedback(prepare)
+        feedback_rows, feedback_sources = self._feedback(prepare)
         table = self._page_tables.apply(prepare)
         self._stateful.accept(prepare)
         try:
             needed = pages_needed(prepare, table, self._page_size)
         except StepInputsError as exc:
             raise ProtocolError(RejectCode.LENGTH_MISMATCH, str(exc)) from exc
-        return _Checked(step, prepare, table, needed, feedback_tokens, feedback_sources)
+        return _Checked(step, prepare, table, needed, feedback_rows, feedback_sources)
 
     def _build(self, checked: _Checked) -> StagedStep:
         """A checked step's inputs, and everything else of it that needs no device work; rank 0's
@@ -407,14 +407,14 @@ class SchedulerLink:
         )  # fmt: skip
         on_cpu = inputs.sample_rows.device.type == "cpu"
         on_device = None
-        if checked.feedback_tokens.shape[0] and not on_cpu:
-            on_device = to_device(np.stack((checked.feedback_tokens, checked.feedback_sources)), self._device)
+        if checked.feedback_rows.shape[0] and not on_cpu:
+            on_device = to_device(np.stack((checked.feedback_rows, checked.feedback_sources)), self._device)
         touches = self.rank == 0 and touches_states(prepare)
         outputs = ()
         if self.rank == 0 and on_cpu:
             outputs = HostOutputs.frame(prepare.decode_steps, inputs.sample_rows.shape[0], inputs.sampling.host.most_logprobs)
         return StagedStep(
-            checked.step, prepare, inputs, checked.feedback_sources, checked.feedback_tokens, on_device,
+            checked.step, prepare, inputs, checked.feedback_sources, checked.feedback_rows, on_device,
             touches_states=touches, outputs=outputs,
         )  # fmt: skip
 

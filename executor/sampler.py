@@ -398,7 +398,8 @@ class HostOutputs:
     @classmethod
     def frame(cls, forwards: int, rows: int, width: int) -> tuple[HostOutputs, ...]:
         """One per forward, each over its row of one array of each kind."""
-        tokens, logprobs, finite = np.empty((forwards, rows), np.int64), np.empty((forwards, rows), np.float32), np.empty((forwards, rows), np.uint8)
+        shape = (forwards, rows)
+        tokens, logprobs, finite = np.empty(shape, np.int64), np.empty(shape, np.float32), np.empty(shape, np.uint8)
         if width:
             top_ids, top_logprobs = np.zeros((forwards, rows, width), np.int64), np.full((forwards, rows, width), np.nan, np.float32)
         made = []
@@ -428,7 +429,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch, into: HostOutputs | None
     rows = logits.shape[0]
     if params.temperature.shape[0] != rows:  # the batch agrees with itself (SamplingBatch checks it)
         raise SamplingError(f"temperature has shape {tuple(params.temperature.shape)}, expected ({rows},) for {rows} rows")
-    if into is not None and (into.tokens.shape[0] != rows or (into.top_ids.shape[-1] if into.top_ids.ndim == 2 else 0) != params.host.most_logprobs):
+    # A batch without alternatives has top_ids of shape (0,) (_NO_ALTERNATIVES'): its last dimension 0 too.
+    if into is not None and (into.tokens.shape[0] != rows or into.top_ids.shape[-1] != params.host.most_logprobs):
         raise SamplingError(f"outputs made for {into.tokens.shape[0]} rows of {into.top_ids.shape[-1]} alternatives, not this batch's")
     # Nothing here is differentiated: a tensor that requires grad is read as its data (and the
     # compiled pass reads logits.numpy() without detach(), ~14 us cold). The dtype is read first:

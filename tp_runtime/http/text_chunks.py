@@ -59,14 +59,10 @@ class TextChunk:
         pieces.append(rest)
         return cls(pieces[0], tuple(zip(order, pieces[1:])))
 
-    @property
-    def with_ids(self) -> bool:
-        return any(slot == IDS for slot, _ in self.slots)
-
     def render(self, text: str, token_ids: Sequence[int] = (), logprobs: dict[str, list] | None = None) -> str:
         """The chunk of `text`, with `token_ids` and `logprobs` (the fields of the endpoint's
-        logprobs model) where it carries them; inf and NaN as null, as the models write them. Once
-        per streamed piece: a tuple and one string a slot."""
+        logprobs model) where it has their slots (others are not read); inf and NaN as null, as the
+        models write them. Once per streamed piece: a tuple and one string a slot."""
         values = (text, logprobs, token_ids)
         out = self.head
         for slot, after in self.slots:

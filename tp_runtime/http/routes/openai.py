@@ -263,9 +263,8 @@ class Completions(OpenAIEndpoint[CompletionRequest]):
 
     def chunks(self, body: CompletionRequest, reply: Reply, index: int, piece: Piece, sent: int) -> list[str]:
         if piece.finish_reason is None:
-            chunk, end = reply.text_chunks[index], sent + len(piece.text)
-            fields = logprobs.completion_fields(self.service.tokenizer, piece.tokens, end) if reply.logprobs else None
-            return [chunk.render(piece.text, piece.token_ids if chunk.with_ids else (), fields)]
+            fields = logprobs.completion_fields(self.service.tokenizer, piece.tokens, sent + len(piece.text)) if reply.logprobs else None
+            return [reply.text_chunks[index].render(piece.text, piece.token_ids, fields)]
         choice = CompletionChoice(
             index=index,
             text=piece.text,
