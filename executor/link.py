@@ -97,6 +97,12 @@ class StagedStep:
     outputs: tuple[HostOutputs, ...] = ()
 
 
+def feedback_on_device(rows: np.ndarray, sources: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A GPU step's feedback rows over their sources (long[2, f]), as StepRunner._feed reads them
+    on the device (a CPU's are read from the host arrays)."""
+    return to_device(np.stack((rows, sources)), device)
+
+
 @dataclass(frozen=True)
 class _Checked:
     """A PREPARE that passed every check a rank makes before its READY, with what they found."""
@@ -408,7 +414,7 @@ class SchedulerLink:
         on_cpu = inputs.sample_rows.device.type == "cpu"
         on_device = None
         if checked.feedback_rows.shape[0] and not on_cpu:
-            on_device = to_device(np.stack((checked.feedback_rows, checked.feedback_sources)), self._device)
+            on_device = feedback_on_device(checked.feedback_rows, checked.feedback_sources, self._device)
         touches = self.rank == 0 and touches_states(prepare)
         outputs = ()
         if self.rank == 0 and on_cpu:

@@ -12,7 +12,7 @@ import torch
 
 from executor.cuda_graphs import StaticDecodeBatch
 from executor.inputs import Pad, StepInputs, StepInputsError
-from executor.link import StagedStep
+from executor.link import StagedStep, feedback_on_device
 from executor.options import ExecutorOptions
 from executor.sampler import sample
 from executor.steps import StepRunner
@@ -190,3 +190,20 @@ def test_a_rank_that_does_not_sample_gets_every_input_but_the_samplers_parameter
         if forward < FORWARDS - 1:
             tokens = torch.tensor([20 + forward, 30 + forward, 40 + forward])
             sampling, other = sampling.next_forward(tokens), other.next_forward(tokens)
+
+
+def test_a_gpus_feedback_layout_feeds_what_the_cpus_host_arrays_feed() -> None:
+    """The link stacks a GPU step's feedback rows over their sources (feedback_on_device), which
+    StepRunner._feed reads on the device's path; a CPU's are read from the host arrays. Both, run
+    here on the CPU, land the same tokens in the same rows: the device's path, which CI never runs
+    on a device, cannot drift from the layout the link makes."""
+    runner = StepRunner(rank=0, world_size=1, model=StandInModel(0, 1), cache=make_cache(G, KV_HEADS, poison=False), options=options())
+    runner._samples.tokens = torch.tensor([40, 41, 42, 43])  # the step before's samples
+    prepare = step(0, {1: 5, 2: 6, 3: 7})
+    rows, sources = np.array([0, 2], dtype=np.int64), np.array([3, 1], dtype=np.int64)
+    landed = []
+    for on_device in (None, feedback_on_device(rows, sources, "cpu")):
+        inputs = inputs_of(prepare)
+        runner._feed(StagedStep(5, prepare, inputs, sources, rows, on_device)).land(inputs)
+        landed.append(inputs.token_ids.tolist())
+    assert landed[0] == landed[1] == [43, 6, 41]
