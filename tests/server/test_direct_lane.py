@@ -1,0 +1,95 @@
+"""The generating routes' direct lane (tp_runtime/http/direct.py): their POSTs skip FastAPI's layers
+and the router, every other request takes them, and a request answers alike on either way: status,
+body, headers that matter, and what the metrics count."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+from server.fake_engine import MODEL_NAME, FakeEngine
+from starlette.routing import Router
+
+from tp_runtime.http import ServerSettings, create_app
+
+API_KEY = "sk-direct-lane-test"
+# HostCheck (a loopback bind) answers only requests addressed to a loopback name.
+BASE_URL = "http://127.0.0.1:8000"
+
+# (method, path, headers, body): what each middleware refuses, what a route refuses, and answers.
+REQUESTS = [
+    ("POST", "/v1/completions", {}, {"prompt": "hello", "max_tokens": 3}),
+    ("POST", "/v1/completions", {}, {"prompt": "hello", "max_tokens": 3, "stream": True}),
+    ("POST", "/v1/chat/completions", {}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("POST", "/generate", {}, {"text": "abc", "sampling_params": {"max_completion_tokens": 2}}),
+    ("POST", "/v1/completions", {}, {"prompt": "hello", "max_tokens": -1}),  # the route's ApiError
+    ("POST", "/v1/completions", {}, {"prompt": "hello", "model": "no-such-model"}),
+    ("POST", "/v1/completions", {}, b"{not json"),
+    ("POST", "/v1/completions", {"origin": "http://evil.example"}, {"prompt": "hello"}),  # OriginCheck
+    ("POST", "/v1/completions", {"host": "evil.example"}, {"prompt": "hello"}),  # HostCheck
+    ("POST", "/v1/completions", {"authorization": "Bearer wrong"}, {"prompt": "hello"}),  # ApiKeyAuth
+    ("POST", "/v1/completions", {}, {"prompt": "x" * 200_000}),  # BodyLimits
+    ("GET", "/v1/completions", {}, None),  # not the lane's: 405 from the router
+    ("POST", "/v1/completions/", {}, {"prompt": "hello"}),  # nor this
+    ("GET", "/v1/models", {}, None),
+]
+
+
+def _app(tokenizer, direct: bool):
+    settings = ServerSettings((MODEL_NAME,), api_key=API_KEY, bind_host="127.0.0.1", max_request_body_size=100_000)
+    app = create_app(FakeEngine(), tokenizer, settings)
+    if not direct:
+        app.direct = None
+    return app
+
+
+def _send(client: TestClient, method: str, path: str, headers: dict, body: object):
+    headers = {"authorization": f"Bearer {API_KEY}", **headers}
+    if isinstance(body, bytes):
+        return client.request(method, path, headers={**headers, "content-type": "application/json"}, content=body)
+    return client.request(method, path, headers=headers, json=body)
+
+
+def _answer(response) -> tuple:
+    body = response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
+    if isinstance(body, dict):  # ids and times differ from answer to answer
+        body = {k: v for k, v in body.items() if k not in ("id", "created")}
+    elif "data: " in body:
+        body = [line for line in body.splitlines() if line.startswith("data: [DONE]") or '"error"' in line]
+    kept = ("content-type", "connection", "retry-after", "www-authenticate")
+    return response.status_code, body, {k: response.headers.get(k) for k in kept}
+
+
+def _counts(client: TestClient) -> list[str]:
+    """The answers, refusals, cancels and errors the metrics counted."""
+    text = _send(client, "GET", "/metrics", {}, None).text
+    counted = ("_http_requests_total{", "_request_rejects_total{", "_request_cancels_total", "_request_errors_total{")
+    return sorted(line for line in text.splitlines() if any(name in line for name in counted))
+
+
+def test_a_request_answers_alike_on_the_direct_lane_and_through_fastapi(tokenizer) -> None:
+    answers = {}
+    counts = {}
+    for direct in (True, False):
+        with TestClient(_app(tokenizer, direct), base_url=BASE_URL) as client:
+            answers[direct] = [_answer(_send(client, *request)) for request in REQUESTS]
+            counts[direct] = _counts(client)
+    for request, on_lane, through in zip(REQUESTS, answers[True], answers[False], strict=True):
+        assert on_lane == through, request[:3]
+    assert counts[True] == counts[False]
+    assert any("invalid" in line for line in counts[True])  # the route's ApiErrors were counted
+
+
+def test_only_the_generating_posts_skip_the_router(tokenizer, monkeypatch) -> None:
+    routed: list[str] = []
+    route = Router.__call__
+
+    async def counted(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            routed.append(f"{scope['method']} {scope['path']}")
+        await route(self, scope, receive, send)
+
+    monkeypatch.setattr(Router, "__call__", counted)
+    with TestClient(_app(tokenizer, True), base_url=BASE_URL) as client:
+        for request in REQUESTS:
+            _send(client, *request)
+    # The slash's redirect comes back to the lane.
+    assert routed == ["GET /v1/completions", "POST /v1/completions/", "GET /v1/models"]
