@@ -312,6 +312,16 @@ def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, p
     _extend_matches_add(tokenizer, ids, cuts, prompt)
 
 
+@settings(max_examples=500, deadline=None)
+@given(data=st.data())
+def test_a_byte_level_decode_in_c_is_decode(tokenizer, partial_tokens, data):
+    """The detokenizer's windows (IncrementalDetokenizer) read a byte-level tokenizer's text from
+    its tokens' bytes: the same text as decode(), for partial characters, invalid runs, special
+    tokens and ids past the vocabulary."""
+    ids = data.draw(_ids(tokenizer.vocab_size, partial_tokens, 16) | st.lists(st.integers(0, tokenizer.vocab_size + 8), max_size=8))
+    assert tokenizer.decode_byte_level(ids) == tokenizer.decode(ids)
+
+
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory) -> Tokenizer:
     path = tmp_path_factory.mktemp("spm") / "spm.gguf"
