@@ -162,3 +162,65 @@ def test_what_a_stopped_stream_failed_with_is_logged_not_left_unread(caplog: pyt
         asyncio.run(main())
     assert "the engine could not be told" in caplog.text
     assert unread == []
+
+
+class Refused(Exception):
+    pass
+
+
+def _ended(hung: list[str]) -> tuple:
+    """EventStream's failure and hung_up callbacks: Refused answered with its own last events."""
+
+    def failure(exc: Exception) -> str | None:
+        return f"data: refused {exc}\n\n" if isinstance(exc, Refused) else None
+
+    return failure, lambda: hung.append("hung up")
+
+
+def test_an_answered_failure_ends_the_body_with_its_events_and_is_no_hang_up():
+    hung: list[str] = []
+
+    async def events():
+        yield "data: 1\n\n"
+        raise Refused("late")
+
+    client = Client()
+    asyncio.run(EventStream(events(), *_ended(hung))({"type": "http"}, client.receive, client.send))
+    assert client.bodies() == [(b"data: 1\n\n", True), (b"data: refused late\n\n", False)]
+    assert hung == []
+
+
+def test_a_failure_not_answered_propagates_and_the_stream_counts_as_hung_up():
+    hung: list[str] = []
+
+    async def events():
+        yield "data: 1\n\n"
+        raise KeyError("unexpected")
+
+    client = Client()
+    with pytest.raises(KeyError):
+        asyncio.run(EventStream(events(), *_ended(hung))({"type": "http"}, client.receive, client.send))
+    assert client.bodies() == [(b"data: 1\n\n", True)]
+    assert hung == ["hung up"]
+
+
+def test_a_hang_up_is_told_once_and_a_whole_body_never():
+    hung: list[str] = []
+    client = Client()
+
+    async def endless():
+        yield "data: 1\n\n"
+        client.hang_up()
+        await asyncio.Event().wait()
+        yield "never"
+
+    asyncio.run(EventStream(endless(), *_ended(hung))({"type": "http"}, client.receive, client.send))
+    assert hung == ["hung up"]
+
+    async def whole():
+        yield "data: 1\n\n"
+        yield LastEvents("data: [DONE]\n\n")
+
+    hung.clear()
+    asyncio.run(EventStream(whole(), *_ended(hung))({"type": "http"}, Client().receive, Client().send))
+    assert hung == []

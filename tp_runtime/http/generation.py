@@ -124,9 +124,12 @@ class Generation:
         observer: RequestObserver | None = None,
         min_tokens: int = 0,
         logprobs: bool = False,
+        index: int = 0,
     ):
-        """logprobs: the answer lists each token's log-probability and text offset."""
+        """logprobs: the answer lists each token's log-probability and text offset. index: the
+        request's choice this generation is (of n)."""
         self.request_id = stream.request_id
+        self.index = index
         self.prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = []
         self._engine = engine
@@ -157,7 +160,9 @@ class Generation:
             total_tokens=self.prompt_tokens + self.completion_tokens,
         )
 
-    async def pieces(self) -> AsyncIterator[Piece]:
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(choice index, piece) as each piece comes: the index rides with it, so that one
+        generation's pieces are pieces_of's own without a generator between (one a piece)."""
         ended = False
         try:
             async for event in self._stream:
@@ -176,7 +181,7 @@ class Generation:
                     ended = True
                     self._engine.finish(self.request_id)
                     self._end("stop")
-                    yield self._piece(out, "stop")
+                    yield self.index, self._piece(out, "stop")
                     return
                 if event.finished:
                     ended = True
@@ -186,10 +191,10 @@ class Generation:
                             unavailable(f"the runtime ended the request early ({event.finish_reason})")
                         )
                     self._end(event.finish_reason)
-                    yield self._piece(out + self._stops.flush(), event.finish_reason)
+                    yield self.index, self._piece(out + self._stops.flush(), event.finish_reason)
                     return
                 if out:
-                    yield self._piece(out, None)
+                    yield self.index, self._piece(out, None)
             ended = True
             self._end("error")
             raise GenerationFailed(self._failure("the token stream ended without a final event"))

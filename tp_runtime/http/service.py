@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ from tp_runtime.http.api_models import SamplingRequest
 from tp_runtime.http.errors import ADMISSION_CODE, ApiError, invalid_request, overloaded, unavailable
 from tp_runtime.http.generation import Generation, GenerationFailed, Piece
 from tp_runtime.http.metrics import Metrics
-from tp_runtime.http.sse import EventStream, LastEvents
+from tp_runtime.http.sse import EventStream
 from tp_runtime.http.text import TextWorker
 from tp_runtime.http.validation import Limits, Prepared
 from tp_runtime.tokenizer import Tokenizer
@@ -113,7 +113,7 @@ class GenerationService:
                 if index:
                     params = dataclasses.replace(params, seed=validation.sample_seed(params.seed, index))
                 leader = started[0].request_id if started else None
-                started.append(self._submit(prepared, params, leader, arrival, logprobs))
+                started.append(self._submit(prepared, params, leader, arrival, logprobs, index))
         except Exception:
             for generation in started:
                 generation.abandon()
@@ -121,7 +121,7 @@ class GenerationService:
         return started
 
     def _submit(
-        self, prepared: Prepared, params: SamplingParams, leader: int | None, arrival: float, logprobs: bool
+        self, prepared: Prepared, params: SamplingParams, leader: int | None, arrival: float, logprobs: bool, index: int
     ) -> Generation:
         metrics = self.metrics
         try:
@@ -137,7 +137,7 @@ class GenerationService:
             raise unavailable(str(exc), exc.retry_after_s) from exc
         return Generation(
             self.engine, self.tokenizer, stream, prepared.prompt_token_ids, prepared.stops, metrics.timer(arrival),
-            min_tokens=params.min_tokens, logprobs=logprobs,
+            min_tokens=params.min_tokens, logprobs=logprobs, index=index,
         )
 
     # ---- answers --------------------------------------------------------------------------------
@@ -158,32 +158,19 @@ class GenerationService:
             raise exc.error from exc
 
     def stream(
-        self, events: AsyncIterator[str], error_events: Callable[[ApiError], Sequence[str]]
+        self, events: AsyncGenerator[str, None], error_events: Callable[[ApiError], Sequence[str]]
     ) -> EventStream:
         """Streams `events`. A failure after the stream started ends it with `error_events(error)`
         (the OpenAI routes send the error and then their `[DONE]`): a client always sees why its
         stream ended. A reader that goes away (the task is cancelled) is counted as a cancel."""
 
-        async def guarded() -> AsyncIterator[str]:
-            completed = False
-            try:
-                # Closed here, not left to the collector: its pumps (n choices) stop with the stream.
-                async with contextlib.aclosing(events):
-                    async for chunk in events:
-                        # The body ends with these: a cancel after them (n choices' pumps winding
-                        # down while the server stops) is no hang-up.
-                        completed = isinstance(chunk, LastEvents)
-                        yield chunk
-                completed = True
-            except GenerationFailed as exc:
-                completed = True
-                self.metrics.request_errors.labels(exc.fault).inc()
-                yield LastEvents("".join(error_events(exc.error)))
-            finally:
-                if not completed:
-                    self.metrics.request_cancels.inc()
+        def failure(exc: Exception) -> str | None:
+            if not isinstance(exc, GenerationFailed):
+                return None
+            self.metrics.request_errors.labels(exc.fault).inc()
+            return "".join(error_events(exc.error))
 
-        return EventStream(guarded())
+        return EventStream(events, failure, self.metrics.request_cancels.inc)
 
 
 def _collected(pieces: list[Piece]) -> Collected:
@@ -194,25 +181,25 @@ def _collected(pieces: list[Piece]) -> Collected:
 _END = object()
 
 
-async def pieces_of(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+def pieces_of(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
     """(choice index, piece) of every generation as each comes. The first failure ends them all
     (the others are cancelled in the engine) and is raised; so does closing this iterator."""
-    if len(generations) == 1:
-        async for piece in generations[0].pieces():
-            yield 0, piece
-        return
+    return generations[0].pieces() if len(generations) == 1 else _merged(generations)
+
+
+async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:
         try:
-            async for piece in generation.pieces():
-                queue.put_nowait((index, piece))
+            async for item in generation.pieces():
+                queue.put_nowait(item)
         except GenerationFailed as exc:
             queue.put_nowait((index, exc))
         else:
             queue.put_nowait((index, _END))
 
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    tasks = [asyncio.ensure_future(pump(g.index, g)) for g in generations]
     try:
         running = len(tasks)
         while running:

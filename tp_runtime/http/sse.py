@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -35,20 +35,32 @@ class EventStream(Response):
     """Streams the text of `events` as server-sent events, and stops it when the client hangs up.
 
     The events are sent from a task of their own, so that each piece resumes only their few
-    generators, not the ~20 coroutines of the ASGI stack above this response (every middleware
-    awaits the one below it): the request's task sleeps until the stream ends or the client hangs
-    up. Starlette's StreamingResponse streams from the request's task and watches for the hang-up
+    generators, not the coroutines of the ASGI stack above this response (every middleware awaits
+    the one below it): the request's task sleeps until the stream ends or the client hangs up.
+    Starlette's StreamingResponse streams from the request's task and watches for the hang-up
     from an anyio task group. A hang-up cancels the sending task, which unwinds the event
     generators (their finally blocks tell the engine). The last events carry the end of the body
-    in their write, where StreamingResponse writes it apart."""
+    in their write, where StreamingResponse writes it apart.
+
+    `failure(exc)`: the last events that answer an exception the events raised once the stream
+    has started (None: it propagates); `hung_up()`: called when the stream ends without its body
+    ended (the client left, or the server stops). Here rather than in a generator around the
+    events, which every piece would resume."""
 
     media_type = SSE_MEDIA_TYPE
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        failure: Callable[[Exception], str | None] = lambda exc: None,
+        hung_up: Callable[[], None] = lambda: None,
+    ):
         self.events = events
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._failure = failure
+        self._hung_up = hung_up
         self._body_ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -68,16 +80,28 @@ class EventStream(Response):
         await sender
 
     async def _send_events(self, send: Send) -> None:
+        events = self.events
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for text in self.events:
-                self._body_ended = isinstance(text, LastEvents)
-                await send({"type": "http.response.body", "body": text.encode(), "more_body": not self._body_ended})
+            try:
+                async for text in events:
+                    self._body_ended = isinstance(text, LastEvents)
+                    await send({"type": "http.response.body", "body": text.encode(), "more_body": not self._body_ended})
+            except Exception as exc:
+                last = self._failure(exc)
+                if last is None:
+                    raise
+                self._body_ended = True
+                await send({"type": "http.response.body", "body": last.encode(), "more_body": False})
             if not self._body_ended:
                 self._body_ended = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await self.events.aclose()
+            try:
+                await events.aclose()
+            finally:
+                if not self._body_ended:
+                    self._hung_up()
 
 
 async def _disconnect(receive: Receive) -> None:

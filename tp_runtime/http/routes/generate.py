@@ -34,7 +34,7 @@ async def generate(service: GenerationService, request: Request) -> Response:
         return Response(f"data: {results[0].text}\n\n", media_type=SSE_MEDIA_TYPE)
 
     async def events() -> AsyncIterator[str]:
-        async for piece in generation.pieces():
+        async for _, piece in generation.pieces():
             if piece.finish_reason is not None:
                 yield LastEvents(sse(piece.text) if piece.text else "")
             elif piece.text:
