@@ -342,7 +342,7 @@ class Tokenizer:
     def build_byte_table(self) -> None:
         """Builds what token_bytes reads now (~80 ms for a vocabulary of 49,152 on a CPU of these
         machines): a server does as it starts, not in the first request that asks for logprobs or
-        ends on part of a character."""
+        that a byte-level tokenizer's detokenizer reads (decode_byte_level)."""
         self._byte_table  # noqa: B018 - the cached property is built by its first read
 
     @functools.cached_property
@@ -351,7 +351,9 @@ class Tokenizer:
         byte_level = b'"ByteLevel"' in (backend.decoder.__getstate__() if backend.decoder else b"")
         alphabet = {char: byte for byte, char in _bytes_to_unicode().items()}
         table = []
-        for token_id in range(self.vocab_size):
+        # Every id decode() spells: an added token's may lie past the count of tokens (ids with gaps).
+        bound = max(self.vocab_size, 1 + max(backend.get_added_tokens_decoder(), default=-1))
+        for token_id in range(bound):
             spelling = backend.id_to_token(token_id) or ""
             byte = _BYTE_TOKEN.fullmatch(spelling)
             if byte_level and spelling and all(char in alphabet for char in spelling):

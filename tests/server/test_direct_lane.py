@@ -4,6 +4,7 @@ body, headers that matter, and what the metrics count."""
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from server.fake_engine import MODEL_NAME, FakeEngine
 from starlette.routing import Router
@@ -33,11 +34,10 @@ REQUESTS = [
 ]
 
 
-def _app(tokenizer, direct: bool):
+def _app(tokenizer, direct: bool, engine: FakeEngine | None = None):
     settings = ServerSettings((MODEL_NAME,), api_key=API_KEY, bind_host="127.0.0.1", max_request_body_size=100_000)
-    app = create_app(FakeEngine(), tokenizer, settings)
-    if not direct:
-        app.direct = None
+    app = create_app(engine or FakeEngine(), tokenizer, settings)
+    app.direct_lane = direct
     return app
 
 
@@ -65,17 +65,31 @@ def _counts(client: TestClient) -> list[str]:
     return sorted(line for line in text.splitlines() if any(name in line for name in counted))
 
 
+# Sent once the engine fails every request at its second token: a stream's error events and
+# [DONE], a whole answer's 5xx, each counted as an error.
+FAILING = [
+    ("POST", "/v1/completions", {}, {"prompt": "hello", "max_tokens": 4, "stream": True}),
+    ("POST", "/v1/completions", {}, {"prompt": "hello", "max_tokens": 4}),
+    ("POST", "/generate", {}, {"text": "abc", "sampling_params": {"max_completion_tokens": 4}, "stream": True}),
+]
+
+
 def test_a_request_answers_alike_on_the_direct_lane_and_through_fastapi(tokenizer) -> None:
     answers = {}
     counts = {}
     for direct in (True, False):
-        with TestClient(_app(tokenizer, direct), base_url=BASE_URL) as client:
+        engine = FakeEngine()
+        with TestClient(_app(tokenizer, direct, engine), base_url=BASE_URL) as client:
             answers[direct] = [_answer(_send(client, *request)) for request in REQUESTS]
+            engine.fail_after = 1
+            answers[direct] += [_answer(_send(client, *request)) for request in FAILING]
             counts[direct] = _counts(client)
-    for request, on_lane, through in zip(REQUESTS, answers[True], answers[False], strict=True):
+    for request, on_lane, through in zip(REQUESTS + FAILING, answers[True], answers[False], strict=True):
         assert on_lane == through, request[:3]
     assert counts[True] == counts[False]
-    assert any("invalid" in line for line in counts[True])  # the route's ApiErrors were counted
+    # What the comparison covers: the route's ApiErrors and the failed generations were counted.
+    assert any('reason="invalid"} 3.0' in line for line in counts[True])
+    assert any("_request_errors_total{" in line and line.endswith(" 3.0") for line in counts[True])
 
 
 def test_only_the_generating_posts_skip_the_router(tokenizer, monkeypatch) -> None:
@@ -93,3 +107,45 @@ def test_only_the_generating_posts_skip_the_router(tokenizer, monkeypatch) -> No
             _send(client, *request)
     # The slash's redirect comes back to the lane.
     assert routed == ["GET /v1/completions", "POST /v1/completions/", "GET /v1/models"]
+
+
+def test_the_lane_takes_middleware_added_after_the_app_was_made(tokenizer) -> None:
+    app = _app(tokenizer, True)
+
+    class Stamp:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            async def stamped(message) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message["headers"], (b"x-stamp", b"1")]
+                await send(message)
+
+            await self.inner(scope, receive, stamped)
+
+    app.add_middleware(Stamp)
+    with TestClient(app, base_url=BASE_URL) as client:
+        assert _send(client, *REQUESTS[0]).headers.get("x-stamp") == "1"
+        assert _send(client, "GET", "/v1/models", {}, None).headers.get("x-stamp") == "1"
+
+
+def test_fastapis_telemetry_switched_on_takes_every_request_through_its_layers(tokenizer, monkeypatch) -> None:
+    app = _app(tokenizer, True)
+    telemetry = getattr(app, "_native_telemetry", None)
+    if telemetry is None:
+        pytest.skip("this FastAPI has no telemetry of its own")
+    routed: list[str] = []
+    route = Router.__call__
+
+    async def counted(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            routed.append(scope["path"])
+        await route(self, scope, receive, send)
+
+    monkeypatch.setattr(Router, "__call__", counted)
+    monkeypatch.setattr(type(telemetry), "enabled", lambda self: True)
+    monkeypatch.setattr(type(telemetry), "__call__", lambda self, *, app, scope, receive, send, **_: app(scope, receive, send))
+    with TestClient(app, base_url=BASE_URL) as client:
+        assert _send(client, *REQUESTS[0]).status_code == 200
+    assert routed == ["/v1/completions"]

@@ -136,21 +136,15 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     return invalid_request("; ".join(dict.fromkeys(sentences)) or "the request is invalid", param=first_param)
 
 
-def answer_error(exc: ApiError, count_invalid: Callable[[], None]) -> JSONResponse:
-    """An ApiError raised in a route, answered: through FastAPI's handler or the direct lane's
-    (tp_runtime/http/direct.py)."""
-    if 400 <= exc.status < 500 and exc.status != 429 and exc.code != ADMISSION_CODE:
-        count_invalid()
-    return exc.response()
-
-
 def install(app: FastAPI, count_invalid: Callable[[], None]) -> None:
     """Registers the handlers that answer every error as JSON; `count_invalid` is called for each
     request refused as invalid (admission refusals are counted where the engine raises them)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return answer_error(exc, count_invalid)
+        if 400 <= exc.status < 500 and exc.status != 429 and exc.code != ADMISSION_CODE:
+            count_invalid()
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

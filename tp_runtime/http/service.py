@@ -167,8 +167,9 @@ class GenerationService:
         def failure(exc: Exception) -> str | None:
             if not isinstance(exc, GenerationFailed):
                 return None
+            last = "".join(error_events(exc.error))  # first: if it fails, the stream counts as hung up alone
             self.metrics.request_errors.labels(exc.fault).inc()
-            return "".join(error_events(exc.error))
+            return last
 
         return EventStream(events, failure, self.metrics.request_cancels.inc)
 
@@ -182,8 +183,9 @@ _END = object()
 
 
 def pieces_of(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
-    """(choice index, piece) of every generation as each comes. The first failure ends them all
-    (the others are cancelled in the engine) and is raised; so does closing this iterator."""
+    """(choice index, piece) of every generation as each comes (the index is the generation's own,
+    0 to n-1 as GenerationService.start numbers them). The first failure ends them all (the others
+    are cancelled in the engine) and is raised; so does closing this iterator."""
     return generations[0].pieces() if len(generations) == 1 else _merged(generations)
 
 

@@ -83,16 +83,18 @@ class EventStream(Response):
         events = self.events
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            try:
-                async for text in events:
-                    self._body_ended = isinstance(text, LastEvents)
-                    await send({"type": "http.response.body", "body": text.encode(), "more_body": not self._body_ended})
-            except Exception as exc:
-                last = self._failure(exc)
-                if last is None:
-                    raise
-                self._body_ended = True
-                await send({"type": "http.response.body", "body": last.encode(), "more_body": False})
+            while True:
+                try:
+                    text = await events.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # the events' own failure; a failed send propagates
+                    text = self._failure(exc)
+                    if text is None:
+                        raise
+                    text = LastEvents(text)
+                self._body_ended = isinstance(text, LastEvents)
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": not self._body_ended})
             if not self._body_ended:
                 self._body_ended = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -4,7 +4,7 @@ built around). The whole text comes back as one `data:` line, or streamed as one
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -33,7 +33,7 @@ async def generate(service: GenerationService, request: Request) -> Response:
         # shortfin answers a whole generation as one `data: ` line, newlines and all.
         return Response(f"data: {results[0].text}\n\n", media_type=SSE_MEDIA_TYPE)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncGenerator[str, None]:
         async for _, piece in generation.pieces():
             if piece.finish_reason is not None:
                 yield LastEvents(sse(piece.text) if piece.text else "")
