@@ -92,16 +92,22 @@ def test_a_request_answers_alike_on_the_direct_lane_and_through_fastapi(tokenize
     assert any("_request_errors_total{" in line and line.endswith(" 3.0") for line in counts[True])
 
 
-def test_only_the_generating_posts_skip_the_router(tokenizer, monkeypatch) -> None:
-    routed: list[str] = []
+@pytest.fixture
+def routed(monkeypatch) -> list[str]:
+    """Every HTTP request the router sees, as "METHOD path"."""
+    seen: list[str] = []
     route = Router.__call__
 
     async def counted(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            routed.append(f"{scope['method']} {scope['path']}")
+            seen.append(f"{scope['method']} {scope['path']}")
         await route(self, scope, receive, send)
 
     monkeypatch.setattr(Router, "__call__", counted)
+    return seen
+
+
+def test_only_the_generating_posts_skip_the_router(tokenizer, routed) -> None:
     with TestClient(_app(tokenizer, True), base_url=BASE_URL) as client:
         for request in REQUESTS:
             _send(client, *request)
@@ -130,22 +136,13 @@ def test_the_lane_takes_middleware_added_after_the_app_was_made(tokenizer) -> No
         assert _send(client, "GET", "/v1/models", {}, None).headers.get("x-stamp") == "1"
 
 
-def test_fastapis_telemetry_switched_on_takes_every_request_through_its_layers(tokenizer, monkeypatch) -> None:
+def test_fastapis_telemetry_switched_on_takes_every_request_through_its_layers(tokenizer, routed, monkeypatch) -> None:
     app = _app(tokenizer, True)
     telemetry = getattr(app, "_native_telemetry", None)
     if telemetry is None:
         pytest.skip("this FastAPI has no telemetry of its own")
-    routed: list[str] = []
-    route = Router.__call__
-
-    async def counted(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            routed.append(scope["path"])
-        await route(self, scope, receive, send)
-
-    monkeypatch.setattr(Router, "__call__", counted)
     monkeypatch.setattr(type(telemetry), "enabled", lambda self: True)
     monkeypatch.setattr(type(telemetry), "__call__", lambda self, *, app, scope, receive, send, **_: app(scope, receive, send))
     with TestClient(app, base_url=BASE_URL) as client:
         assert _send(client, *REQUESTS[0]).status_code == 200
-    assert routed == ["/v1/completions"]
+    assert routed == ["POST /v1/completions"]
