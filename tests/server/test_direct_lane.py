@@ -4,12 +4,16 @@ body, headers that matter, and what the metrics count."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from server.fake_engine import MODEL_NAME, FakeEngine
 from starlette.routing import Router
 
 from tp_runtime.http import ServerSettings, create_app
+from tp_runtime.http.errors import ApiError
 
 API_KEY = "sk-direct-lane-test"
 # HostCheck (a loopback bind) answers only requests addressed to a loopback name.
@@ -48,12 +52,42 @@ def _send(client: TestClient, method: str, path: str, headers: dict, body: objec
     return client.request(method, path, headers=headers, json=body)
 
 
+def _without_ids(value: object) -> object:
+    """An answer's JSON without what differs from answer to answer (ids and times), at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k not in ("id", "created")}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+def _stream_of(text: str) -> tuple:
+    """A stream as (its text, its events but the text's): how its pieces fell depends on timing."""
+    said, events = [], []
+    for line in text.splitlines():
+        if line.startswith("data: ") and not line.startswith(("data: {", "data: [DONE]")):
+            said.append(line[6:])  # /generate's plain text
+            continue
+        if not line.startswith("data: {"):
+            events.append(line) if line else None
+            continue
+        event = _without_ids(json.loads(line[6:]))
+        for choice in event.get("choices", ()):
+            said.append(choice.pop("text", "") or choice.get("delta", {}).pop("content", "") or "")
+            if choice.get("finish_reason") is None and not choice.get("delta"):
+                continue
+            events.append(choice)
+        if not event.get("choices"):
+            events.append(event)
+    return "".join(said), events
+
+
 def _answer(response) -> tuple:
     body = response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
-    if isinstance(body, dict):  # ids and times differ from answer to answer
-        body = {k: v for k, v in body.items() if k not in ("id", "created")}
-    elif "data: " in body:
-        body = [line for line in body.splitlines() if line.startswith("data: [DONE]") or '"error"' in line]
+    if isinstance(body, dict):
+        body = _without_ids(body)
+    elif "data: " in body:  # a stream: its text, how it ended, and its other events
+        body = _stream_of(body)
     kept = ("content-type", "connection", "retry-after", "www-authenticate")
     return response.status_code, body, {k: response.headers.get(k) for k in kept}
 
@@ -115,7 +149,7 @@ def test_only_the_generating_posts_skip_the_router(tokenizer, routed) -> None:
     assert routed == ["GET /v1/completions", "POST /v1/completions/", "GET /v1/models"]
 
 
-def test_the_lane_takes_middleware_added_after_the_app_was_made(tokenizer) -> None:
+def test_the_lane_takes_middleware_added_after_the_app_was_made(tokenizer, routed) -> None:
     app = _app(tokenizer, True)
 
     class Stamp:
@@ -134,6 +168,7 @@ def test_the_lane_takes_middleware_added_after_the_app_was_made(tokenizer) -> No
     with TestClient(app, base_url=BASE_URL) as client:
         assert _send(client, *REQUESTS[0]).headers.get("x-stamp") == "1"
         assert _send(client, "GET", "/v1/models", {}, None).headers.get("x-stamp") == "1"
+    assert routed == ["GET /v1/models"]  # the POST took the lane, and the middleware with it
 
 
 def test_fastapis_telemetry_switched_on_takes_every_request_through_its_layers(tokenizer, routed, monkeypatch) -> None:
@@ -146,3 +181,35 @@ def test_fastapis_telemetry_switched_on_takes_every_request_through_its_layers(t
     with TestClient(app, base_url=BASE_URL) as client:
         assert _send(client, *REQUESTS[0]).status_code == 200
     assert routed == ["POST /v1/completions"]
+
+
+def test_a_handler_for_500_takes_the_generating_routes_through_fastapi_too(tokenizer, routed) -> None:
+    app = _app(tokenizer, True)
+
+    @app.exception_handler(500)
+    async def server_error(request, exc):  # what a deployment may add: its own 500 page
+        raise AssertionError("not called here")
+
+    with TestClient(app, base_url=BASE_URL) as client:
+        assert _send(client, *REQUESTS[0]).status_code == 200
+    assert routed == ["POST /v1/completions"]
+
+
+def test_a_sync_handler_for_a_subclass_of_apierror_answers_on_the_lane(tokenizer, routed) -> None:
+    class Refusal(ApiError):
+        pass
+
+    async def refusing(request):
+        raise Refusal(400, "no", type="invalid_request_error", code="no")
+
+    app = _app(tokenizer, True)
+    app.add_direct_routes({"/refuse": refusing})
+
+    @app.exception_handler(Refusal)
+    def refused(request, exc):  # a plain function, as Starlette allows
+        return JSONResponse({"refused": exc.message}, status_code=418)
+
+    with TestClient(app, base_url=BASE_URL) as client:
+        response = _send(client, "POST", "/refuse", {}, {})
+    assert (response.status_code, response.json()) == (418, {"refused": "no"})
+    assert routed == []

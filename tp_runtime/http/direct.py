@@ -11,15 +11,17 @@ to the app's own middleware (the list add_middleware built) around `Endpoints`, 
 ApiError with the app's own handler; any other request, and one with a root_path to strip, goes
 through FastAPI as before. An unexpected exception propagates to uvicorn, which logs it and answers
 500 if nothing was sent, as Starlette's ServerErrorMiddleware would. Where the app wants what the
-skipped layers do (FastAPI's OpenTelemetry switched on, a handler for 500), every request takes
-them.
+skipped layers do (FastAPI's OpenTelemetry or body limit switched on, OpenTelemetry's own
+instrumentation, a handler for 500), every request takes them.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -32,18 +34,23 @@ ErrorHandler = Callable[[Request, ApiError], Awaitable[Response]]
 
 class Endpoints:
     """The innermost layer of the direct lane: the endpoint of the request's path, an ApiError it
-    raises answered by `answer_error` (the app's handler for ApiError)."""
+    raises answered by the app's handler for its class or the nearest base (as Starlette's
+    ExceptionMiddleware looks them up), async or not."""
 
-    def __init__(self, endpoints: Mapping[str, Endpoint], answer_error: ErrorHandler):
+    def __init__(self, endpoints: Mapping[str, Endpoint], handlers: Mapping[object, ErrorHandler]):
         self._endpoints = dict(endpoints)
-        self._answer_error = answer_error
+        self._handlers = dict(handlers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
         try:
             response = await self._endpoints[scope["path"]](request)
         except ApiError as exc:
-            response = await self._answer_error(request, exc)
+            handler = next(self._handlers[cls] for cls in type(exc).__mro__ if cls in self._handlers)
+            if inspect.iscoroutinefunction(handler):
+                response = await handler(request, exc)
+            else:
+                response = await run_in_threadpool(handler, request, exc)
         await response(scope, receive, send)
 
 
@@ -88,16 +95,21 @@ class RuntimeApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     def _build_lane(self) -> ASGIApp:
-        """The app's middleware around Endpoints; the app itself where the lane must not be taken."""
+        """The app's middleware around Endpoints; the app itself where the lane must not be taken:
+        FastAPI's own OpenTelemetry or body limit switched on, opentelemetry-instrumentation's
+        middleware (it replaces build_middleware_stack on the instance), a handler for 500, or
+        none for ApiError."""
         telemetry = getattr(self, "_native_telemetry", None)  # FastAPI's OpenTelemetry, from 0.16x
-        handler = self.exception_handlers.get(ApiError)
+        handlers = self.exception_handlers
         if (
-            handler is None or (telemetry is not None and telemetry.enabled())
-            or 500 in self.exception_handlers or Exception in self.exception_handlers
+            ApiError not in handlers or 500 in handlers or Exception in handlers
+            or (telemetry is not None and telemetry.enabled())
+            or getattr(self, "max_body_size", None) is not None
+            or "build_middleware_stack" in vars(self)
         ):  # fmt: skip
             self._lane = self
             return self
-        lane: ASGIApp = Endpoints(self._direct, handler)
+        lane: ASGIApp = Endpoints(self._direct, handlers)
         for middleware in reversed(self.user_middleware):  # the first one added runs last
             lane = middleware.cls(lane, *middleware.args, **middleware.kwargs)
         self._lane = lane

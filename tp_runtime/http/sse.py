@@ -92,7 +92,9 @@ class EventStream(Response):
                     text = self._failure(exc)
                     if text is None:
                         raise
-                    text = LastEvents(text)
+                    self._body_ended = True
+                    await send({"type": "http.response.body", "body": text.encode(), "more_body": False})
+                    break
                 self._body_ended = isinstance(text, LastEvents)
                 await send({"type": "http.response.body", "body": text.encode(), "more_body": not self._body_ended})
             if not self._body_ended:
