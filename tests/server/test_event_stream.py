@@ -168,44 +168,49 @@ class Refused(Exception):
     pass
 
 
-def _ended(hung: list[str]) -> tuple:
-    """EventStream's failure and hung_up callbacks: Refused answered with its own last events."""
+def _streamed(events, client: Client | None = None, send_to: Client | None = None) -> tuple[Client, list[str]]:
+    """The events through an EventStream whose failure callback answers Refused with its own last
+    events; the client that got them, and what hung_up was told."""
+    hung: list[str] = []
+    client = client or Client()
 
     def failure(exc: Exception) -> str | None:
         return f"data: refused {exc}\n\n" if isinstance(exc, Refused) else None
 
-    return failure, lambda: hung.append("hung up")
+    stream = EventStream(events, failure, lambda: hung.append("hung up"))
+    asyncio.run(stream({"type": "http"}, client.receive, (send_to or client).send))
+    return client, hung
 
 
 def test_an_answered_failure_ends_the_body_with_its_events_and_is_no_hang_up():
-    hung: list[str] = []
-
     async def events():
         yield "data: 1\n\n"
         raise Refused("late")
 
-    client = Client()
-    asyncio.run(EventStream(events(), *_ended(hung))({"type": "http"}, client.receive, client.send))
+    client, hung = _streamed(events())
     assert client.bodies() == [(b"data: 1\n\n", True), (b"data: refused late\n\n", False)]
     assert hung == []
 
 
 def test_a_failure_not_answered_propagates_and_the_stream_counts_as_hung_up():
-    hung: list[str] = []
+    hung_up: list[str] = []
+    client = Client()
 
     async def events():
         yield "data: 1\n\n"
         raise KeyError("unexpected")
 
-    client = Client()
+    def failure(exc: Exception) -> str | None:
+        return None
+
+    stream = EventStream(events(), failure, lambda: hung_up.append("hung up"))
     with pytest.raises(KeyError):
-        asyncio.run(EventStream(events(), *_ended(hung))({"type": "http"}, client.receive, client.send))
+        asyncio.run(stream({"type": "http"}, client.receive, client.send))
     assert client.bodies() == [(b"data: 1\n\n", True)]
-    assert hung == ["hung up"]
+    assert hung_up == ["hung up"]
 
 
 def test_a_hang_up_is_told_once_and_a_whole_body_never():
-    hung: list[str] = []
     client = Client()
 
     async def endless():
@@ -214,13 +219,12 @@ def test_a_hang_up_is_told_once_and_a_whole_body_never():
         await asyncio.Event().wait()
         yield "never"
 
-    asyncio.run(EventStream(endless(), *_ended(hung))({"type": "http"}, client.receive, client.send))
+    _, hung = _streamed(endless(), client)
     assert hung == ["hung up"]
 
     async def whole():
         yield "data: 1\n\n"
         yield LastEvents("data: [DONE]\n\n")
 
-    hung.clear()
-    asyncio.run(EventStream(whole(), *_ended(hung))({"type": "http"}, Client().receive, Client().send))
+    _, hung = _streamed(whole(), Client(), send_to=Client())
     assert hung == []

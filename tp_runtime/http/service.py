@@ -192,16 +192,16 @@ def pieces_of(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Pie
 async def _merged(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, Piece]]:
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
-    async def pump(index: int, generation: Generation) -> None:
+    async def pump(generation: Generation) -> None:
         try:
             async for item in generation.pieces():
                 queue.put_nowait(item)
         except GenerationFailed as exc:
-            queue.put_nowait((index, exc))
+            queue.put_nowait((generation.index, exc))
         else:
-            queue.put_nowait((index, _END))
+            queue.put_nowait((generation.index, _END))
 
-    tasks = [asyncio.ensure_future(pump(g.index, g)) for g in generations]
+    tasks = [asyncio.ensure_future(pump(g)) for g in generations]
     try:
         running = len(tasks)
         while running:
