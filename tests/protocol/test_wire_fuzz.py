@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from protocol.codec import DEFAULT_LIMITS, decode, encode, frame_mac, from_message, open_message, to_message, verify
 from protocol.errors import ProtocolError, RejectCode, UsageError
-from protocol.frames import Frame, FrameType, Go, Ready, Result, Welcome
+from protocol.frames import ARRAY_DTYPES, Frame, FrameType, Go, Ready, Result, Welcome
 from tests.protocol.wire_samples import GEOMETRY, KEY, valid_prepare
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,6 +372,19 @@ def test_a_body_without_arrays_has_an_empty_payload() -> None:
     env, payload = envelope_of(Frame(1, 1, "r", 1, 1, Go()))
     assert payload == b"" and env["arrays"] == []
     assert reject_code(signed(env, b"\0" * 8)) == RejectCode.LENGTH_MISMATCH
+
+
+def test_strided_views_and_lists_encode_as_their_contiguous_arrays() -> None:
+    # The payload joins the arrays' own buffers: a strided view has no flat one, and a list is
+    # converted first; each must give the bytes its contiguous array gives.
+    body = result_frame().body
+    wide = np.arange(2 * body.token_ids.shape[0], dtype=ARRAY_DTYPES[type(body)]["token_ids"])
+    strided = dataclasses.replace(body, token_ids=wide[::2], seq_ids=body.seq_ids.tolist())
+    assert not strided.token_ids.flags.c_contiguous
+    plain = dataclasses.replace(body, token_ids=np.ascontiguousarray(wide[::2]))
+    assert encode(Frame(1, 1, "r", 1, 1, strided), KEY) == encode(Frame(1, 1, "r", 1, 1, plain), KEY)
+    got = decode(encode(Frame(1, 1, "r", 1, 1, strided), KEY), KEY).body
+    assert got.token_ids.tolist() == wide[::2].tolist() and got.seq_ids.tolist() == body.seq_ids.tolist()
 
 
 def test_encode_refuses_what_it_cannot_carry_as_the_callers_bug() -> None:
