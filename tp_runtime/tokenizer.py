@@ -47,6 +47,15 @@ class TokenizerError(TPRuntimeError, ValueError):
     """The model files do not describe a tokenizer that this runtime can build."""
 
 
+class _TextBytes(dict[int, bytes]):
+    """Token id -> the token's bytes in decode()'s text. An id that decode() gives no text (a
+    special token, one past the vocabulary) reads b"" rather than raising, so that a sequence of
+    ids is read by mapping __getitem__, a C call a token, with no Python check of each id."""
+
+    def __missing__(self, token_id: int) -> bytes:
+        return b""
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, in which byte-level vocabularies are spelled."""
     printable = (
@@ -340,10 +349,10 @@ class Tokenizer:
         return table[token_id] if 0 <= token_id < len(table) else b""
 
     def build_byte_table(self) -> None:
-        """Builds what token_bytes reads now (~80 ms for a vocabulary of 49,152 on a CPU of these
-        machines): a server does as it starts, not in the first request that asks for logprobs or
-        that a byte-level tokenizer's detokenizer reads (decode_byte_level)."""
-        self._byte_table  # noqa: B018 - the cached property is built by its first read
+        """Builds what token_bytes and text_bytes read now (~85 ms for a vocabulary of 49,152 on a
+        CPU of these machines): a server does as it starts, not in the first request that asks for
+        logprobs or that a byte-level tokenizer's detokenizer reads."""
+        self.text_bytes_by_id  # noqa: B018 - the cached property (and the table) is built by its first read
 
     @functools.cached_property
     def _byte_table(self) -> tuple[bytes, ...]:
@@ -376,7 +385,7 @@ class Tokenizer:
         decoder = self._backend.decoder
         return decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
 
-    def open_character(self, token_ids: list[int]) -> bytes:
+    def open_character(self, token_ids: Sequence[int]) -> bytes:
         """The bytes at the end of the tokens' text that begin a UTF-8 character and do not finish
         it (b"" when the text ends on a whole character or on bytes that are no character's):
         what decode() spells as U+FFFD only because a later token would have completed it.
@@ -385,12 +394,19 @@ class Tokenizer:
         decoder.decode(self.text_bytes(token_ids), final=False)
         return decoder.getstate()[0]
 
+    @functools.cached_property
+    def text_bytes_by_id(self) -> _TextBytes:
+        """Each token's bytes in decode()'s text: b"" for a special token (which decode() leaves out)
+        and for an id past the vocabulary. text_bytes reads a sequence through it; a byte-level
+        tokenizer's detokenizer reads each step's tokens through it (~4 MB for a vocabulary of
+        49,152)."""
+        special = self._special_ids
+        return _TextBytes((t, data) for t, data in enumerate(self._byte_table) if t not in special)
+
     def text_bytes(self, token_ids: Sequence[int]) -> bytes:
         """The bytes of the tokens' text: each token's bytes, special tokens (which decode() leaves
         out) left out."""
-        special, table = self._special_ids, self._byte_table
-        size = len(table)
-        return b"".join([table[t] if 0 <= t < size else b"" for t in token_ids if t not in special])
+        return b"".join(map(self.text_bytes_by_id.__getitem__, token_ids))
 
     def decode_byte_level(self, token_ids: Sequence[int]) -> str:
         """decode(), for a byte-level tokenizer (byte_level says when it is one) in C: its bytes
@@ -441,9 +457,59 @@ def _read_json(path: Path) -> dict:
 class IncrementalDetokenizer:
     """Turns generated tokens, one step at a time, into text deltas that are always whole characters.
 
-    A byte-level token may end inside a multi-byte UTF-8 character; decoding it then ends in U+FFFD.
-    Such text is held back until a later token completes the character. Each step decodes only a
-    short window (from `prefix_offset`), so the cost per token stays constant.
+    A byte-level token may end inside a multi-byte UTF-8 character; the character's bytes are held
+    back until a later token completes it. A byte-level tokenizer's text is the UTF-8 reading of
+    its tokens' bytes joined (Tokenizer.byte_level), each invalid sequence replaced where it stands
+    whatever follows, so an incremental UTF-8 decoder fed each step's bytes gives exactly that text,
+    and sends invalid bytes' U+FFFD at once: a lookup a token and one decode a step. The windowed
+    reading (_WindowedDetokenizer) serves a prompt whose last tokens end inside a character, and
+    tokenizers that are not byte-level (sentencepiece's byte fallback replaces every byte of an
+    invalid run, so its text depends on how the bytes are grouped).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | tuple[int, ...] = ()):
+        context = prompt_token_ids[-_DETOKENIZE_CONTEXT:]
+        self._windowed: _WindowedDetokenizer | None = None
+        # A prompt given as token ids may end inside a character. The windowed reading leaves that
+        # character out of the output (its U+FFFD was the context's text); a decoder fed the
+        # context would spell it, or U+FFFD, in the output. Rare, so the windowed reading stays.
+        if not tokenizer.byte_level or tokenizer.open_character(context):
+            self._windowed = _WindowedDetokenizer(tokenizer, prompt_token_ids)
+            return
+        # A decoder fed a context that ends on a whole character (or on invalid bytes, replaced as
+        # read) holds nothing after it, just as a fresh one: the context's bytes need no reading.
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decode = self._decoder.decode
+        self._token_bytes = tokenizer.text_bytes_by_id.__getitem__
+
+    def add(self, token_id: int) -> str:
+        """Appends one token and returns the text it completes ("" while a character is open)."""
+        if self._windowed is not None:
+            return self._windowed.add(token_id)
+        return self._decode(self._token_bytes(token_id))
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Appends several tokens (a step's) and returns the text they complete: add() of each,
+        joined."""
+        if self._windowed is not None:
+            return self._windowed.extend(token_ids)
+        return self._decode(b"".join(map(self._token_bytes, token_ids)))
+
+    def flush(self) -> str:
+        """What is still held back at the end, without a trailing incomplete character (generation
+        stopped inside it; its bytes can never form text)."""
+        if self._windowed is not None:
+            return self._windowed.flush()
+        # The decoder holds only the bytes of an unfinished character: all else came out as read.
+        self._decoder.reset()
+        return ""
+
+
+class _WindowedDetokenizer:
+    """IncrementalDetokenizer's reading by windows, for any tokenizer: the tokens' text is decoded
+    again at each step, and text ending in U+FFFD (an incomplete character, or invalid bytes) is held
+    back until a later token completes the character. Each step decodes only a short window (from
+    `prefix_offset`), so the cost per token stays constant.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | tuple[int, ...] = ()):

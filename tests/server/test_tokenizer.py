@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from server.fake_engine import default_model_path
 
 from tp_runtime.chat import ChatMessage, ChatTemplateError, render_chat
-from tp_runtime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from tp_runtime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, _WindowedDetokenizer
 
 SAMPLES = [
     "What is 2+2?",
@@ -54,58 +54,69 @@ def test_decode_skips_special_tokens(tokenizer):
     assert tokenizer.decode(tokenizer.encode("<|im_start|>user\nhi<|im_end|>")) == "user\nhi"
 
 
-def incremental(tokenizer, ids, prompt=()):
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+def incremental(tokenizer, ids, prompt=(), detokenizer=IncrementalDetokenizer):
+    detokenizer = detokenizer(tokenizer, prompt)
     deltas = [detokenizer.add(token) for token in ids]
     return deltas, detokenizer.flush()
 
 
+# A byte-level tokenizer's detokenizer reads its tokens with an incremental UTF-8 decoder; the
+# windowed reading, which it keeps for a prompt that ends inside a character, is held to the same.
+BOTH_READINGS = pytest.mark.parametrize("detokenizer", [IncrementalDetokenizer, _WindowedDetokenizer], ids=["decoder", "windowed"])
+
+
+@BOTH_READINGS
 @pytest.mark.parametrize("text", ["日本語のテキスト", "🎉👨‍👩‍👧 ok", "naïve € 😀😀 中文"])
-def test_incremental_never_emits_broken_characters(tokenizer, text):
+def test_incremental_never_emits_broken_characters(tokenizer, text, detokenizer):
     ids = tokenizer.encode(text)
     # The premise: some of these tokens end inside a character when decoded alone.
     assert any("\ufffd" in tokenizer.decode([token]) for token in ids)
-    deltas, tail = incremental(tokenizer, ids)
+    deltas, tail = incremental(tokenizer, ids, detokenizer=detokenizer)
     assert not any("\ufffd" in delta for delta in deltas)
     assert "".join(deltas) + tail == text
 
 
+@BOTH_READINGS
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
-def test_incremental_equals_full_decode(tokenizer, text):
+def test_incremental_equals_full_decode(tokenizer, detokenizer, text):
     ids = tokenizer.encode(text)
     # Characters whose bytes the vocabulary lacks (e.g. unassigned planes) cannot round-trip at all.
     assume(tokenizer.decode(ids) == text)
-    deltas, tail = incremental(tokenizer, ids)
+    deltas, tail = incremental(tokenizer, ids, detokenizer=detokenizer)
     assert "".join(deltas) + tail == text
     assert not any("\ufffd" in delta for delta in deltas) or "\ufffd" in text
 
 
-def test_incremental_after_prompt_context(tokenizer):
+@BOTH_READINGS
+def test_incremental_after_prompt_context(tokenizer, detokenizer):
     prompt = tokenizer.encode("<|im_start|>assistant\n")
     ids = tokenizer.encode("The answer is 4.")
-    deltas, tail = incremental(tokenizer, ids, prompt)
+    deltas, tail = incremental(tokenizer, ids, prompt, detokenizer)
     assert "".join(deltas) + tail == "The answer is 4."
 
 
-def test_flush_drops_an_unfinished_character(tokenizer):
+@BOTH_READINGS
+def test_flush_drops_an_unfinished_character(tokenizer, detokenizer):
     ids = tokenizer.encode("ok 🎉")
     cut = next(i for i in range(1, len(ids) + 1) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
-    deltas, tail = incremental(tokenizer, ids[:cut])
+    deltas, tail = incremental(tokenizer, ids[:cut], detokenizer=detokenizer)
     assert "".join(deltas) + tail == "ok "
 
 
-def test_flush_keeps_a_replacement_character_the_tokens_spell_whole(tokenizer):
+@BOTH_READINGS
+def test_flush_keeps_a_replacement_character_the_tokens_spell_whole(tokenizer, detokenizer):
     # Hypothesis found it: a text that is U+FFFD itself (its three bytes) ended with it, and flush
     # took it for an unfinished character.
     for text in ("\ufffd", "ok \ufffd", "\ufffd\ufffd"):
         ids = tokenizer.encode(text)
         assert tokenizer.decode(ids) == text
-        deltas, tail = incremental(tokenizer, ids)
+        deltas, tail = incremental(tokenizer, ids, detokenizer=detokenizer)
         assert "".join(deltas) + tail == text
 
 
-def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens(tokenizer):
+@BOTH_READINGS
+def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens(tokenizer, detokenizer):
     lead = tokenizer.encode("中")  # its three bytes; a prefix of them is an unfinished character
     stop = tokenizer.eos_token_ids[0]
     byte_tokens = {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1}
@@ -117,7 +128,7 @@ def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens
         ([*whole, first_byte], "\ufffd"),  # a U+FFFD of its own before the unfinished one stays
         ([*lead, *whole], "中\ufffd"),
     ):
-        deltas, tail = incremental(tokenizer, ids)
+        deltas, tail = incremental(tokenizer, ids, detokenizer=detokenizer)
         assert "".join(deltas) + tail == want, ids
 
 
@@ -264,9 +275,9 @@ def write_sentencepiece_gguf(path: Path) -> None:
     writer.close()
 
 
-def stepwise(tokenizer, events, prompt=()):
+def stepwise(tokenizer, events, prompt=(), detokenizer=IncrementalDetokenizer):
     """Each event's tokens through extend(): a step's tokens at once, as a stream without logprobs."""
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    detokenizer = detokenizer(tokenizer, prompt)
     texts = [detokenizer.extend(event) for event in events]
     return texts, detokenizer.flush()
 
@@ -276,11 +287,11 @@ def _events(ids: list[int], cuts: list[int]) -> list[list[int]]:
     return [ids[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _extend_matches_add(tokenizer, ids, cuts, prompt):
+def _extend_matches_add(tokenizer, ids, cuts, prompt, detokenizer=IncrementalDetokenizer):
     """A step's text from extend() is every token's add() of it, joined, and so is what follows."""
     events = _events(ids, cuts)
-    deltas, tail = incremental(tokenizer, ids, prompt)
-    texts, step_tail = stepwise(tokenizer, events, prompt)
+    deltas, tail = incremental(tokenizer, ids, prompt, detokenizer)
+    texts, step_tail = stepwise(tokenizer, events, prompt, detokenizer)
     # After every step the text sent so far is add()'s: nothing is held back longer, or sent sooner.
     end = 0
     for i, event in enumerate(events):
@@ -302,14 +313,15 @@ def _ids(vocab_size: int, partial: list[int], specials: int):
     )
 
 
+@BOTH_READINGS
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, partial_tokens, data):
-    assert tokenizer.byte_level  # the embedded tokenizer takes extend()'s one window a step
+def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, partial_tokens, detokenizer, data):
+    assert tokenizer.byte_level  # the windowed reading of the embedded tokenizer takes one window a step
     ids = data.draw(_ids(tokenizer.vocab_size, partial_tokens, 16))
     cuts = data.draw(st.lists(st.integers(0, 64), max_size=6))
     prompt = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=5))
-    _extend_matches_add(tokenizer, ids, cuts, prompt)
+    _extend_matches_add(tokenizer, ids, cuts, prompt, detokenizer)
 
 
 @settings(max_examples=500, deadline=None)
@@ -339,16 +351,106 @@ def test_a_steps_tokens_at_once_give_add_s_text_on_a_byte_fallback_tokenizer(spm
     ids = data.draw(_ids(spm.vocab_size, partial, 2))
     cuts = data.draw(st.lists(st.integers(0, 64), max_size=6))
     _extend_matches_add(spm, ids, cuts, spm.encode("hello"))
+    # Nor does a UTF-8 decoder read its bytes: the detokenizer keeps the windowed reading.
+    events = _events(ids, cuts)
+    assert stepwise(spm, events, spm.encode("hello")) == stepwise(spm, events, spm.encode("hello"), _WindowedDetokenizer)
 
 
+@BOTH_READINGS
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40), st.lists(st.integers(0, 64), max_size=6))
-def test_a_steps_tokens_at_once_give_the_text_they_encode(tokenizer, text, cuts):
+def test_a_steps_tokens_at_once_give_the_text_they_encode(tokenizer, detokenizer, text, cuts):
     ids = tokenizer.encode(text)
     assume(ids and tokenizer.decode(ids) == text)
-    texts, tail = stepwise(tokenizer, _events(ids, cuts))
+    texts, tail = stepwise(tokenizer, _events(ids, cuts), detokenizer=detokenizer)
     assert "".join(texts) + tail == text
     assert not any("\ufffd" in t for t in texts)
+
+
+def _completed(tokenizer, ids) -> str:
+    """decode() of the tokens without the U+FFFD of a trailing unfinished character, which a later
+    token may still complete."""
+    text = tokenizer.decode(ids)
+    return text[:-1] if tokenizer.open_character(ids) else text
+
+
+@pytest.fixture(scope="module")
+def single_byte_tokens(tokenizer) -> dict[bytes, int]:
+    return {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1}
+
+
+def _spelled(tokenizer, single_byte_tokens, parts) -> list[int]:
+    """Tokens for each part: a text's, or one byte's own token."""
+    return [t for part in parts for t in ([single_byte_tokens[part]] if isinstance(part, bytes) else tokenizer.encode(part))]
+
+
+ZHONG, PARTY = "中".encode(), "🎉".encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_decoder_gives_the_windowed_reading_s_text_as_each_token_completes_it(tokenizer, partial_tokens, data):
+    """Arbitrary tokens (partial characters, invalid runs, special tokens, ids past the vocabulary),
+    in arbitrary steps: the decoder's text after each step and each token is all that decode()
+    spells but a trailing unfinished character, and its whole text is the windowed reading's."""
+    size = tokenizer.vocab_size
+    token = st.one_of(st.sampled_from(partial_tokens), st.integers(0, size - 1), st.integers(0, 16), st.integers(size, size + 8))
+    ids = data.draw(st.lists(token, min_size=1, max_size=24))
+    cuts = data.draw(st.lists(st.integers(0, 64), max_size=6))
+    # At most the detokenizer's context, so that whether it ends inside a character is the prompt's.
+    prompt = data.draw(st.lists(token, max_size=5))
+    events = _events(ids, cuts)
+    texts, tail = stepwise(tokenizer, events, prompt)
+    windowed_texts, windowed_tail = stepwise(tokenizer, events, prompt, _WindowedDetokenizer)
+    deltas, add_tail = incremental(tokenizer, ids, prompt)
+    assert "".join(texts) + tail == "".join(deltas) + add_tail == "".join(windowed_texts) + windowed_tail
+    if tokenizer.open_character(prompt):
+        return  # the windowed reading's own, held to it above
+    assert "".join(texts) + tail == _completed(tokenizer, ids)
+    end = 0
+    for i, event in enumerate(events):
+        end += len(event)
+        # No text ends inside a character: each step's is what its tokens complete, no more, no less;
+        # the windowed reading may hold some back for later.
+        assert "".join(texts[: i + 1]) == _completed(tokenizer, ids[:end])
+        assert _completed(tokenizer, ids[:end]).startswith("".join(windowed_texts[: i + 1]))
+    # One token at a time (logprobs' text offsets): each token's text as soon as it is complete.
+    for i in range(len(ids)):
+        assert "".join(deltas[: i + 1]) == _completed(tokenizer, ids[: i + 1])
+
+
+def test_each_token_s_text_comes_out_as_soon_as_it_is_complete(tokenizer, single_byte_tokens):
+    """Invalid bytes, and a U+FFFD the tokens spell whole, are text at once: the windowed reading
+    held any text ending in U+FFFD back for the next token."""
+    ids = _spelled(tokenizer, single_byte_tokens, [b"\x80", "a", "\ufffd", "🎉", ZHONG[:1], "<|im_end|>", ZHONG[1:2], ZHONG[2:]])
+    assert len(ids) == 10 and tokenizer.eos_token_ids[0] in ids  # 🎉 in three tokens, the special token skipped
+    assert incremental(tokenizer, ids) == (["\ufffd", "a", "\ufffd", "", "", "🎉", "", "", "", "中"], "")
+    assert incremental(tokenizer, ids, detokenizer=_WindowedDetokenizer) == (["", "\ufffda", "", "", "", "\ufffd🎉", "", "", "", "中"], "")
+
+
+@pytest.mark.parametrize(
+    ("prompt_end", "parts", "want"),
+    [
+        ([ZHONG[:1], ZHONG[1:2]], [ZHONG[2:], " done"], ["", " done"]),
+        ([ZHONG[:1], ZHONG[1:2]], ["A"], ["A"]),
+        ([PARTY[:1]], [PARTY[1:2], PARTY[2:3], PARTY[3:], " done"], ["", "", "", " done"]),
+    ],
+)  # fmt: skip
+def test_a_prompt_that_ends_inside_a_character_keeps_the_windowed_reading(tokenizer, single_byte_tokens, prompt_end, parts, want):
+    """A prompt given as token ids may end inside a character: the character is the prompt's, and
+    the output's text starts after it, as the windowed reading has always spelled it."""
+    prompt = _spelled(tokenizer, single_byte_tokens, ["ok", *prompt_end])
+    ids = _spelled(tokenizer, single_byte_tokens, parts)
+    assert incremental(tokenizer, ids, prompt) == incremental(tokenizer, ids, prompt, _WindowedDetokenizer) == (want, "")
+    assert stepwise(tokenizer, [ids], prompt) == (["".join(want)], "")
+
+
+def test_after_flush_the_text_starts_afresh(tokenizer, single_byte_tokens):
+    """flush() drops an unfinished character's bytes: a later token cannot complete it."""
+    for detokenizer in (IncrementalDetokenizer, _WindowedDetokenizer):
+        reader = detokenizer(tokenizer)
+        assert reader.extend(_spelled(tokenizer, single_byte_tokens, [ZHONG[:1], ZHONG[1:2]])) + reader.flush() == ""
+        assert reader.add(single_byte_tokens[ZHONG[2:]]) + reader.flush() == "\ufffd", detokenizer
 
 
 SPM_SAMPLES = ["hello world", "Hello  world é ñ", "hello\nworld", " hello", "</s>hello<s>", "ñ日本", ""]
