@@ -4,7 +4,9 @@
    deltas to the tables an executor holds, two steps: whole tables, then the deltas) of a steady
    decode-batch PREPARE: n sequences of 64 pages, one in 16 of them given a new page (the rest of
    each table is held), 64 cleared pages. `full_table_frame_bytes` is the same step with every table
-   whole (a step after an abort).
+   whole (a step after an abort). `encode_cold` and `decode_cold`: a message made, and one read
+   (authenticated and decoded), each timed in thread CPU right after --cold-mb of memory has been
+   read through the caches, as a forward streams its weights between two of the frontend's frames.
    `fast_paths`: what the codec does now against the two fast paths it used to have, side by side in
    this run: the HMAC by `hmac.new` against RFC 2104 by hand on pre-keyed hashlib objects, and the
    body by its dataclass constructor against filling a frozen dataclass's __dict__ (docs/protocol.md
@@ -43,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protocol.codec import decode, encode, frame_mac  # noqa: E402
+from protocol.codec import decode, decode_verified, encode, frame_mac, open_message, to_message  # noqa: E402
 from protocol.conversation import StepDone, StepReady  # noqa: E402
 from protocol.frames import ARRAY_DTYPES, PROTOCOL_VERSION, CacheGeometry, Frame, Prepare, plain_sampling  # noqa: E402
 from protocol.page_tables import HeldPageTables  # noqa: E402
@@ -148,8 +150,23 @@ def time_calls(fn, reps: int) -> list[int]:
     return out
 
 
-def bench_codec(sizes: list[int], reps: int) -> list[dict]:
+def time_cold(fn, sweep: np.ndarray, reps: int) -> list[int]:
+    """Each call's CPU time right after `sweep` has been read through the caches, as a model's
+    forward streams its weights through them between two of the frontend's frames: what a frame
+    costs there is the cold figure, several times the warm one (docs/control_plane.md, the
+    twenty-first sitting)."""
+    out = []
+    for _ in range(reps):
+        sweep.sum()
+        t0 = time.thread_time_ns()
+        fn()
+        out.append(time.thread_time_ns() - t0)
+    return out
+
+
+def bench_codec(sizes: list[int], reps: int, cold_mb: int = 0, cold_reps: int = 0) -> list[dict]:
     rows = []
+    sweep = np.ones(cold_mb << 18, dtype=np.float32) if cold_mb and cold_reps else None
     for n in sizes:
         full = decode_batch_prepare(n)
         frame = Frame(PROTOCOL_VERSION, 1, RUN_ID, 1, 1, decode_batch_prepare(n, delta=True))
@@ -182,6 +199,10 @@ def bench_codec(sizes: list[int], reps: int) -> list[dict]:
                 "pickle_dumps_loads": stats_us(time_calls(lambda: pickle.loads(pickle.dumps(payload)), reps)),
             }
         )
+        if sweep is not None:
+            rows[-1]["encode_cold"] = stats_us(time_cold(lambda: to_message(encode(frame, KEY)), sweep, cold_reps))
+            message = to_message(parts)
+            rows[-1]["decode_cold"] = stats_us(time_cold(lambda: decode_verified(open_message([message], KEY)), sweep, cold_reps))
     return rows
 
 
@@ -387,6 +408,12 @@ def main() -> None:
         "--rt-seqs", type=int, nargs="+", default=[256], help="PREPARE sizes for the round trips"
     )
     parser.add_argument("--reps", type=int, default=300, help="codec repetitions per measurement")
+    parser.add_argument(
+        "--cold-mb", type=int, default=256,
+        help="the codec's cold figures (encode_cold, decode_cold: a message made and read) are timed "
+        "after reading this many MB (0: none)",
+    )  # fmt: skip
+    parser.add_argument("--cold-reps", type=int, default=40, help="cold repetitions per measurement")
     parser.add_argument("--iters", type=int, default=150, help="round trips per configuration and round")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of ours and the baseline")
@@ -399,7 +426,7 @@ def main() -> None:
 
     load_start = round(os.getloadavg()[0], 2)
     say("codec ...")
-    report: dict = {"codec": bench_codec(args.sizes, args.reps), "round_trip": [], "baseline": []}
+    report: dict = {"codec": bench_codec(args.sizes, args.reps, args.cold_mb, args.cold_reps), "round_trip": [], "baseline": []}
     say("fast paths ...")
     report["fast_paths"] = bench_fast_paths(args.sizes, args.reps * 4)
     report["ratios"] = []
