@@ -298,13 +298,13 @@ def test_completion_alternatives_that_read_alike_keep_the_sampled_tokens_logprob
 
 @pytest.mark.parametrize("max_logprobs", [20, 0])  # logprobs: 0 still reads it, as an unfinished character does
 def test_the_token_byte_table_is_built_as_the_app_starts(max_logprobs):
-    # ~80 ms for this vocabulary: not in the first request that asks for logprobs.
+    # ~85 ms for this vocabulary: not in the first request that asks for logprobs or streams.
     from server.fake_engine import FakeEngine
 
     from executor.default_model import default_model_path
     from tp_runtime.tokenizer import Tokenizer
 
     fresh = Tokenizer.from_model_path(default_model_path())
-    assert "_byte_table" not in vars(fresh)
+    assert "_byte_table" not in vars(fresh) and "text_bytes_by_id" not in vars(fresh)
     create_app(FakeEngine(), fresh, ServerSettings((MODEL_NAME,), max_logprobs=max_logprobs))
-    assert "_byte_table" in vars(fresh)
+    assert "_byte_table" in vars(fresh) and "text_bytes_by_id" in vars(fresh)

@@ -116,11 +116,10 @@ def test_flush_keeps_a_replacement_character_the_tokens_spell_whole(tokenizer, d
 
 
 @BOTH_READINGS
-def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens(tokenizer, detokenizer):
+def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens(tokenizer, single_byte_tokens, detokenizer):
     lead = tokenizer.encode("中")  # its three bytes; a prefix of them is an unfinished character
     stop = tokenizer.eos_token_ids[0]
-    byte_tokens = {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1}
-    first_byte = byte_tokens["中".encode()[:1]]
+    first_byte = single_byte_tokens["中".encode()[:1]]
     whole = tokenizer.encode("\ufffd")
     for ids, want in (
         ([*tokenizer.encode("ok"), first_byte], "ok"),  # stopped inside a character
@@ -140,8 +139,8 @@ def test_open_character_is_empty_on_whole_characters(tokenizer, text: str, open_
     assert tokenizer.open_character(tokenizer.encode(text)) == open_bytes
 
 
-def test_open_character_is_the_unfinished_prefix_and_not_invalid_bytes(tokenizer):
-    single = {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1}
+def test_open_character_is_the_unfinished_prefix_and_not_invalid_bytes(tokenizer, single_byte_tokens):
+    single = single_byte_tokens
     for data, open_bytes in (
         ("中".encode()[:2], "中".encode()[:2]), ("🎉".encode()[:3], "🎉".encode()[:3]), ("é".encode()[:1], "é".encode()[:1]),
         (b"\xf4\x90", b""), (b"\xe0\x80", b""), (b"\x80\x80", b""),  # past U+10FFFF, overlong, stray ("ok".encode() + "中".encode()[:1], "中".encode()[:1]),
@@ -327,11 +326,12 @@ def test_a_steps_tokens_at_once_give_the_text_of_each_token_in_turn(tokenizer, p
 @settings(max_examples=500, deadline=None)
 @given(data=st.data())
 def test_a_byte_level_decode_in_c_is_decode(tokenizer, partial_tokens, data):
-    """The detokenizer's windows (IncrementalDetokenizer) read a byte-level tokenizer's text from
-    its tokens' bytes: the same text as decode(), for partial characters, invalid runs, special
-    tokens and ids past the vocabulary."""
+    """The windowed reading (_WindowedDetokenizer) reads a byte-level tokenizer's text from its
+    tokens' bytes: the same text as decode(), for partial characters, invalid runs, special tokens
+    and ids past the vocabulary (and none from a negative id, which decode() refuses)."""
     ids = data.draw(_ids(tokenizer.vocab_size, partial_tokens, 16) | st.lists(st.integers(0, tokenizer.vocab_size + 8), max_size=8))
     assert tokenizer.decode_byte_level(ids) == tokenizer.decode(ids)
+    assert tokenizer.text_bytes([-1, *ids, -(2**40)]) == tokenizer.text_bytes(ids)
 
 
 @pytest.fixture(scope="module")
