@@ -55,6 +55,17 @@ def test_completion_logprobs(api, tokenizer):
     assert lp.top_logprobs == [{token: logprob} for token, logprob in zip(lp.tokens, lp.token_logprobs)]
 
 
+def test_an_invalid_byte_s_replacement_character_is_its_own_token_s_text(api, tokenizer):
+    # The byte-level detokenizer reads each token's bytes as they come: a stray continuation byte
+    # is U+FFFD at once, at its own token's offset (vLLM's detokenizer holds it to the next token).
+    stray = next(t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == b"\x80")
+    prompt = [stray, *tokenizer.encode(" ok")]
+    result = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=len(prompt), logprobs=0)
+    lp = result.choices[0].logprobs
+    assert result.choices[0].text == "\ufffd ok"
+    assert lp.text_offset == [0, *(1 + len(tokenizer.decode(prompt[1:i])) for i in range(1, len(prompt)))]
+
+
 def test_completion_logprobs_stream_add_up_to_the_whole(api):
     whole = api.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=7, logprobs=0).choices[0].logprobs
     chunks = [c for c in api.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=7, logprobs=0, stream=True)]
