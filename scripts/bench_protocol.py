@@ -140,31 +140,20 @@ def stats_us(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
-def time_calls(fn, reps: int) -> list[int]:
-    for _ in range(min(20, reps)):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append(time.perf_counter_ns() - t0)
-    return out
-
-
-def time_in_thread(fn, sweep: np.ndarray | None, reps: int) -> list[int]:
-    """Each call's CPU time (its thread's clock), right after `sweep` has been read through the
-    caches where given, as a model's forward streams its weights through them between two of the
-    frontend's frames. The sweep is an upper bound: served at concurrency 32 a frame's MAC took
-    49 us of the 134 it takes here (docs/control_plane.md, the twenty-first sitting)."""
+def time_calls(fn, reps: int, clock=time.perf_counter_ns, sweep: np.ndarray | None = None) -> list[int]:
+    """Each call's time by `clock`; with `sweep`, each right after it has been read through the
+    caches (no warm-up), as a model's forward streams its weights through them between two of the
+    frontend's frames. The sweep is an upper bound: served at concurrency 32 a frame's MAC took 49
+    us of the 134 it takes here (docs/control_plane.md, the twenty-first sitting)."""
     for _ in range(0 if sweep is not None else min(20, reps)):
         fn()
     out = []
     for _ in range(reps):
         if sweep is not None:
             sweep.sum()
-        t0 = time.thread_time_ns()
+        t0 = clock()
         fn()
-        out.append(time.thread_time_ns() - t0)
+        out.append(clock() - t0)
     return out
 
 
@@ -207,12 +196,11 @@ def bench_codec(sizes: list[int], reps: int, cold_mb: int = 0, cold_reps: int = 
             message = to_message(parts)
             made = lambda: to_message(encode(frame, KEY))  # noqa: E731
             read = lambda: decode_verified(open_message([message], KEY))  # noqa: E731
-            rows[-1]["message_encode"] = {
-                "warm": stats_us(time_in_thread(made, None, reps)), "cold": stats_us(time_in_thread(made, sweep, cold_reps)),
-            }  # fmt: skip
-            rows[-1]["message_decode"] = {
-                "warm": stats_us(time_in_thread(read, None, reps)), "cold": stats_us(time_in_thread(read, sweep, cold_reps)),
-            }  # fmt: skip
+            for name, fn in (("message_encode", made), ("message_decode", read)):
+                rows[-1][name] = {
+                    "warm": stats_us(time_calls(fn, reps, time.thread_time_ns)),
+                    "cold": stats_us(time_calls(fn, cold_reps, time.thread_time_ns, sweep)),
+                }
     return rows
 
 
