@@ -392,7 +392,8 @@ class Tokenizer:
         Special tokens, which decode() leaves out, are left out here too."""
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(self.text_bytes(token_ids), final=False)
-        return decoder.getstate()[0]
+        held = decoder.getstate()[0]
+        return b"" if _surrogate_start(held) else held
 
     @functools.cached_property
     def text_bytes_by_id(self) -> _TextBytes:
@@ -454,14 +455,22 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _surrogate_start(held: bytes) -> bool:
+    """Whether the bytes CPython's UTF-8 decoder holds are a surrogate's first two (ED A0-BF): it
+    holds them for its surrogatepass handler, but in UTF-8 they begin no character, and decode()
+    spells them as two U+FFFD at once, whatever follows."""
+    return len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0
+
+
 class IncrementalDetokenizer:
     """Turns generated tokens, one step at a time, into text deltas that are always whole characters.
 
     A byte-level token may end inside a multi-byte UTF-8 character; the character's bytes are held
     back until a later token completes it. A byte-level tokenizer's text is the UTF-8 reading of
     its tokens' bytes joined (Tokenizer.byte_level), each invalid sequence replaced where it stands
-    whatever follows, so an incremental UTF-8 decoder fed each step's bytes gives exactly that text,
-    and sends invalid bytes' U+FFFD at once: a lookup a token and one decode a step. The windowed
+    whatever follows, so an incremental UTF-8 decoder fed each step's bytes gives exactly that text
+    (once a surrogate's first two bytes, which CPython's holds, are read out), and sends invalid
+    bytes' U+FFFD at once: a lookup a token and one decode a step. The windowed
     reading (_WindowedDetokenizer) serves a prompt whose last tokens end inside a character, and
     tokenizers that are not byte-level (sentencepiece's byte fallback replaces every byte of an
     invalid run, so its text depends on how the bytes are grouped).
@@ -486,14 +495,22 @@ class IncrementalDetokenizer:
         """Appends one token and returns the text it completes ("" while a character is open)."""
         if self._windowed is not None:
             return self._windowed.add(token_id)
-        return self._decode(self._token_bytes(token_id))
+        return self._read(self._token_bytes(token_id))
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Appends several tokens (a step's) and returns the text they complete: add() of each,
         joined."""
         if self._windowed is not None:
             return self._windowed.extend(token_ids)
-        return self._decode(b"".join(map(self._token_bytes, token_ids)))
+        return self._read(b"".join(map(self._token_bytes, token_ids)))
+
+    def _read(self, data: bytes) -> str:
+        text = self._decode(data)
+        # Read out a surrogate's first two bytes, which the decoder holds only when the second has
+        # just come (the check costs ~75 ns a token, warm, on English text).
+        if data and 0xA0 <= data[-1] <= 0xBF and _surrogate_start(self._decoder.getstate()[0]):
+            text += self._decode(b"", True)
+        return text
 
     def flush(self) -> str:
         """What is still held back at the end, without a trailing incomplete character (generation

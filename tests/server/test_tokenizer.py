@@ -131,6 +131,23 @@ def test_flush_drops_only_the_unfinished_character_and_leaves_out_special_tokens
         assert "".join(deltas) + tail == want, ids
 
 
+@BOTH_READINGS
+def test_a_surrogate_s_first_bytes_are_the_text_decode_spells(tokenizer, single_byte_tokens, detokenizer):
+    """ED A0-BF begins a surrogate, no character in UTF-8: decode() spells the two bytes as two U+FFFD
+    whatever follows. Hypothesis found CPython's decoder holding them (for its surrogatepass
+    handler), so that a stream ending on them lost them."""
+    lead, second = single_byte_tokens[b"\xed"], single_byte_tokens[b"\xa1"]
+    for ids in ([lead, second], [lead, second, second], [lead, second, *tokenizer.encode("A")]):
+        deltas, tail = incremental(tokenizer, ids, detokenizer=detokenizer)
+        assert "".join(deltas) + tail == tokenizer.decode(ids), ids
+
+
+def test_the_decoder_sends_a_surrogate_s_first_bytes_as_their_token_comes(tokenizer, single_byte_tokens):
+    lead, second = single_byte_tokens[b"\xed"], single_byte_tokens[b"\xa1"]
+    assert incremental(tokenizer, [lead, second, second]) == (["", "\ufffd\ufffd", "\ufffd"], "")
+    assert stepwise(tokenizer, [[lead, second]]) == (["\ufffd\ufffd"], "")
+
+
 @pytest.mark.parametrize(
     ("text", "open_bytes"),
     [("ok", b""), ("é", b""), ("🎉", b""), ("\ufffd", b"")],
@@ -143,7 +160,9 @@ def test_open_character_is_the_unfinished_prefix_and_not_invalid_bytes(tokenizer
     single = single_byte_tokens
     for data, open_bytes in (
         ("中".encode()[:2], "中".encode()[:2]), ("🎉".encode()[:3], "🎉".encode()[:3]), ("é".encode()[:1], "é".encode()[:1]),
-        (b"\xf4\x90", b""), (b"\xe0\x80", b""), (b"\x80\x80", b""),  # past U+10FFFF, overlong, stray ("ok".encode() + "中".encode()[:1], "中".encode()[:1]),
+        # Past U+10FFFF, overlong, stray, a surrogate's first two bytes (CPython's decoder holds those).
+        (b"\xf4\x90", b""), (b"\xe0\x80", b""), (b"\x80\x80", b""), (b"\xed\xa0", b""), (b"\xed\xbf", b""),
+        ("ok".encode() + "中".encode()[:1], "中".encode()[:1]), (b"\xed\x9f", b"\xed\x9f"),  # U+D7FF's first two
     ):  # fmt: skip
         ids = [single[bytes([b])] for b in data]
         assert tokenizer.open_character(ids) == open_bytes, data
