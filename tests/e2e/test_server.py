@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -169,12 +170,27 @@ def test_fuzzed_requests_leave_the_server_healthy_and_greedy_unchanged(server_tp
     from hypothesis import HealthCheck, given, settings
     from scripts.harness.http_fuzz import CASES, check_answer, edge_grid, greedy_text, send
 
-    with httpx.Client(base_url=server_tp2.url, timeout=60, limits=httpx.Limits(max_connections=FUZZ_CLIENTS)) as http:
+    # A client of its own for each thread: one pool shared by eight threads once read a socket
+    # another thread had closed (EBADF in httpcore, a client-side race), as a server error cannot.
+    own = threading.local()
+    clients: list[httpx.Client] = []
+
+    def send_own(case):
+        if not hasattr(own, "client"):
+            own.client = httpx.Client(base_url=server_tp2.url, timeout=60)
+            clients.append(own.client)
+        return send(own.client, case)
+
+    with httpx.Client(base_url=server_tp2.url, timeout=60) as http:
         before = greedy_text(http)
         grid = edge_grid()
-        with ThreadPoolExecutor(FUZZ_CLIENTS) as pool:
-            for case, response in zip(grid, pool.map(lambda case: send(http, case), grid), strict=True):
-                check_answer(case, response)
+        try:
+            with ThreadPoolExecutor(FUZZ_CLIENTS) as pool:
+                for case, response in zip(grid, pool.map(send_own, grid), strict=True):
+                    check_answer(case, response)
+        finally:
+            for each in clients:
+                each.close()
 
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=CASES)
