@@ -64,6 +64,7 @@ from scripts.harness.runtime import RuntimeServer, ServerOptions, exit_on_sigter
 from scripts.prompts import PromptBuilder  # noqa: E402
 from scripts.serving_report import (  # noqa: E402
     BASELINE,
+    COUNTER_METRICS,
     OVERHEAD_METRICS,
     OVERLAP,
     SERIAL,
@@ -190,12 +191,14 @@ ServerRound = Callable[[int], contextlib.AbstractContextManager[dict[str, tuple[
 
 def bench_servers(
     open_round: ServerRound, levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace,
+    warm_prompt: tuple[int, ...],
 ) -> tuple[dict[int, list[LoopRun]], dict[int, list[list[int]]]]:
     """Every level on every server, round after round; `open_round(round_)` gives each round's
     servers (name -> url and the RuntimeServer behind it, None for a --url), their order within a
     level alternating from level to level and round to round; the outputs are the first server's
     in the first round. With a RuntimeServer, the CPU time of each of its processes per output
-    token, over each level."""
+    token, over each level. Each server is warmed up first with `warm_prompt`, a prompt of no
+    level's, so that no measured request finds its pages in the prefix cache."""
     runs: dict[int, list[LoopRun]] = {}
     outputs: dict[int, list[list[int]]] = {}
     pooled: dict[int, dict[str, PooledRounds]] = {}
@@ -203,7 +206,7 @@ def bench_servers(
         with open_round(round_) as servers:
             models = {loop: served_model(url) for loop, (url, _) in servers.items()}
             for loop, (url, _) in servers.items():
-                warm_up(url, models[loop], levels[min(levels)][0], args.request_timeout)
+                warm_up(url, models[loop], warm_prompt, args.request_timeout)
             first = next(iter(servers))
             for index, (concurrency, prompts) in enumerate(levels.items()):
                 level_pools = pooled.setdefault(concurrency, {loop: PooledRounds() for loop in servers})
@@ -282,7 +285,7 @@ class PooledRounds:
         if growth is None or self.counters is None:
             self.counters = None
         else:
-            for name, value in zip(OVERHEAD_METRICS, astuple(growth)):
+            for name, value in zip(COUNTER_METRICS, astuple(growth), strict=True):
                 self.counters[name] = self.counters.get(name, 0.0) + value
         self.cpu_s = _grown(self.cpu_s, cpu_before, cpu_after)
 
@@ -508,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = requests_per_level(concurrency, args.requests_per_level)
         levels[concurrency] = bench_prompts(builder, tag, count, args.input_len, args.seed, offset)
         offset += count
+    (warm_prompt,) = bench_prompts(builder, tag, 1, args.input_len, args.seed, offset)
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
@@ -520,11 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.url:
         target = {"name": args.url, "url": args.url}
         given = {args.loops[0]: (args.url.rstrip("/"), None)}
-        runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), levels, args)
+        runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), levels, args, warm_prompt)
     else:
         target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
         specs = server_specs(args)
-        runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), levels, args)
+        runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), levels, args, warm_prompt)
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}
     if not args.no_reference:

@@ -14,6 +14,8 @@ from scripts.harness.metrics import (
     M_MODEL_BUSY_SECONDS,
     M_MODEL_IDLE_SECONDS,
     M_PLAN_SECONDS,
+    M_PREFIX_HITS,
+    M_PREFIX_QUERIES,
     M_PROTOCOL_SECONDS,
     M_STEP_SECONDS,
     M_STEPS,
@@ -29,7 +31,13 @@ CONTROL_PLANE_SHARE_MAX = 0.02
 # The CPU of every server process that does not run the model, together, per output token.
 CONTROL_CPU_MS_PER_TOKEN_MAX = {1: 0.3, 32: 0.05}
 OVERHEAD_METRICS = (M_PLAN_SECONDS, M_PROTOCOL_SECONDS, M_STEP_SECONDS, M_MODEL_BUSY_SECONDS, M_MODEL_IDLE_SECONDS, M_STEPS)
+# Overhead's fields, in order: the step counters above, which it needs, then the prefix cache's,
+# read as 0 where /metrics lacks them (a --baseline tree from before the vLLM metrics).
+COUNTER_METRICS = (*OVERHEAD_METRICS, M_PREFIX_QUERIES, M_PREFIX_HITS)
 OVERLAP, SERIAL = "overlap", "serial"  # --async-scheduling on and off
+# Above this share of prompt tokens served from the prefix cache a level is said to repeat its
+# prompts: a level's prompts share a page at most by chance (their bodies are drawn by --seed).
+PREFIX_HIT_SHARE_NOTED = 0.05
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,15 @@ class Overhead:
     model_busy_s: float
     model_idle_s: float
     steps: float
+    prefix_queries: float  # prompt tokens looked up in the prefix cache
+    prefix_hits: float  # and found there
+
+    @property
+    def prefix_hit_share(self) -> float | None:
+        """The share of the prompt tokens the prefix cache served. The benchmark's prompts begin
+        apart, so it is ~0; more means they repeat what the server saw before (a rerun with --url
+        and the same --seed), and the level did less prefill than its prompts ask."""
+        return None if self.prefix_queries <= 0 else self.prefix_hits / self.prefix_queries
 
     @property
     def fraction(self) -> float | None:
@@ -105,7 +122,7 @@ def overhead_between(before: dict[str, float] | None, after: dict[str, float] | 
     """The counters' growth; None where /metrics lacks them (another runtime behind --url)."""
     if before is None or after is None or any(name not in after for name in OVERHEAD_METRICS):
         return None
-    return Overhead(*(after[name] - before.get(name, 0.0) for name in OVERHEAD_METRICS))
+    return Overhead(*(after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTER_METRICS))
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -135,6 +152,7 @@ class LoopRun:
     # (tp_runtime_thread_wakeups_total): on cores shared with the model each wake-up is a cold burst.
     thread_cpu_ms_per_token: dict[str, float] | None = None
     thread_wakeups_per_token: dict[str, float] | None = None
+    prefix_hit_share: float | None = None
 
 
 def loop_run(
@@ -154,6 +172,7 @@ def loop_run(
         ),
         thread_cpu_ms_per_token=thread_cpu_ms_per_token,
         thread_wakeups_per_token=thread_wakeups_per_token,
+        prefix_hit_share=None if overhead is None else _round(overhead.prefix_hit_share),
     )
 
 
@@ -318,6 +337,12 @@ def print_summary(report: dict, out: Path) -> None:
             if wakeups:
                 counts = ", ".join(f"{name} {n:.3f}" for name, n in sorted(wakeups.items(), key=lambda kv: -kv[1]) if n >= 0.0005)
                 lines.append(f"{'':>14}{run['loop']} frontend threads, wake-ups/token: {counts}")
+            hits = run.get("prefix_hit_share")
+            if hits is not None and hits >= PREFIX_HIT_SHARE_NOTED:
+                lines.append(
+                    f"{'':>14}{run['loop']}: the prefix cache served {hits:.0%} of the prompt tokens: the prompts "
+                    "repeat what the server saw (give a rerun against one server its own --seed)"
+                )
         if level["overlap_speedup"] is not None:
             lines.append(f"{'':>14}overlap: TPOT {level['overlap_speedup']:.3f}x faster, tokens/s {level['overlap_throughput_gain']:.3f}x")
     for t in report["targets"]:

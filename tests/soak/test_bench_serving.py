@@ -5,6 +5,7 @@ import pytest
 from scripts.bench_serving import PromptTag, bench_prompts, cpu_per_token, parse_args, requests_per_level, server_specs
 from scripts.serving_report import (
     BASELINE,
+    COUNTER_METRICS,
     OVERHEAD_METRICS,
     OVERLAP,
     SERIAL,
@@ -54,9 +55,10 @@ def _side(wall_s, ttft, tpot):
     return side_result([64] * 4, [ttft] * 4, [tpot] * 4, wall_s=wall_s, wanted=64)
 
 
-def _overhead(busy, idle, steps=100.0):
+def _overhead(busy, idle, steps=100.0, prefix_queries=16384.0, prefix_hits=0.0):
     before = dict.fromkeys(OVERHEAD_METRICS, 0.0)
-    return overhead_between(before, dict(zip(OVERHEAD_METRICS, (0.1, 0.2, busy + idle, busy, idle, steps))))
+    grown = (0.1, 0.2, busy + idle, busy, idle, steps, prefix_queries, prefix_hits)
+    return overhead_between(before, dict(zip(COUNTER_METRICS, grown, strict=True)))
 
 
 def test_ratios_against_the_reference_and_between_the_loops():
@@ -159,7 +161,7 @@ def test_rounds_pool_every_request_the_walls_the_counters_and_the_cpu():
 
     pooled = PooledRounds()
     zero = dict.fromkeys(OVERHEAD_METRICS, 0.0)
-    counters = dict(zip(OVERHEAD_METRICS, (0.1, 0.2, 1.0, 0.9, 0.1, 50.0)))
+    counters = dict(zip(COUNTER_METRICS, (0.1, 0.2, 1.0, 0.9, 0.1, 50.0, 1000.0, 10.0), strict=True))
     pooled.add([_stream(11, 0.1, 1.1)], 2.0, zero, counters, {"frontend": 1.0, "rank0": 5.0}, {"frontend": 1.2, "rank0": 6.0})
     pooled.add([_stream(11, 0.3, 3.3)], 3.0, counters, {k: 2 * v for k, v in counters.items()},
                {"frontend": 1.2, "rank0": 6.0}, {"frontend": 1.5, "rank0": 7.0})  # fmt: skip
@@ -167,6 +169,7 @@ def test_rounds_pool_every_request_the_walls_the_counters_and_the_cpu():
     assert run.side.requests == 2 and run.side.output_tokens == 22 and run.side.tokens_per_s == 4.4  # 22 / 5 s
     assert run.side.tpot_median_s == pytest.approx(0.2) and run.side.ttft_median_s == pytest.approx(0.2)
     assert run.model_step_s == pytest.approx(1.8 / 100)  # busy seconds over steps, both rounds
+    assert run.prefix_hit_share == pytest.approx(0.01)  # hits over lookups, both rounds
     assert run.cpu_ms_per_token == {"frontend": pytest.approx(500 / 22, abs=1e-3), "rank0": pytest.approx(2000 / 22, abs=1e-3)}
     assert run.control_cpu_ms_per_token == pytest.approx(500 / 22, abs=1e-3)
 
@@ -272,6 +275,27 @@ def test_the_summary_says_how_the_requests_sampled(tmp_path, capsys):
     assert "64 out tokens, greedy, 5 alternatives a token" in capsys.readouterr().err
 
 
+def test_a_level_whose_prompts_the_prefix_cache_served_is_said_to_repeat_them(tmp_path, capsys):
+    """A rerun against one server with the same --seed meets its own prompts in the prefix cache:
+    less prefill, fewer frames, a lower control CPU a token. The report says so."""
+    from dataclasses import asdict
+
+    from scripts.serving_report import print_summary
+
+    fresh = loop_run(OVERLAP, _side(1.0, 0.1, 0.01), _overhead(9.9, 0.1, prefix_hits=16.0))
+    repeated = loop_run("baseline", _side(1.0, 0.1, 0.01), _overhead(9.9, 0.1, prefix_hits=10240.0))
+    assert fresh.prefix_hit_share == pytest.approx(16 / 16384, abs=1e-4) and repeated.prefix_hit_share == 0.625
+    assert _overhead(9.9, 0.1, prefix_queries=0.0).prefix_hit_share is None  # nothing looked up
+    older = overhead_between(dict.fromkeys(OVERHEAD_METRICS, 0.0), dict.fromkeys(OVERHEAD_METRICS, 1.0))
+    assert older is not None and older.prefix_hit_share is None  # a tree without the prefix cache's metrics
+    config = {"dtype": "bf16", "input_len": 256, "output_len": 64}
+    level = asdict(level_report(32, [fresh, repeated], None, None))
+    report = {"target": {"name": "t"}, "config": config, "levels": [level], "targets": [], "load_average": {"start": [0], "end": [0]}}
+    print_summary(report, tmp_path)
+    said = [line for line in capsys.readouterr().err.splitlines() if "prefix cache served" in line]
+    assert len(said) == 1 and "baseline: the prefix cache served 62% of the prompt tokens" in said[0]
+
+
 def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, tmp_path):
     """The server started first ran 2-3% slower for as long as it lived, whichever tree it held:
     restarted each round in the other order, every server is first as often. Levels are pooled
@@ -303,25 +327,25 @@ def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, 
 
     monkeypatch.setattr(bench, "RuntimeServer", FakeServer)
     monkeypatch.setattr(bench, "served_model", lambda url: "m")
-    monkeypatch.setattr(bench, "warm_up", lambda *a: events.append(("warm", a[0])))
+    monkeypatch.setattr(bench, "warm_up", lambda *a: events.append(("warm", a[0], a[2])))
     monkeypatch.setattr(bench, "run_server_level", fake_level)
     monkeypatch.setattr(bench, "_metrics", no_metrics)
     monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
     args = parse_args(["--rounds", "2", "--concurrency", "1", "32", "--output-len", "2"])
     specs = {"a": ("A", None), "b": ("B", None)}
-    runs, outputs = bench.bench_servers(lambda round_: bench.started_servers(specs, tmp_path, round_), {1: [(1,)], 32: [(2,)]}, args)
+    runs, outputs = bench.bench_servers(lambda round_: bench.started_servers(specs, tmp_path, round_), {1: [(1,)], 32: [(2,)]}, args, (9,))
     assert events == [
         ("start", "http://A", "server-a.log"), ("start", "http://B", "server-b.log"),
-        ("warm", "http://A"), ("warm", "http://B"),
+        ("warm", "http://A", (9,)), ("warm", "http://B", (9,)),  # a prompt of no level's
         ("level", "http://A", 1), ("level", "http://B", 1), ("level", "http://B", 32), ("level", "http://A", 32),
         ("stop", "http://B"), ("stop", "http://A"),
         ("start", "http://B", "server-b-round2.log"), ("start", "http://A", "server-a-round2.log"),
-        ("warm", "http://A"), ("warm", "http://B"),
+        ("warm", "http://A", (9,)), ("warm", "http://B", (9,)),  # a prompt of no level's
         ("level", "http://B", 1), ("level", "http://A", 1), ("level", "http://A", 32), ("level", "http://B", 32),
         ("stop", "http://A"), ("stop", "http://B"),
     ]  # fmt: skip
     assert [[run.loop for run in runs[c]] for c in (1, 32)] == [["a", "b"], ["a", "b"]]
     assert all(run.side.requests == 2 for c in (1, 32) for run in runs[c]), "each server's two rounds pooled"
     assert outputs == {1: [[1, 2]], 32: [[1, 2]]}
-    given = bench.bench_servers(lambda round_: contextlib.nullcontext({"u": ("http://U", None)}), {1: [(1,)]}, args)
+    given = bench.bench_servers(lambda round_: contextlib.nullcontext({"u": ("http://U", None)}), {1: [(1,)]}, args, (9,))
     assert [run.loop for run in given[0][1]] == ["u"] and not [e for e in events if e[0] == "start" and e[1] == "http://U"]
