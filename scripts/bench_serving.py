@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 import shlex
-from dataclasses import asdict, astuple, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -103,6 +103,29 @@ class PromptTag:
 
     def ids(self, index: int) -> list[int]:
         return self._tokenizer.encode(f"Document {index}:", add_special_tokens=False)
+
+
+@dataclass(frozen=True)
+class RoundPrompts:
+    """Each round's prompts by level, numbered apart from every other round's (a --url server keeps
+    its prefix cache from round to round, where a repeated prompt would find its pages), and the
+    warm-up's prompt, of no level's."""
+
+    levels: tuple[dict[int, list[tuple[int, ...]]], ...]  # one per round
+    warm: tuple[int, ...]
+
+
+def round_prompts(builder: PromptBuilder, tag: PromptTag, args: argparse.Namespace) -> RoundPrompts:
+    offset, rounds = 0, []
+    for _ in range(args.rounds):
+        levels = {}
+        for concurrency in args.concurrency:
+            count = requests_per_level(concurrency, args.requests_per_level)
+            levels[concurrency] = bench_prompts(builder, tag, count, args.input_len, args.seed, offset)
+            offset += count
+        rounds.append(levels)
+    (warm,) = bench_prompts(builder, tag, 1, args.input_len, args.seed, offset)
+    return RoundPrompts(tuple(rounds), warm)
 
 
 def requests_per_level(concurrency: int, fixed: int | None) -> int:
@@ -190,15 +213,15 @@ ServerRound = Callable[[int], contextlib.AbstractContextManager[dict[str, tuple[
 
 
 def bench_servers(
-    open_round: ServerRound, levels: dict[int, list[tuple[int, ...]]], args: argparse.Namespace,
-    warm_prompt: tuple[int, ...],
+    open_round: ServerRound, prompts: RoundPrompts, args: argparse.Namespace,
 ) -> tuple[dict[int, list[LoopRun]], dict[int, list[list[int]]]]:
-    """Every level on every server, round after round; `open_round(round_)` gives each round's
-    servers (name -> url and the RuntimeServer behind it, None for a --url), their order within a
-    level alternating from level to level and round to round; the outputs are the first server's
-    in the first round. With a RuntimeServer, the CPU time of each of its processes per output
-    token, over each level. Each server is warmed up first with `warm_prompt`, a prompt of no
-    level's, so that no measured request finds its pages in the prefix cache."""
+    """Every level on every server, round after round, each round with its own prompts (all its
+    servers with the same); `open_round(round_)` gives each round's servers (name -> url and the
+    RuntimeServer behind it, None for a --url), their order within a level alternating from level
+    to level and round to round; the outputs are the first server's in the first round. With a
+    RuntimeServer, the CPU time of each of its processes per output token, over each level. Each
+    server is warmed up first with a prompt of no level's: no measured request finds its pages in
+    the prefix cache."""
     runs: dict[int, list[LoopRun]] = {}
     outputs: dict[int, list[list[int]]] = {}
     pooled: dict[int, dict[str, PooledRounds]] = {}
@@ -206,9 +229,9 @@ def bench_servers(
         with open_round(round_) as servers:
             models = {loop: served_model(url) for loop, (url, _) in servers.items()}
             for loop, (url, _) in servers.items():
-                warm_up(url, models[loop], warm_prompt, args.request_timeout)
+                warm_up(url, models[loop], prompts.warm, args.request_timeout)
             first = next(iter(servers))
-            for index, (concurrency, prompts) in enumerate(levels.items()):
+            for index, (concurrency, level_prompts) in enumerate(prompts.levels[round_].items()):
                 level_pools = pooled.setdefault(concurrency, {loop: PooledRounds() for loop in servers})
                 # The servers' order alternates from level to level and, at each level, from round
                 # to round: a shared machine's slow spells (tens of seconds) then fall on every
@@ -219,7 +242,7 @@ def bench_servers(
                     before, threads_before = asyncio.run(_metrics(url))
                     cpu_before = _process_cpu(server)
                     results, wall = asyncio.run(run_server_level(
-                        url, models[loop], prompts, concurrency, args.output_len, args.request_timeout,
+                        url, models[loop], level_prompts, concurrency, args.output_len, args.request_timeout,
                         temperature=args.temperature, top_p=args.top_p, logprobs=args.logprobs,
                     ))  # fmt: skip
                     after, threads_after = asyncio.run(_metrics(url))
@@ -505,13 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = args.model or default_model_path()
     tokenizer = Tokenizer.from_model_path(model_path)
     builder, tag = PromptBuilder(tokenizer), PromptTag(tokenizer)
-    levels: dict[int, list[tuple[int, ...]]] = {}
-    offset = 0
-    for concurrency in args.concurrency:
-        count = requests_per_level(concurrency, args.requests_per_level)
-        levels[concurrency] = bench_prompts(builder, tag, count, args.input_len, args.seed, offset)
-        offset += count
-    (warm_prompt,) = bench_prompts(builder, tag, 1, args.input_len, args.seed, offset)
+    prompts = round_prompts(builder, tag, args)
+    levels = prompts.levels[0]  # the reference's, and the outputs it is compared with
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
@@ -524,11 +542,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.url:
         target = {"name": args.url, "url": args.url}
         given = {args.loops[0]: (args.url.rstrip("/"), None)}
-        runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), levels, args, warm_prompt)
+        runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), prompts, args)
     else:
         target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
         specs = server_specs(args)
-        runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), levels, args, warm_prompt)
+        runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), prompts, args)
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}
     if not args.no_reference:

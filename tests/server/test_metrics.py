@@ -230,3 +230,15 @@ def test_the_request_histograms_expose_what_prometheus_clients_histogram_would()
     assert series(mine) == series(theirs)
     assert series(mine)[("vllm:request_prompt_tokens_bucket", (("le", "1e+06"), *LABEL))] == 9
     assert series(mine)[("vllm:inter_token_latency_seconds_count", LABEL)] == len(values)
+
+
+def test_every_counter_the_serving_benchmark_reads_is_here_by_its_name(scrape):
+    """bench_serving reads these by name (scripts/serving_report.py); a name it misspells would
+    read as missing, and its columns as unavailable, without an error."""
+    from scripts.harness.metrics import parse_metrics
+    from scripts.serving_report import COUNTER_METRICS
+
+    engine, client, read = scrape
+    values = parse_metrics(client.get("/metrics").text)
+    assert [name for name in COUNTER_METRICS if name not in values] == []
+    assert values["vllm:prefix_cache_hits_total"] == engine.stats().prefix_cache_hits_total

@@ -29,6 +29,21 @@ def tokenizer():
     return Tokenizer.from_model_path(default_model_path())
 
 
+def test_every_round_has_prompts_of_its_own_and_the_warm_up_one_of_no_round_s(tokenizer):
+    """A --url server keeps its prefix cache from round to round, and a warm-up prompt that is a
+    level's own gives that request its pages: no prompt is sent twice."""
+    from scripts.bench_serving import round_prompts
+
+    builder, tag = PromptBuilder(tokenizer), PromptTag(tokenizer)
+    flags = ["--concurrency", "1", "4", "--input-len", "48", "--seed", "5"]
+    prompts = round_prompts(builder, tag, parse_args([*flags, "--rounds", "3"]))
+    assert len(prompts.levels) == 3 and all(list(levels) == [1, 4] for levels in prompts.levels)
+    sent = [p for levels in prompts.levels for level in levels.values() for p in level] + [prompts.warm]
+    assert len(sent) == 3 * (4 + 8) + 1 and len({p[:8] for p in sent}) == len(sent)  # apart from their first tokens
+    # The first round's are the prompts a single round sends (the reference's, compared with its outputs).
+    assert prompts.levels[0] == round_prompts(builder, tag, parse_args(flags)).levels[0]
+
+
 def test_prompts_have_the_exact_length_and_distinct_beginnings(tokenizer):
     builder, tag = PromptBuilder(tokenizer), PromptTag(tokenizer)
     prompts = bench_prompts(builder, tag, 12, 64, seed=0, offset=100)
@@ -283,8 +298,8 @@ def test_a_level_whose_prompts_the_prefix_cache_served_is_said_to_repeat_them(tm
     from scripts.serving_report import print_summary
 
     fresh = loop_run(OVERLAP, _side(1.0, 0.1, 0.01), _overhead(9.9, 0.1, prefix_hits=16.0))
-    repeated = loop_run("baseline", _side(1.0, 0.1, 0.01), _overhead(9.9, 0.1, prefix_hits=10240.0))
-    assert fresh.prefix_hit_share == pytest.approx(16 / 16384, abs=1e-4) and repeated.prefix_hit_share == 0.625
+    repeated = loop_run("baseline", _side(1.0, 0.1, 0.01), _overhead(9.9, 0.1, prefix_hits=10000.0))
+    assert fresh.prefix_hit_share == pytest.approx(16 / 16384, abs=1e-4) and repeated.prefix_hit_share == 0.6104
     assert _overhead(9.9, 0.1, prefix_queries=0.0).prefix_hit_share is None  # nothing looked up
     older = overhead_between(dict.fromkeys(OVERHEAD_METRICS, 0.0), dict.fromkeys(OVERHEAD_METRICS, 1.0))
     assert older is not None and older.prefix_hit_share is None  # a tree without the prefix cache's metrics
@@ -293,7 +308,7 @@ def test_a_level_whose_prompts_the_prefix_cache_served_is_said_to_repeat_them(tm
     report = {"target": {"name": "t"}, "config": config, "levels": [level], "targets": [], "load_average": {"start": [0], "end": [0]}}
     print_summary(report, tmp_path)
     said = [line for line in capsys.readouterr().err.splitlines() if "prefix cache served" in line]
-    assert len(said) == 1 and "baseline: the prefix cache served 62% of the prompt tokens" in said[0]
+    assert len(said) == 1 and "baseline: the prefix cache served 61% of the prompt tokens" in said[0]
 
 
 def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, tmp_path):
@@ -319,7 +334,7 @@ def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, 
             events.append(("stop", self.url))
 
     async def fake_level(url, model, prompts, concurrency, output_len, timeout_s, **sampling):  # noqa: ANN001
-        events.append(("level", url, concurrency))
+        events.append(("level", url, concurrency, prompts[0][0]))
         return [StreamResult(token_ids=[1, 2], finish_reason="length", t_first=0.1, t_last=0.2, t_end=0.2)], 1.0
 
     async def no_metrics(url):  # noqa: ANN001
@@ -333,19 +348,22 @@ def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, 
     monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
     args = parse_args(["--rounds", "2", "--concurrency", "1", "32", "--output-len", "2"])
     specs = {"a": ("A", None), "b": ("B", None)}
-    runs, outputs = bench.bench_servers(lambda round_: bench.started_servers(specs, tmp_path, round_), {1: [(1,)], 32: [(2,)]}, args, (9,))
+    prompts = bench.RoundPrompts(({1: [(1,)], 32: [(2,)]}, {1: [(3,)], 32: [(4,)]}), (9,))
+    runs, outputs = bench.bench_servers(lambda round_: bench.started_servers(specs, tmp_path, round_), prompts, args)
     assert events == [
         ("start", "http://A", "server-a.log"), ("start", "http://B", "server-b.log"),
         ("warm", "http://A", (9,)), ("warm", "http://B", (9,)),  # a prompt of no level's
-        ("level", "http://A", 1), ("level", "http://B", 1), ("level", "http://B", 32), ("level", "http://A", 32),
+        ("level", "http://A", 1, 1), ("level", "http://B", 1, 1), ("level", "http://B", 32, 2), ("level", "http://A", 32, 2),
         ("stop", "http://B"), ("stop", "http://A"),
         ("start", "http://B", "server-b-round2.log"), ("start", "http://A", "server-a-round2.log"),
-        ("warm", "http://A", (9,)), ("warm", "http://B", (9,)),  # a prompt of no level's
-        ("level", "http://B", 1), ("level", "http://A", 1), ("level", "http://A", 32), ("level", "http://B", 32),
+        ("warm", "http://A", (9,)), ("warm", "http://B", (9,)),
+        # Each round its own prompts, all its servers the same.
+        ("level", "http://B", 1, 3), ("level", "http://A", 1, 3), ("level", "http://A", 32, 4), ("level", "http://B", 32, 4),
         ("stop", "http://A"), ("stop", "http://B"),
     ]  # fmt: skip
     assert [[run.loop for run in runs[c]] for c in (1, 32)] == [["a", "b"], ["a", "b"]]
     assert all(run.side.requests == 2 for c in (1, 32) for run in runs[c]), "each server's two rounds pooled"
     assert outputs == {1: [[1, 2]], 32: [[1, 2]]}
-    given = bench.bench_servers(lambda round_: contextlib.nullcontext({"u": ("http://U", None)}), {1: [(1,)]}, args, (9,))
+    one_level = bench.RoundPrompts(({1: [(1,)]}, {1: [(3,)]}), (9,))
+    given = bench.bench_servers(lambda round_: contextlib.nullcontext({"u": ("http://U", None)}), one_level, args)
     assert [run.loop for run in given[0][1]] == ["u"] and not [e for e in events if e[0] == "start" and e[1] == "http://U"]
