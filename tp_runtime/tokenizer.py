@@ -390,10 +390,9 @@ class Tokenizer:
         it (b"" when the text ends on a whole character or on bytes that are no character's):
         what decode() spells as U+FFFD only because a later token would have completed it.
         Special tokens, which decode() leaves out, are left out here too."""
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(self.text_bytes(token_ids), final=False)
-        held = decoder.getstate()[0]
-        return b"" if _surrogate_start(held) else held
+        reader = _Utf8Reader()
+        reader.read(self.text_bytes(token_ids))
+        return reader.held
 
     @functools.cached_property
     def text_bytes_by_id(self) -> _TextBytes:
@@ -455,11 +454,35 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _surrogate_start(held: bytes) -> bool:
-    """Whether the bytes CPython's UTF-8 decoder holds are a surrogate's first two (ED A0-BF): it
-    holds them for its surrogatepass handler, but in UTF-8 they begin no character, and decode()
-    spells them as two U+FFFD at once, whatever follows."""
-    return len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0
+class _Utf8Reader:
+    """UTF-8 read as it comes, as a byte-level tokenizer's decode() reads it joined: each invalid
+    sequence replaced by U+FFFD where it stands, whatever follows, and only the bytes of an
+    unfinished character held. CPython's incremental decoder also holds a surrogate's first two
+    bytes (ED A0-BF), for its surrogatepass handler; in UTF-8 they begin no character and decode()
+    spells them as two U+FFFD at once, so they are read out here."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decode = self._decoder.decode
+
+    def read(self, data: bytes) -> str:
+        text = self._decode(data)
+        # The decoder holds a surrogate's first two bytes only when the second (A0-BF) has just
+        # come; held bytes are the last ones fed. On English text the check costs ~70 ns a token.
+        if data and 0xA0 <= data[-1] <= 0xBF:
+            held = self._decoder.getstate()[0]
+            if len(held) == 2 and held[0] == 0xED:
+                text += self._decode(b"", True)
+        return text
+
+    @property
+    def held(self) -> bytes:
+        """The bytes of an unfinished character read so far (b"" between characters)."""
+        return self._decoder.getstate()[0]
+
+    def reset(self) -> None:
+        """Drops an unfinished character's bytes."""
+        self._decoder.reset()
 
 
 class IncrementalDetokenizer:
@@ -468,10 +491,9 @@ class IncrementalDetokenizer:
     A byte-level token may end inside a multi-byte UTF-8 character; the character's bytes are held
     back until a later token completes it. A byte-level tokenizer's text is the UTF-8 reading of
     its tokens' bytes joined (Tokenizer.byte_level), each invalid sequence replaced where it stands
-    whatever follows, so an incremental UTF-8 decoder fed each step's bytes gives exactly that text
-    (once a surrogate's first two bytes, which CPython's holds, are read out), and sends invalid
-    bytes' U+FFFD at once: a lookup a token and one decode a step. The windowed
-    reading (_WindowedDetokenizer) serves a prompt whose last tokens end inside a character, and
+    whatever follows, so an incremental UTF-8 reader fed each step's bytes (_Utf8Reader) gives
+    exactly that text, and sends invalid bytes' U+FFFD at once: a lookup a token and one decode a
+    step. The windowed reading (_WindowedDetokenizer) serves a prompt whose last tokens end inside a character, and
     tokenizers that are not byte-level (sentencepiece's byte fallback replaces every byte of an
     invalid run, so its text depends on how the bytes are grouped).
     """
@@ -485,10 +507,10 @@ class IncrementalDetokenizer:
         if not tokenizer.byte_level or tokenizer.open_character(context):
             self._windowed = _WindowedDetokenizer(tokenizer, prompt_token_ids)
             return
-        # A decoder fed a context that ends on a whole character (or on invalid bytes, replaced as
+        # A reader fed a context that ends on a whole character (or on invalid bytes, replaced as
         # read) holds nothing after it, just as a fresh one: the context's bytes need no reading.
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._decode = self._decoder.decode
+        self._reader = _Utf8Reader()
+        self._read = self._reader.read
         self._token_bytes = tokenizer.text_bytes_by_id.__getitem__
 
     def add(self, token_id: int) -> str:
@@ -504,21 +526,13 @@ class IncrementalDetokenizer:
             return self._windowed.extend(token_ids)
         return self._read(b"".join(map(self._token_bytes, token_ids)))
 
-    def _read(self, data: bytes) -> str:
-        text = self._decode(data)
-        # Read out a surrogate's first two bytes, which the decoder holds only when the second has
-        # just come (the check costs ~70 ns a token, warm, on English text).
-        if data and 0xA0 <= data[-1] <= 0xBF and _surrogate_start(self._decoder.getstate()[0]):
-            text += self._decode(b"", True)
-        return text
-
     def flush(self) -> str:
         """What is still held back at the end, without a trailing incomplete character (generation
         stopped inside it; its bytes can never form text)."""
         if self._windowed is not None:
             return self._windowed.flush()
-        # The decoder holds only the bytes of an unfinished character: all else came out as read.
-        self._decoder.reset()
+        # The reader holds only the bytes of an unfinished character: all else came out as read.
+        self._reader.reset()
         return ""
 
 
