@@ -325,7 +325,7 @@ class CollectiveShard:
 
 
 # Where each rank's model writes when each forward started and ended (perf_counter: CLOCK_MONOTONIC,
-# one clock for every process of the machine), and at its end the CPU time so far of the rank's
+# one clock for every process of the machine), and at its start the CPU time so far of the rank's
 # model thread and of its link thread (STAMP_COLUMNS), and for how many forwards.
 TIMES_DIR_ENV = "BENCH_STEP_FORWARD_TIMES"
 TIMES_CAPACITY_ENV = "BENCH_STEP_FORWARD_CAPACITY"
@@ -475,11 +475,21 @@ class StampedModel:
 
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         started = time.perf_counter()
+        stamped = self.forwards < len(self.times)
+        # The CPU clocks are read, and the row stored, inside the forward's span: after a sleeping
+        # forward on the Xeon VM the two clocks and a row's store took ~50 us, which the gap that
+        # follows would count as the runtime's (docs/control_plane.md, twenty-third sitting).
+        if stamped:
+            self.times[self.forwards] = (started, np.nan, time.thread_time(), self._link_cpu())
         logits = self.inner.forward(inputs, cache)
-        # A simulated device's forward is stamped where it runs, on the device's clock.
-        start, end = getattr(self.inner, "span", None) or (started, time.perf_counter())
-        if self.forwards < len(self.times):
-            self.times[self.forwards] = (start, end, time.thread_time(), self._link_cpu())
+        ended = time.perf_counter()
+        if stamped:
+            # A simulated device's forward is stamped where it runs, on the device's clock.
+            span = getattr(self.inner, "span", None)
+            if span is None:
+                self.times[self.forwards, 1] = ended
+            else:
+                self.times[self.forwards, :2] = span
         self.forwards += 1
         return logits
 

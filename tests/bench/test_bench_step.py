@@ -3,6 +3,7 @@ and reports what it says it does, for both fake forwards and more rows than one 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -13,7 +14,9 @@ from scripts.bench_step import (
     PAGE_SIZE,
     REAL_FORWARD,
     LoopSpec,
+    STAMP_COLUMNS,
     SimulatedDevice,
+    StampedModel,
     _LoopDriver,
     bench_geometry,
     decode_prepare,
@@ -22,6 +25,7 @@ from scripts.bench_step import (
     message_costs,
     steady_frame_costs,
 )
+from executor.link import link_thread_name
 from protocol.validate import validate_prepare
 
 
@@ -145,3 +149,38 @@ def test_the_simulated_device_runs_one_forward_at_a_time_and_a_sample_lands_when
     host = readback.take()
     assert readback.landed() and time.perf_counter() >= second[1]
     assert host.tokens.tolist() == [7, 9] and np.array_equal(host.finite, [1, 1])
+
+
+def test_a_forward_s_stamps_cost_its_own_span_not_the_gap_after_it() -> None:
+    # The gap is measured from a forward's end stamp: the CPU clocks and the row's store come
+    # before the forward, and after its end only the end itself is written.
+    class Inner:
+        fingerprint, config, shard, span = "inner", None, None, None
+
+        def __init__(self) -> None:
+            self.seen: list[np.ndarray] = []
+            self.ran: list[tuple[float, float]] = []
+
+        def forward(self, inputs: object, cache: object) -> None:
+            if len(self.ran) < len(stamps):
+                self.seen.append(stamps[len(self.ran)].copy())
+            began = time.perf_counter()
+            time.sleep(0.001)
+            self.ran.append((began, time.perf_counter()))
+
+    stamps = np.full((2, len(STAMP_COLUMNS)), np.nan)
+    inner, release = Inner(), threading.Event()
+    link = threading.Thread(target=release.wait, name=link_thread_name(0))
+    link.start()
+    try:
+        model = StampedModel(inner, stamps, rank=0)
+        for _ in range(3):  # one more than the stamps hold: it is run, not stamped
+            model.forward(None, None)
+    finally:
+        release.set()
+        link.join()
+    start, end = STAMP_COLUMNS.index("start"), STAMP_COLUMNS.index("end")
+    for row, seen, (began, ended) in zip(stamps, inner.seen, inner.ran):
+        assert np.isnan(seen).tolist() == [column == "end" for column in STAMP_COLUMNS]  # all but the end, before it
+        assert row[start] <= began and row[end] >= ended
+    assert model.forwards == 3 and len(inner.ran) == 3
