@@ -11,6 +11,13 @@ as between two forwards) and reports the median and p90 one-way time, from the s
 before the send to the reader's after its receive (perf_counter: one clock for every process):
 unpinned (the kernel places both), both processes on one core, each on a core of its own.
 
+And what a halt costs the thread that comes back from it (`after_idle`): a small piece of work (a
+sixteen-row sum, as a sampler's first touch of its logits) timed right after the thread slept
+--gap-ms, against right after it spun for as long, in alternating blocks. Where an idle core halts and the
+host runs something else on it meanwhile, the work after the sleep finds the caches and TLB cold:
+every piece of a step's gap that follows a sleeping forward pays that (docs/control_plane.md,
+twenty-third sitting). With the machine's idle driver and its halt-polling window, as /sys says.
+
     python scripts/bench_wakeup.py            # prints one JSON object
 """
 
@@ -141,6 +148,52 @@ def _zmq_case(directory: str, cores: tuple[int | None, int | None], count: int, 
     return _one_way(_zmq_reader, serve, address, cores, count)
 
 
+# The work timed after an idle: a sampler's first touch of sixteen rows of logits, about.
+_AFTER_IDLE_ROWS = np.ones((16, 256), dtype=np.float32)
+
+
+def after_idle(count: int, gap_s: float, blocks: int = 4) -> dict[str, dict[str, float]]:
+    """Microseconds (median, p90) of a sum over _AFTER_IDLE_ROWS right after a sleep of gap_s and
+    right after a spin of gap_s: `count` of each, in alternating blocks, each block's first left out.
+    Blocks, not single turns: a spin does not touch what the sum touches, so a spin after a sleep
+    finds the sum's code and data as cold as the sleep left them."""
+    times: dict[str, list[float]] = {"after_sleep_us": [], "after_spin_us": []}
+    per_block = max(2, count // blocks)
+    for block in range(2 * blocks):
+        slept = block % 2 == 0
+        for turn in range(per_block + 1):
+            if slept:
+                time.sleep(gap_s)
+            else:
+                until = time.perf_counter() + gap_s
+                while time.perf_counter() < until:
+                    pass
+            began = time.perf_counter()
+            _AFTER_IDLE_ROWS.sum()
+            if turn:
+                times["after_sleep_us" if slept else "after_spin_us"].append((time.perf_counter() - began) * 1e6)
+    return {name: {"median": round(float(np.median(v)), 1), "p90": round(float(np.percentile(v, 90)), 1)} for name, v in times.items()}
+
+
+def idle_driver() -> dict[str, str | None]:
+    """The kernel's idle driver and governor, and the guest halt-polling window where it has one
+    (None where this machine does not say)."""
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    cpuidle = "/sys/devices/system/cpu/cpuidle"
+    return {
+        "driver": read(f"{cpuidle}/current_driver"),
+        "governor": read(f"{cpuidle}/current_governor_ro") or read(f"{cpuidle}/current_governor"),
+        "guest_halt_poll_ns": read("/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=300)
@@ -158,6 +211,8 @@ def main() -> None:
                 report[f"{transport}/{name}_us"] = {
                     "median": round(float(np.median(times)), 1), "p90": round(float(np.percentile(times, 90)), 1)
                 }
+    report["after_idle"] = after_idle(args.messages, args.gap_ms / 1e3)
+    report["idle"] = idle_driver()
     print(json.dumps(report))
 
 
