@@ -4,6 +4,7 @@
                                  [--rows 16,256] [--forward sleep,gil,device,model] [--steady continue,prepare]
                                  [--readback at-once,pipelined]
     python scripts/bench_step.py --frames --rows 16,256    # a steady step's frame both ways, in-process
+    python scripts/bench_step.py --loop-only ... --baseline DIR --rounds 5   # this tree against another, alternately
 
 1. Memory bandwidth of this machine: a large tensor copy (bytes read + written per second) and a
    byte fill (bytes written per second), measured here, side by side with
@@ -34,6 +35,9 @@
    The executors are started and stopped by scripts/harness/executors.py.
 Also the in-process pieces of one step (validate_prepare, StepInputs.from_prepare, sample), and
 (--frames) a steady step's encode, decode and validation as a PREPARE and as a CONTINUE.
+--baseline DIR runs the loop of this tree and of another checkout's, in turn (--rounds times, the
+order swapped each round), and reports each run and the median of the rounds' differences: on a
+shared machine the rounds drift by as much as a change moves the gap, and a pair shares its drift.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -768,6 +773,69 @@ def measure_loop(spec: LoopSpec) -> dict[str, object]:
     }
 
 
+# The figures of a loop run that --baseline compares, by their path in measure_loop's report.
+COMPARED = (("forward_gap_us", "median"), ("forward_gap_us", "p90"), ("prepare_to_all_ready_us", "median"))
+THIS_TREE, BASELINE = "this", "baseline"
+# Options of this run that a baseline's run does not take: it runs the loop alone, as JSON, once.
+_NOT_PASSED_ON = {"--baseline": 1, "--rounds": 1, "--json": 0, "--loop-only": 0}
+
+
+def loop_argv(argv: list[str]) -> list[str]:
+    """This run's options less those _NOT_PASSED_ON (with their values): the loop each tree runs."""
+    kept, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name, has_value, _ = arg.partition("=")
+        if name in _NOT_PASSED_ON:
+            skip = 0 if has_value else _NOT_PASSED_ON[name]
+            continue
+        kept.append(arg)
+    return kept
+
+
+def loop_in(tree: Path, argv: list[str]) -> dict[str, dict]:
+    """The loop report of `tree`'s bench_step (it puts its own tree first on sys.path)."""
+    command = [sys.executable, str(tree / "scripts" / "bench_step.py"), "--loop-only", "--json", *argv]
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"bench_step in {tree} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout)["loop"]
+
+
+def compare_trees(argv: list[str], baseline: Path, rounds: int) -> dict[str, object]:
+    """Both trees' loops, `rounds` times each, alternately (this tree first in the odd rounds)."""
+    runs: dict[str, list[dict[str, dict]]] = {THIS_TREE: [], BASELINE: []}
+    for round_ in range(rounds):
+        for tree in (THIS_TREE, BASELINE) if round_ % 2 == 0 else (BASELINE, THIS_TREE):
+            runs[tree].append(loop_in(REPO if tree == THIS_TREE else baseline, argv))
+    return {"rounds": rounds, "baseline": str(baseline), "runs": runs, "paired": paired(runs)}
+
+
+def paired(runs: dict[str, list[dict[str, dict]]]) -> dict[str, dict[str, dict[str, object]]]:
+    """Per run of the loop and COMPARED figure: each tree's values round by round, their medians,
+    and the median of the rounds' differences (this tree's less the baseline's). A figure that a
+    round lacks (PREPARE to every READY at one rank) is left out."""
+    report: dict[str, dict[str, dict[str, object]]] = {}
+    for case in runs[THIS_TREE][0]:
+        for phase, quantile in COMPARED:
+            pairs = [
+                (mine[case][phase][quantile], theirs[case][phase][quantile])
+                for mine, theirs in zip(runs[THIS_TREE], runs[BASELINE])
+                if case in theirs and mine[case].get(phase) and theirs[case].get(phase)
+            ]
+            if pairs:
+                report.setdefault(case, {})[f"{phase}.{quantile}"] = {
+                    THIS_TREE: [round(a, 1) for a, _ in pairs],
+                    BASELINE: [round(b, 1) for _, b in pairs],
+                    f"{THIS_TREE}_median": round(statistics.median(a for a, _ in pairs), 1),
+                    f"{BASELINE}_median": round(statistics.median(b for _, b in pairs), 1),
+                    "difference_median": round(statistics.median(a - b for a, b in pairs), 1),
+                }
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -804,7 +872,31 @@ def main() -> None:
         "--steady", default="continue",
         help=f"how steady decode steps travel: {' or '.join(STEADY_KINDS)} (comma-separated: several runs)",
     )
+    parser.add_argument(
+        "--baseline", type=Path, default=None, metavar="DIR",
+        help="another checkout: its loop and this tree's in turn, with the rounds' differences (with --loop-only)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree (default 3)")
     args = parser.parse_args()
+    if args.baseline is not None:
+        if not args.loop_only:
+            parser.error("--baseline compares the step loop: give --loop-only")
+        if not (args.baseline / "scripts" / "bench_step.py").is_file():
+            parser.error(f"--baseline {args.baseline}: no scripts/bench_step.py there")
+        if args.rounds < 1:
+            parser.error("--rounds takes 1 or more")
+        compared = compare_trees(loop_argv(sys.argv[1:]), args.baseline.resolve(), args.rounds)
+        if args.json:
+            print(json.dumps(compared, indent=2))
+            return
+        for case, figures in compared["paired"].items():
+            for figure, values in figures.items():
+                print(
+                    f"{case} {figure}: this {values[f'{THIS_TREE}_median']:.0f} us, baseline "
+                    f"{values[f'{BASELINE}_median']:.0f} us (medians of {len(values[THIS_TREE])}); "
+                    f"the rounds' differences' median {values['difference_median']:+.0f} us"
+                )
+        return
     retain_freed_memory()  # as the executor does: the sampler's timings depend on it
     torch.set_num_threads(1)
     report: dict[str, object] = {}

@@ -13,16 +13,20 @@ from scripts.bench_step import (
     DECODE_SEQS,
     PAGE_SIZE,
     REAL_FORWARD,
+    REPO,
     LoopSpec,
     STAMP_COLUMNS,
     SimulatedDevice,
     StampedModel,
     _LoopDriver,
     bench_geometry,
+    compare_trees,
     decode_prepare,
     frame_gaps,
+    loop_argv,
     measure_loop,
     message_costs,
+    paired,
     steady_frame_costs,
 )
 from executor.link import link_thread_name
@@ -184,3 +188,35 @@ def test_a_forward_s_stamps_cost_its_own_span_not_the_gap_after_it() -> None:
         assert np.isnan(seen).tolist() == [column == "end" for column in STAMP_COLUMNS]  # all but the end, before it
         assert row[start] <= began and row[end] >= ended
     assert model.forwards == 3 and len(inner.ran) == 3
+
+
+def test_a_baseline_s_loop_takes_this_run_s_options_less_the_comparison_s_own() -> None:
+    argv = ["--loop-only", "--ranks", "1,2", "--baseline", "/tmp/x", "--rounds=4", "--json", "--rows=16", "--forward-ms", "5"]
+    assert loop_argv(argv) == ["--ranks", "1,2", "--rows=16", "--forward-ms", "5"]
+    assert loop_argv(["--baseline=/tmp/x", "--rounds", "2", "--steps", "9"]) == ["--steps", "9"]
+
+
+def test_the_rounds_are_compared_in_pairs() -> None:
+    def run(gap: float, p90: float, ready: float | None) -> dict[str, dict]:
+        ready_us = None if ready is None else {"median": ready, "p90": ready}
+        return {"overlap/2/rows=16/sleep": {"forward_gap_us": {"median": gap, "p90": p90}, "prepare_to_all_ready_us": ready_us}}
+
+    runs = {
+        "this": [run(200, 400, 1000), run(180, 300, None), run(260, 500, 1100)],
+        "baseline": [run(230, 380, 1200), run(170, 320, 900), run(300, 520, 1300)],
+    }
+    figures = paired(runs)["overlap/2/rows=16/sleep"]
+    gap = figures["forward_gap_us.median"]
+    assert gap["this"] == [200, 180, 260] and gap["baseline"] == [230, 170, 300]
+    assert gap["this_median"] == 200 and gap["baseline_median"] == 230
+    assert gap["difference_median"] == -30  # of -30, +10, -40
+    assert figures["forward_gap_us.p90"]["difference_median"] == -20  # of +20, -20, -20
+    ready = figures["prepare_to_all_ready_us.median"]  # the round without it is left out
+    assert ready["this"] == [1000, 1100] and ready["difference_median"] == -200
+
+
+def test_a_tree_is_compared_with_a_baseline_round_by_round() -> None:
+    compared = compare_trees(["--ranks", "1", "--rows", "4", "--steps", "6", "--forward-ms", "1", "--modes", "overlap"], REPO, 2)
+    assert compared["rounds"] == 2 and [len(runs) for runs in compared["runs"].values()] == [2, 2]
+    gap = compared["paired"]["overlap/1/rows=4/sleep"]["forward_gap_us.median"]
+    assert len(gap["this"]) == len(gap["baseline"]) == 2 and all(value >= 0 for value in gap["this"] + gap["baseline"])
