@@ -59,7 +59,7 @@
 
 /* The interface executor/sampler.py expects (_SAMPLING_INTERFACE): raised with every change of a
  * call's arguments or meaning, so that a build of an older source is not used. */
-#define INTERFACE 6
+#define INTERFACE 7
 
 typedef struct {
     float prob;
@@ -205,6 +205,24 @@ static Py_ssize_t rows_of(PyObject *obj, Py_buffer *view, Py_ssize_t vocab, cons
         PyBuffer_Release(view);
         return -1;
     }
+    return rows;
+}
+
+/* sample_rows' logits: a float32 buffer of whole rows (rows_of), or (address, rows) of a contiguous
+ * float32[rows, vocab] tensor that the caller holds through the call. A torch tensor has no buffer
+ * interface, and the numpy view of it, made each step, cost 50-90 us between two forwards right
+ * after the CPU came back from a halt, where its address costs a few (docs/control_plane.md,
+ * change 110). `view` is then a bare one, which PyBuffer_Release leaves alone. */
+static Py_ssize_t logits_rows(PyObject *obj, Py_buffer *view, Py_ssize_t vocab, const char *name) {
+    if (!PyTuple_Check(obj)) return rows_of(obj, view, vocab, name);
+    Py_ssize_t address, rows;
+    if (!PyArg_ParseTuple(obj, "nn", &address, &rows)) return -1;
+    if (address == 0 || rows < 0 || rows > PY_SSIZE_T_MAX / vocab / (Py_ssize_t)sizeof(float))
+        return PyErr_Format(PyExc_ValueError, "%s: (address, rows) needs an address and 0 to %zd rows", name,
+                            PY_SSIZE_T_MAX / vocab / (Py_ssize_t)sizeof(float)), -1;
+    memset(view, 0, sizeof(*view));
+    view->buf = (void *)address;
+    view->len = rows * vocab * (Py_ssize_t)sizeof(float);
     return rows;
 }
 
@@ -1033,7 +1051,7 @@ static PyObject *pool_stats(PyObject *self, PyObject *args) {
  *             tokens, logprobs, finite, wants, alternatives, top_ids, top_logprobs, threads)
  *             -> rows left undecided
  *
- * logits: float32[rows, vocab]. Per row: scale (its temperature, 1 for greedy), kind (0 greedy,
+ * logits: float32[rows, vocab], or its (address, rows) (logits_rows). Per row: scale (its temperature, 1 for greedy), kind (0 greedy,
  * 1 plain: drawn over the whole row, 2 cut: top-k and / or top-p, 3 elsewhere: left to the caller),
  * k (0: off), top_p, uniform (a random row's). Out: the token, its logprob (x/t - top - log of the
  * sum) and whether the row was finite (a NaN or an infinity in it, or a temperature that overflows
@@ -1060,7 +1078,7 @@ static PyObject *sample_rows(PyObject *self, PyObject *args) {
     if (threads < 1) return PyErr_Format(PyExc_ValueError, "threads must be at least 1");
     Py_buffer logits, scale, kinds, k, top_p, u, tokens, logprobs, finite, wants, top_ids, top_logprobs;
     PyObject *result = NULL;
-    Py_ssize_t rows = rows_of(logits_obj, &logits, vocab, "logits");
+    Py_ssize_t rows = logits_rows(logits_obj, &logits, vocab, "logits");
     if (rows < 0) return NULL;
     if (buffer_of(scale_obj, &scale, 0, 'f', sizeof(float), rows, "scale") < 0) goto done_logits;
     if (buffer_of(kinds_obj, &kinds, 0, 'u', sizeof(uint8_t), rows, "kinds") < 0) goto done_scale;

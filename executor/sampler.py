@@ -68,7 +68,7 @@ from protocol.errors import TPRuntimeError
 
 # The compiled calls of executor/_sampling.c, and the interface this file expects of them: a build
 # made from an older source (a checkout pulled without `pip install -e .` again) is not used.
-_SAMPLING_INTERFACE = 6
+_SAMPLING_INTERFACE = 7
 
 
 def _usable(built: ModuleType | None) -> ModuleType | None:
@@ -432,14 +432,15 @@ def sample(logits: torch.Tensor, params: SamplingBatch, into: HostOutputs | None
     # A batch without alternatives has top_ids of shape (0,) (_NO_ALTERNATIVES'): its last dimension 0 too.
     if into is not None and (into.tokens.shape[0] != rows or into.top_ids.shape[-1] != params.host.most_logprobs):
         raise SamplingError(f"outputs made for {into.tokens.shape[0]} rows of {into.top_ids.shape[-1]} alternatives, not this batch's")
-    # Nothing here is differentiated: a tensor that requires grad is read as its data (and the
-    # compiled pass reads logits.numpy() without detach(), ~14 us cold). The dtype is read first:
-    # a call of float() on float32 logits costs ~6 us more cold, for nothing.
+    # Nothing here is differentiated: a tensor that requires grad is read as its data (the passes
+    # read logits.numpy(), which refuses one). The dtype is read first: a call of float() on
+    # float32 logits costs ~6 us more cold, for nothing. is_cpu, not device.type: the torch.device
+    # made for the latter cost ~25 us more right after an idle (docs/control_plane.md, change 110).
     if logits.requires_grad:
         logits = logits.detach()
     if logits.dtype is not torch.float32:
         logits = logits.float()
-    if logits.device.type == "cpu":
+    if logits.is_cpu:
         return _sample_on_host(logits, params, into)
     if into is not None:
         raise SamplingError("outputs made on the host for a sample on a device")
@@ -555,8 +556,12 @@ def _sample_compiled(
     if into is None:
         into = HostOutputs.frame(1, rows, width)[0]
     tokens, logprobs, finite, top_ids, top_logprobs = into.tokens, into.logprobs, into.finite, into.top_ids, into.top_logprobs
+    # By address (the C file says why), so what a buffer's checks would refuse is refused here: the
+    # C code reads rows x vocab float32 from it, and this frame holds the tensor through the call.
+    if not (logits.is_cpu and logits.dtype is torch.float32 and logits.is_contiguous()):
+        raise TypeError(f"the compiled pass reads contiguous float32 logits in the host's memory, not {logits.dtype} on {logits.device}")
     left = _sampling.sample_rows(
-        logits.numpy(), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
+        (logits.data_ptr(), rows), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
         _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,
         host.num_logprobs, width, top_ids, top_logprobs, threads,
     )  # fmt: skip

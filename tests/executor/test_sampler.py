@@ -1030,6 +1030,50 @@ def test_the_compiled_pass_takes_alternatives_buffers_of_its_exact_width():
             )  # fmt: skip
 
 
+def test_the_compiled_pass_reads_a_tensor_by_its_address_as_it_reads_its_buffer():
+    # sample() hands the compiled pass the logits' (address, rows), not a numpy view of them (change
+    # 110): the same rows drawn either way, and an address that cannot be one refused.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    rows, vocab = 7, 300
+    logits, host = _mixed_rows(rows, vocab)
+    uniforms = np.random.default_rng(0).random(rows, dtype=np.float32)
+
+    def draw(source: object) -> list[np.ndarray]:
+        out = [np.full(rows, -2, np.int64), np.zeros(rows, np.float32), np.zeros(rows, np.uint8)]
+        top = [np.zeros((rows, host.most_logprobs), np.int64), np.zeros((rows, host.most_logprobs), np.float32)]
+        sampler._sampling.sample_rows(
+            source, vocab, host.scale, host.draws, host.top_k, host.top_p, uniforms, sampler._FIRST_LOG_RATIO,
+            sampler._LOG_MARGIN_32, sampler.CANDIDATE_RATIOS[0], vocab, *out, host.num_logprobs, host.most_logprobs, *top, 1,
+        )  # fmt: skip
+        return out + top
+
+    by_buffer, by_address = draw(logits.numpy()), draw((logits.data_ptr(), rows))
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(by_buffer, by_address))
+    assert (by_address[0] >= 0).all()
+    for bad in ((0, rows), (logits.data_ptr(), -1), (logits.data_ptr(), 2**62)):
+        with pytest.raises(ValueError, match="address"):
+            draw(bad)
+    with pytest.raises(TypeError):
+        draw((logits.data_ptr(),))
+
+
+@pytest.mark.parametrize("kind", ["float16", "strided", "meta"])
+def test_the_compiled_pass_refuses_logits_its_address_would_misread(kind: str):
+    # Read by address, the logits are checked in Python where a buffer's checks would have refused
+    # them: half-width floats would be read past their end, a strided view in the wrong places.
+    import executor.sampler as sampler
+
+    if sampler._sampling is None:
+        pytest.skip("executor._sampling is not built here")
+    logits, host = _mixed_rows(7, 64)
+    logits = {"float16": logits.half(), "strided": logits.t().contiguous().t(), "meta": logits.to("meta")}[kind]
+    with pytest.raises(TypeError, match="contiguous float32 logits in the host's memory"):
+        sampler._sample_compiled(logits, host, np.zeros(host.random.shape[0], np.float32), host.draws)
+
+
 def _helpers_draw(logits: torch.Tensor, host: HostRows, expected: np.ndarray, within_s: float = 60.0) -> bool:
     """Whether the helper threads draw rows in two-thread calls made for up to `within_s`, each
     drawing what one thread draws (a helper woken too late for every row of a call draws none of
