@@ -70,12 +70,13 @@ class _Feeding:
     rows: torch.Tensor | np.ndarray
     tokens: torch.Tensor | np.ndarray
     wait: Callable[[], None] | None
+    into: np.ndarray | None = None  # the CPU's: the host array under the inputs' token_ids, if staged
 
     def land(self, inputs: StepInputs) -> None:
         if self.wait is not None:
             self.wait()
         if isinstance(self.rows, np.ndarray):
-            inputs.token_ids.numpy()[self.rows] = self.tokens
+            (inputs.token_ids.numpy() if self.into is None else self.into)[self.rows] = self.tokens
         else:
             inputs.token_ids[self.rows] = self.tokens
 
@@ -86,6 +87,9 @@ class _Samples:
 
     tokens: torch.Tensor  # int64[m] on the model's device, as soon as they are drawn
     host: np.ndarray  # the same, on the host (the RESULT's copy), once the readback is taken
+    # `tokens`' own memory as an array, where the compiled pass wrote them (HostOutputs); else None.
+    # The feed reads it: a tensor's numpy view cost 50-90 us right after an idle (change 110).
+    array: np.ndarray | None = None
 
 
 @dataclass
@@ -291,12 +295,13 @@ class StepRunner:
             # costs ~1 us where torch's costs several right after a forward (bench_step at one
             # rank: _feed and land ~30 us through torch, ~10 through numpy).
             if self.rank == 0:
-                tokens = self._samples.tokens.numpy()[staged.feedback_sources]
+                samples = self._samples
+                tokens = (samples.tokens.numpy() if samples.array is None else samples.array)[staged.feedback_sources]
             else:
                 tokens = np.empty(rows.shape[0], dtype=np.int64)
             # The carriers take and fill a tensor: it shares the array's memory.
             wait = self._feedback.start(staged.step, 0, torch.from_numpy(tokens)) if self._feedback is not None else None
-            return _Feeding(rows, tokens, wait)
+            return _Feeding(rows, tokens, wait, staged.token_ids_host)
         if self.rank == 0:
             tokens = self._samples.tokens[on_device[1]]
         else:
@@ -346,6 +351,7 @@ class StepRunner:
         made = staged.outputs[forward] if staged.outputs else None
         out = sample(logits, params, made)
         self._samples.tokens = out.token_ids
+        self._samples.array = made.tokens if made is not None and made.out is out else None
         return _Readback.start(inputs, out, made)
 
 
