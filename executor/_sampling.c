@@ -217,9 +217,10 @@ static Py_ssize_t logits_rows(PyObject *obj, Py_buffer *view, Py_ssize_t vocab, 
     if (!PyTuple_Check(obj)) return rows_of(obj, view, vocab, name);
     Py_ssize_t address, rows;
     if (!PyArg_ParseTuple(obj, "nn", &address, &rows)) return -1;
-    if (address == 0 || rows < 0 || rows > PY_SSIZE_T_MAX / vocab / (Py_ssize_t)sizeof(float))
-        return PyErr_Format(PyExc_ValueError, "%s: (address, rows) needs an address and 0 to %zd rows", name,
-                            PY_SSIZE_T_MAX / vocab / (Py_ssize_t)sizeof(float)), -1;
+    Py_ssize_t most = PY_SSIZE_T_MAX / vocab / (Py_ssize_t)sizeof(float);
+    if (rows < 0 || rows > most) return PyErr_Format(PyExc_ValueError, "%s: %zd rows, not 0 to %zd", name, rows, most), -1;
+    /* An empty tensor's address is 0 (a step that samples no row): nothing is read from it. */
+    if (address == 0 && rows > 0) return PyErr_Format(PyExc_ValueError, "%s: address 0 for %zd rows", name, rows), -1;
     memset(view, 0, sizeof(*view));
     view->buf = (void *)address;
     view->len = rows * vocab * (Py_ssize_t)sizeof(float);

@@ -395,6 +395,11 @@ class HostOutputs:
     top_logprobs: np.ndarray  # float32[m, width] (NaN until drawn)
     out: SampleOutput
 
+    def wrote(self, out: SampleOutput) -> bool:
+        """Whether `out` is this one's: the compiled pass wrote the sample into these arrays (sample()
+        returns another output where the logits could not take the pass)."""
+        return self.out is out
+
     @classmethod
     def frame(cls, forwards: int, rows: int, width: int) -> tuple[HostOutputs, ...]:
         """One per forward, each over its row of one array of each kind."""
@@ -558,8 +563,11 @@ def _sample_compiled(
     tokens, logprobs, finite, top_ids, top_logprobs = into.tokens, into.logprobs, into.finite, into.top_ids, into.top_logprobs
     # By address (the C file says why), so what a buffer's checks would refuse is refused here: the
     # C code reads rows x vocab float32 from it, and this frame holds the tensor through the call.
-    if not (logits.is_cpu and logits.dtype is torch.float32 and logits.is_contiguous()):
-        raise TypeError(f"the compiled pass reads contiguous float32 logits in the host's memory, not {logits.dtype} on {logits.device}")
+    if not (logits.is_cpu and logits.dtype is torch.float32 and logits.layout is torch.strided and logits.is_contiguous() and not logits.is_neg()):
+        raise TypeError(
+            "the compiled pass reads contiguous float32 logits in the host's memory, as they are (no negative view): "
+            f"not {logits.dtype} on {logits.device}, {logits.layout}, contiguous {logits.is_contiguous()}, negative {logits.is_neg()}"
+        )
     left = _sampling.sample_rows(
         (logits.data_ptr(), rows), vocab, host.scale, draws, host.top_k, host.top_p, host.by_row(uniforms),
         _FIRST_LOG_RATIO, _LOG_MARGIN_32, CANDIDATE_RATIOS[0], min(vocab, _PASS_ROOM), tokens, logprobs, finite,

@@ -64,19 +64,19 @@ class StepModel(Protocol):
 @dataclass(frozen=True)
 class _Feeding:
     """A step's feedback tokens on their way: `wait` for them to arrive (None on a single rank),
-    `rows` the token indices of the step's inputs they go to (on the CPU both are host arrays:
-    _feed says why)."""
+    `rows` the token indices of the step's inputs they go to (on the CPU both are host arrays, and
+    `into` the host array under the inputs' token_ids: _feed says why)."""
 
     rows: torch.Tensor | np.ndarray
     tokens: torch.Tensor | np.ndarray
     wait: Callable[[], None] | None
-    into: np.ndarray | None = None  # the CPU's: the host array under the inputs' token_ids, if staged
+    into: np.ndarray | None = None
 
     def land(self, inputs: StepInputs) -> None:
         if self.wait is not None:
             self.wait()
-        if isinstance(self.rows, np.ndarray):
-            (inputs.token_ids.numpy() if self.into is None else self.into)[self.rows] = self.tokens
+        if self.into is not None:
+            self.into[self.rows] = self.tokens
         else:
             inputs.token_ids[self.rows] = self.tokens
 
@@ -301,7 +301,8 @@ class StepRunner:
                 tokens = np.empty(rows.shape[0], dtype=np.int64)
             # The carriers take and fill a tensor: it shares the array's memory.
             wait = self._feedback.start(staged.step, 0, torch.from_numpy(tokens)) if self._feedback is not None else None
-            return _Feeding(rows, tokens, wait, staged.token_ids_host)
+            into = staged.inputs.token_ids.numpy() if staged.token_ids_host is None else staged.token_ids_host
+            return _Feeding(rows, tokens, wait, into)
         if self.rank == 0:
             tokens = self._samples.tokens[on_device[1]]
         else:
@@ -351,7 +352,7 @@ class StepRunner:
         made = staged.outputs[forward] if staged.outputs else None
         out = sample(logits, params, made)
         self._samples.tokens = out.token_ids
-        self._samples.array = made.tokens if made is not None and made.out is out else None
+        self._samples.array = made.tokens if made is not None and made.wrote(out) else None
         return _Readback.start(inputs, out, made)
 
 
@@ -371,7 +372,7 @@ def sampled_to_host(out: SampleOutput, made: HostOutputs | None = None) -> HostS
     GPU's comes through pack_sampled's one copy (_Readback). Where the compiled pass wrote `out`
     into `made`, from its arrays: the tensors' way back to numpy took ~20 us more, cold."""
     alternatives = out.top_ids is not None
-    if made is not None and made.out is out:
+    if made is not None and made.wrote(out):
         tokens, finite, logprobs, top_ids, top_logprobs = made.tokens, made.finite, made.logprobs, made.top_ids, made.top_logprobs
     else:
         tokens, finite, logprobs = out.token_ids.numpy(), out.finite.numpy().view(np.uint8), out.logprobs.numpy()

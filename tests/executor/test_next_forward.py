@@ -14,7 +14,7 @@ from executor.cuda_graphs import StaticDecodeBatch
 from executor.inputs import Pad, StepInputs, StepInputsError
 from executor.link import StagedStep, feedback_on_device
 from executor.options import ExecutorOptions
-from executor.sampler import sample
+from executor.sampler import HostOutputs, sample
 from executor.steps import StepRunner
 from protocol.frames import Result
 from tests.executor.executor_standin import KV_HEADS, Seq, StandInModel, geometry, make_cache, make_prepare
@@ -207,3 +207,35 @@ def test_a_gpus_feedback_layout_feeds_what_the_cpus_host_arrays_feed() -> None:
         runner._feed(StagedStep(5, prepare, inputs, sources, rows, on_device)).land(inputs)
         landed.append(inputs.token_ids.tolist())
     assert landed[0] == landed[1] == [43, 6, 41]
+
+
+def test_a_cpus_feed_reads_the_samples_own_array_and_lands_in_the_staged_one() -> None:
+    """The CPU's feed takes no numpy view between two forwards (docs/control_plane.md, change 111):
+    it reads the array the compiled pass wrote the sample into, and writes the array the link
+    staged under the inputs' token_ids. Both must be the memory they stand for."""
+    import executor.sampler as sampler
+
+    runner = StepRunner(rank=0, world_size=1, model=StandInModel(0, 1), cache=make_cache(G, KV_HEADS, poison=False), options=options())
+    sampled = step(0, {1: 5, 2: 6, 3: 7})
+    inputs = inputs_of(sampled)
+    rows = inputs.sample_seq_ids.shape[0]
+    outputs = HostOutputs.frame(1, rows, inputs.sampling.host.most_logprobs)
+    staged = StagedStep(4, sampled, inputs, np.zeros(0, np.int64), np.zeros(0, np.int64), None, outputs=outputs)
+    logits = torch.full((rows, 64), -10.0)
+    logits[torch.arange(rows), torch.tensor([40, 41, 42])] = 10.0  # greedy rows: tokens 40, 41, 42
+    runner._sample(staged, inputs, logits, 0)
+    if sampler._sampling is None:  # the passes draw into tensors of their own
+        assert runner._samples.array is None
+    else:
+        assert np.shares_memory(runner._samples.array, runner._samples.tokens.numpy())
+    assert runner._samples.tokens.tolist() == [40, 41, 42]
+
+    fed = step(1, {1: 0, 2: 0, 3: 0})
+    inputs = inputs_of(fed)
+    staged_rows, sources = np.array([0, 2], dtype=np.int64), np.array([2, 0], dtype=np.int64)
+    into = inputs.token_ids.numpy()
+    assert np.shares_memory(into, inputs.token_ids.numpy())
+    feeding = runner._feed(StagedStep(5, fed, inputs, sources, staged_rows, None, token_ids_host=into))
+    assert feeding.into is into
+    feeding.land(inputs)
+    assert inputs.token_ids.tolist() == [42, 0, 40]

@@ -1053,14 +1053,24 @@ def test_the_compiled_pass_reads_a_tensor_by_its_address_as_it_reads_its_buffer(
     by_buffer, by_address = draw(logits.numpy()), draw((logits.data_ptr(), rows))
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(by_buffer, by_address))
     assert (by_address[0] >= 0).all()
-    for bad in ((0, rows), (logits.data_ptr(), -1), (logits.data_ptr(), 2**62)):
-        with pytest.raises(ValueError, match="address"):
-            draw(bad)
+    with pytest.raises(ValueError, match="address 0 for 7 rows"):
+        draw((0, rows))
+    for rows_given in (-1, 2**62):
+        with pytest.raises(ValueError, match=f"{rows_given} rows, not 0 to"):
+            draw((logits.data_ptr(), rows_given))
     with pytest.raises(TypeError):
         draw((logits.data_ptr(),))
 
 
-@pytest.mark.parametrize("kind", ["float16", "strided", "meta"])
+def test_a_step_that_samples_no_row_draws_none_on_the_compiled_pass():
+    # A prefill chunk that ends no prompt samples nothing: its (0, vocab) logits have address 0.
+    none = SamplingBatch.of([], [], [], [], [])
+    for into in (None, HostOutputs.frame(1, 0, 0)[0]):
+        out = sample(torch.empty(0, 64), none, into)
+        assert out.token_ids.shape == (0,) and out.logprobs.shape == (0,)
+
+
+@pytest.mark.parametrize("kind", ["float16", "strided", "meta", "negative"])
 def test_the_compiled_pass_refuses_logits_its_address_would_misread(kind: str):
     # Read by address, the logits are checked in Python where a buffer's checks would have refused
     # them: half-width floats would be read past their end, a strided view in the wrong places.
@@ -1069,7 +1079,11 @@ def test_the_compiled_pass_refuses_logits_its_address_would_misread(kind: str):
     if sampler._sampling is None:
         pytest.skip("executor._sampling is not built here")
     logits, host = _mixed_rows(7, 64)
-    logits = {"float16": logits.half(), "strided": logits.t().contiguous().t(), "meta": logits.to("meta")}[kind]
+    made = {
+        "float16": lambda: logits.half(), "strided": lambda: logits.t().contiguous().t(), "meta": lambda: logits.to("meta"),
+        "negative": lambda: torch._neg_view(logits),  # its memory holds the values' negatives
+    }  # fmt: skip
+    logits = made[kind]()
     with pytest.raises(TypeError, match="contiguous float32 logits in the host's memory"):
         sampler._sample_compiled(logits, host, np.zeros(host.random.shape[0], np.float32), host.draws)
 
