@@ -795,17 +795,46 @@ def loop_argv(argv: list[str]) -> list[str]:
     return kept
 
 
+# Set in a compared tree's run: a run that compares is never started by one (no loop of runs).
+COMPARED_RUN_ENV = "BENCH_STEP_COMPARED_RUN"
+# A compared run that takes longer than this has a rank hung: the comparison ends with an error.
+COMPARED_RUN_S = 1800
+
+
 def loop_in(tree: Path, argv: list[str]) -> dict[str, dict]:
     """The loop report of `tree`'s bench_step (it puts its own tree first on sys.path)."""
     command = [sys.executable, str(tree / "scripts" / "bench_step.py"), "--loop-only", "--json", *argv]
-    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=False)
+    env = os.environ | {COMPARED_RUN_ENV: "1"}
+    try:
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False, timeout=COMPARED_RUN_S)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"bench_step in {tree} ran past {COMPARED_RUN_S} s") from exc
     if done.returncode:
         raise RuntimeError(f"bench_step in {tree} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)["loop"]
 
 
+def compiled_sampler_in(tree: Path) -> bool:
+    """Whether `tree`'s own executor finds its compiled sampler: a checkout where it was never built
+    samples in torch and numpy, and would be compared on another sampler than this tree's (and
+    one whose executor is not its own, the installed one's, is not that tree at all)."""
+    probe = (
+        "import os, sys; sys.path.insert(0, os.getcwd()); import executor.sampler as s; "
+        "print(int(s._sampling is not None and os.path.dirname(s.__file__) == os.path.join(os.getcwd(), 'executor')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True, check=False, timeout=120)
+    return done.returncode == 0 and done.stdout.strip() == "1"
+
+
 def compare_trees(argv: list[str], baseline: Path, rounds: int) -> dict[str, object]:
     """Both trees' loops, `rounds` times each, alternately (this tree first in the odd rounds)."""
+    built = {THIS_TREE: compiled_sampler_in(REPO), BASELINE: compiled_sampler_in(baseline)}
+    if built[THIS_TREE] != built[BASELINE]:
+        lacking = REPO if not built[THIS_TREE] else baseline
+        raise RuntimeError(
+            f"{lacking} has no compiled sampler built (executor/_sampling), the other tree has: build it there, "
+            "`python -c 'from setuptools import setup; setup()' build_ext --inplace`, so that both trees sample alike"
+        )
     runs: dict[str, list[dict[str, dict]]] = {THIS_TREE: [], BASELINE: []}
     for round_ in range(rounds):
         for tree in (THIS_TREE, BASELINE) if round_ % 2 == 0 else (BASELINE, THIS_TREE):
@@ -837,7 +866,9 @@ def paired(runs: dict[str, list[dict[str, dict]]]) -> dict[str, dict[str, dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No abbreviations: a baseline's run gets this run's options less --baseline and --rounds by
+    # their full names (loop_argv).
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--ranks", default="1,2,3", help="world sizes for the loop benchmark")
     parser.add_argument("--steps", type=int, default=200, help="steps per world size")
@@ -879,6 +910,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree (default 3)")
     args = parser.parse_args()
     if args.baseline is not None:
+        if os.environ.get(COMPARED_RUN_ENV):
+            parser.error("--baseline in a run that a comparison started")
         if not args.loop_only:
             parser.error("--baseline compares the step loop: give --loop-only")
         if not (args.baseline / "scripts" / "bench_step.py").is_file():

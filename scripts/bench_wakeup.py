@@ -172,25 +172,28 @@ def after_idle(count: int, gap_s: float, blocks: int = 4) -> dict[str, dict[str,
             _AFTER_IDLE_ROWS.sum()
             if turn:
                 times["after_sleep_us" if slept else "after_spin_us"].append((time.perf_counter() - began) * 1e6)
-    return {name: {"median": round(float(np.median(v)), 1), "p90": round(float(np.percentile(v, 90)), 1)} for name, v in times.items()}
+    return {
+        name: {"median": round(float(np.median(v)), 1), "p90": round(float(np.percentile(v, 90)), 1), "turns": len(v)}
+        for name, v in times.items()
+    }
 
 
-def idle_driver() -> dict[str, str | None]:
+def idle_driver(sys_root: str = "/sys") -> dict[str, str | None]:
     """The kernel's idle driver and governor, and the guest halt-polling window where it has one
     (None where this machine does not say)."""
 
     def read(path: str) -> str | None:
         try:
-            with open(path) as f:
+            with open(f"{sys_root}/{path}") as f:
                 return f.read().strip()
         except OSError:
             return None
 
-    cpuidle = "/sys/devices/system/cpu/cpuidle"
+    cpuidle = "devices/system/cpu/cpuidle"
     return {
         "driver": read(f"{cpuidle}/current_driver"),
         "governor": read(f"{cpuidle}/current_governor_ro") or read(f"{cpuidle}/current_governor"),
-        "guest_halt_poll_ns": read("/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
+        "guest_halt_poll_ns": read("module/haltpoll/parameters/guest_halt_poll_ns"),
     }
 
 

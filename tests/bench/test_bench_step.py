@@ -3,6 +3,9 @@ and reports what it says it does, for both fake forwards and more rows than one 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,7 +23,9 @@ from scripts.bench_step import (
     StampedModel,
     _LoopDriver,
     bench_geometry,
+    COMPARED_RUN_ENV,
     compare_trees,
+    compiled_sampler_in,
     decode_prepare,
     frame_gaps,
     loop_argv,
@@ -220,3 +225,22 @@ def test_a_tree_is_compared_with_a_baseline_round_by_round() -> None:
     assert compared["rounds"] == 2 and [len(runs) for runs in compared["runs"].values()] == [2, 2]
     gap = compared["paired"]["overlap/1/rows=4/sleep"]["forward_gap_us.median"]
     assert len(gap["this"]) == len(gap["baseline"]) == 2 and all(value >= 0 for value in gap["this"] + gap["baseline"])
+
+
+def test_a_comparison_refuses_what_would_run_it_again_or_compare_two_samplers(tmp_path) -> None:
+    def bench(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(REPO / "scripts" / "bench_step.py"), *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | env, check=False)
+
+    # An abbreviation would reach the compared runs as an option of their own: a comparison each.
+    abbreviated = bench("--loop-only", "--base", str(REPO))
+    assert abbreviated.returncode == 2 and "unrecognized arguments: --base" in abbreviated.stderr
+    nested = bench("--loop-only", "--baseline", str(REPO), **{COMPARED_RUN_ENV: "1"})
+    assert nested.returncode == 2 and "a comparison started" in nested.stderr
+    # A tree whose compiled sampler is not built samples otherwise than one whose is.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "bench_step.py").write_text("")
+    assert not compiled_sampler_in(tmp_path)
+    if compiled_sampler_in(REPO):
+        with pytest.raises(RuntimeError, match="no compiled sampler built"):
+            compare_trees(["--ranks", "1"], tmp_path, 1)
