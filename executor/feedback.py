@@ -73,11 +73,13 @@ class FeedbackError(TPRuntimeError, RuntimeError):
 
 
 class Feedback(Protocol):
-    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
+    def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
         """Rank 0: sends `tokens` (int64, contiguous), the input of forward `forward` of `step`, to
         every other rank; elsewhere: receives them into `tokens`, of the same length. Returns the
         wait: once it returns, `tokens` holds rank 0's on every rank. Raises (at once or from the
-        wait) what leaves the group unusable."""
+        wait) what leaves the group unusable. A CPU group's runner passes a host array: a torch
+        view of it and a numpy view back cost ~20-50 us cold on each rank between two forwards
+        (docs/control_plane.md, change 112)."""
         ...
 
     def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
@@ -96,8 +98,9 @@ class ProcessGroupFeedback:
     rank: int
     device: torch.device  # the tokens'
 
-    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
-        return dist.broadcast(tokens, src=0, async_op=True).wait
+    def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
+        tensor = torch.from_numpy(tokens) if isinstance(tokens, np.ndarray) else tokens
+        return dist.broadcast(tensor, src=0, async_op=True).wait
 
     def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
         """One message: the tokens, then rank 0's decision whether the step goes on."""
@@ -127,8 +130,8 @@ class SocketFeedback:
     # How long the last receive waited for its message (rank 0 takes none).
     last_wait_s: float = field(default=0.0, init=False, repr=False, compare=False)
 
-    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
-        values = tokens.numpy()
+    def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
+        values = tokens if isinstance(tokens, np.ndarray) else tokens.numpy()
         if self.rank == 0:
             self._send(step, forward, values)
             return _sent
@@ -179,7 +182,7 @@ class HostFlagFeedback:
     tokens: ProcessGroupFeedback
     flags: SocketFeedback
 
-    def start(self, step: int, forward: int, tokens: torch.Tensor) -> Callable[[], None]:
+    def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
         return self.tokens.start(step, forward, tokens)
 
     def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:

@@ -299,8 +299,7 @@ class StepRunner:
                 tokens = (samples.tokens.numpy() if samples.array is None else samples.array)[staged.feedback_sources]
             else:
                 tokens = np.empty(rows.shape[0], dtype=np.int64)
-            # The carriers take and fill a tensor: it shares the array's memory.
-            wait = self._feedback.start(staged.step, 0, torch.from_numpy(tokens)) if self._feedback is not None else None
+            wait = self._feedback.start(staged.step, 0, tokens) if self._feedback is not None else None
             into = staged.inputs.token_ids.numpy() if staged.token_ids_host is None else staged.token_ids_host
             return _Feeding(rows, tokens, wait, into)
         if self.rank == 0:

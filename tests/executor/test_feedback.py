@@ -91,7 +91,8 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
             for each in (carrier, ProcessGroupFeedback(rank, torch.device("cpu"))):
                 for step in range(1, 30):
                     tokens = _tokens(step) if rank == 0 else torch.empty(step % 5 + 1, dtype=torch.long)
-                    each.start(step, step % 3, tokens)()
+                    # A CPU runner's feed passes host arrays (its view here), a GPU's tensors: both alike.
+                    each.start(step, step % 3, tokens.numpy() if step % 2 else tokens)()
                     if not torch.equal(tokens, _tokens(step)):
                         raise AssertionError(f"rank {rank} read {tokens.tolist()} at step {step}")
         elif scenario != "gpu_selection":
