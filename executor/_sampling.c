@@ -220,7 +220,8 @@ static Py_ssize_t logits_rows(PyObject *obj, Py_buffer *view, Py_ssize_t vocab, 
     Py_ssize_t most = PY_SSIZE_T_MAX / vocab / (Py_ssize_t)sizeof(float);
     if (rows < 0 || rows > most) return PyErr_Format(PyExc_ValueError, "%s: %zd rows, not 0 to %zd", name, rows, most), -1;
     /* An empty tensor's address is 0 (a step that samples no row): nothing is read from it. */
-    if (address == 0 && rows > 0) return PyErr_Format(PyExc_ValueError, "%s: address 0 for %zd rows", name, rows), -1;
+    if (address < 0 || (address == 0 && rows > 0))
+        return PyErr_Format(PyExc_ValueError, "%s: address %zd for %zd rows", name, address, rows), -1;
     memset(view, 0, sizeof(*view));
     view->buf = (void *)address;
     view->len = rows * vocab * (Py_ssize_t)sizeof(float);

@@ -814,25 +814,32 @@ def loop_in(tree: Path, argv: list[str]) -> dict[str, dict]:
     return json.loads(done.stdout)["loop"]
 
 
-def compiled_sampler_in(tree: Path) -> bool:
-    """Whether `tree`'s own executor finds its compiled sampler: a checkout where it was never built
-    samples in torch and numpy, and would be compared on another sampler than this tree's (and
-    one whose executor is not its own, the installed one's, is not that tree at all)."""
+def sampler_missing(tree: Path) -> str | None:
+    """Why `tree`'s own executor would not sample with its compiled sampler, or None where it
+    would: a checkout where it was never built samples in torch and numpy, and would be compared on
+    another sampler than this tree's (and one whose executor is not its own is not that tree)."""
     probe = (
         "import os, sys; sys.path.insert(0, os.getcwd()); import executor.sampler as s; "
-        "print(int(s._sampling is not None and os.path.dirname(s.__file__) == os.path.join(os.getcwd(), 'executor')))"
+        "own = os.path.dirname(s.__file__) == os.path.join(os.getcwd(), 'executor'); "
+        "print('built' if own and s._sampling is not None else 'not built' if own else 'executor from ' + s.__file__)"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True, check=False, timeout=120)
-    return done.returncode == 0 and done.stdout.strip() == "1"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True, check=False, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "its executor did not import within 120 s"
+    if done.returncode:
+        return f"its executor does not import: {done.stderr.strip()[-500:]}"
+    said = done.stdout.strip()
+    return None if said == "built" else f"its compiled sampler (executor/_sampling) is {said}"
 
 
 def compare_trees(argv: list[str], baseline: Path, rounds: int) -> dict[str, object]:
     """Both trees' loops, `rounds` times each, alternately (this tree first in the odd rounds)."""
-    built = {THIS_TREE: compiled_sampler_in(REPO), BASELINE: compiled_sampler_in(baseline)}
-    if built[THIS_TREE] != built[BASELINE]:
-        lacking = REPO if not built[THIS_TREE] else baseline
+    missing = {REPO: sampler_missing(REPO), baseline: sampler_missing(baseline)}
+    if (missing[REPO] is None) != (missing[baseline] is None):
+        tree, why = next((tree, why) for tree, why in missing.items() if why is not None)
         raise RuntimeError(
-            f"{lacking} has no compiled sampler built (executor/_sampling), the other tree has: build it there, "
+            f"{tree}: {why}, where the other tree's is built; build it there, "
             "`python -c 'from setuptools import setup; setup()' build_ext --inplace`, so that both trees sample alike"
         )
     runs: dict[str, list[dict[str, dict]]] = {THIS_TREE: [], BASELINE: []}

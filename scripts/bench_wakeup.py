@@ -152,9 +152,10 @@ def _zmq_case(directory: str, cores: tuple[int | None, int | None], count: int, 
 _AFTER_IDLE_ROWS = np.ones((16, 256), dtype=np.float32)
 
 
-def after_idle(count: int, gap_s: float, blocks: int = 4) -> dict[str, dict[str, float]]:
+def after_idle(count: int, gap_s: float, blocks: int = 4) -> dict[str, dict[str, float | int]]:
     """Microseconds (median, p90) of a sum over _AFTER_IDLE_ROWS right after a sleep of gap_s and
-    right after a spin of gap_s: `count` of each, in alternating blocks, each block's first left out.
+    right after a spin of gap_s, and how many of each were timed (`turns`: blocks x max(2, count //
+    blocks)), in alternating blocks, each block's first left out.
     Blocks, not single turns: a spin does not touch what the sum touches, so a spin after a sleep
     finds the sum's code and data as cold as the sleep left them."""
     times: dict[str, list[float]] = {"after_sleep_us": [], "after_spin_us": []}

@@ -25,13 +25,13 @@ from scripts.bench_step import (
     bench_geometry,
     COMPARED_RUN_ENV,
     compare_trees,
-    compiled_sampler_in,
     decode_prepare,
     frame_gaps,
     loop_argv,
     measure_loop,
     message_costs,
     paired,
+    sampler_missing,
     steady_frame_costs,
 )
 from executor.link import link_thread_name
@@ -233,14 +233,14 @@ def test_a_comparison_refuses_what_would_run_it_again_or_compare_two_samplers(tm
         return subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | env, check=False)
 
     # An abbreviation would reach the compared runs as an option of their own: a comparison each.
-    abbreviated = bench("--loop-only", "--base", str(REPO))
+    abbreviated = bench("--loop-only", "--base", str(tmp_path / "absent"))  # taken for --baseline, it would be refused
     assert abbreviated.returncode == 2 and "unrecognized arguments: --base" in abbreviated.stderr
     nested = bench("--loop-only", "--baseline", str(REPO), **{COMPARED_RUN_ENV: "1"})
     assert nested.returncode == 2 and "a comparison started" in nested.stderr
     # A tree whose compiled sampler is not built samples otherwise than one whose is.
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "bench_step.py").write_text("")
-    assert not compiled_sampler_in(tmp_path)
-    if compiled_sampler_in(REPO):
-        with pytest.raises(RuntimeError, match="no compiled sampler built"):
+    assert "executor from" in sampler_missing(tmp_path)  # not its own: the installed one's
+    if sampler_missing(REPO) is None:
+        with pytest.raises(RuntimeError, match="executor from .* where the other tree's is built"):
             compare_trees(["--ranks", "1"], tmp_path, 1)

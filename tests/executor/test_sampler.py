@@ -1053,8 +1053,9 @@ def test_the_compiled_pass_reads_a_tensor_by_its_address_as_it_reads_its_buffer(
     by_buffer, by_address = draw(logits.numpy()), draw((logits.data_ptr(), rows))
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(by_buffer, by_address))
     assert (by_address[0] >= 0).all()
-    with pytest.raises(ValueError, match="address 0 for 7 rows"):
-        draw((0, rows))
+    for address in (0, -8):
+        with pytest.raises(ValueError, match=f"address {address} for 7 rows"):
+            draw((address, rows))
     for rows_given in (-1, 2**62):
         with pytest.raises(ValueError, match=f"{rows_given} rows, not 0 to"):
             draw((logits.data_ptr(), rows_given))
