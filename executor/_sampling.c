@@ -1053,8 +1053,9 @@ static PyObject *pool_stats(PyObject *self, PyObject *args) {
  *             tokens, logprobs, finite, wants, alternatives, top_ids, top_logprobs, threads)
  *             -> rows left undecided
  *
- * logits: float32[rows, vocab], or its (address, rows) (logits_rows). Per row: scale (its temperature, 1 for greedy), kind (0 greedy,
- * 1 plain: drawn over the whole row, 2 cut: top-k and / or top-p, 3 elsewhere: left to the caller),
+ * logits: float32[rows, vocab], or its (address, rows) (logits_rows). Per row: scale (its
+ * temperature, 1 for greedy), kind (0 greedy, 1 plain: drawn over the whole row, 2 cut: top-k and /
+ * or top-p, 3 elsewhere: left to the caller),
  * k (0: off), top_p, uniform (a random row's). Out: the token, its logprob (x/t - top - log of the
  * sum) and whether the row was finite (a NaN or an infinity in it, or a temperature that overflows
  * it: token 0, logprob NaN). A cut row whose candidates (within log_ratio - margin of its largest)

@@ -96,7 +96,7 @@ class StagedStep:
     # Rank 0 on a CPU: where each forward's sample is written (executor.sampler.HostOutputs), else ().
     outputs: tuple[HostOutputs, ...] = ()
     # On a CPU with feedback rows: the host array under inputs.token_ids, where the feed lands its
-    # tokens (its numpy view made here, not between two forwards: change 110), else None.
+    # tokens (its numpy view made here, not between two forwards: change 111), else None.
     token_ids_host: np.ndarray | None = None
 
 

@@ -563,7 +563,8 @@ def _sample_compiled(
     tokens, logprobs, finite, top_ids, top_logprobs = into.tokens, into.logprobs, into.finite, into.top_ids, into.top_logprobs
     # By address (the C file says why), so what a buffer's checks would refuse is refused here: the
     # C code reads rows x vocab float32 from it, and this frame holds the tensor through the call.
-    if not (logits.is_cpu and logits.dtype is torch.float32 and logits.layout is torch.strided and logits.is_contiguous() and not logits.is_neg()):
+    as_read = logits.is_cpu and logits.dtype is torch.float32 and logits.layout is torch.strided
+    if not (as_read and logits.is_contiguous() and not logits.is_neg()):
         raise TypeError(
             "the compiled pass reads contiguous float32 logits in the host's memory, as they are (no negative view): "
             f"not {logits.dtype} on {logits.device}, {logits.layout}, contiguous {logits.is_contiguous()}, negative {logits.is_neg()}"

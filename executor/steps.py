@@ -88,7 +88,7 @@ class _Samples:
     tokens: torch.Tensor  # int64[m] on the model's device, as soon as they are drawn
     host: np.ndarray  # the same, on the host (the RESULT's copy), once the readback is taken
     # `tokens`' own memory as an array, where the compiled pass wrote them (HostOutputs); else None.
-    # The feed reads it: a tensor's numpy view cost 50-90 us right after an idle (change 110).
+    # The feed reads it: a tensor's numpy view cost 50-90 us right after an idle (change 111).
     array: np.ndarray | None = None
 
 
