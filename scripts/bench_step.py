@@ -481,9 +481,9 @@ class StampedModel:
     def forward(self, inputs: StepInputs, cache: KVCache) -> torch.Tensor | None:
         started = time.perf_counter()
         stamped = self.forwards < len(self.times)
-        # The CPU clocks are read, and the row stored, inside the forward's span: after a sleeping
-        # forward on the Xeon VM the two clocks and a row's store took ~50 us, which the gap that
-        # follows would count as the runtime's (docs/control_plane.md, twenty-third sitting).
+        # The CPU clocks are read, and the row stored, inside the forward's span: after the end
+        # stamp, the gap that follows counted them as the runtime's (~25 us after a sleeping
+        # forward on the Xeon VM: docs/control_plane.md, change 107).
         if stamped:
             self.times[self.forwards] = (started, np.nan, time.thread_time(), self._link_cpu())
         logits = self.inner.forward(inputs, cache)
