@@ -96,8 +96,13 @@ class StagedStep:
     # Rank 0 on a CPU: where each forward's sample is written (executor.sampler.HostOutputs), else ().
     outputs: tuple[HostOutputs, ...] = ()
     # On a CPU with feedback rows: the host array under inputs.token_ids, where the feed lands its
-    # tokens (its numpy view made here, not between two forwards: change 111), else None.
-    token_ids_host: np.ndarray | None = None
+    # tokens (its numpy view made where the step is staged, not between two forwards: change
+    # 111), else None.
+    token_ids_host: np.ndarray | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        host_feed = self.feedback_rows.shape[0] and self.feedback_on_device is None
+        object.__setattr__(self, "token_ids_host", self.inputs.token_ids.numpy() if host_feed else None)
 
 
 def feedback_on_device(rows: np.ndarray, sources: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -425,7 +430,6 @@ class SchedulerLink:
         return StagedStep(
             checked.step, prepare, inputs, checked.feedback_sources, checked.feedback_rows, on_device,
             touches_states=touches, outputs=outputs,
-            token_ids_host=inputs.token_ids.numpy() if on_cpu and checked.feedback_rows.shape[0] else None,
         )  # fmt: skip
 
     def _feedback(self, prepare: Prepare) -> tuple[np.ndarray, np.ndarray]:

@@ -300,8 +300,7 @@ class StepRunner:
             else:
                 tokens = np.empty(rows.shape[0], dtype=np.int64)
             wait = self._feedback.start(staged.step, 0, tokens) if self._feedback is not None else None
-            into = staged.inputs.token_ids.numpy() if staged.token_ids_host is None else staged.token_ids_host
-            return _Feeding(rows, tokens, wait, into)
+            return _Feeding(rows, tokens, wait, staged.token_ids_host)
         if self.rank == 0:
             tokens = self._samples.tokens[on_device[1]]
         else:

@@ -233,14 +233,13 @@ def test_a_cpus_feed_reads_the_samples_own_array_and_lands_in_the_staged_one() -
     fed = step(1, {1: 0, 2: 0, 3: 0})
     inputs = inputs_of(fed)
     staged_rows, sources = np.array([0, 2], dtype=np.int64), np.array([2, 0], dtype=np.int64)
-    into = inputs.token_ids.numpy()  # as the link stages it
-    feeding = runner._feed(StagedStep(5, fed, inputs, sources, staged_rows, None, token_ids_host=into))
-    assert feeding.into is into
+    staged = StagedStep(5, fed, inputs, sources, staged_rows, None)
+    assert np.shares_memory(staged.token_ids_host, inputs.token_ids.numpy())  # taken as it is staged
+    feeding = runner._feed(staged)
+    assert feeding.into is staged.token_ids_host
     feeding.land(inputs)
     assert inputs.token_ids.tolist() == [42, 0, 40]
-    # A step staged without it (built by hand) lands in a view of its inputs all the same.
-    inputs = inputs_of(fed)
-    feeding = runner._feed(StagedStep(5, fed, inputs, sources, staged_rows, None))
-    assert np.shares_memory(feeding.into, inputs.token_ids.numpy())
-    feeding.land(inputs)
-    assert inputs.token_ids.tolist() == [42, 0, 40]
+    # Without feedback rows, or fed on the device, there is nothing to land on the host.
+    assert StagedStep(5, fed, inputs, np.zeros(0, np.int64), np.zeros(0, np.int64), None).token_ids_host is None
+    on_device = StagedStep(5, fed, inputs, sources, staged_rows, feedback_on_device(staged_rows, sources, "cpu"))
+    assert on_device.token_ids_host is None
