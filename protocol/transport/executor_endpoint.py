@@ -55,7 +55,8 @@ class ExecutorEndpoint:
             self._sock.close(0)
             self._context.term()
             raise TransportError(f"cannot connect rank {rank} to {address}: {exc}") from exc
-        self._waker = Waker(self._sock)
+        # Woken by the model's thread for each step's answer, right before its next forward.
+        self._waker = Waker(self._sock, hold_gil=True)
         self._closed = False
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
 import os
 import time
@@ -12,16 +14,40 @@ import zmq
 from protocol.transport.sockets import POLLIN
 
 
+def _write_holding_the_gil() -> Callable[[int, bytes, int], int] | None:
+    """libc's write(2) called with the GIL held (ctypes.PyDLL's calls keep it), or None where the
+    C library cannot be loaded (Waker's hold_gil says where it is used)."""
+    try:
+        # ctypes' default conversions (an int, bytes, an int returned): with argtypes declared the
+        # call took ~28 us right after an idle against ~13, where os.write takes ~7.
+        return ctypes.PyDLL(None, use_errno=True).write
+    except (OSError, AttributeError):
+        return None
+
+
+_WRITE = _write_holding_the_gil()
+
+
 class Waker:
     """A pipe that a socket's poller watches beside the socket: a socket belongs to the one thread
     that polls it, and any other thread that has news for that one writes a byte here.
 
     `news`: other sockets of the same thread, each with the function that reads what came on it and
     says whether that ends the wait as a wake-up does (the scheduler's connection monitor: a rank's
-    closed connection does, a stranger's does not)."""
+    closed connection does, a stranger's does not).
 
-    def __init__(self, sock: zmq.Socket, news: dict[zmq.Socket, Callable[[], bool]] | None = None) -> None:
+    `hold_gil`: wake() keeps the GIL through its system call. os.write gives it up there, and a
+    thread that waits for it takes it: an executor's link thread, woken for a step's answer right
+    before the next forward, then made and sent the RESULT while the model's thread waited to start
+    that forward (bench_step at 2 ranks with the GIL-holding forward: 583-848 us between two
+    forwards against 268-275; docs/control_plane.md, change 113). Held, the link takes the GIL
+    where the model's thread next gives it up, in the forward. Not the frontend's: its engine
+    thread, woken by the HTTP thread, then waited for the GIL instead (20% more of its wake-ups
+    a token at concurrency 32)."""
+
+    def __init__(self, sock: zmq.Socket, news: dict[zmq.Socket, Callable[[], bool]] | None = None, hold_gil: bool = False) -> None:
         self._sock = sock
+        self._hold_gil = hold_gil and _WRITE is not None
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
@@ -33,9 +59,15 @@ class Waker:
             self._poller.register(other, zmq.POLLIN)
 
     def wake(self) -> None:
+        """Ends the poll's wait. A pipe full of wake-ups nobody has read yet holds one already:
+        that is enough."""
+        if self._hold_gil:
+            if _WRITE(self._write, b"w", 1) < 0 and (code := ctypes.get_errno()) != errno.EAGAIN:
+                raise OSError(code, os.strerror(code))
+            return
         try:
             os.write(self._write, b"w")
-        except BlockingIOError:  # the pipe is full of wake-ups nobody has read yet: one is enough
+        except BlockingIOError:
             pass
 
     def poll(self, timeout_ms: int) -> bool:
