@@ -82,10 +82,14 @@ class Feedback(Protocol):
         (docs/control_plane.md, change 112)."""
         ...
 
-    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+    def later_forward(
+        self, step: int, forward: int, rows: int, tokens: torch.Tensor | np.ndarray | None, cut: bool
+    ) -> torch.Tensor | np.ndarray | None:
         """Before forward `forward` (1 or more) of `step`: every rank's copy of the `rows` tokens
         rank 0 sampled in the forward before, or None on every rank where rank 0 cut the step. Rank
-        0 passes its tokens and its decision; elsewhere `tokens` is None and `cut` is not read."""
+        0 passes its tokens and its decision, and gets back what it passed (a CPU group's runner
+        passes the sample's host array, as to start()); elsewhere `tokens` is None, `cut` is not
+        read, and the tokens come back as a tensor."""
         ...
 
     def close(self) -> None: ...
@@ -102,12 +106,15 @@ class ProcessGroupFeedback:
         tensor = torch.from_numpy(tokens) if isinstance(tokens, np.ndarray) else tokens
         return dist.broadcast(tensor, src=0, async_op=True).wait
 
-    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+    def later_forward(
+        self, step: int, forward: int, rows: int, tokens: torch.Tensor | np.ndarray | None, cut: bool
+    ) -> torch.Tensor | np.ndarray | None:
         """One message: the tokens, then rank 0's decision whether the step goes on."""
         if tokens is not None:  # rank 0
             # Filled on the device: a copy from the host would wait for the forward running.
             flag = torch.full((1,), int(cut), dtype=torch.long, device=self.device)
-            self.start(step, forward, torch.cat((tokens, flag)))()
+            values = torch.from_numpy(tokens) if isinstance(tokens, np.ndarray) else tokens
+            self.start(step, forward, torch.cat((values, flag)))()
             return None if cut else tokens
         message = torch.empty(rows + 1, dtype=torch.long, device=self.device)
         self.start(step, forward, message)()
@@ -156,13 +163,15 @@ class SocketFeedback:
             )
         _receive_exactly(self.peers[0], memoryview(into).cast("B"))
 
-    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+    def later_forward(
+        self, step: int, forward: int, rows: int, tokens: torch.Tensor | np.ndarray | None, cut: bool
+    ) -> torch.Tensor | np.ndarray | None:
         # ProcessGroupFeedback's message, made and read in numpy: its torch calls (the flag's fill,
         # the cat, the flag's read and the slice) cost ~60 us of rank 0's gap between two forwards
         # of a frame, cold (bench_step --num-scheduler-steps 16 at 2 ranks).
         message = np.empty(rows + 1, dtype=np.int64)
         if tokens is not None:  # rank 0
-            message[:rows] = tokens.numpy()
+            message[:rows] = tokens if isinstance(tokens, np.ndarray) else tokens.numpy()
             message[rows] = cut
             self._send(step, forward, message)
             return None if cut else tokens
@@ -185,7 +194,9 @@ class HostFlagFeedback:
     def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
         return self.tokens.start(step, forward, tokens)
 
-    def later_forward(self, step: int, forward: int, rows: int, tokens: torch.Tensor | None, cut: bool) -> torch.Tensor | None:
+    def later_forward(
+        self, step: int, forward: int, rows: int, tokens: torch.Tensor | np.ndarray | None, cut: bool
+    ) -> torch.Tensor | np.ndarray | None:
         flag = torch.tensor([int(cut)])
         self.flags.start(step, forward, flag)()
         if int(flag[0]):  # every rank skips the broadcast alike

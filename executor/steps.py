@@ -280,8 +280,12 @@ class StepRunner:
         cut, tokens = (self._is_cut(step), self._samples.tokens) if self.rank == 0 else (False, None)
         if self._feedback is None:
             return None if cut else tokens
+        # A CPU group's rank 0 sends the sample's own array (change 111's): the tensor's numpy view
+        # was the carrier's first bridge after the forward (change 114).
+        sent = self._samples.array if self.rank == 0 and self._samples.array is not None else tokens
         # No rank launches a later forward before it knows that there is one (executor.feedback).
-        return self._feedback.later_forward(step, forward, rows, tokens, cut)
+        got = self._feedback.later_forward(step, forward, rows, sent, cut)
+        return tokens if self.rank == 0 and got is not None else got
 
     def _feed(self, staged: StagedStep) -> _Feeding | None:
         """Starts the feedback rows' tokens on their way to every rank; the step's cache operations

@@ -79,9 +79,14 @@ def _rank_body(rank: int, world_size: int, port: int, scenario: str, out_dir: st
                         cut = (step + forward) % 4 == 0
                         # Elsewhere than rank 0 the decision passed is the wrong one: it is not read.
                         rows, tokens = (step + forward) % 5 + 1, _tokens(step + forward) if rank == 0 else None
-                        got = each.later_forward(step, forward, rows, tokens, cut if rank == 0 else not cut)
-                        if (got is None) != cut or (got is not None and not torch.equal(got, _tokens(step + forward))):
+                        # A CPU runner's rank 0 passes the sample's host array, a GPU's a tensor: both
+                        # alike, and what it passed comes back.
+                        sent = tokens.numpy() if rank == 0 and step % 2 else tokens
+                        got = each.later_forward(step, forward, rows, sent, cut if rank == 0 else not cut)
+                        if (got is None) != cut or (got is not None and not torch.equal(torch.as_tensor(got), _tokens(step + forward))):
                             raise AssertionError(f"{type(each).__name__} on rank {rank}: {got} at {step}/{forward}")
+                        if got is not None and rank == 0 and got is not sent:
+                            raise AssertionError(f"{type(each).__name__} gave rank 0 back {got!r}, not what it passed")
                         decisions.append(got is None)
             outcome = f"{sum(decisions)} cut of {len(decisions)}"
         elif scenario in ("carry", "unreached", "no_listener"):
@@ -301,3 +306,33 @@ def test_a_rank_spins_for_its_feedback_only_after_a_short_wait(monkeypatch) -> N
             assert into.tolist() == [forward, 7]
             assert rank1.last_wait_s < 1.0
     assert spins == [feedback_module.FEEDBACK_SPIN_S] * 2  # the first and the third receive
+
+
+class _Carried:
+    """A carrier of a group of two that records what rank 0's runner hands its later forwards."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def later_forward(self, step: int, forward: int, rows: int, tokens: object, cut: bool) -> object:
+        self.sent.append(tokens)
+        return None if cut else tokens
+
+
+def test_rank_0_of_a_cpu_group_sends_a_later_forward_the_samples_own_array() -> None:
+    """Between two forwards of a frame, rank 0 hands its carrier the array the compiled pass wrote
+    the sample into (no numpy view made there, change 114), and goes on with the tensor over it."""
+    import executor.sampler as sampler
+
+    carrier = _Carried()
+    runner = StepRunner(rank=0, world_size=2, model=StandInModel(0, 1), cache=make_cache(geometry(), KV_HEADS, poison=False),
+                        options=None, feedback=carrier)  # fmt: skip
+    outputs = sampler.HostOutputs.frame(1, 3, 0)[0]
+    outputs.tokens[:] = [40, 41, 42]
+    runner._samples.tokens, runner._samples.array = outputs.out.token_ids, outputs.tokens
+    got = runner._next_tokens(7, 1, 3)
+    assert got is outputs.out.token_ids and carrier.sent[-1] is outputs.tokens
+    runner._samples.array = None  # the passes drew it (no compiled pass): the tensor goes
+    assert runner._next_tokens(7, 2, 3) is outputs.out.token_ids and carrier.sent[-1] is outputs.out.token_ids
+    runner._is_cut = lambda step: True
+    assert runner._next_tokens(7, 3, 3) is None
