@@ -103,8 +103,11 @@ class ProcessGroupFeedback:
     device: torch.device  # the tokens'
 
     def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
-        tensor = torch.from_numpy(tokens) if isinstance(tokens, np.ndarray) else tokens
-        return dist.broadcast(tensor, src=0, async_op=True).wait
+        return dist.broadcast(self._tensor(tokens), src=0, async_op=True).wait
+
+    def _tensor(self, tokens: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """A host array's tensor on the group's device (on a CPU its memory, which a receive fills)."""
+        return torch.as_tensor(tokens, device=self.device) if isinstance(tokens, np.ndarray) else tokens
 
     def later_forward(
         self, step: int, forward: int, rows: int, tokens: torch.Tensor | np.ndarray | None, cut: bool
@@ -113,8 +116,7 @@ class ProcessGroupFeedback:
         if tokens is not None:  # rank 0
             # Filled on the device: a copy from the host would wait for the forward running.
             flag = torch.full((1,), int(cut), dtype=torch.long, device=self.device)
-            values = torch.from_numpy(tokens) if isinstance(tokens, np.ndarray) else tokens
-            self.start(step, forward, torch.cat((values, flag)))()
+            self.start(step, forward, torch.cat((self._tensor(tokens), flag)))()
             return None if cut else tokens
         message = torch.empty(rows + 1, dtype=torch.long, device=self.device)
         self.start(step, forward, message)()
@@ -138,7 +140,7 @@ class SocketFeedback:
     last_wait_s: float = field(default=0.0, init=False, repr=False, compare=False)
 
     def start(self, step: int, forward: int, tokens: torch.Tensor | np.ndarray) -> Callable[[], None]:
-        values = tokens if isinstance(tokens, np.ndarray) else tokens.numpy()
+        values = _array(tokens)
         if self.rank == 0:
             self._send(step, forward, values)
             return _sent
@@ -171,7 +173,7 @@ class SocketFeedback:
         # of a frame, cold (bench_step --num-scheduler-steps 16 at 2 ranks).
         message = np.empty(rows + 1, dtype=np.int64)
         if tokens is not None:  # rank 0
-            message[:rows] = tokens if isinstance(tokens, np.ndarray) else tokens.numpy()
+            message[:rows] = _array(tokens)
             message[rows] = cut
             self._send(step, forward, message)
             return None if cut else tokens
@@ -223,6 +225,11 @@ def _send(peer: socket.socket, header: np.ndarray, values: np.ndarray) -> None:
         raise FeedbackError(f"a rank read no feedback for {peer.gettimeout():g} s") from exc
     except OSError as exc:
         raise FeedbackError(f"the feedback could not reach a rank: {exc!r} (it has ended)") from exc
+
+
+def _array(tokens: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A host tensor's numpy view, or the host array itself."""
+    return tokens if isinstance(tokens, np.ndarray) else tokens.numpy()
 
 
 def _receive_exactly(peer: socket.socket, into: memoryview, spin_s: float = 0.0) -> None:

@@ -282,7 +282,7 @@ class StepRunner:
             return None if cut else tokens
         # A CPU group's rank 0 sends the sample's own array (change 111's): the tensor's numpy view
         # was the carrier's first bridge after the forward (change 114).
-        sent = self._samples.array if self.rank == 0 and self._samples.array is not None else tokens
+        sent = tokens if self._samples.array is None else self._samples.array  # rank 0's alone
         # No rank launches a later forward before it knows that there is one (executor.feedback).
         got = self._feedback.later_forward(step, forward, rows, sent, cut)
         return tokens if self.rank == 0 and got is not None else got

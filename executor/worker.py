@@ -358,7 +358,11 @@ def serve_executor(
     from protocol.transport import ExecutorEndpoint  # imported when a rank starts: it pulls in zmq
 
     rank = loaded.rank
-    endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve)
+    # Woken by the model's thread for each step's answer, right before its next forward: on a CPU,
+    # measured to pay (docs/control_plane.md, change 113); a GPU rank's forward gives the GIL up at
+    # each launch, where the link's RESULT would come between two, unmeasured.
+    on_cpu = loaded.cache.device.type == "cpu"
+    endpoint = ExecutorEndpoint(address, key, run_id, rank, curve=curve, wake_holding_gil=on_cpu)
     try:
         worker = Worker(
             rank=rank,

@@ -32,7 +32,9 @@ class ExecutorEndpoint:
         supported_versions: Iterable[int] = SUPPORTED_VERSIONS,
         limits: Limits = DEFAULT_LIMITS,
         curve: ClientCurve | None = None,
+        wake_holding_gil: bool = False,
     ) -> None:
+        """wake_holding_gil: wake() keeps the GIL (Waker's hold_gil says when that pays)."""
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.rank = rank
@@ -55,8 +57,7 @@ class ExecutorEndpoint:
             self._sock.close(0)
             self._context.term()
             raise TransportError(f"cannot connect rank {rank} to {address}: {exc}") from exc
-        # Woken by the model's thread for each step's answer, right before its next forward.
-        self._waker = Waker(self._sock, hold_gil=True)
+        self._waker = Waker(self._sock, hold_gil=wake_holding_gil)
         self._closed = False
 
     @property

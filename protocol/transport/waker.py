@@ -17,11 +17,13 @@ from protocol.transport.sockets import POLLIN
 def _write_holding_the_gil() -> Callable[[int, bytes, int], int] | None:
     """libc's write(2) called with the GIL held (ctypes.PyDLL's calls keep it), or None where the
     C library cannot be loaded (Waker's hold_gil says where it is used)."""
+    if os.name != "posix":
+        return None
     try:
-        # ctypes' default conversions (an int, bytes, an int returned): with argtypes declared the
-        # call took ~28 us right after an idle against ~13, where os.write takes ~7.
+        # No argtypes: with them declared the call took ~28 us right after an idle against ~13
+        # with ctypes' default conversions (an int, bytes, an int back), where os.write takes ~7.
         return ctypes.PyDLL(None, use_errno=True).write
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
 
 
@@ -39,11 +41,12 @@ class Waker:
     `hold_gil`: wake() keeps the GIL through its system call. os.write gives it up there, and a
     thread that waits for it takes it: an executor's link thread, woken for a step's answer right
     before the next forward, then made and sent the RESULT while the model's thread waited to start
-    that forward (bench_step at 2 ranks with the GIL-holding forward: 583-848 us between two
-    forwards against 268-275; docs/control_plane.md, change 113). Held, the link takes the GIL
+    that forward (bench_step at 2 ranks with the GIL-holding forward, seven pairs: 848 us between
+    two forwards against 268; docs/control_plane.md, change 113). Held, the link takes the GIL
     where the model's thread next gives it up, in the forward. Not the frontend's: its engine
     thread, woken by the HTTP thread, then waited for the GIL instead (20% more of its wake-ups
-    a token at concurrency 32)."""
+    a token at concurrency 32). The pipe is non-blocking, so the write that holds the GIL never
+    waits."""
 
     def __init__(self, sock: zmq.Socket, news: dict[zmq.Socket, Callable[[], bool]] | None = None, hold_gil: bool = False) -> None:
         self._sock = sock
@@ -62,8 +65,10 @@ class Waker:
         """Ends the poll's wait. A pipe full of wake-ups nobody has read yet holds one already:
         that is enough."""
         if self._hold_gil:
-            if _WRITE(self._write, b"w", 1) < 0 and (code := ctypes.get_errno()) != errno.EAGAIN:
-                raise OSError(code, os.strerror(code))
+            # os.write retries an interrupted call (PEP 475); so does this.
+            while _WRITE(self._write, b"w", 1) < 0 and (code := ctypes.get_errno()) != errno.EAGAIN:
+                if code != errno.EINTR:
+                    raise OSError(code, os.strerror(code))
             return
         try:
             os.write(self._write, b"w")

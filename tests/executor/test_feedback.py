@@ -332,7 +332,13 @@ def test_rank_0_of_a_cpu_group_sends_a_later_forward_the_samples_own_array() -> 
     runner._samples.tokens, runner._samples.array = outputs.out.token_ids, outputs.tokens
     got = runner._next_tokens(7, 1, 3)
     assert got is outputs.out.token_ids and carrier.sent[-1] is outputs.tokens
-    runner._samples.array = None  # the passes drew it (no compiled pass): the tensor goes
-    assert runner._next_tokens(7, 2, 3) is outputs.out.token_ids and carrier.sent[-1] is outputs.out.token_ids
     runner._is_cut = lambda step: True
-    assert runner._next_tokens(7, 3, 3) is None
+    assert runner._next_tokens(7, 2, 3) is None and carrier.sent[-1] is outputs.tokens
+    runner._is_cut = lambda step: False
+    runner._samples.array = None  # the passes drew it (no compiled pass): the tensor goes
+    assert runner._next_tokens(7, 3, 3) is outputs.out.token_ids and carrier.sent[-1] is outputs.out.token_ids
+    # Another rank passes nothing and goes on with what the carrier brings.
+    other = StepRunner(rank=1, world_size=2, model=StandInModel(1, 2), cache=make_cache(geometry(), KV_HEADS, poison=False),
+                       options=None, feedback=carrier)  # fmt: skip
+    carrier.later_forward = lambda step, forward, rows, tokens, cut: carrier.sent.append(tokens) or torch.tensor([5, 6, 7])
+    assert other._next_tokens(7, 1, 3).tolist() == [5, 6, 7] and carrier.sent[-1] is None

@@ -1093,3 +1093,25 @@ def test_rank_0_on_a_cpu_samples_into_the_outputs_made_where_the_step_was_staged
     for step, result in results.items():
         (outputs,) = staged_outputs[step]  # one forward
         assert outputs.tokens.tolist() == result.token_ids.tolist() and outputs.finite.tolist() == result.finite.tolist(), step
+
+
+@pytest.mark.parametrize(("device", "holding"), [("cpu", True), ("cuda", False)])
+def test_a_rank_is_connected_with_a_link_woken_holding_the_gil_on_a_cpu_alone(monkeypatch, device: str, holding: bool) -> None:
+    """On a CPU the model's thread wakes its link for each answer without giving the GIL up there
+    (docs/control_plane.md, change 113); a GPU rank's, unmeasured, gives it up as before."""
+    import protocol.transport
+
+    class Connected(Exception):
+        pass
+
+    made = {}
+
+    def endpoint(*args: object, **kwargs: object) -> None:
+        made.update(kwargs)
+        raise Connected
+
+    monkeypatch.setattr(protocol.transport, "ExecutorEndpoint", endpoint)
+    loaded = SimpleNamespace(rank=0, cache=SimpleNamespace(device=torch.device(device)))
+    with pytest.raises(Connected):
+        executor.worker.serve_executor(loaded, address="ipc:///nowhere", key=b"k" * 32, run_id="run")
+    assert made["wake_holding_gil"] is holding
