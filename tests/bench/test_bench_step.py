@@ -218,6 +218,17 @@ def test_the_rounds_are_compared_in_pairs() -> None:
     assert figures["forward_gap_us.p90"]["difference_median"] == -20  # of +20, -20, -20
     ready = figures["prepare_to_all_ready_us.median"]  # the round without it is left out
     assert ready["this"] == [1000, 1100] and ready["difference_median"] == -200
+    assert not any("frame" in figure for figure in figures)  # steps of one forward have no frames
+
+    def framed(within: float, between: float) -> dict[str, dict]:
+        case = run(200, 400, 1000)["overlap/2/rows=16/sleep"]
+        case |= {"forward_gap_within_frame_us": {"median": within}, "forward_gap_between_frames_us": {"median": between}}
+        return {"overlap/2/rows=16/sleep/forwards=16": case}
+
+    frames = paired({"this": [framed(150, 400), framed(170, 420)], "baseline": [framed(210, 390), framed(230, 450)]})
+    frames = frames["overlap/2/rows=16/sleep/forwards=16"]
+    assert frames["forward_gap_within_frame_us.median"]["difference_median"] == -60
+    assert frames["forward_gap_between_frames_us.median"]["difference_median"] == -10  # of +10, -30
 
 
 def test_a_tree_is_compared_with_a_baseline_round_by_round() -> None:
