@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from executor.host_copy import to_device
 from executor.options import COLLECTIVE_TIMEOUT_S
 from protocol.errors import TPRuntimeError
 from protocol.transport.ipc import private_directory
@@ -106,8 +107,9 @@ class ProcessGroupFeedback:
         return dist.broadcast(self._tensor(tokens), src=0, async_op=True).wait
 
     def _tensor(self, tokens: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """A host array's tensor on the group's device (on a CPU its memory, which a receive fills)."""
-        return torch.as_tensor(tokens, device=self.device) if isinstance(tokens, np.ndarray) else tokens
+        """A host array's tensor on the group's device: on a CPU its memory, which a receive fills;
+        on a GPU a copy queued from pinned memory (host_copy says why)."""
+        return to_device(tokens, self.device) if isinstance(tokens, np.ndarray) else tokens
 
     def later_forward(
         self, step: int, forward: int, rows: int, tokens: torch.Tensor | np.ndarray | None, cut: bool

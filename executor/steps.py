@@ -280,9 +280,10 @@ class StepRunner:
         cut, tokens = (self._is_cut(step), self._samples.tokens) if self.rank == 0 else (False, None)
         if self._feedback is None:
             return None if cut else tokens
-        # A CPU group's rank 0 sends the sample's own array (change 111's): the tensor's numpy view
-        # was the carrier's first bridge after the forward (change 114).
-        sent = tokens if self._samples.array is None else self._samples.array  # rank 0's alone
+        # A CPU group's rank 0 sends the sample's own array (change 111's; only rank 0 samples, so
+        # elsewhere there is none): the tensor's numpy view was the carrier's first bridge after the
+        # forward (change 114).
+        sent = tokens if self._samples.array is None else self._samples.array
         # No rank launches a later forward before it knows that there is one (executor.feedback).
         got = self._feedback.later_forward(step, forward, rows, sent, cut)
         return tokens if self.rank == 0 and got is not None else got

@@ -494,8 +494,8 @@ class IncrementalDetokenizer:
     whatever follows, so an incremental UTF-8 reader fed each step's bytes (_Utf8Reader) gives
     exactly that text, and sends invalid bytes' U+FFFD at once: a lookup a token and one decode a
     step. The windowed reading (_WindowedDetokenizer) serves a prompt whose last tokens end inside
-    a character, and tokenizers that are not byte-level (sentencepiece's byte fallback replaces every byte of an
-    invalid run, so its text depends on how the bytes are grouped).
+    a character, and tokenizers that are not byte-level (sentencepiece's byte fallback replaces
+    every byte of an invalid run, so its text depends on how the bytes are grouped).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | tuple[int, ...] = ()):

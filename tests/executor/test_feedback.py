@@ -342,3 +342,20 @@ def test_rank_0_of_a_cpu_group_sends_a_later_forward_the_samples_own_array() -> 
                        options=None, feedback=carrier)  # fmt: skip
     carrier.later_forward = lambda step, forward, rows, tokens, cut: carrier.sent.append(tokens) or torch.tensor([5, 6, 7])
     assert other._next_tokens(7, 1, 3).tolist() == [5, 6, 7] and carrier.sent[-1] is None
+
+
+def test_a_process_group_carrier_puts_a_host_array_on_its_device_as_every_host_copy_goes(monkeypatch) -> None:
+    """A host array given to a process group's carrier reaches the group's device through
+    host_copy.to_device (on a GPU a copy queued from pinned memory, not one that waits for the
+    forward running); on a CPU it is the array's own memory, which a receive fills."""
+    import executor.feedback as feedback
+
+    host = np.array([3, 4, 5], dtype=np.int64)
+    on_cpu = ProcessGroupFeedback(0, torch.device("cpu"))._tensor(host)
+    assert np.shares_memory(on_cpu.numpy(), host)
+    tensor = torch.tensor([1, 2])
+    assert ProcessGroupFeedback(0, torch.device("cpu"))._tensor(tensor) is tensor
+    copied = []
+    monkeypatch.setattr(feedback, "to_device", lambda array, device: copied.append((array, device)) or torch.from_numpy(array))
+    ProcessGroupFeedback(1, torch.device("cuda", 1))._tensor(host)
+    assert len(copied) == 1 and copied[0][0] is host and copied[0][1] == torch.device("cuda", 1)
