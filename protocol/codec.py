@@ -70,7 +70,6 @@ class _Spec:
     cls: type
     scalars: tuple[tuple[str, object], ...]  # (name, kind); kind is one of the above or a _Spec
     arrays: tuple[tuple[str, np.dtype], ...]
-    itemsizes: np.ndarray  # int64, each array's dtype.itemsize, in the order of `arrays`
     scalar_names: frozenset[str]
 
 
@@ -99,7 +98,6 @@ def _spec_of(cls: type) -> _Spec:
         cls=cls,
         scalars=tuple(scalars),
         arrays=tuple(arrays),
-        itemsizes=np.array([dtype.itemsize for _, dtype in arrays], dtype=np.int64),
         scalar_names=frozenset(n for n, _ in scalars),
     )
 
@@ -343,34 +341,30 @@ def _scalars_from_map(spec: _Spec, data: object, where: str) -> dict[str, object
 
 def _arrays_from_payload(spec: _Spec, lengths: object, payload: memoryview) -> dict[str, np.ndarray]:
     """Read-only views into the payload, one per array the body declares, at the offsets the
-    lengths imply; the payload must hold exactly them (and their padding). The offsets are worked
-    out in numpy: a Python loop over a PREPARE's 33 arrays cost more than the views themselves."""
+    lengths imply; the payload must hold exactly them (and their padding). The offsets are Python
+    integers, exact at any length: numpy's arithmetic on them cost ~100 us of a frame's decoding
+    when it ran cold, right after a forward (docs/control_plane.md, change 115)."""
     cls_name = spec.cls.__name__
-    if type(lengths) is not list or len(lengths) != len(spec.arrays) or not all(type(n) is int for n in lengths):
+    if type(lengths) is not list or len(lengths) != len(spec.arrays):
         raise ProtocolError(
             RejectCode.MALFORMED,
             f"{cls_name} carries {len(spec.arrays)} arrays; the envelope must list each one's length",
         )
-    if not lengths:
-        if payload.nbytes:
-            raise ProtocolError(RejectCode.LENGTH_MISMATCH, f"{cls_name} carries no arrays, the payload is not empty")
-        return {}
-    # A length over the payload's byte count cannot fit; checked before any multiplication, so that
-    # the int64 arithmetic below is exact.
-    if min(lengths) < 0:
-        raise ProtocolError(RejectCode.MALFORMED, f"{cls_name}: an array length is negative")
-    if max(lengths) > payload.nbytes:
+    size = payload.nbytes
+    offsets = []
+    at = 0
+    for (_, dtype), n in zip(spec.arrays, lengths):
+        if type(n) is not int:
+            raise ProtocolError(RejectCode.MALFORMED, f"{cls_name}: every array length must be an integer")
+        if n < 0:
+            raise ProtocolError(RejectCode.MALFORMED, f"{cls_name}: an array length is negative")
+        offsets.append(at)
+        nbytes = n * dtype.itemsize
+        at += nbytes + (-nbytes % _ALIGN)
+    if at != size:
         raise ProtocolError(
-            RejectCode.LENGTH_MISMATCH, f"{cls_name}: an array length exceeds the {payload.nbytes}-byte payload"
+            RejectCode.LENGTH_MISMATCH, f"{cls_name}: the array lengths need a {at}-byte payload, the frame has {size}"
         )
-    padded = (np.array(lengths, dtype=np.int64) * spec.itemsizes + (_ALIGN - 1)) & -_ALIGN
-    ends = np.cumsum(padded)
-    if ends[-1] != payload.nbytes:
-        raise ProtocolError(
-            RejectCode.LENGTH_MISMATCH,
-            f"{cls_name}: the array lengths need a {int(ends[-1])}-byte payload, the frame has {payload.nbytes}",
-        )
-    offsets = (ends - padded).tolist()
     return {
         name: np.frombuffer(payload, dtype, length, offset)
         for (name, dtype), length, offset in zip(spec.arrays, lengths, offsets)
