@@ -172,6 +172,7 @@ def server_side(results: Sequence[StreamResult], wall_s: float, wanted: int) -> 
         wall_s,
         wanted,
         [r.error for r in results if r.error is not None],
+        itls=[gap for r in ok for gap in r.itl_s],
     )
 
 
@@ -382,7 +383,7 @@ def bench_reference(model_path: str, levels: dict[int, list[tuple[int, ...]]], a
     sides: dict[int, SideResult] = {}
     outputs: dict[int, list[list[int]]] = {}
     for concurrency, prompts in levels.items():
-        counts, ttfts, tpots, generated = [], [], [], []
+        counts, ttfts, tpots, itls, generated = [], [], [], [], []
         wall = 0.0
         for start in range(0, len(prompts), concurrency):
             run = reference.generate(prompts[start : start + concurrency], args.output_len, ignore_eos=True)
@@ -392,8 +393,9 @@ def bench_reference(model_path: str, levels: dict[int, list[tuple[int, ...]]], a
                 ttfts.append(run.ttft_s)
                 if run.tpot_s is not None:
                     tpots.append(run.tpot_s)
+                itls.extend(run.itl_s)
                 generated.append(tokens)
-        sides[concurrency] = side_result(counts, ttfts, tpots, wall, args.output_len)
+        sides[concurrency] = side_result(counts, ttfts, tpots, wall, args.output_len, itls=itls)
         outputs[concurrency] = generated
         _progress(f"reference   c={concurrency:<3} {sides[concurrency].tokens_per_s:8.1f} tok/s")
     return sides, outputs

@@ -110,6 +110,12 @@ class BatchRun:
             return None
         return (self.step_times[-1] - self.step_times[0]) / (len(self.step_times) - 1)
 
+    @property
+    def itl_s(self) -> list[float]:
+        """Each row's gaps between two tokens (every row's are the batch's steps)."""
+        times = self.step_times
+        return [b - a for a, b in zip(times, times[1:])]
+
 
 class HFReference:
     """transformers' AutoModelForCausalLM on the same GGUF, in the runtime's dtype.

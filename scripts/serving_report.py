@@ -54,10 +54,15 @@ class SideResult:
     tpot_p99_s: float | None
     short_outputs: int  # requests that produced fewer tokens than asked (the server ignored ignore_eos)
     errors: tuple[str, ...] = ()
+    # Inter-token latency, every request's gaps pooled (StreamResult.itl_s): what a stream's reader
+    # waits between two pieces, where TPOT averages a request's pieces away.
+    itl_median_s: float | None = None
+    itl_p99_s: float | None = None
 
 
 def side_result(
-    token_counts: Sequence[int], ttfts: Sequence[float], tpots: Sequence[float], wall_s: float, wanted: int, errors: Sequence[str] = ()
+    token_counts: Sequence[int], ttfts: Sequence[float], tpots: Sequence[float], wall_s: float, wanted: int, errors: Sequence[str] = (),
+    itls: Sequence[float] = (),
 ) -> SideResult:
     tokens = sum(token_counts)
 
@@ -75,6 +80,8 @@ def side_result(
         tpot_p99_s=r(percentile(tpots, 99)),
         short_outputs=sum(n < wanted for n in token_counts),
         errors=tuple(errors),
+        itl_median_s=r(percentile(itls, 50)),
+        itl_p99_s=r(percentile(itls, 99)),
     )
 
 
@@ -312,7 +319,7 @@ def print_summary(report: dict, out: Path) -> None:
     if report.get("model_step_s"):
         lines.append(f"bench_model batch-1 step in this run: {report['model_step_s'] * 1000:.2f} ms")
     lines.append(
-        f"{'conc':>4} {'server':>8} {'tok/s':>9} {'TTFT med':>9} {'TPOT med':>9} {'TPOT p99':>9} {'idle':>6} "
+        f"{'conc':>4} {'server':>8} {'tok/s':>9} {'TTFT med':>9} {'TPOT med':>9} {'TPOT p99':>9} {'ITL p99':>9} {'idle':>6} "
         f"{'model step':>10} {'ctl CPU/tok':>11}"
     )
     for level in report["levels"]:
@@ -326,6 +333,7 @@ def print_summary(report: dict, out: Path) -> None:
             lines.append(
                 f"{level['concurrency']:>4} {loop:>8} {side['tokens_per_s']:>9.1f} {fmt(side['ttft_median_s']):>9} "
                 f"{fmt(side['tpot_median_s'], 1000, '.2f'):>7}ms {fmt(side['tpot_p99_s'], 1000, '.2f'):>7}ms "
+                f"{fmt(side.get('itl_p99_s'), 1000, '.2f'):>7}ms "
                 f"{fmt(share, 100, '.1f'):>5}% {fmt(step, 1000, '.2f'):>8}ms {fmt(cpu, 1, '.3f'):>9}ms"
             )
         for run in level["runs"]:

@@ -75,6 +75,7 @@ class StreamResult:
     t_last: float | None = None
     t_end: float | None = None
     token_times: list[float] = field(default_factory=list)
+    piece_times: list[float] = field(default_factory=list)  # each chunk that carried tokens or text
 
     @property
     def completed(self) -> bool:
@@ -94,6 +95,13 @@ class StreamResult:
         if self.t_first is None or self.t_last is None or n < 2:
             return None
         return (self.t_last - self.t_first) / (n - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latency as vLLM's benchmark reads it: for each piece after the first, the
+        time since the piece before it (a piece of several tokens is one gap)."""
+        times = self.piece_times
+        return [b - a for a, b in zip(times, times[1:])]
 
 
 async def stream_completion(
@@ -172,6 +180,7 @@ def _absorb_chunk(chunk: dict, result: StreamResult, now: float) -> bool:
             result.token_ids.extend(tokens)
             result.text += text
             result.token_times.extend([now] * max(1, len(tokens)))
+            result.piece_times.append(now)
             if result.t_first is None:
                 result.t_first = now
             result.t_last = now

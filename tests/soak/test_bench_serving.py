@@ -66,6 +66,38 @@ def test_side_result_counts_throughput_and_short_outputs():
     assert side.ttft_median_s == 0.2 and side.tpot_median_s == pytest.approx(0.015)
 
 
+def test_itl_is_the_gap_before_each_piece_after_the_first_pooled_over_requests(tmp_path, capsys):
+    """As vLLM's benchmark reads it: a piece of several tokens (a frame's) is one gap, so the
+    bursts that TPOT averages away show."""
+    from dataclasses import asdict
+
+    from scripts.bench_serving import PooledRounds
+    from scripts.harness.client import _absorb_chunk
+    from scripts.serving_report import print_summary
+
+    def streamed(pieces):
+        result = StreamResult(t_sent=0.0)
+        for now, tokens in pieces:
+            _absorb_chunk({"choices": [{"token_ids": tokens, "text": "x"}]}, result, now)
+        return result
+
+    burst = streamed([(0.5, [1]), (0.6, [2, 3, 4, 5]), (1.6, [6, 7, 8, 9])])
+    steady = streamed([(0.2, [1]), (0.3, [2]), (0.4, [3])])
+    assert burst.itl_s == pytest.approx([0.1, 1.0]) and steady.itl_s == pytest.approx([0.1, 0.1])
+    assert burst.tpot_s == pytest.approx(1.1 / 8)  # the one-second wait, averaged over eight tokens
+    pooled = PooledRounds()
+    pooled.add([burst, steady], 2.0, None, None, {}, {})
+    side = pooled.run(OVERLAP, 9).side
+    assert side.itl_median_s == pytest.approx(0.1) and side.itl_p99_s == pytest.approx(1.0, abs=0.05)
+    assert side_result([1], [0.1], [], wall_s=1.0, wanted=1).itl_p99_s is None  # no gap: not measured
+    config = {"dtype": "bf16", "input_len": 256, "output_len": 64}
+    level = asdict(level_report(32, [loop_run(OVERLAP, side, None)], None, None))
+    report = {"target": {"name": "t"}, "config": config, "levels": [level], "targets": [], "load_average": {"start": [0], "end": [0]}}
+    print_summary(report, tmp_path)
+    header, row = [line for line in capsys.readouterr().err.splitlines() if "TTFT med" in line or line.startswith("  32")]
+    assert "ITL p99" in header and row.split()[6] == f"{side.itl_p99_s * 1000:.2f}ms"
+
+
 def _side(wall_s, ttft, tpot):
     return side_result([64] * 4, [ttft] * 4, [tpot] * 4, wall_s=wall_s, wanted=64)
 
