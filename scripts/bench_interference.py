@@ -56,15 +56,9 @@ class Round:
     failed: tuple[str, ...] = ()
 
 
-def piece_gaps(result: StreamResult) -> list[float]:
-    """The times between two consecutive pieces of a stream (a piece of several tokens counts once)."""
-    arrivals = sorted(set(result.token_times))
-    return [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
-
-
 def summarize(variant: str, index: int, streams: Sequence[StreamResult], long: StreamResult) -> Round:
     failed = tuple(r.error or "incomplete" for r in (*streams, long) if not r.completed)
-    gaps = [piece_gaps(r) for r in streams]
+    gaps = [r.itl_s for r in streams]
     longest = [max(g) for g in gaps if g]
     every = sorted(gap for g in gaps for gap in g)
     return Round(

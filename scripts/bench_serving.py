@@ -281,7 +281,7 @@ def started_servers(
 
 
 class PooledRounds:
-    """One server's rounds at one level, pooled: every request's TTFT and TPOT, the walls, the
+    """One server's rounds at one level, pooled: every request's TTFT, TPOT and ITL, the walls, the
     step counters' and the processes' CPU growth added up."""
 
     def __init__(self) -> None:

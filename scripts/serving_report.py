@@ -61,7 +61,12 @@ class SideResult:
 
 
 def side_result(
-    token_counts: Sequence[int], ttfts: Sequence[float], tpots: Sequence[float], wall_s: float, wanted: int, errors: Sequence[str] = (),
+    token_counts: Sequence[int],
+    ttfts: Sequence[float],
+    tpots: Sequence[float],
+    wall_s: float,
+    wanted: int,
+    errors: Sequence[str] = (),
     itls: Sequence[float] = (),
 ) -> SideResult:
     tokens = sum(token_counts)
@@ -333,7 +338,7 @@ def print_summary(report: dict, out: Path) -> None:
             lines.append(
                 f"{level['concurrency']:>4} {loop:>8} {side['tokens_per_s']:>9.1f} {fmt(side['ttft_median_s']):>9} "
                 f"{fmt(side['tpot_median_s'], 1000, '.2f'):>7}ms {fmt(side['tpot_p99_s'], 1000, '.2f'):>7}ms "
-                f"{fmt(side.get('itl_p99_s'), 1000, '.2f'):>7}ms "
+                f"{fmt(side.get('itl_p99_s')):>9} "
                 f"{fmt(share, 100, '.1f'):>5}% {fmt(step, 1000, '.2f'):>8}ms {fmt(cpu, 1, '.3f'):>9}ms"
             )
         for run in level["runs"]:

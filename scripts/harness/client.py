@@ -74,8 +74,7 @@ class StreamResult:
     t_first: float | None = None
     t_last: float | None = None
     t_end: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    piece_times: list[float] = field(default_factory=list)  # each chunk that carried tokens or text
+    token_times: list[float] = field(default_factory=list)  # a piece's tokens (or its text) share its arrival
 
     @property
     def completed(self) -> bool:
@@ -100,8 +99,8 @@ class StreamResult:
     def itl_s(self) -> list[float]:
         """Inter-token latency as vLLM's benchmark reads it: for each piece after the first, the
         time since the piece before it (a piece of several tokens is one gap)."""
-        times = self.piece_times
-        return [b - a for a, b in zip(times, times[1:])]
+        arrivals = sorted(set(self.token_times))
+        return [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
 
 
 async def stream_completion(
@@ -180,7 +179,6 @@ def _absorb_chunk(chunk: dict, result: StreamResult, now: float) -> bool:
             result.token_ids.extend(tokens)
             result.text += text
             result.token_times.extend([now] * max(1, len(tokens)))
-            result.piece_times.append(now)
             if result.t_first is None:
                 result.t_first = now
             result.t_last = now

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from scripts.bench_interference import parse_args, piece_gaps, summarize, variants_of
+from scripts.bench_interference import parse_args, summarize, variants_of
 from scripts.harness.client import StreamResult
 
 
@@ -16,8 +16,8 @@ def stream(times: list[float], finish_reason: str | None = "length", t_sent: flo
 
 def test_a_piece_of_several_tokens_is_one_arrival() -> None:
     # Tokens of one piece share its arrival time: the gap is between pieces, not tokens.
-    assert piece_gaps(stream([1.0, 1.0, 1.0, 1.5, 3.5])) == [0.5, 2.0]
-    assert piece_gaps(stream([])) == []
+    assert stream([1.0, 1.0, 1.0, 1.5, 3.5]).itl_s == [0.5, 2.0]
+    assert stream([]).itl_s == []
 
 
 def test_a_round_reports_the_median_stream_stall_the_gap_p99_and_the_long_prompts_ttft() -> None:

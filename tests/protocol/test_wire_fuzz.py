@@ -356,6 +356,12 @@ def test_array_listing_must_give_each_array_one_integer_length() -> None:
     env, payload = envelope_of(result_frame())
     env["arrays"][1] = 3.0
     assert reject_code(signed(env, payload)) == RejectCode.MALFORMED
+    env, payload = envelope_of(result_frame())
+    env["arrays"][1] = True  # msgpack's true is no length, though Python's bool is an int
+    assert reject_code(signed(env, payload)) == RejectCode.MALFORMED
+    env, payload = envelope_of(result_frame())
+    env["arrays"][0], env["arrays"][1] = 2**40, -1  # a bad length is refused as such after an oversized one
+    assert reject_code(signed(env, payload)) == RejectCode.MALFORMED
 
 
 def test_arrays_are_aligned_views_of_the_one_payload() -> None:
