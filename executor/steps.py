@@ -286,7 +286,8 @@ class StepRunner:
         sent = tokens if self._samples.array is None else self._samples.array
         # No rank launches a later forward before it knows that there is one (executor.feedback).
         got = self._feedback.later_forward(step, forward, rows, sent, cut)
-        return tokens if self.rank == 0 and got is not None else got
+        # Rank 0 decided the cut and holds the tokens as a tensor, whatever form it sent them in.
+        return (None if cut else tokens) if self.rank == 0 else got
 
     def _feed(self, staged: StagedStep) -> _Feeding | None:
         """Starts the feedback rows' tokens on their way to every rank; the step's cache operations
