@@ -12,6 +12,8 @@ step of few rows reads the int4 copies, a larger one the dense copies: its floor
 Decode runs the compiled layers (executor/model/compiled.py; `--compile wait` builds them first
 if they are not cached yet, `off` runs eager). `--rss-steps N` runs N random steps (decode
 batches, and prefill chunks mixed with decodes) and reports the process's RSS along the way.
+`--slices` keeps the model loaded and times a batch-1 decode step on demand, for a benchmark that
+runs beside it (scripts/bench_serving.py; `serve_slices`).
 
 With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/model-base
 afdec79`) the two trees' benchmarks run as subprocesses in turn, `--rounds` times, so that a busy
@@ -31,8 +33,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -301,6 +305,28 @@ def bench_decode(
     return decode, clear_on, clear_off
 
 
+def serve_slices(
+    path: str, name: str, context: int, compile_mode: str, lines: Iterable[str], out: TextIO
+) -> None:
+    """Batch-1 decode steps timed on demand: once loaded, one line `{"ready": true}`; then for each
+    line read, a count of steps, the median of that many steps as `{"step_s": ..., "steps": ...}`.
+    A benchmark beside it times the model's step right before and after each of its measurements:
+    a shared host's memory bandwidth has slow spells of ~15 s that move this step by up to ~1.6x
+    (docs/control_plane.md, the twenty-sixth sitting), so a step timed once a run says little about
+    a level measured a minute later."""
+    model = load(path, name, compile_mode)
+    bench = Bench(model, new_cache(model, -(-(context + 1) // PAGE_SIZE)), context, [])
+    step = make_prepare([[7]], [context + 1], [], bench.vocab)
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in lines:
+        steps = int(line)
+        if steps < 1:
+            raise ValueError(f"a slice needs at least one step, not {steps}")
+        out.write(json.dumps({"step_s": statistics.median(bench.timed(step, steps)), "steps": steps}) + "\n")
+        out.flush()
+
+
 def clear_alone_us(cache: KVCache, pages: list[int], runs: int = 200) -> float:
     """A batch-32 step's clear_pages call timed alone: the A/B difference of whole steps drowns in
     step noise on a shared machine; this does not."""
@@ -475,6 +501,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--compile", choices=("wait", "off"), default="wait", help="compiled decode layers")
     parser.add_argument("--rss-steps", type=int, default=0, help="also run this many random steps, reporting RSS")
+    parser.add_argument(
+        "--slices", action="store_true",
+        help="keep the first format loaded and, for each count of steps read from stdin, print the median "
+        "batch-1 decode step of that many as a JSON line",
+    )
     parser.add_argument("--baseline", default=None, help="a checkout to compare against, side by side")
     parser.add_argument("--baseline-format", default="mixed", help="the baseline's format (its default: mixed)")
     parser.add_argument("--rounds", type=int, default=5, help="with --baseline: rounds of both")
@@ -500,9 +531,12 @@ def main() -> None:
     retain_freed_memory()  # as the executor does
     if args.threads:
         torch.set_num_threads(args.threads)
+    path = args.model or default_model_path()
+    if args.slices:
+        serve_slices(path, names[0], args.context, args.compile, sys.stdin, sys.stdout)
+        return
     bandwidth = copy_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
-    path = args.model or default_model_path()
     results = [
         bench_format(path, name, args.steps, batches, bandwidth, args.compile, args.context, args.mixed)
         for name in names

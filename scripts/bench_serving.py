@@ -20,14 +20,16 @@ repeats every level N times, the order alternating every level and round, and po
 rounds (every request's TTFT and TPOT, the walls, the counters, the CPU). Each round starts its
 servers afresh, in the order reversed every other round: the server started first ran 2-3% slower
 for as long as it lived, whichever tree it held. The reference runs after them, never at the same
-time. Before the servers
-start, scripts/bench_model.py times the model's batch-1 decode step in this same run.
+time. Beside the servers, one `scripts/bench_model.py --slices` process keeps the model loaded
+and times its batch-1 decode step right before and right after each server's level at concurrency
+1: a lone stream's TPOT is held against the mean of those two (the host's slow spells of ~15 s move
+both by up to ~1.6x; ModelStepProbe).
 
 Reported per server and level: output tokens/s, time to first token and time per output token
 (median and p99), from the runtime's /metrics the share of step time that rank 0's model sat idle
 on the control plane and its mean step, and from each process's CPU clock its CPU time per output
 token. Targets (serving_report.py): >= 3x the reference's throughput at concurrency 32 and
->= 1.5x at 1; the overlapped TPOT at concurrency 1 within 5% of the model's batch-1 step; the CPU
+>= 1.5x at 1; the overlapped TPOT at concurrency 1 within 5% of the model's batch-1 step timed around it; the CPU
 of the processes that do not run the model at most 0.3 ms per output token at 1 and 0.05 at 32;
 the control plane's share under 2% at 32.
 """
@@ -41,6 +43,7 @@ import functools
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -214,7 +217,7 @@ ServerRound = Callable[[int], contextlib.AbstractContextManager[dict[str, tuple[
 
 
 def bench_servers(
-    open_round: ServerRound, prompts: RoundPrompts, args: argparse.Namespace,
+    open_round: ServerRound, prompts: RoundPrompts, args: argparse.Namespace, model_step: Callable[[], float] | None = None,
 ) -> tuple[dict[int, list[LoopRun]], dict[int, list[list[int]]]]:
     """Every level on every server, round after round, each round with its own prompts (all its
     servers with the same); `open_round(round_)` gives each round's servers (name -> url and the
@@ -222,7 +225,8 @@ def bench_servers(
     to level and round to round; the outputs are the first server's in the first round. With a
     RuntimeServer, the CPU time of each of its processes per output token, over each level. Each
     server is warmed up first with a prompt of no level's: no measured request finds its pages in
-    the prefix cache."""
+    the prefix cache. `model_step` times the model's batch-1 step, right before and right after each
+    server's level at concurrency 1 (ModelStepProbe)."""
     runs: dict[int, list[LoopRun]] = {}
     outputs: dict[int, list[list[int]]] = {}
     pooled: dict[int, dict[str, PooledRounds]] = {}
@@ -240,6 +244,8 @@ def bench_servers(
                 order = list(servers) if (index + round_) % 2 == 0 else list(reversed(servers))
                 for loop in order:
                     url, server = servers[loop]
+                    around = model_step is not None and concurrency == 1
+                    step_before = model_step() if around else 0.0
                     before, threads_before = asyncio.run(_metrics(url))
                     cpu_before = _process_cpu(server)
                     results, wall = asyncio.run(run_server_level(
@@ -247,7 +253,9 @@ def bench_servers(
                         temperature=args.temperature, top_p=args.top_p, logprobs=args.logprobs,
                     ))  # fmt: skip
                     after, threads_after = asyncio.run(_metrics(url))
-                    level_pools[loop].add(results, wall, before, after, cpu_before, _process_cpu(server))
+                    cpu_after = _process_cpu(server)
+                    step = (step_before + model_step()) / 2 if around else None
+                    level_pools[loop].add(results, wall, before, after, cpu_before, cpu_after, step)
                     level_pools[loop].add_threads(threads_before, threads_after)
                     if loop == first and round_ == 0:
                         outputs[concurrency] = [list(r.token_ids) for r in results]
@@ -282,7 +290,8 @@ def started_servers(
 
 class PooledRounds:
     """One server's rounds at one level, pooled: every request's TTFT, TPOT and ITL, the walls, the
-    step counters' and the processes' CPU growth added up."""
+    step counters' and the processes' CPU growth added up, and each request's TPOT over the model
+    step timed around its round's level, where one was."""
 
     def __init__(self) -> None:
         self.results: list[StreamResult] = []
@@ -291,6 +300,8 @@ class PooledRounds:
         self.cpu_s: dict[str, float] | None = {}
         self.thread_s: dict[str, float] | None = {}
         self.thread_wakeups: dict[str, float] | None = {}
+        self.tpot_over_step: list[float] = []
+        self.model_steps_s: list[float] = []
 
     def add(
         self,
@@ -300,10 +311,15 @@ class PooledRounds:
         after: dict[str, float] | None,
         cpu_before: dict[str, float],
         cpu_after: dict[str, float],
+        model_step_s: float | None = None,
     ) -> None:
-        """One round: its streams and wall, /metrics before and after (None: unavailable), and
-        the CPU seconds of the server's processes before and after (empty: not started here)."""
+        """One round: its streams and wall, /metrics before and after (None: unavailable), the CPU
+        seconds of the server's processes before and after (empty: not started here), and the
+        model's step timed around the level (None: not timed)."""
         self.results += results
+        if model_step_s is not None:
+            self.model_steps_s.append(model_step_s)
+            self.tpot_over_step += [r.tpot_s / model_step_s for r in results if r.error is None and r.tpot_s is not None]
         self.wall_s += wall_s
         growth = overhead_between(before, after)
         if growth is None or self.counters is None:
@@ -328,6 +344,8 @@ class PooledRounds:
         return loop_run(
             loop, server_side(self.results, self.wall_s, wanted), overhead, per_token(self.cpu_s), per_token(self.thread_s),
             per_token(self.thread_wakeups, scale=1.0),
+            tpot_over_model_step=round(statistics.median(self.tpot_over_step), 4) if self.tpot_over_step else None,
+            model_steps_s=tuple(self.model_steps_s) or None,
         )  # fmt: skip
 
 
@@ -341,9 +359,12 @@ def _grown(pool: dict[str, float] | None, before: dict[str, float] | None, after
     return pool
 
 
-def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:
-    """bench_model's batch-1 decode step (seconds) with the server's dtype and weight format at the
-    run's mean context, and how it was run; None where the pair has no bench_model format."""
+SLICE_STEPS = 40  # bench_model's steps in each slice timed around a level: ~0.4-0.6 s on these hosts
+
+
+def model_step_command(args: argparse.Namespace) -> list[str] | str:
+    """bench_model --slices with the server's dtype and weight format at the run's mean context; or
+    why there is none for this pair."""
     if args.dtype == "auto" and args.weight_format == "auto":
         name = "auto"
     elif args.weight_format == "dense" and args.dtype in ("fp32", "bf16"):
@@ -351,21 +372,71 @@ def bench_model_step(args: argparse.Namespace) -> tuple[float | None, str]:
     elif args.weight_format in ("int4", "mixed") and args.dtype in ("bf16", "auto"):
         name = args.weight_format
     else:
-        return None, f"bench_model has no format for --dtype {args.dtype} --weight-format {args.weight_format}"
+        return f"bench_model has no format for --dtype {args.dtype} --weight-format {args.weight_format}"
     # At the context a decode step of this run has on average (its prompt and half its output): the
     # attention over 288 tokens costs more than over bench_model's default 128.
     context = args.input_len + args.output_len // 2
-    command = [
-        sys.executable, "-m", "scripts.bench_model", "--formats", name, "--batches", "1", "--steps", "40",
-        "--context", str(context), "--json",
-    ]
-    if args.model:
-        command += ["--model", args.model]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        return None, f"{' '.join(command[1:])} failed: {done.stderr.strip()[-300:]}"
-    decode = json.loads(done.stdout)["formats"][0]["decode"][0]
-    return decode["step_ms"] / 1000, " ".join(command[1:])
+    command = [sys.executable, "-m", "scripts.bench_model", "--slices", "--formats", name, "--context", str(context)]
+    return command + ["--model", args.model] if args.model else command
+
+
+class ModelStepProbe:
+    """bench_model's batch-1 decode step timed on demand, by one `bench_model --slices` process kept
+    loaded for the whole run: right before and right after each server's level at concurrency 1,
+    whose TPOT is held against the mean of the two. A shared host's memory bandwidth has slow spells
+    of ~15 s that move both the step and a lone stream's TPOT by up to ~1.6x (docs/control_plane.md,
+    the twenty-sixth sitting): a step timed once, before the servers start, compared a level with
+    another spell. A context manager: the process is always stopped."""
+
+    def __init__(self, command: list[str], log_path: Path) -> None:
+        self.command = command
+        self.log_path = log_path
+        self.process: subprocess.Popen[str] | None = None
+        self.slices: list[float] = []  # every slice's median step, in seconds
+
+    def __enter__(self) -> ModelStepProbe:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            )  # fmt: skip
+        try:
+            self._answer()  # loaded
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _answer(self) -> dict:
+        assert self.process is not None and self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait(timeout=30)
+            tail = self.log_path.read_text(errors="replace").strip()[-300:]
+            raise BenchError(f"{' '.join(self.command[1:])} ended (exit {self.process.returncode}): {tail}")
+        return json.loads(line)
+
+    def step_s(self) -> float:
+        """One slice: the median of SLICE_STEPS batch-1 decode steps, timed now."""
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(f"{SLICE_STEPS}\n")
+        self.process.stdin.flush()
+        step = float(self._answer()["step_s"])
+        self.slices.append(step)
+        return step
+
+    def __exit__(self, *exc: object) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with contextlib.suppress(OSError):
+            process.stdin.close()  # type: ignore[union-attr]
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()  # type: ignore[union-attr]
 
 
 class BenchError(RuntimeError):
@@ -535,20 +606,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
-    model_step_s, model_step_how = (None, "skipped") if args.no_model_step or args.url else bench_model_step(args)
+    step_command = "skipped" if args.no_model_step or args.url else model_step_command(args)
     if args.dtype == "auto":
         from tp_runtime.config import RuntimeConfig
         from tp_runtime.resolve import pick_dtype
 
         args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
-    if args.url:
-        target = {"name": args.url, "url": args.url}
-        given = {args.loops[0]: (args.url.rstrip("/"), None)}
-        runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), prompts, args)
-    else:
-        target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
-        specs = server_specs(args)
-        runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), prompts, args)
+    with contextlib.ExitStack() as stack:
+        probe = None if isinstance(step_command, str) else stack.enter_context(ModelStepProbe(step_command, out / "model-step.log"))
+        if probe is not None:
+            probe.step_s()  # the run's step where no level has concurrency 1
+        model_step = None if probe is None else probe.step_s
+        if args.url:
+            target = {"name": args.url, "url": args.url}
+            given = {args.loops[0]: (args.url.rstrip("/"), None)}
+            runs, runtime_outputs = bench_servers(lambda round_: contextlib.nullcontext(given), prompts, args, model_step)
+        else:
+            target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
+            specs = server_specs(args)
+            runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), prompts, args, model_step)
+    model_step_s = None if probe is None else statistics.median(probe.slices)
+    model_step_how = step_command if isinstance(step_command, str) else " ".join(step_command[1:])
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}
     if not args.no_reference:
@@ -571,7 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_average": {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]},
         "target": target,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"} | {"model": model_path},
-        "model_step_s": model_step_s,
+        "model_step_s": model_step_s,  # the median of every slice this run timed
+        "model_step_slices_s": [] if probe is None else probe.slices,
         "model_step_command": model_step_how,
         "levels": [asdict(level) for level in reports],
         "targets": check_targets(reports, model_step_s),

@@ -38,3 +38,23 @@ def test_a_malformed_mixed_step_is_refused_with_a_sentence(value: str) -> None:
         timeout=120, check=False,
     )
     assert done.returncode == 2 and "--mixed" in done.stderr, done.stderr
+
+
+def test_slices_time_the_steps_asked_for_on_demand(tmp_path: Path) -> None:
+    """bench_serving's ModelStepProbe keeps this process loaded and asks for a slice around each level."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    process = subprocess.Popen(
+        [sys.executable, "scripts/bench_model.py", "--slices", "--model", str(model), "--formats", "fp32",
+         "--compile", "off", "--context", "40"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        out, err = process.communicate("2\n3\n0\n", timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert answers[0] == {"ready": True}
+    assert [a["steps"] for a in answers[1:]] == [2, 3] and all(a["step_s"] > 0 for a in answers[1:])
+    assert process.returncode != 0 and "at least one step" in err  # a slice of no steps is refused

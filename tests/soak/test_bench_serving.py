@@ -399,3 +399,137 @@ def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, 
     one_level = bench.RoundPrompts(({1: [(1,)]}, {1: [(3,)]}), (9,))
     given = bench.bench_servers(lambda round_: contextlib.nullcontext({"u": ("http://U", None)}), one_level, args)
     assert [run.loop for run in given[0][1]] == ["u"] and not [e for e in events if e[0] == "start" and e[1] == "http://U"]
+
+
+def test_each_request_s_tpot_is_held_against_the_step_timed_around_its_own_round():
+    """A slow spell of the host slows the step and the stream alike: each round's requests are
+    divided by that round's step, then pooled; a round without a step adds no ratio."""
+    from scripts.bench_serving import PooledRounds
+
+    pooled = PooledRounds()
+    pooled.add([_stream(11, 0.1, 1.1), _stream(11, 0.1, 1.2)], 1.0, None, None, {}, {}, model_step_s=0.1)  # TPOT 0.1, 0.11
+    pooled.add([_stream(11, 0.1, 2.6)], 1.0, None, None, {}, {}, model_step_s=0.25)  # TPOT 0.25: a slow spell
+    pooled.add([_stream(11, 0.1, 9.1)], 1.0, None, None, {}, {})  # not timed around: no ratio
+    run = pooled.run(OVERLAP, 11)
+    assert run.tpot_over_model_step == pytest.approx(1.0) and run.model_steps_s == (0.1, 0.25)  # ratios 1.0, 1.1, 1.0
+    assert run.side.tpot_median_s == pytest.approx(0.18)  # TPOT 0.1, 0.11, 0.25, 0.9: every round's, undivided
+    untimed = PooledRounds()
+    untimed.add([_stream(11, 0.1, 1.1)], 1.0, None, None, {}, {})
+    assert untimed.run(OVERLAP, 11).tpot_over_model_step is None and untimed.run(OVERLAP, 11).model_steps_s is None
+
+
+def test_the_tpot_target_takes_the_step_timed_around_the_level_before_the_run_s_one():
+    side = _side(1.0, 0.1, 0.0115)
+    around = loop_run(OVERLAP, side, None, tpot_over_model_step=1.02, model_steps_s=(0.011, 0.0115))
+    (verdict,) = check_targets([level_report(1, [around], None, None)], model_step_s=0.01)
+    assert verdict["value"] == 1.02 and verdict["met"] is True  # 1.15x against the run's one step
+    (verdict,) = check_targets([level_report(1, [loop_run(OVERLAP, side, None)], None, None)], model_step_s=0.01)
+    assert verdict["value"] == 1.15 and verdict["met"] is False
+
+
+def test_the_model_step_is_timed_right_before_and_after_each_server_s_level_at_concurrency_1(monkeypatch, tmp_path):
+    import contextlib
+
+    import scripts.bench_serving as bench
+
+    events: list[tuple] = []
+    steps = iter([0.010, 0.012, 0.020, 0.022, 0.011, 0.013, 0.014, 0.016])
+
+    def model_step():
+        step = next(steps)
+        events.append(("step", step))
+        return step
+
+    async def fake_level(url, model, prompts, concurrency, output_len, timeout_s, **sampling):  # noqa: ANN001
+        events.append(("level", url, concurrency))
+        return [StreamResult(token_ids=[1, 2], finish_reason="length", t_first=0.1, t_last=0.122, t_end=0.122)], 1.0
+
+    async def no_metrics(url):  # noqa: ANN001
+        return None, None
+
+    monkeypatch.setattr(bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench, "warm_up", lambda *a: None)
+    monkeypatch.setattr(bench, "run_server_level", fake_level)
+    monkeypatch.setattr(bench, "_metrics", no_metrics)
+    monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
+    args = parse_args(["--rounds", "2", "--concurrency", "1", "8", "--output-len", "2"])
+    servers = {"a": ("http://A", None), "b": ("http://B", None)}
+    prompts = bench.RoundPrompts(({1: [(1,)], 8: [(2,)]}, {1: [(3,)], 8: [(4,)]}), (9,))
+    runs, _ = bench.bench_servers(lambda round_: contextlib.nullcontext(servers), prompts, args, model_step)
+    assert events == [
+        ("step", 0.010), ("level", "http://A", 1), ("step", 0.012), ("step", 0.020), ("level", "http://B", 1), ("step", 0.022),
+        ("level", "http://B", 8), ("level", "http://A", 8),  # no step around other levels
+        ("step", 0.011), ("level", "http://B", 1), ("step", 0.013), ("step", 0.014), ("level", "http://A", 1), ("step", 0.016),
+        ("level", "http://A", 8), ("level", "http://B", 8),
+    ]  # fmt: skip
+    a, b = runs[1]
+    assert a.model_steps_s == pytest.approx((0.011, 0.015)) and b.model_steps_s == pytest.approx((0.021, 0.012))
+    # TPOT 22 ms in every round: 2.0x and 1.467x for a, 1.048x and 1.833x for b, medians of two.
+    assert a.tpot_over_model_step == pytest.approx((0.022 / 0.011 + 0.022 / 0.015) / 2, abs=1e-4)
+    assert b.tpot_over_model_step == pytest.approx((0.022 / 0.021 + 0.022 / 0.012) / 2, abs=1e-4)
+    assert all(run.tpot_over_model_step is None for run in runs[8])
+
+
+def _probe_command(script: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-c", script]
+
+
+def test_the_step_probe_asks_for_slices_and_stops_its_process(tmp_path):
+    """ModelStepProbe's side of bench_model --slices (tests/model/test_bench_model.py runs that side)."""
+    from scripts.bench_serving import SLICE_STEPS, ModelStepProbe
+
+    answer = (
+        "import json, sys\n"
+        "print(json.dumps({'ready': True}), flush=True)\n"
+        "for n, line in enumerate(sys.stdin):\n"
+        "    print(json.dumps({'step_s': 0.01 * (n + 1) + int(line) * 1e-6, 'steps': int(line)}), flush=True)\n"
+    )
+    with ModelStepProbe(_probe_command(answer), tmp_path / "step.log") as probe:
+        process = probe.process
+        assert probe.step_s() == pytest.approx(0.01 + SLICE_STEPS * 1e-6)
+        assert probe.step_s() == pytest.approx(0.02 + SLICE_STEPS * 1e-6)
+    assert process.returncode == 0 and probe.slices == pytest.approx([0.01 + SLICE_STEPS * 1e-6, 0.02 + SLICE_STEPS * 1e-6])
+
+
+def test_a_step_probe_that_ends_is_an_error_with_its_log_and_leaves_nothing_running(tmp_path):
+    from scripts.bench_serving import BenchError, ModelStepProbe
+
+    started = []
+
+    class Watched(ModelStepProbe):
+        def __enter__(self):
+            try:
+                return super().__enter__()
+            finally:
+                started.append(self.process)
+
+    with pytest.raises(BenchError, match="no such model"):
+        with Watched(_probe_command("import sys; sys.exit('no such model')"), tmp_path / "step.log"):
+            pass
+    assert started == [None]  # stopped and forgotten by __enter__ itself
+    hangs = "import json, sys, time\nprint(json.dumps({'ready': True}), flush=True)\nsys.stdin.readline()\nsys.exit('lost the model')\n"
+    probe = ModelStepProbe(_probe_command(hangs), tmp_path / "step2.log")
+    with pytest.raises(BenchError, match="lost the model"):
+        with probe:
+            process = probe.process
+            probe.step_s()
+    assert process.poll() is not None and probe.process is None
+
+
+def test_the_summary_says_the_tpot_against_the_step_timed_around_each_level(tmp_path, capsys):
+    from dataclasses import asdict
+
+    from scripts.serving_report import print_summary
+
+    run = loop_run(OVERLAP, _side(1.0, 0.1, 0.0102), None, tpot_over_model_step=1.02, model_steps_s=(0.0099, 0.0141))
+    config = {"dtype": "bf16", "input_len": 256, "output_len": 64}
+    report = {
+        "target": {"name": "t"}, "config": config, "levels": [asdict(level_report(1, [run], None, None))], "targets": [],
+        "load_average": {"start": [0], "end": [0]}, "model_step_s": 0.0105, "model_step_slices_s": [0.0099, 0.0105, 0.0141],
+    }  # fmt: skip
+    print_summary(report, tmp_path)
+    said = capsys.readouterr().err
+    assert "bench_model batch-1 step in this run: 10.50 ms median of 3 slices (9.90-14.10)" in said
+    assert "overlap: TPOT 1.020x bench_model's batch-1 step timed around its level (9.90-14.10 ms)" in said
