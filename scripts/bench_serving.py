@@ -419,8 +419,11 @@ class ModelStepProbe:
     def step_s(self) -> float:
         """One slice: the median of SLICE_STEPS batch-1 decode steps, timed now."""
         assert self.process is not None and self.process.stdin is not None
-        self.process.stdin.write(f"{SLICE_STEPS}\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(f"{SLICE_STEPS}\n")
+            self.process.stdin.flush()
+        except OSError:
+            pass  # it ended: the answer it does not give says how
         step = float(self._answer()["step_s"])
         self.slices.append(step)
         return step
@@ -515,7 +518,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--rounds", type=int, default=1,
         help="run every level this many times per server, with servers started afresh each round in alternating order, and pool the rounds",
     )
-    p.add_argument("--no-model-step", action="store_true", help="skip bench_model's batch-1 step")
+    p.add_argument(
+        "--no-model-step", action="store_true",
+        help="skip bench_model's batch-1 step, whose process holds one more copy of the model beside the servers",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     p.add_argument("--check-targets", action="store_true", help="exit 1 when a target is missed")
     p.add_argument(
