@@ -311,7 +311,7 @@ def serve_slices(
     """Batch-1 decode steps timed on demand: once loaded, one line `{"ready": true}`; then for each
     line read, a count of steps, the median of that many steps as `{"step_s": ..., "steps": ...}`.
     A benchmark beside it times the model's step right before and after each of its measurements:
-    a shared host's memory bandwidth has slow spells of ~15 s that move this step by up to ~1.6x
+    a shared host's memory bandwidth has slow spells of ~15 s that move this step by up to ~2x
     (docs/control_plane.md, the twenty-sixth sitting), so a step timed once a run says little about
     a level measured a minute later."""
     model = load(path, name, compile_mode)
@@ -503,8 +503,8 @@ def main() -> None:
     parser.add_argument("--rss-steps", type=int, default=0, help="also run this many random steps, reporting RSS")
     parser.add_argument(
         "--slices", action="store_true",
-        help="keep the first format loaded and, for each count of steps read from stdin, print the median "
-        "batch-1 decode step of that many as a JSON line",
+        help="keep the one format of --formats loaded and, for each count of steps read from stdin, print the "
+        "median batch-1 decode step of that many as a JSON line",
     )
     parser.add_argument("--baseline", default=None, help="a checkout to compare against, side by side")
     parser.add_argument("--baseline-format", default="mixed", help="the baseline's format (its default: mixed)")
@@ -521,6 +521,8 @@ def main() -> None:
     unknown = sorted(set(names) - set(FORMATS))
     if unknown:
         parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    if args.slices and (len(names) != 1 or args.baseline):
+        parser.error("--slices times one format of this tree: give --formats one name and no --baseline")
     if args.baseline:
         report = compare(args)
         if args.json:

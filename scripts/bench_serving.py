@@ -23,7 +23,7 @@ for as long as it lived, whichever tree it held. The reference runs after them, 
 time. Beside the servers, one `scripts/bench_model.py --slices` process keeps the model loaded
 and times its batch-1 decode step right before and right after each server's level at concurrency
 1: a lone stream's TPOT is held against the mean of those two (the host's slow spells of ~15 s move
-both by up to ~1.6x; ModelStepProbe).
+both by up to ~2x; ModelStepProbe).
 
 Reported per server and level: output tokens/s, time to first token and time per output token
 (median and p99), from the runtime's /metrics the share of step time that rank 0's model sat idle
@@ -43,6 +43,7 @@ import functools
 import json
 import os
 import random
+import selectors
 import statistics
 import subprocess
 import sys
@@ -244,8 +245,7 @@ def bench_servers(
                 order = list(servers) if (index + round_) % 2 == 0 else list(reversed(servers))
                 for loop in order:
                     url, server = servers[loop]
-                    around = model_step is not None and concurrency == 1
-                    step_before = model_step() if around else 0.0
+                    step_before = model_step() if model_step is not None and concurrency == 1 else None
                     before, threads_before = asyncio.run(_metrics(url))
                     cpu_before = _process_cpu(server)
                     results, wall = asyncio.run(run_server_level(
@@ -254,7 +254,7 @@ def bench_servers(
                     ))  # fmt: skip
                     after, threads_after = asyncio.run(_metrics(url))
                     cpu_after = _process_cpu(server)
-                    step = (step_before + model_step()) / 2 if around else None
+                    step = None if step_before is None or model_step is None else (step_before + model_step()) / 2
                     level_pools[loop].add(results, wall, before, after, cpu_before, cpu_after, step)
                     level_pools[loop].add_threads(threads_before, threads_after)
                     if loop == first and round_ == 0:
@@ -301,7 +301,7 @@ class PooledRounds:
         self.thread_s: dict[str, float] | None = {}
         self.thread_wakeups: dict[str, float] | None = {}
         self.tpot_over_step: list[float] = []
-        self.model_steps_s: list[float] = []
+        self.bench_steps_s: list[float] = []
 
     def add(
         self,
@@ -318,7 +318,7 @@ class PooledRounds:
         model's step timed around the level (None: not timed)."""
         self.results += results
         if model_step_s is not None:
-            self.model_steps_s.append(model_step_s)
+            self.bench_steps_s.append(model_step_s)
             self.tpot_over_step += [r.tpot_s / model_step_s for r in results if r.error is None and r.tpot_s is not None]
         self.wall_s += wall_s
         growth = overhead_between(before, after)
@@ -344,8 +344,8 @@ class PooledRounds:
         return loop_run(
             loop, server_side(self.results, self.wall_s, wanted), overhead, per_token(self.cpu_s), per_token(self.thread_s),
             per_token(self.thread_wakeups, scale=1.0),
-            tpot_over_model_step=round(statistics.median(self.tpot_over_step), 4) if self.tpot_over_step else None,
-            model_steps_s=tuple(self.model_steps_s) or None,
+            tpot_over_bench_step=round(statistics.median(self.tpot_over_step), 3) if self.tpot_over_step else None,
+            bench_steps_s=tuple(self.bench_steps_s) or None,
         )  # fmt: skip
 
 
@@ -359,7 +359,7 @@ def _grown(pool: dict[str, float] | None, before: dict[str, float] | None, after
     return pool
 
 
-SLICE_STEPS = 40  # bench_model's steps in each slice timed around a level: ~0.4-0.6 s on these hosts
+SLICE_STEPS = 40  # timed steps in each slice around a level, after one untimed: ~0.4-0.7 s on these hosts
 
 
 def model_step_command(args: argparse.Namespace) -> list[str] | str:
@@ -384,9 +384,14 @@ class ModelStepProbe:
     """bench_model's batch-1 decode step timed on demand, by one `bench_model --slices` process kept
     loaded for the whole run: right before and right after each server's level at concurrency 1,
     whose TPOT is held against the mean of the two. A shared host's memory bandwidth has slow spells
-    of ~15 s that move both the step and a lone stream's TPOT by up to ~1.6x (docs/control_plane.md,
+    of ~15 s that move both the step and a lone stream's TPOT, by up to ~2x (docs/control_plane.md,
     the twenty-sixth sitting): a step timed once, before the servers start, compared a level with
-    another spell. A context manager: the process is always stopped."""
+    another spell. A context manager: the process is stopped on every way out, and one that stops
+    answering is an error after a timeout, as a server's request is."""
+
+    load_timeout_s = 900.0  # the load builds the compiled layers where they are missing (--compile wait)
+    slice_timeout_s = 120.0
+    stop_timeout_s = 30.0
 
     def __init__(self, command: list[str], log_path: Path) -> None:
         self.command = command
@@ -401,20 +406,38 @@ class ModelStepProbe:
                 self.command, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
             )  # fmt: skip
         try:
-            self._answer()  # loaded
+            answer = self._answer(self.load_timeout_s)
+            if answer != {"ready": True}:
+                raise BenchError(f"{self._name} began with {answer!r}, not its ready line")
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def _answer(self) -> dict:
+    @property
+    def _name(self) -> str:
+        return " ".join(self.command[1:])
+
+    def _answer(self, timeout_s: float) -> dict:
+        """The probe's next line, as JSON. One line answers each request and nothing else is
+        written, so the pipe's buffer is empty whenever the selector waits on it."""
         assert self.process is not None and self.process.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout_s):
+                raise BenchError(f"{self._name} answered nothing for {timeout_s:g} s (its log: {self.log_path})")
         line = self.process.stdout.readline()
         if not line:
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=self.stop_timeout_s)
             tail = self.log_path.read_text(errors="replace").strip()[-300:]
-            raise BenchError(f"{' '.join(self.command[1:])} ended (exit {self.process.returncode}): {tail}")
-        return json.loads(line)
+            raise BenchError(f"{self._name} ended (exit {self.process.returncode}): {tail}")
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise BenchError(f"{self._name} answered {line.strip()[:200]!r}, not a JSON object")
+        return answer
 
     def step_s(self) -> float:
         """One slice: the median of SLICE_STEPS batch-1 decode steps, timed now."""
@@ -424,7 +447,10 @@ class ModelStepProbe:
             self.process.stdin.flush()
         except OSError:
             pass  # it ended: the answer it does not give says how
-        step = float(self._answer()["step_s"])
+        answer = self._answer(self.slice_timeout_s)
+        step = answer.get("step_s")
+        if answer.get("steps") != SLICE_STEPS or not isinstance(step, float) or not step > 0:
+            raise BenchError(f"{self._name} answered {answer!r} to a slice of {SLICE_STEPS} steps")
         self.slices.append(step)
         return step
 
@@ -432,14 +458,17 @@ class ModelStepProbe:
         process, self.process = self.process, None
         if process is None:
             return
-        with contextlib.suppress(OSError):
-            process.stdin.close()  # type: ignore[union-attr]
+        assert process.stdin is not None and process.stdout is not None
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        process.stdout.close()  # type: ignore[union-attr]
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # the probe's end of its requests: it exits
+            try:
+                process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        finally:
+            process.stdout.close()
 
 
 class BenchError(RuntimeError):
@@ -618,10 +647,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tp_runtime.resolve import pick_dtype
 
         args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
+    if 1 not in levels and not isinstance(step_command, str):
+        step_command = "no level at concurrency 1, whose TPOT it is for"
     with contextlib.ExitStack() as stack:
         probe = None if isinstance(step_command, str) else stack.enter_context(ModelStepProbe(step_command, out / "model-step.log"))
-        if probe is not None:
-            probe.step_s()  # the run's step where no level has concurrency 1
         model_step = None if probe is None else probe.step_s
         if args.url:
             target = {"name": args.url, "url": args.url}
@@ -631,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target = {"name": f"tp-runtime TP={args.tp}", "server_argv": server_options(args, args.loops[0]).argv(0)[5:]}
             specs = server_specs(args)
             runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), prompts, args, model_step)
-    model_step_s = None if probe is None else statistics.median(probe.slices)
+    model_step_s = statistics.median(probe.slices) if probe is not None and probe.slices else None
     model_step_how = step_command if isinstance(step_command, str) else " ".join(step_command[1:])
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}

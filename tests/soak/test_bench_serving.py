@@ -1,5 +1,7 @@
 """The serving benchmark's workload, arithmetic and report, without a server."""
 
+import json
+
 import pytest
 
 from scripts.bench_serving import PromptTag, bench_prompts, cpu_per_token, parse_args, requests_per_level, server_specs
@@ -411,16 +413,16 @@ def test_each_request_s_tpot_is_held_against_the_step_timed_around_its_own_round
     pooled.add([_stream(11, 0.1, 2.6)], 1.0, None, None, {}, {}, model_step_s=0.25)  # TPOT 0.25: a slow spell
     pooled.add([_stream(11, 0.1, 9.1)], 1.0, None, None, {}, {})  # not timed around: no ratio
     run = pooled.run(OVERLAP, 11)
-    assert run.tpot_over_model_step == pytest.approx(1.0) and run.model_steps_s == (0.1, 0.25)  # ratios 1.0, 1.1, 1.0
+    assert run.tpot_over_bench_step == pytest.approx(1.0) and run.bench_steps_s == (0.1, 0.25)  # ratios 1.0, 1.1, 1.0
     assert run.side.tpot_median_s == pytest.approx(0.18)  # TPOT 0.1, 0.11, 0.25, 0.9: every round's, undivided
     untimed = PooledRounds()
     untimed.add([_stream(11, 0.1, 1.1)], 1.0, None, None, {}, {})
-    assert untimed.run(OVERLAP, 11).tpot_over_model_step is None and untimed.run(OVERLAP, 11).model_steps_s is None
+    assert untimed.run(OVERLAP, 11).tpot_over_bench_step is None and untimed.run(OVERLAP, 11).bench_steps_s is None
 
 
 def test_the_tpot_target_takes_the_step_timed_around_the_level_before_the_run_s_one():
     side = _side(1.0, 0.1, 0.0115)
-    around = loop_run(OVERLAP, side, None, tpot_over_model_step=1.02, model_steps_s=(0.011, 0.0115))
+    around = loop_run(OVERLAP, side, None, tpot_over_bench_step=1.02, bench_steps_s=(0.011, 0.0115))
     (verdict,) = check_targets([level_report(1, [around], None, None)], model_step_s=0.01)
     assert verdict["value"] == 1.02 and verdict["met"] is True  # 1.15x against the run's one step
     (verdict,) = check_targets([level_report(1, [loop_run(OVERLAP, side, None)], None, None)], model_step_s=0.01)
@@ -463,11 +465,11 @@ def test_the_model_step_is_timed_right_before_and_after_each_server_s_level_at_c
         ("level", "http://A", 8), ("level", "http://B", 8),
     ]  # fmt: skip
     a, b = runs[1]
-    assert a.model_steps_s == pytest.approx((0.011, 0.015)) and b.model_steps_s == pytest.approx((0.021, 0.012))
+    assert a.bench_steps_s == pytest.approx((0.011, 0.015)) and b.bench_steps_s == pytest.approx((0.021, 0.012))
     # TPOT 22 ms in every round: 2.0x and 1.467x for a, 1.048x and 1.833x for b, medians of two.
-    assert a.tpot_over_model_step == pytest.approx((0.022 / 0.011 + 0.022 / 0.015) / 2, abs=1e-4)
-    assert b.tpot_over_model_step == pytest.approx((0.022 / 0.021 + 0.022 / 0.012) / 2, abs=1e-4)
-    assert all(run.tpot_over_model_step is None for run in runs[8])
+    assert a.tpot_over_bench_step == pytest.approx((0.022 / 0.011 + 0.022 / 0.015) / 2, abs=1e-3)  # rounded to 3 places, as the target reads it
+    assert b.tpot_over_bench_step == pytest.approx((0.022 / 0.021 + 0.022 / 0.012) / 2, abs=1e-3)  # rounded to 3 places, as the target reads it
+    assert all(run.tpot_over_bench_step is None for run in runs[8])
 
 
 def _probe_command(script: str) -> list[str]:
@@ -493,33 +495,142 @@ def test_the_step_probe_asks_for_slices_and_stops_its_process(tmp_path):
     assert process.returncode == 0 and probe.slices == pytest.approx([0.01 + SLICE_STEPS * 1e-6, 0.02 + SLICE_STEPS * 1e-6])
 
 
-def test_a_step_probe_that_ends_is_an_error_with_its_log_and_leaves_nothing_running(tmp_path):
-    from scripts.bench_serving import BenchError, ModelStepProbe
+class _WatchedProbe:
+    """A ModelStepProbe whose processes are kept, to see each one stopped after the probe fails."""
 
-    started = []
+    @staticmethod
+    def make(command_script: str, log_path, **timeouts):  # noqa: ANN001, ANN205
+        from scripts.bench_serving import ModelStepProbe
 
-    class Watched(ModelStepProbe):
+        started = []
+
+        class Watched(ModelStepProbe):
+            def _answer(self, timeout_s):  # noqa: ANN001, ANN202
+                if self.process not in started:
+                    started.append(self.process)
+                return super()._answer(timeout_s)
+
+        probe = Watched(_probe_command(command_script), log_path)
+        for name, value in timeouts.items():
+            setattr(probe, name, value)
+        return probe, started
+
+
+READY = "import json, sys, time\nprint(json.dumps({'ready': True}), flush=True)\n"
+
+
+@pytest.mark.parametrize(
+    ("script", "timeouts", "said"),
+    [
+        ("import sys; sys.exit('no such model')", {}, "ended .*no such model"),
+        ("import sys\nprint('loading...', flush=True)\nsys.stdin.read()\n", {}, "'loading...', not a JSON object"),
+        ("import json, sys\nprint(json.dumps({'hello': 1}), flush=True)\nsys.stdin.read()\n", {}, "not its ready line"),
+        ("import sys\nsys.stdin.read()\n", {"load_timeout_s": 0.3}, "answered nothing for 0.3 s"),
+    ],
+    ids=["ends", "not-json", "not-ready", "silent"],
+)
+def test_a_step_probe_that_does_not_load_is_an_error_and_its_process_is_stopped(tmp_path, script, timeouts, said):
+    from scripts.bench_serving import BenchError
+
+    probe, started = _WatchedProbe.make(script, tmp_path / "step.log", **timeouts)
+    with pytest.raises(BenchError, match=said):
+        with probe:
+            pytest.fail("a probe that did not load was entered")
+    (process,) = started
+    assert process.poll() is not None and probe.process is None
+
+
+@pytest.mark.parametrize(
+    ("after_ready", "timeouts", "said"),
+    [
+        ("sys.stdin.readline()\nprint(json.dumps({'step_s': 0.01, 'steps': 3}), flush=True)\nsys.stdin.read()\n", {}, "to a slice of 40"),
+        ("sys.stdin.readline()\nprint(json.dumps({'step_s': 'fast', 'steps': 40}), flush=True)\nsys.stdin.read()\n", {}, "to a slice of 40"),
+        ("sys.stdin.read()\n", {"slice_timeout_s": 0.3}, "answered nothing for 0.3 s"),
+    ],
+    ids=["other-count", "not-a-time", "silent"],
+)
+def test_a_slice_answered_wrongly_or_not_at_all_is_an_error(tmp_path, after_ready, timeouts, said):
+    from scripts.bench_serving import BenchError
+
+    probe, started = _WatchedProbe.make(READY + after_ready, tmp_path / "step.log", **timeouts)
+    with pytest.raises(BenchError, match=said):
+        with probe:
+            probe.step_s()
+    (process,) = started
+    assert process.poll() is not None and probe.process is None
+
+
+def test_a_step_probe_that_ended_after_loading_is_an_error_with_its_log(tmp_path):
+    from scripts.bench_serving import BenchError
+
+    # Gone before the slice's line is written: the write meets a closed pipe, and the same error comes.
+    probe, started = _WatchedProbe.make(READY + "sys.exit('lost the model')\n", tmp_path / "step.log")
+    with pytest.raises(BenchError, match="lost the model"):
+        with probe:
+            probe.process.wait(timeout=30)
+            probe.step_s()
+    assert started[0].poll() is not None and probe.process is None
+
+
+def test_a_step_probe_that_does_not_end_with_its_requests_is_killed(tmp_path):
+    # It answers, then ignores the end of its stdin; the stop waits stop_timeout_s, then kills it.
+    probe, started = _WatchedProbe.make(READY + "time.sleep(60)\n", tmp_path / "step.log", stop_timeout_s=0.3)
+    with probe:
+        pass
+    assert started[0].returncode == -9 and probe.process is None
+
+
+def test_main_times_the_step_around_the_levels_and_stops_the_probe_whatever_happens(monkeypatch, tmp_path):
+    import scripts.bench_serving as bench
+
+    probes = []
+
+    class FakeProbe:
+        def __init__(self, command, log_path):  # noqa: ANN001 - ModelStepProbe's signature
+            self.command, self.slices, self.stopped = command, [], False
+            probes.append(self)
+
         def __enter__(self):
-            try:
-                return super().__enter__()
-            finally:
-                started.append(self.process)
+            return self
 
-    with pytest.raises(BenchError, match="no such model"):
-        with Watched(_probe_command("import sys; sys.exit('no such model')"), tmp_path / "step.log"):
-            pass
-    assert started == [None]  # stopped and forgotten by __enter__ itself
-    # It ends after loading: the slice's line then meets a closed pipe, or none yet; the same error.
-    ends = "import json, sys\nprint(json.dumps({'ready': True}), flush=True)\nsys.exit('lost the model')\n"
-    for gone_first in (True, False):
-        probe = ModelStepProbe(_probe_command(ends), tmp_path / f"step-{gone_first}.log")
-        with pytest.raises(BenchError, match="lost the model"):
-            with probe:
-                process = probe.process
-                if gone_first:
-                    process.wait(timeout=30)
-                probe.step_s()
-        assert process.poll() is not None and probe.process is None
+        def __exit__(self, *exc):
+            self.stopped = True
+
+        def step_s(self):
+            self.slices.append(0.010 + 0.001 * len(self.slices))
+            return self.slices[-1]
+
+    def fake_servers(open_round, prompts, args, model_step=None):  # noqa: ANN001
+        before, after = model_step(), model_step()
+        side = side_result([2], [0.1], [0.0105], 1.0, 2)
+        return {1: [loop_run(OVERLAP, side, None, tpot_over_bench_step=1.0, bench_steps_s=((before + after) / 2,))]}, {1: [[1, 2]]}
+
+    monkeypatch.setattr(bench, "ModelStepProbe", FakeProbe)
+    monkeypatch.setattr(bench, "bench_servers", fake_servers)
+    common = ["--dtype", "bf16", "--weight-format", "dense", "--no-reference", "--output-len", "2"]
+    assert bench.main(["--concurrency", "1", *common, "--out", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert "--slices" in probes[0].command and probes[0].stopped
+    assert report["model_step_slices_s"] == [0.010, 0.011] and report["model_step_s"] == pytest.approx(0.0105)
+    assert report["targets"][0]["target"].endswith("step timed around its level") and report["targets"][0]["value"] == 1.0
+
+    def failing_servers(open_round, prompts, args, model_step=None):  # noqa: ANN001
+        raise bench.BenchError("a server did not start")
+
+    monkeypatch.setattr(bench, "bench_servers", failing_servers)
+    with pytest.raises(bench.BenchError):
+        bench.main(["--concurrency", "1", *common, "--out", str(tmp_path / "b")])
+    assert probes[1].stopped
+
+    def level_8(open_round, prompts, args, model_step=None):  # noqa: ANN001
+        assert model_step is None
+        return {8: [loop_run(OVERLAP, side_result([2], [0.1], [0.01], 1.0, 2), None)]}, {8: [[1, 2]]}
+
+    monkeypatch.setattr(bench, "bench_servers", level_8)
+    assert bench.main(["--concurrency", "8", *common, "--out", str(tmp_path / "c")]) == 0
+    report = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert len(probes) == 2 and report["model_step_s"] is None  # no level at 1: no probe
+    assert report["model_step_command"].startswith("no level at concurrency 1")
 
 
 def test_the_summary_says_the_tpot_against_the_step_timed_around_each_level(tmp_path, capsys):
@@ -527,7 +638,7 @@ def test_the_summary_says_the_tpot_against_the_step_timed_around_each_level(tmp_
 
     from scripts.serving_report import print_summary
 
-    run = loop_run(OVERLAP, _side(1.0, 0.1, 0.0102), None, tpot_over_model_step=1.02, model_steps_s=(0.0099, 0.0141))
+    run = loop_run(OVERLAP, _side(1.0, 0.1, 0.0102), None, tpot_over_bench_step=1.02, bench_steps_s=(0.0099, 0.0141))
     config = {"dtype": "bf16", "input_len": 256, "output_len": 64}
     report = {
         "target": {"name": "t"}, "config": config, "levels": [asdict(level_report(1, [run], None, None))], "targets": [],
