@@ -345,6 +345,21 @@ def test_a_level_whose_prompts_the_prefix_cache_served_is_said_to_repeat_them(tm
     assert len(said) == 1 and "baseline: the prefix cache served 61% of the prompt tokens" in said[0]
 
 
+def _levels_without_servers(monkeypatch, fake_level, warm_up=lambda *a: None):  # noqa: ANN001
+    """bench_servers' collaborators replaced: no HTTP, no /metrics, no processes; `fake_level`
+    stands for run_server_level."""
+    import scripts.bench_serving as bench
+
+    async def no_metrics(url):  # noqa: ANN001
+        return None, None
+
+    monkeypatch.setattr(bench, "served_model", lambda url: "m")
+    monkeypatch.setattr(bench, "warm_up", warm_up)
+    monkeypatch.setattr(bench, "run_server_level", fake_level)
+    monkeypatch.setattr(bench, "_metrics", no_metrics)
+    monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
+
+
 def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, tmp_path):
     """The server started first ran 2-3% slower for as long as it lived, whichever tree it held:
     restarted each round in the other order, every server is first as often. Levels are pooled
@@ -371,15 +386,8 @@ def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, 
         events.append(("level", url, concurrency, prompts[0][0]))
         return [StreamResult(token_ids=[1, 2], finish_reason="length", t_first=0.1, t_last=0.2, t_end=0.2)], 1.0
 
-    async def no_metrics(url):  # noqa: ANN001
-        return None, None
-
     monkeypatch.setattr(bench, "RuntimeServer", FakeServer)
-    monkeypatch.setattr(bench, "served_model", lambda url: "m")
-    monkeypatch.setattr(bench, "warm_up", lambda *a: events.append(("warm", a[0], a[2])))
-    monkeypatch.setattr(bench, "run_server_level", fake_level)
-    monkeypatch.setattr(bench, "_metrics", no_metrics)
-    monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
+    _levels_without_servers(monkeypatch, fake_level, warm_up=lambda *a: events.append(("warm", a[0], a[2])))
     args = parse_args(["--rounds", "2", "--concurrency", "1", "32", "--output-len", "2"])
     specs = {"a": ("A", None), "b": ("B", None)}
     prompts = bench.RoundPrompts(({1: [(1,)], 32: [(2,)]}, {1: [(3,)], 32: [(4,)]}), (9,))
@@ -446,14 +454,7 @@ def test_the_model_step_is_timed_right_before_and_after_each_server_s_level_at_c
         events.append(("level", url, concurrency))
         return [StreamResult(token_ids=[1, 2], finish_reason="length", t_first=0.1, t_last=0.122, t_end=0.122)], 1.0
 
-    async def no_metrics(url):  # noqa: ANN001
-        return None, None
-
-    monkeypatch.setattr(bench, "served_model", lambda url: "m")
-    monkeypatch.setattr(bench, "warm_up", lambda *a: None)
-    monkeypatch.setattr(bench, "run_server_level", fake_level)
-    monkeypatch.setattr(bench, "_metrics", no_metrics)
-    monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
+    _levels_without_servers(monkeypatch, fake_level)
     args = parse_args(["--rounds", "2", "--concurrency", "1", "8", "--output-len", "2"])
     servers = {"a": ("http://A", None), "b": ("http://B", None)}
     prompts = bench.RoundPrompts(({1: [(1,)], 8: [(2,)]}, {1: [(3,)], 8: [(4,)]}), (9,))
