@@ -29,9 +29,9 @@ Reported per server and level: output tokens/s, time to first token and time per
 (median and p99), from the runtime's /metrics the share of step time that rank 0's model sat idle
 on the control plane and its mean step, and from each process's CPU clock its CPU time per output
 token. Targets (serving_report.py): >= 3x the reference's throughput at concurrency 32 and
->= 1.5x at 1; the overlapped TPOT at concurrency 1 within 5% of the model's batch-1 step timed around it; the CPU
-of the processes that do not run the model at most 0.3 ms per output token at 1 and 0.05 at 32;
-the control plane's share under 2% at 32.
+>= 1.5x at 1; the overlapped TPOT at concurrency 1 within 5% of the model's batch-1 step timed
+around it; the CPU of the processes that do not run the model at most 0.3 ms per output token at
+1 and 0.05 at 32; the control plane's share under 2% at 32.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import selectors
@@ -254,6 +255,7 @@ def bench_servers(
                     ))  # fmt: skip
                     after, threads_after = asyncio.run(_metrics(url))
                     cpu_after = _process_cpu(server)
+                    # model_step is not None wherever step_before is not: said again for the type checker.
                     step = None if step_before is None or model_step is None else (step_before + model_step()) / 2
                     level_pools[loop].add(results, wall, before, after, cpu_before, cpu_after, step)
                     level_pools[loop].add_threads(threads_before, threads_after)
@@ -396,14 +398,15 @@ class ModelStepProbe:
     def __init__(self, command: list[str], log_path: Path) -> None:
         self.command = command
         self.log_path = log_path
-        self.process: subprocess.Popen[str] | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.slices: list[float] = []  # every slice's median step, in seconds
+        self._unread = b""  # what the probe wrote past the last line taken
 
     def __enter__(self) -> ModelStepProbe:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.command, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                self.command, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             )  # fmt: skip
         try:
             answer = self._answer(self.load_timeout_s)
@@ -419,40 +422,56 @@ class ModelStepProbe:
         return " ".join(self.command[1:])
 
     def _answer(self, timeout_s: float) -> dict:
-        """The probe's next line, as JSON. One line answers each request and nothing else is
-        written, so the pipe's buffer is empty whenever the selector waits on it."""
+        """The probe's next line, as JSON, within timeout_s. Read from the pipe's descriptor in
+        chunks, so that a line written in pieces cannot block a read past the deadline."""
         assert self.process is not None and self.process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        fd = self.process.stdout.fileno()
         with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout_s):
-                raise BenchError(f"{self._name} answered nothing for {timeout_s:g} s (its log: {self.log_path})")
-        line = self.process.stdout.readline()
-        if not line:
-            self.process.wait(timeout=self.stop_timeout_s)
-            tail = self.log_path.read_text(errors="replace").strip()[-300:]
-            raise BenchError(f"{self._name} ended (exit {self.process.returncode}): {tail}")
+            selector.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._unread:
+                if not selector.select(max(0.0, deadline - time.monotonic())):
+                    raise BenchError(f"{self._name} answered nothing for {timeout_s:g} s (its log: {self.log_path})")
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise BenchError(f"{self._name} ended{self._exit_said()}: {self._log_tail()}")
+                self._unread += chunk
+        line, self._unread = self._unread.split(b"\n", 1)
         try:
             answer = json.loads(line)
         except ValueError:
             answer = None
         if not isinstance(answer, dict):
-            raise BenchError(f"{self._name} answered {line.strip()[:200]!r}, not a JSON object")
+            raise BenchError(f"{self._name} answered {line.strip()[:200].decode(errors='replace')!r}, not a JSON object")
         return answer
+
+    def _exit_said(self) -> str:
+        """How the probe ended, once its output has: its exit status, or that it still runs."""
+        assert self.process is not None
+        try:
+            return f" (exit {self.process.wait(timeout=self.stop_timeout_s)})"
+        except subprocess.TimeoutExpired:
+            return " its output, still running"
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace").strip()[-300:]
 
     def step_s(self) -> float:
         """One slice: the median of SLICE_STEPS batch-1 decode steps, timed now."""
         assert self.process is not None and self.process.stdin is not None
         try:
-            self.process.stdin.write(f"{SLICE_STEPS}\n")
+            self.process.stdin.write(b"%d\n" % SLICE_STEPS)
             self.process.stdin.flush()
         except OSError:
             pass  # it ended: the answer it does not give says how
         answer = self._answer(self.slice_timeout_s)
         step = answer.get("step_s")
-        if answer.get("steps") != SLICE_STEPS or not isinstance(step, float) or not step > 0:
+        # An infinite or zero step would read as a met target.
+        number = isinstance(step, (int, float)) and not isinstance(step, bool)
+        if answer.get("steps") != SLICE_STEPS or not number or not math.isfinite(step) or step <= 0:
             raise BenchError(f"{self._name} answered {answer!r} to a slice of {SLICE_STEPS} steps")
-        self.slices.append(step)
-        return step
+        self.slices.append(float(step))
+        return float(step)
 
     def __exit__(self, *exc: object) -> None:
         process, self.process = self.process, None
@@ -649,8 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
     if 1 not in levels and not isinstance(step_command, str):
         step_command = "no level at concurrency 1, whose TPOT it is for"
-    with contextlib.ExitStack() as stack:
-        probe = None if isinstance(step_command, str) else stack.enter_context(ModelStepProbe(step_command, out / "model-step.log"))
+    timed = contextlib.nullcontext() if isinstance(step_command, str) else ModelStepProbe(step_command, out / "model-step.log")
+    with timed as probe:
         model_step = None if probe is None else probe.step_s
         if args.url:
             target = {"name": args.url, "url": args.url}

@@ -58,3 +58,12 @@ def test_slices_time_the_steps_asked_for_on_demand(tmp_path: Path) -> None:
     assert answers[0] == {"ready": True}
     assert [a["steps"] for a in answers[1:]] == [2, 3] and all(a["step_s"] > 0 for a in answers[1:])
     assert process.returncode != 0 and "at least one step" in err  # a slice of no steps is refused
+
+
+@pytest.mark.parametrize("extra", [["--formats", "fp32,bf16"], ["--baseline", "/nowhere"]])
+def test_slices_are_of_one_format_of_this_tree(extra: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_model.py", "--slices", *extra], cwd=ROOT, capture_output=True, text=True,
+        timeout=120, check=False,
+    )
+    assert done.returncode == 2 and "--slices times one format" in done.stderr, done.stderr

@@ -345,19 +345,26 @@ def test_a_level_whose_prompts_the_prefix_cache_served_is_said_to_repeat_them(tm
     assert len(said) == 1 and "baseline: the prefix cache served 61% of the prompt tokens" in said[0]
 
 
-def _levels_without_servers(monkeypatch, fake_level, warm_up=lambda *a: None):  # noqa: ANN001
+def _levels_without_servers(monkeypatch, fake_level, warm_up=lambda *a: None, readings=None):  # noqa: ANN001
     """bench_servers' collaborators replaced: no HTTP, no /metrics, no processes; `fake_level`
-    stands for run_server_level."""
+    stands for run_server_level; each reading of /metrics and of the CPU goes into `readings`."""
     import scripts.bench_serving as bench
 
     async def no_metrics(url):  # noqa: ANN001
+        if readings is not None:
+            readings.append(("metrics",))
         return None, None
+
+    def no_cpu(server):  # noqa: ANN001
+        if readings is not None:
+            readings.append(("cpu",))
+        return {}
 
     monkeypatch.setattr(bench, "served_model", lambda url: "m")
     monkeypatch.setattr(bench, "warm_up", warm_up)
     monkeypatch.setattr(bench, "run_server_level", fake_level)
     monkeypatch.setattr(bench, "_metrics", no_metrics)
-    monkeypatch.setattr(bench, "_process_cpu", lambda server: {})
+    monkeypatch.setattr(bench, "_process_cpu", no_cpu)
 
 
 def test_each_round_starts_the_servers_afresh_in_alternating_order(monkeypatch, tmp_path):
@@ -437,7 +444,7 @@ def test_the_tpot_target_takes_the_step_timed_around_the_level_before_the_run_s_
     assert verdict["value"] == 1.15 and verdict["met"] is False
 
 
-def test_the_model_step_is_timed_right_before_and_after_each_server_s_level_at_concurrency_1(monkeypatch, tmp_path):
+def test_the_model_step_is_timed_right_before_and_after_each_server_s_level_at_concurrency_1(monkeypatch):
     import contextlib
 
     import scripts.bench_serving as bench
@@ -454,22 +461,29 @@ def test_the_model_step_is_timed_right_before_and_after_each_server_s_level_at_c
         events.append(("level", url, concurrency))
         return [StreamResult(token_ids=[1, 2], finish_reason="length", t_first=0.1, t_last=0.122, t_end=0.122)], 1.0
 
-    _levels_without_servers(monkeypatch, fake_level)
+    _levels_without_servers(monkeypatch, fake_level, readings=events)
     args = parse_args(["--rounds", "2", "--concurrency", "1", "8", "--output-len", "2"])
     servers = {"a": ("http://A", None), "b": ("http://B", None)}
     prompts = bench.RoundPrompts(({1: [(1,)], 8: [(2,)]}, {1: [(3,)], 8: [(4,)]}), (9,))
     runs, _ = bench.bench_servers(lambda round_: contextlib.nullcontext(servers), prompts, args, model_step)
+    read = [("metrics",), ("cpu",)]
+
+    def level(url, concurrency, *around):  # noqa: ANN001, ANN202
+        # The slices fall outside the window in which the server's CPU and /metrics are read.
+        inside = [*read, ("level", url, concurrency), *read]
+        return [around[0], *inside, around[1]] if around else inside
+
     assert events == [
-        ("step", 0.010), ("level", "http://A", 1), ("step", 0.012), ("step", 0.020), ("level", "http://B", 1), ("step", 0.022),
-        ("level", "http://B", 8), ("level", "http://A", 8),  # no step around other levels
-        ("step", 0.011), ("level", "http://B", 1), ("step", 0.013), ("step", 0.014), ("level", "http://A", 1), ("step", 0.016),
-        ("level", "http://A", 8), ("level", "http://B", 8),
+        *level("http://A", 1, ("step", 0.010), ("step", 0.012)), *level("http://B", 1, ("step", 0.020), ("step", 0.022)),
+        *level("http://B", 8), *level("http://A", 8),  # no step around other levels
+        *level("http://B", 1, ("step", 0.011), ("step", 0.013)), *level("http://A", 1, ("step", 0.014), ("step", 0.016)),
+        *level("http://A", 8), *level("http://B", 8),
     ]  # fmt: skip
     a, b = runs[1]
     assert a.bench_steps_s == pytest.approx((0.011, 0.015)) and b.bench_steps_s == pytest.approx((0.021, 0.012))
     # TPOT 22 ms in every round: 2.0x and 1.467x for a, 1.048x and 1.833x for b, medians of two.
     assert a.tpot_over_bench_step == pytest.approx((0.022 / 0.011 + 0.022 / 0.015) / 2, abs=1e-3)  # rounded to 3 places, as the target reads it
-    assert b.tpot_over_bench_step == pytest.approx((0.022 / 0.021 + 0.022 / 0.012) / 2, abs=1e-3)  # rounded to 3 places, as the target reads it
+    assert b.tpot_over_bench_step == pytest.approx((0.022 / 0.021 + 0.022 / 0.012) / 2, abs=1e-3)
     assert all(run.tpot_over_bench_step is None for run in runs[8])
 
 
@@ -484,8 +498,9 @@ def test_the_step_probe_asks_for_slices_and_stops_its_process(tmp_path):
     from scripts.bench_serving import SLICE_STEPS, ModelStepProbe
 
     answer = (
-        "import json, sys\n"
-        "print(json.dumps({'ready': True}), flush=True)\n"
+        "import json, sys, time\n"
+        "sys.stdout.write('{\"ready\": '); sys.stdout.flush(); time.sleep(0.2)\n"  # a line in two writes
+        "print('true}', flush=True)\n"
         "for n, line in enumerate(sys.stdin):\n"
         "    print(json.dumps({'step_s': 0.01 * (n + 1) + int(line) * 1e-6, 'steps': int(line)}), flush=True)\n"
     )
@@ -496,25 +511,23 @@ def test_the_step_probe_asks_for_slices_and_stops_its_process(tmp_path):
     assert process.returncode == 0 and probe.slices == pytest.approx([0.01 + SLICE_STEPS * 1e-6, 0.02 + SLICE_STEPS * 1e-6])
 
 
-class _WatchedProbe:
-    """A ModelStepProbe whose processes are kept, to see each one stopped after the probe fails."""
+def _watched_probe(command_script: str, log_path, **timeouts):  # noqa: ANN001, ANN202
+    """A ModelStepProbe running `command_script`, and the list its process goes into when started,
+    to see it stopped after the probe fails."""
+    from scripts.bench_serving import ModelStepProbe
 
-    @staticmethod
-    def make(command_script: str, log_path, **timeouts):  # noqa: ANN001, ANN205
-        from scripts.bench_serving import ModelStepProbe
+    started = []
 
-        started = []
+    class Watched(ModelStepProbe):
+        def _answer(self, timeout_s):  # noqa: ANN001, ANN202
+            if self.process not in started:
+                started.append(self.process)
+            return super()._answer(timeout_s)
 
-        class Watched(ModelStepProbe):
-            def _answer(self, timeout_s):  # noqa: ANN001, ANN202
-                if self.process not in started:
-                    started.append(self.process)
-                return super()._answer(timeout_s)
-
-        probe = Watched(_probe_command(command_script), log_path)
-        for name, value in timeouts.items():
-            setattr(probe, name, value)
-        return probe, started
+    probe = Watched(_probe_command(command_script), log_path)
+    for name, value in timeouts.items():
+        setattr(probe, name, value)
+    return probe, started
 
 
 READY = "import json, sys, time\nprint(json.dumps({'ready': True}), flush=True)\n"
@@ -527,13 +540,17 @@ READY = "import json, sys, time\nprint(json.dumps({'ready': True}), flush=True)\
         ("import sys\nprint('loading...', flush=True)\nsys.stdin.read()\n", {}, "'loading...', not a JSON object"),
         ("import json, sys\nprint(json.dumps({'hello': 1}), flush=True)\nsys.stdin.read()\n", {}, "not its ready line"),
         ("import sys\nsys.stdin.read()\n", {"load_timeout_s": 0.3}, "answered nothing for 0.3 s"),
+        # Half a line, then nothing: the read stops at the deadline, not at the line's end.
+        ("import sys\nsys.stdout.write('{\"ready\": '); sys.stdout.flush()\nsys.stdin.read()\n", {"load_timeout_s": 0.3},
+         "answered nothing for 0.3 s"),
+        ("import os, sys\nos.close(1)\nsys.stdin.read()\n", {"stop_timeout_s": 0.3}, "ended its output, still running"),
     ],
-    ids=["ends", "not-json", "not-ready", "silent"],
+    ids=["ends", "not-json", "not-ready", "silent", "half-a-line", "closes-its-output"],
 )
 def test_a_step_probe_that_does_not_load_is_an_error_and_its_process_is_stopped(tmp_path, script, timeouts, said):
     from scripts.bench_serving import BenchError
 
-    probe, started = _WatchedProbe.make(script, tmp_path / "step.log", **timeouts)
+    probe, started = _watched_probe(script, tmp_path / "step.log", **timeouts)
     with pytest.raises(BenchError, match=said):
         with probe:
             pytest.fail("a probe that did not load was entered")
@@ -546,14 +563,16 @@ def test_a_step_probe_that_does_not_load_is_an_error_and_its_process_is_stopped(
     [
         ("sys.stdin.readline()\nprint(json.dumps({'step_s': 0.01, 'steps': 3}), flush=True)\nsys.stdin.read()\n", {}, "to a slice of 40"),
         ("sys.stdin.readline()\nprint(json.dumps({'step_s': 'fast', 'steps': 40}), flush=True)\nsys.stdin.read()\n", {}, "to a slice of 40"),
+        ("sys.stdin.readline()\nprint(json.dumps({'step_s': float('inf'), 'steps': 40}), flush=True)\nsys.stdin.read()\n", {},
+         "to a slice of 40"),
         ("sys.stdin.read()\n", {"slice_timeout_s": 0.3}, "answered nothing for 0.3 s"),
     ],
-    ids=["other-count", "not-a-time", "silent"],
+    ids=["other-count", "not-a-time", "infinite", "silent"],
 )
 def test_a_slice_answered_wrongly_or_not_at_all_is_an_error(tmp_path, after_ready, timeouts, said):
     from scripts.bench_serving import BenchError
 
-    probe, started = _WatchedProbe.make(READY + after_ready, tmp_path / "step.log", **timeouts)
+    probe, started = _watched_probe(READY + after_ready, tmp_path / "step.log", **timeouts)
     with pytest.raises(BenchError, match=said):
         with probe:
             probe.step_s()
@@ -565,7 +584,7 @@ def test_a_step_probe_that_ended_after_loading_is_an_error_with_its_log(tmp_path
     from scripts.bench_serving import BenchError
 
     # Gone before the slice's line is written: the write meets a closed pipe, and the same error comes.
-    probe, started = _WatchedProbe.make(READY + "sys.exit('lost the model')\n", tmp_path / "step.log")
+    probe, started = _watched_probe(READY + "sys.exit('lost the model')\n", tmp_path / "step.log")
     with pytest.raises(BenchError, match="lost the model"):
         with probe:
             probe.process.wait(timeout=30)
@@ -575,7 +594,7 @@ def test_a_step_probe_that_ended_after_loading_is_an_error_with_its_log(tmp_path
 
 def test_a_step_probe_that_does_not_end_with_its_requests_is_killed(tmp_path):
     # It answers, then ignores the end of its stdin; the stop waits stop_timeout_s, then kills it.
-    probe, started = _WatchedProbe.make(READY + "time.sleep(60)\n", tmp_path / "step.log", stop_timeout_s=0.3)
+    probe, started = _watched_probe(READY + "time.sleep(60)\n", tmp_path / "step.log", stop_timeout_s=0.3)
     with probe:
         pass
     assert started[0].returncode == -9 and probe.process is None
@@ -608,6 +627,7 @@ def test_main_times_the_step_around_the_levels_and_stops_the_probe_whatever_happ
 
     monkeypatch.setattr(bench, "ModelStepProbe", FakeProbe)
     monkeypatch.setattr(bench, "bench_servers", fake_servers)
+    monkeypatch.setattr(bench, "exit_on_sigterm", lambda: None)  # main's handler would outlive the test
     common = ["--dtype", "bf16", "--weight-format", "dense", "--no-reference", "--output-len", "2"]
     assert bench.main(["--concurrency", "1", *common, "--out", str(tmp_path / "a")]) == 0
     report = json.loads((tmp_path / "a" / "report.json").read_text())
