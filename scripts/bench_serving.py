@@ -246,7 +246,9 @@ def bench_servers(
                 order = list(servers) if (index + round_) % 2 == 0 else list(reversed(servers))
                 for loop in order:
                     url, server = servers[loop]
-                    step_before = model_step() if model_step is not None and concurrency == 1 else None
+                    timed = model_step if concurrency == 1 else None
+                    if timed is not None:
+                        step_before = timed()
                     before, threads_before = asyncio.run(_metrics(url))
                     cpu_before = _process_cpu(server)
                     results, wall = asyncio.run(run_server_level(
@@ -258,9 +260,8 @@ def bench_servers(
                     # The mean, not the faster: the slice after a level read slower than the one before
                     # in 19 pairs of 25 over four runs, as if the host answered a level's memory
                     # traffic with a slow spell, and the level lies between the two
-                    # (docs/control_plane.md, the twenty-sixth sitting). model_step is not None
-                    # wherever step_before is not: said again for the type checker.
-                    step = None if step_before is None or model_step is None else (step_before + model_step()) / 2
+                    # (docs/control_plane.md, the twenty-sixth sitting).
+                    step = None if timed is None else (step_before + timed()) / 2
                     level_pools[loop].add(results, wall, before, after, cpu_before, cpu_after, step)
                     level_pools[loop].add_threads(threads_before, threads_after)
                     if loop == first and round_ == 0:
@@ -368,9 +369,9 @@ def _grown(pool: dict[str, float] | None, before: dict[str, float] | None, after
 SLICE_STEPS = 40  # timed steps in each slice around a level, after one untimed: ~0.4-0.7 s on these hosts
 
 
-def model_step_command(args: argparse.Namespace) -> list[str] | str:
-    """bench_model --slices with the server's dtype and weight format at the run's mean context; or
-    why there is none for this pair."""
+def model_step_command(args: argparse.Namespace) -> tuple[list[str] | None, str]:
+    """bench_model --slices with the server's dtype and weight format at the run's mean context, and
+    how the report says it; no command, and why, where the pair has no bench_model format."""
     if args.dtype == "auto" and args.weight_format == "auto":
         name = "auto"
     elif args.weight_format == "dense" and args.dtype in ("fp32", "bf16"):
@@ -378,12 +379,13 @@ def model_step_command(args: argparse.Namespace) -> list[str] | str:
     elif args.weight_format in ("int4", "mixed") and args.dtype in ("bf16", "auto"):
         name = args.weight_format
     else:
-        return f"bench_model has no format for --dtype {args.dtype} --weight-format {args.weight_format}"
+        return None, f"bench_model has no format for --dtype {args.dtype} --weight-format {args.weight_format}"
     # At the context a decode step of this run has on average (its prompt and half its output): the
     # attention over 288 tokens costs more than over bench_model's default 128.
     context = args.input_len + args.output_len // 2
     command = [sys.executable, "-m", "scripts.bench_model", "--slices", "--formats", name, "--context", str(context)]
-    return command + ["--model", args.model] if args.model else command
+    command += ["--model", args.model] if args.model else []
+    return command, " ".join(command[1:])
 
 
 class ModelStepProbe:
@@ -664,15 +666,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = os.getloadavg()
-    step_command = "skipped" if args.no_model_step or args.url else model_step_command(args)
+    step_command, model_step_how = (None, "skipped") if args.no_model_step or args.url else model_step_command(args)
     if args.dtype == "auto":
         from tp_runtime.config import RuntimeConfig
         from tp_runtime.resolve import pick_dtype
 
         args.dtype = pick_dtype(RuntimeConfig(model=args.model or "", device="cpu"))
-    if 1 not in levels and not isinstance(step_command, str):
-        step_command = "no level at concurrency 1, whose TPOT it is for"
-    timed = contextlib.nullcontext() if isinstance(step_command, str) else ModelStepProbe(step_command, out / "model-step.log")
+    if 1 not in levels and step_command is not None:
+        step_command, model_step_how = None, "no level at concurrency 1, whose TPOT it is for"
+    timed = contextlib.nullcontext() if step_command is None else ModelStepProbe(step_command, out / "model-step.log")
     with timed as probe:
         model_step = None if probe is None else probe.step_s
         if args.url:
@@ -684,7 +686,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             specs = server_specs(args)
             runs, runtime_outputs = bench_servers(functools.partial(started_servers, specs, out), prompts, args, model_step)
     model_step_s = statistics.median(probe.slices) if probe is not None and probe.slices else None
-    model_step_how = step_command if isinstance(step_command, str) else " ".join(step_command[1:])
     reference: dict[int, SideResult] = {}
     reference_outputs: dict[int, list[list[int]]] = {}
     if not args.no_reference:
