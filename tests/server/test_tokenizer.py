@@ -44,6 +44,14 @@ def test_special_tokens_from_metadata(tokenizer):
     assert tokenizer.encode("<|im_start|>") == [1]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=200), st.booleans())
+def test_encode_gives_the_ids_of_the_tokenizers_own_encode(tokenizer, text, special):
+    """Tokenizer.encode takes the batch call that skips offsets: the ids are those of the call
+    that keeps them."""
+    assert tokenizer.encode(text, special) == tokenizer._backend.encode(text, add_special_tokens=special).ids
+
+
 @pytest.mark.parametrize("text", SAMPLES)
 def test_round_trip(tokenizer, text):
     ids = tokenizer.encode(text)
