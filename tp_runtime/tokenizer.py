@@ -328,9 +328,10 @@ class Tokenizer:
         """add_special_tokens adds what the model's files ask for (a BOS, if any); a prompt
         rendered by a chat template already carries its special tokens, so pass False."""
         # encode_batch_fast gives the same ids but releases the GIL while the Rust tokenizer works,
-        # and encode does not (docs/http_api.md measures both): a long prompt tokenized on a worker
-        # thread then stalls neither the server's event loop nor the engine thread. It leaves out
-        # the offsets, which nothing here reads: a 256-token prompt in ~0.75x encode_batch's time.
+        # and encode does not (docs/http_api.md measures the three): a long prompt tokenized on a
+        # worker thread then stalls neither the server's event loop nor the engine thread. Unlike
+        # encode_batch it leaves out the offsets, which nothing here reads, and that is most of
+        # the rest of its time.
         return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     @functools.cached_property

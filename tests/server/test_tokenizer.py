@@ -44,12 +44,16 @@ def test_special_tokens_from_metadata(tokenizer):
     assert tokenizer.encode("<|im_start|>") == [1]
 
 
+_ANY_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=200), st.booleans())
-def test_encode_gives_the_ids_of_the_tokenizers_own_encode(tokenizer, text, special):
+@given(st.lists(_ANY_TEXT | st.sampled_from(SAMPLES + ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]), max_size=6).map("".join))
+def test_encode_gives_the_ids_of_the_tokenizers_own_encode(tokenizer, text):
     """Tokenizer.encode takes the batch call that skips offsets: the ids are those of the call
-    that keeps them."""
-    assert tokenizer.encode(text, special) == tokenizer._backend.encode(text, add_special_tokens=special).ids
+    that keeps them, special tokens among the text included."""
+    for special in (True, False):
+        assert tokenizer.encode(text, special) == tokenizer._backend.encode(text, add_special_tokens=special).ids
 
 
 @pytest.mark.parametrize("text", SAMPLES)
