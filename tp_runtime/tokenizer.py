@@ -330,8 +330,7 @@ class Tokenizer:
         # encode_batch_fast gives the same ids but releases the GIL while the Rust tokenizer works,
         # and encode does not (docs/http_api.md measures the three): a long prompt tokenized on a
         # worker thread then stalls neither the server's event loop nor the engine thread. Unlike
-        # encode_batch it leaves out the offsets, which nothing here reads, and that is most of
-        # the rest of its time.
+        # encode_batch it does not track offsets, which nothing here reads, and saves their cost.
         return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     @functools.cached_property
