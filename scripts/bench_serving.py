@@ -244,9 +244,9 @@ def bench_servers(
                 # to round: a shared machine's slow spells (tens of seconds) then fall on every
                 # server alike, and the pooled medians compare them.
                 order = list(servers) if (index + round_) % 2 == 0 else list(reversed(servers))
+                timed = model_step if concurrency == 1 else None
                 for loop in order:
                     url, server = servers[loop]
-                    timed = model_step if concurrency == 1 else None
                     if timed is not None:
                         step_before = timed()
                     before, threads_before = asyncio.run(_metrics(url))

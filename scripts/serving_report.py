@@ -382,7 +382,7 @@ def print_summary(report: dict, out: Path) -> None:
             if around is not None:
                 steps = run["bench_steps_s"]
                 lines.append(
-                    f"{'':>14}{run['loop']}: TPOT {around:.3f}x bench_model's batch-1 step timed around its level "
+                    f"{'':>14}{run['loop']}: TPOT {around:.3f}x bench_model's batch-1 step {STEP_AROUND} "
                     f"({min(steps) * 1e3:.2f}-{max(steps) * 1e3:.2f} ms)"
                 )
             hits = run.get("prefix_hit_share")
